@@ -1,0 +1,66 @@
+"""The ``ctxpar`` command line.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args)``. Modules keep heavy imports (torch, transformers) inside ``run``
+so that ``ctxpar --help`` answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ctxpar.errors import CtxparError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("ctxpar.generate_cmd", "generate text, streamed to the terminal"),
+    "plan": ("ctxpar.plan_view", "show how a batch is split across PCP ranks"),
+}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
+    "throughput": ("ctxpar.bench.throughput", "offline throughput vs transformers"),
+    "ttft": ("ctxpar.bench.ttft", "time to first token with PCP ranks vs one rank"),
+}
+
+
+def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help: str) -> None:
+    mod = importlib.import_module(module)
+    p = subparsers.add_parser(name, help=help, description=(mod.__doc__ or help).strip().split("\n\n")[0])
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ctxpar",
+        description="ctxpar: context-parallel LLM inference. Long prompts are split "
+        "across ranks so time-to-first-token falls with the number of ranks, "
+        "while the output stays exactly that of one rank.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help) in COMMANDS.items():
+        _add(sub, name, module, help)
+    bench = sub.add_parser("bench", help="benchmarks that print a ratio against a baseline")
+    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module, help) in BENCHMARKS.items():
+        _add(bench_sub, name, module, help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args._run(args)
+    except CtxparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
