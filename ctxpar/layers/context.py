@@ -1,0 +1,100 @@
+"""What one forward pass needs to know besides the token ids: the rank-local
+rows, where their KV lives in the paged cache, and how to gather KV over ranks.
+
+The model runner builds one ``ForwardContext`` per step; attention layers read
+it and nothing else, so they know only "gather my KV inputs, write them,
+attend" (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    # Local rows (this rank). A row is a contiguous run of one request's tokens.
+    query_start_loc: list[int]  # (rows + 1,) local token range of each row
+    start_pos: list[int]  # (rows,) absolute position of each row's first token
+    seq_lens: list[int]  # (rows,) start_pos + num_tokens: keys each row attends to
+    context_slots: list[torch.Tensor]  # rows x (seq_len,) int64 cache slot of positions [0, seq_len)
+    # Cache writes: rows of the (gathered) KV entries to store, and where.
+    write_src: torch.Tensor | None  # (W,) int64 index into the entries; None = all of them, in order
+    write_slots: torch.Tensor  # (W,) int64 flat slot in each layer's cache
+    kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
+    # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.start_pos)
+
+
+def store_and_load_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> list[torch.Tensor]:
+    """Write this step's KV-cache entries of one layer, then read each local
+    row's whole context back from the cache.
+
+    entries: (n, *E) the KV-cache inputs of the local (padded) tokens; E is the
+    per-token entry shape of the layer (GQA: (2, kv_heads, head_dim); MLA:
+    (kv_lora_rank + rope_dim,)). Returns, per local row, (seq_len, *E).
+
+    The context of a row includes the other ranks' chunks of this very step,
+    which is why every rank gathers and writes before anyone attends.
+    """
+    cache = ctx.kv_caches[layer_idx]
+    if ctx.gather is not None:
+        entries = ctx.gather(entries)  # (P*n, *E)
+    if ctx.write_src is not None:
+        entries = entries.index_select(0, ctx.write_src)
+    cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
+    return [cache.index_select(0, slots) for slots in ctx.context_slots]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of L queries that are the *last* L positions of S keys.
+
+    q: (L, H, D)  k: (S, Hk, D)  v: (S, Hk, D)  with H a multiple of Hk (GQA)
+    returns (L, H, D)
+
+    Query i (absolute position S - L + i) sees keys [0, S - L + i]: causal,
+    aligned bottom-right. PyTorch's ``is_causal`` aligns top-left, so a
+    continued prefill (0 < S - L, L > 1) is split into a mask-free part over
+    the old context and a causal part over the new keys, merged by their
+    log-sum-exp: ~1.5x faster on CPU than an explicit mask.
+    """
+    L, S = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if L == S or L == 1:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=L > 1, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+        )
+        return out[0].transpose(0, 1)
+    if q.device.type != "cpu":
+        # CUDA kernels implement bottom-right causal masking natively.
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=causal_lower_right(L, S), scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+        )
+        return out[0].transpose(0, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    c = S - L
+    o_ctx, lse_ctx = flash(qh, kh[:, :, :c], vh[:, :, :c], 0.0, False, scale=scale)[:2]
+    o_new, lse_new = flash(qh, kh[:, :, c:], vh[:, :, c:], 0.0, True, scale=scale)[:2]
+    out = merge_attention([o_ctx, o_new], [lse_ctx, lse_new])  # (1, H, L, D)
+    return out[0].transpose(0, 1)
+
+
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention over disjoint key sets: out = Σ_k exp(lse_k − M)·out_k / Σ_k exp(lse_k − M).
+
+    outs: k x (..., L, D), lses: k x (..., L) natural-log sum of exp scores.
+    """
+    lse = torch.stack(lses)  # (k, ..., L)
+    m = lse.amax(0)
+    w = torch.exp(lse - m)
+    w = w / w.sum(0)
+    return sum(o * w[i].unsqueeze(-1).to(o.dtype) for i, o in enumerate(outs))

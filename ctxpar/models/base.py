@@ -1,0 +1,29 @@
+"""The interface every model implements, so the runner serves GQA and MLA alike."""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+
+from ctxpar.layers.context import ForwardContext
+
+
+class CausalLM(Protocol):
+    # Shape of one token's KV-cache entry in one layer: (2, kv_heads, head_dim)
+    # for MHA/GQA, (kv_lora_rank + qk_rope_head_dim,) for MLA. The paged cache
+    # allocates (num_slots, *kv_entry_shape) per layer and knows nothing else.
+    kv_entry_shape: tuple[int, ...]
+    num_kv_layers: int
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: (n,) int64 -> hidden states (n, hidden_size)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(m, hidden_size) -> (m, vocab_size) float32 logits."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; raises on a missing or unexpected name."""
+        ...

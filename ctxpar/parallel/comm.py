@@ -1,0 +1,75 @@
+"""The PCP process group: the three collectives context parallelism needs.
+
+Two groups over the same ranks:
+- the data group (gloo on CPU, NCCL on CUDA) carries per-layer KV all-gathers
+  and the gather of sampled hidden states, with a short timeout so a dead
+  rank turns into an error instead of a hang;
+- the control group (always gloo) carries rank 0's step plans. Workers wait
+  on it while the engine is idle, so it has no practical timeout; a dead
+  rank 0 closes its sockets and the workers' wait fails at once.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+DATA_TIMEOUT_S = 30
+
+
+class PCPGroup:
+    def __init__(self, rank: int, size: int, device: torch.device, init_method: str) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=DATA_TIMEOUT_S)
+        )
+        self.data = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=self.data)
+        return out
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """(m, ...) on every rank -> (P, m, ...) on rank 0, None elsewhere."""
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.gather(x.contiguous(), parts, dst=0, group=self.data)
+            return torch.stack(parts)
+        dist.gather(x.contiguous(), None, dst=0, group=self.data)
+        return None
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0 sends `obj`; every rank returns it."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait on the control group until every rank is here (e.g. has loaded its model)."""
+        dist.barrier(group=self.control)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_env() -> tuple[int, int, int, str] | None:
+    """(rank, world_size, local_rank, init_method) when launched by torchrun, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        "env://",
+    )

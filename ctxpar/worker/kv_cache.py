@@ -1,0 +1,52 @@
+"""Paged KV-cache tensors: one flat (num_slots, *kv_entry_shape) tensor per layer.
+
+A slot is ``block_id * block_size + offset``. The cache knows only bytes per
+token per layer, so GQA layers (K and V per KV head) and MLA layers (latent +
+rope key) share this code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ctxpar.errors import CtxparError
+
+
+def kv_bytes_per_token_per_layer(kv_entry_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(kv_entry_shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def num_kv_blocks(
+    num_kv_blocks: int | None,
+    kv_cache_bytes: int,
+    block_size: int,
+    kv_entry_shape: tuple[int, ...],
+    num_layers: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> int:
+    """Blocks that fit the budget; an error if one max-length request would not fit."""
+    per_block = block_size * num_layers * kv_bytes_per_token_per_layer(kv_entry_shape, dtype)
+    blocks = num_kv_blocks if num_kv_blocks is not None else kv_cache_bytes // per_block
+    needed = -(-max_model_len // block_size)
+    if blocks < needed:
+        raise CtxparError(
+            f"the KV cache holds {blocks} blocks ({blocks * block_size} tokens), fewer than one request of "
+            f"max_model_len={max_model_len} needs ({needed} blocks of {per_block} bytes); "
+            "raise kv_cache_bytes / num_kv_blocks or lower max_model_len"
+        )
+    return int(blocks)
+
+
+def allocate_kv_caches(
+    num_layers: int, num_slots: int, kv_entry_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    return [torch.zeros((num_slots, *kv_entry_shape), dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position of one request. block_table: (B,), positions: (m,) -> (m,) int64."""
+    return block_table[positions // block_size] * block_size + positions % block_size

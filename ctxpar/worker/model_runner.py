@@ -1,0 +1,133 @@
+"""ModelRunner: one rank's share of every step.
+
+Every rank (rank 0 included) runs the same code on the same StepPlan:
+
+    StepPlan ──► PCP layout (pure, identical on all ranks)
+             ──► this rank's local rows: ids, positions, cache slots
+             ──► model forward (each attention layer: gather KV over ranks,
+                 write the cache, attend)
+             ──► hidden states of the sampled tokens reach rank 0 ──► logits
+
+Any branch that leads into a collective is decided from the plan and the
+layout alone, which every rank has, so all ranks always enter the same
+collectives with the same shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ctxpar.layers.context import ForwardContext
+from ctxpar.models.base import CausalLM
+from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
+from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
+from ctxpar.worker.step_plan import StepPlan
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        group=None,
+        pcp_min_tokens: int = 0,
+    ) -> None:
+        """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank."""
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.group = group
+        self.rank = group.rank if group is not None else 0
+        self.pcp_size = group.size if group is not None else 1
+        self.pcp_min_tokens = pcp_min_tokens
+        self.kv_caches = allocate_kv_caches(
+            model.num_kv_layers, num_blocks * block_size, model.kv_entry_shape, dtype, device
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step. Returns float32 logits (S, vocab) of the rows with
+        needs_logits, in row order, on rank 0; None on the other ranks."""
+        layout = plan_pcp_layout(
+            plan.num_scheduled_tokens,
+            plan.num_computed_tokens,
+            plan.is_prefilling,
+            self.pcp_size,
+            replicate_below=self.pcp_min_tokens,
+        )
+        split = self.pcp_size > 1 and not layout.is_all_replicated
+        rows = layout.rank_rows(self.rank)
+        global_slots = self._global_slots(plan)  # (T,)
+        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+        if split:
+            # Every rank writes every token of the step (rank 0's copy of replicated rows).
+            write_src = np.flatnonzero(layout.kv_write_mask)
+            write_slots = global_slots[layout.padded_gather_idx[write_src]]
+        else:
+            # No gather: each rank writes its own (identical) copy of every token.
+            write_src = np.flatnonzero(~rows.is_padding)
+            write_slots = global_slots[rows.token_idx[write_src]]
+        ctx = ForwardContext(
+            query_start_loc=rows.query_start_loc.tolist(),
+            start_pos=rows.start_pos.tolist(),
+            seq_lens=rows.seq_lens.tolist(),
+            context_slots=[
+                to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
+                for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
+            ],
+            write_src=None if len(write_src) == len(rows.is_padding) else to_dev(write_src),
+            write_slots=to_dev(write_slots),
+            kv_caches=self.kv_caches,
+            gather=self.group.all_gather if split else None,
+        )
+        input_ids = to_dev(plan.input_ids[rows.token_idx])
+        hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
+        return self._logits_on_rank0(plan, layout, hidden, split)
+
+    def _global_slots(self, plan: StepPlan) -> np.ndarray:
+        """(T,) cache slot of every token scheduled this step, in global order."""
+        q = plan.num_scheduled_tokens.astype(np.int64)
+        row = np.repeat(np.arange(plan.num_rows), q)  # (T,)
+        qsl = np.concatenate(([0], np.cumsum(q)))
+        pos = plan.num_computed_tokens[row] + np.arange(plan.num_tokens) - qsl[row]
+        width = max(len(b) for b in plan.block_tables)
+        tables = np.zeros((plan.num_rows, width), dtype=np.int64)  # (R, max_blocks)
+        for r, b in enumerate(plan.block_tables):
+            tables[r, : len(b)] = b
+        return tables[row, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _logits_on_rank0(
+        self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool
+    ) -> torch.Tensor | None:
+        q = plan.num_scheduled_tokens.astype(np.int64)
+        last = np.cumsum(q)[plan.needs_logits & (q > 0)] - 1  # (S,) global index of sampled tokens
+        where = layout.hidden_restore_idx[last]  # (S,) gathered position of the authoritative copy
+        if not split:
+            # Rank 0 holds every authoritative copy itself (gathered position == local index).
+            if self.rank != 0:
+                return None
+            return self.model.compute_logits(hidden[torch.from_numpy(where).to(self.device)])
+        # Only the sampled tokens travel, each from the rank that computed it, to rank 0.
+        n = layout.num_tokens_padded
+        owner, local = where // n, where % n
+        counts = np.bincount(owner, minlength=self.pcp_size)
+        width = max(int(counts.max()), 1)  # rank-invariant, so every rank sends the same shape
+        mine = local[owner == self.rank]
+        send = hidden.new_zeros((width, hidden.shape[1]))
+        send[: len(mine)] = hidden[torch.from_numpy(mine).to(self.device)]
+        received = self.group.gather_to_first(send)  # rank 0: (P, width, H); others: None
+        if received is None:
+            return None
+        # The s-th sampled token is the k-th of its owner's list, in global order.
+        rank_of = owner
+        index_in_rank = np.zeros_like(owner)
+        for k in range(self.pcp_size):
+            sel = owner == k
+            index_in_rank[sel] = np.arange(int(sel.sum()))
+        picked = received[torch.from_numpy(rank_of), torch.from_numpy(index_in_rank)]
+        return self.model.compute_logits(picked)

@@ -1,0 +1,36 @@
+"""The step plan: everything a rank needs to run one step, and nothing more.
+
+Rank 0's scheduler produces it; the control plane sends it to every rank; every
+model runner (rank 0's included) turns it into the same global batch and the
+same PCP layout. Ranks keep no request state of their own, so they can never
+disagree about it: each prompt token travels once (in the step that computes
+it), each sampled token once (in the step that decodes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    input_ids: np.ndarray  # (T,) int64 tokens computed this step, rows concatenated
+    num_scheduled_tokens: np.ndarray  # (R,) int64 q_r
+    num_computed_tokens: np.ndarray  # (R,) int64 c_r: tokens already in the KV cache
+    is_prefilling: np.ndarray  # (R,) bool: prompt (or recompute) rows; False for decodes
+    needs_logits: np.ndarray  # (R,) bool: the row's last token is sampled this step
+    block_tables: list[np.ndarray]  # R x (num_blocks_r,) int64 KV block ids of each row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def __post_init__(self) -> None:
+        if int(self.num_scheduled_tokens.sum()) != len(self.input_ids):
+            raise ValueError("StepPlan: input_ids length must equal the sum of num_scheduled_tokens")
