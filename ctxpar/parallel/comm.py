@@ -12,6 +12,7 @@ Two groups over the same ranks:
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -31,22 +32,24 @@ class PCPGroup:
             backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=DATA_TIMEOUT_S)
         )
         self.data = dist.group.WORLD
+        self.comm_seconds = 0.0  # time spent in data collectives, waiting included (for benchmarks)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
+        t0 = time.perf_counter()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         _all_gather(out, x.contiguous(), group=self.data)
+        self.comm_seconds += time.perf_counter() - t0
         return out
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """(m, ...) on every rank -> (P, m, ...) on rank 0, None elsewhere."""
-        if self.rank == 0:
-            parts = [torch.empty_like(x) for _ in range(self.size)]
-            dist.gather(x.contiguous(), parts, dst=0, group=self.data)
-            return torch.stack(parts)
-        dist.gather(x.contiguous(), None, dst=0, group=self.data)
-        return None
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x.contiguous(), parts, dst=0, group=self.data)
+        self.comm_seconds += time.perf_counter() - t0
+        return torch.stack(parts) if parts is not None else None
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends `obj`; every rank returns it."""

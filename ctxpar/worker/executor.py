@@ -40,6 +40,8 @@ class LocalExecutor:
     """One rank, in this process."""
 
     def __init__(self, config: EngineConfig, loaded, num_blocks: int) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         device = next(loaded.model.parameters()).device
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, DTYPES[config.dtype])
 

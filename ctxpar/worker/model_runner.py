@@ -62,7 +62,7 @@ class ModelRunner:
         split = self.pcp_size > 1 and not layout.is_all_replicated
         rows = layout.rank_rows(self.rank)
         global_slots = self._global_slots(plan)  # (T,)
-        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+        to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
 
         if split:
             # Every rank writes every token of the step (rank 0's copy of replicated rows).

@@ -1,0 +1,153 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V2/V3, over ctxpar's paged cache.
+
+Per token, the layer caches one vector of ``kv_lora_rank + qk_rope_head_dim``
+values: the normalised latent ``c_kv`` and the roped key part ``k_pe`` that is
+shared by all heads. Keys and values of head h are ``k = [W_UK[h] c_kv, k_pe]``
+and ``v = W_UV[h] c_kv``, where ``kv_b_proj.weight`` stacks (W_UK[h]; W_UV[h])
+per head.
+
+Two equivalent ways to attend a row over its cached context:
+
+- **expanded** (prefill): up-project the context latents through kv_b_proj to
+  per-head k_nope and v, append the broadcast rope key, and run ordinary
+  attention. ``causal_attention``'s fast CPU path needs equal head sizes, so v
+  (or q/k, whichever is narrower) is zero-padded and the output sliced.
+- **absorbed** (decode): fold W_UK into the query (``q_lat = q_nope W_UK``) and
+  attend in latent space with one shared KV head whose key *and* value are the
+  cached entry itself; the first ``kv_lora_rank`` output values are then
+  up-projected through W_UV. Per decode token this costs O(context · latent)
+  instead of up-projecting the whole context.
+
+``ATTENTION_PATH`` picks the path: "auto" (absorbed for 1-token rows, expanded
+otherwise), or "absorbed"/"expanded" to force one (tests compare them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.rotary import apply_rotary
+
+ATTENTION_PATH = "auto"  # "auto" | "absorbed" | "expanded"
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(config) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for scaled rope.
+
+    Exactly transformers' ``yarn_apply_mscale`` (DeepSeek-V2 and -V3 alike): the
+    correction applies to any rope_type other than "default" whose parameters
+    set a non-zero ``mscale_all_dim`` (in practice: yarn).
+    """
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        if mscale_all_dim:
+            factor = params.get("factor")
+            if factor is None:  # as transformers' yarn rope derives it
+                factor = config.max_position_embeddings / params["original_max_position_embeddings"]
+            m = yarn_get_mscale(factor, mscale_all_dim)
+            scale = scale * m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    """hidden (n, H) -> attention output (n, H); caches (n, kv_lora_rank + rope) latents."""
+
+    def __init__(self, config, layer_idx: int, rope_interleaved: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        self.v_head_dim = config.v_head_dim
+        self.rope_interleaved = rope_interleaved
+        self.scale = mla_softmax_scale(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        H, h = config.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, h * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers: default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_head_dim, H, bias=bias)
+
+    # -- weights seen per head -------------------------------------------------
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as (h, nope, r) key and (h, v, r) value up-projections (views)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, h = x.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, h, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved).squeeze(1)
+        contexts = store_and_load_kv(torch.cat([c_kv, k_pe], dim=-1), ctx, self.layer_idx)
+
+        out = x.new_zeros(n, h, self.v_head_dim)
+        qsl = ctx.query_start_loc
+        for r in range(ctx.num_rows):
+            a, b = qsl[r], qsl[r + 1]
+            if b == a:
+                continue
+            path = ATTENTION_PATH
+            if path == "auto":
+                path = "absorbed" if b - a == 1 else "expanded"
+            attend = self._absorbed if path == "absorbed" else self._expanded
+            out[a:b] = attend(q_nope[a:b], q_pe[a:b], contexts[r].to(x.dtype))
+        return self.o_proj(out.view(n, h * self.v_head_dim))
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q_nope (L, h, nope), q_pe (L, h, rope), kv (S, r + rope) -> (L, h, v)."""
+        S, h = kv.shape[0], self.num_heads
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_up = F.linear(c_kv, self.kv_b_proj.weight).view(S, h, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv_up.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(S, h, self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        d = max(self.qk_head_dim, self.v_head_dim)
+        if self.qk_head_dim < d:  # zero dims add nothing to q·k; the scale is explicit
+            q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
+        if self.v_head_dim < d:
+            v = F.pad(v, (0, d - self.v_head_dim))
+        return causal_attention(q, k, v.contiguous(), self.scale)[..., : self.v_head_dim]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Attention in latent space: same result as _expanded, without up-projecting the context."""
+        L, S, h = q_nope.shape[0], kv.shape[0], self.num_heads
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # (L, h, r + rope)
+        k = kv.unsqueeze(1)  # (S, 1, r + rope): one KV head, key doubles as value
+        if 1 < L < S:  # continued-prefill kernels on CPU take no GQA: expand the single head
+            k = k.expand(S, h, k.shape[-1])
+        o = causal_attention(q, k, k, self.scale)[..., : self.kv_lora_rank]  # (L, h, r)
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (L, h, v)

@@ -1,0 +1,161 @@
+"""Feed-forward blocks of DeepSeek-V2/V3: a gated dense MLP and a mixture of experts.
+
+The MoE routes each token to ``num_experts_per_tok`` of ``n_routed_experts``
+small gated MLPs and adds ``n_shared_experts`` always-on experts (fused into
+one MLP of ``n_shared_experts * moe_intermediate_size``). Two routers:
+
+- ``"softmax"`` (DeepSeek-V2): softmax scores; ``greedy`` takes the top-k of
+  all experts, ``group_limited_greedy`` first keeps the ``topk_group`` groups
+  with the highest single expert score.
+- ``"noaux_tc"`` (DeepSeek-V3): sigmoid scores; experts are *chosen* by
+  score + ``e_score_correction_bias`` within the ``topk_group`` groups whose
+  best two biased scores sum highest, but *weighted* by the unbiased score.
+
+Weights are then optionally renormalised (``norm_topk_prob``) and multiplied
+by ``routed_scaling_factor``. Routing is computed in float32 (as transformers
+does: the gate is kept in fp32), since low precision flips expert choices.
+
+Experts are evaluated by a plain loop over the experts that received tokens:
+correct first, and adequate on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ctxpar.errors import CtxparError
+
+
+def activation(name: str):
+    fns = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+    if name not in fns:
+        raise CtxparError(f"unsupported hidden_act {name!r}; supported: {sorted(fns)}")
+    return fns[name]
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) with Hugging Face parameter names."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """x (n, H) -> (weights (n, k) float32, expert ids (n, k) int64).
+
+    Parameter names follow the checkpoints: ``gate.weight`` (E, H) and, for
+    noaux_tc, ``gate.e_score_correction_bias`` (E,). Both are kept in float32.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        method: str,
+        n_group: int | None,
+        topk_group: int | None,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise CtxparError(
+                f"unsupported MoE topk_method {method!r}; supported: greedy, group_limited_greedy, noaux_tc"
+            )
+        self.num_experts, self.top_k, self.method = num_experts, top_k, method
+        self.n_group = n_group or 1
+        self.topk_group = topk_group or self.n_group
+        if num_experts % self.n_group != 0:
+            raise CtxparError(f"n_routed_experts={num_experts} is not a multiple of n_group={self.n_group}")
+        if top_k > num_experts:
+            raise CtxparError(f"num_experts_per_tok={top_k} exceeds n_routed_experts={num_experts}")
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        if method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """(n, n_group) -> (n, E) bool: experts in the topk_group best groups."""
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # (n, E)
+        per_group = self.num_experts // self.n_group
+        if self.method == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            if self.n_group > 1 and self.topk_group < self.n_group:
+                group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+                choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            idx = torch.topk(choice, k=self.top_k, dim=-1).indices
+            weights = scores.gather(1, idx)
+        else:
+            scores = logits.softmax(dim=-1)
+            if self.method == "group_limited_greedy" and self.topk_group < self.n_group:
+                group_scores = scores.view(-1, self.n_group, per_group).amax(dim=-1)
+                scores = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+            weights, idx = torch.topk(scores, k=self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts, with checkpoint parameter names
+    ``gate.*``, ``experts.{i}.{gate,up,down}_proj.weight``, ``shared_experts.*``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        n_routed_experts: int,
+        n_shared_experts: int,
+        router: TopkRouter,
+        hidden_act: str = "silu",
+        shared_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = router
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, moe_intermediate_size, hidden_act) for _ in range(n_routed_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, hidden_act, bias=shared_bias)
+            if n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)  # (n, k)
+        out = torch.zeros_like(x)
+        flat_idx = idx.flatten()
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
+        tokens = order // idx.shape[1]
+        w = weights.flatten()[order].to(x.dtype)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok = tokens[start : start + c]
+            y = self.experts[e](x.index_select(0, tok)) * w[start : start + c, None]
+            out.index_add_(0, tok, y)
+            start += c
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

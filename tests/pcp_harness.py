@@ -1,0 +1,77 @@
+"""Scripted, teacher-forced steps for comparing P ranks against one rank.
+
+The plans are written here by hand, not by the scheduler, so one script can
+put every kind of row in a single step: decodes, fresh prefills, continued
+chunked prefills and prompts shorter than 2P. Token ids are fixed (teacher
+forcing), so the logits of every step are comparable across rank counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ctxpar.config import EngineConfig
+from ctxpar.worker.step_plan import StepPlan
+
+BLOCK_SIZE = 4
+BLOCKS_PER_REQUEST = 40  # each request owns a disjoint, scrambled range of blocks
+
+
+def _blocks(req: int) -> np.ndarray:
+    ids = np.arange(req * BLOCKS_PER_REQUEST, (req + 1) * BLOCKS_PER_REQUEST, dtype=np.int64)
+    return np.random.default_rng(req).permutation(ids)  # non-contiguous, like a real allocator's
+
+
+def scripted_plans(vocab: int, seed: int = 0) -> list[StepPlan]:
+    """Five steps over requests 0..5; (req, num_tokens, prompt_len) per row."""
+    rng = np.random.default_rng(seed)
+    prompt_len = {0: 37, 1: 5, 2: 60, 3: 19, 4: 3, 5: 50}
+    tokens = {r: rng.integers(0, vocab, size=n + 8).tolist() for r, n in prompt_len.items()}
+    computed = {r: 0 for r in prompt_len}
+    steps = [
+        [(0, 37), (1, 5), (2, 24)],  # two fresh prefills (one shorter than 2P) + a first chunk
+        [(0, 1), (1, 1), (2, 36), (3, 19)],  # decodes + a continued chunk + a fresh prefill
+        [(3, 1), (0, 1), (2, 1), (4, 3), (1, 1)],  # decodes, a 3-token prompt
+        [(5, 20), (4, 1), (0, 1)],  # a first chunk with decodes
+        [(5, 30), (3, 1), (2, 1)],  # the rest of it
+    ]
+    plans = []
+    for rows in steps:
+        ids, q, c, pre, logits, tables = [], [], [], [], [], []
+        for r, n in rows:
+            start = computed[r]
+            ids += tokens[r][start : start + n]
+            q.append(n)
+            c.append(start)
+            pre.append(start < prompt_len[r])
+            logits.append(start + n >= prompt_len[r])
+            tables.append(_blocks(r))
+            computed[r] = start + n
+        plans.append(
+            StepPlan(
+                input_ids=np.array(ids, dtype=np.int64),
+                num_scheduled_tokens=np.array(q, dtype=np.int64),
+                num_computed_tokens=np.array(c, dtype=np.int64),
+                is_prefilling=np.array(pre),
+                needs_logits=np.array(logits),
+                block_tables=tables,
+            )
+        )
+    return plans
+
+
+def run_plans(model: str, plans: list[StepPlan], pcp_size: int, pcp_min_tokens: int = 0) -> list[torch.Tensor]:
+    """Run the plans on `pcp_size` real ranks; rank 0's logits of every step."""
+    from ctxpar.models.loader import load_model
+    from ctxpar.worker.executor import start_executor
+
+    config = EngineConfig(
+        model=model, block_size=BLOCK_SIZE, pcp_size=pcp_size, pcp_min_tokens=pcp_min_tokens, num_threads=1
+    )
+    loaded = load_model(model, torch.float32, torch.device("cpu"))
+    executor = start_executor(config, loaded, num_blocks=BLOCKS_PER_REQUEST * 6)
+    try:
+        return [executor.execute(plan).clone() for plan in plans]
+    finally:
+        executor.close()

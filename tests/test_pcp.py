@@ -1,0 +1,49 @@
+"""Prefill context parallelism across real processes (gloo): P ranks must give
+exactly what one rank gives, for GQA and MLA models, on every kind of row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepseek_configs import tiny_deepseek_configs
+from conftest import save_tiny_model
+from pcp_harness import run_plans, scripted_plans
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("pcp_models")
+    dirs = {name: str(tiny_model_dirs[name]) for name in ("llama", "qwen3")}
+    ds = tiny_deepseek_configs()
+    dirs["deepseek_v2"] = str(save_tiny_model(ds["v2_group_yarn"], root / "v2"))
+    dirs["deepseek_v3"] = str(save_tiny_model(ds["v3"], root / "v3"))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def single_rank_logits(model_dirs) -> dict[str, list[torch.Tensor]]:
+    plans = scripted_plans(vocab=256)
+    return {name: run_plans(d, plans, pcp_size=1) for name, d in model_dirs.items()}
+
+
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"step {step}"
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("pcp_size", [2, 3, 4])
+@pytest.mark.parametrize("model", ["llama", "qwen3", "deepseek_v2", "deepseek_v3"])
+def test_teacher_forced_logits_match_one_rank(model, pcp_size, model_dirs, single_rank_logits):
+    """Every step mixes decodes, fresh and continued prefills and prompts shorter than 2P."""
+    got = run_plans(model_dirs[model], scripted_plans(vocab=256), pcp_size)
+    assert_same_logits(got, single_rank_logits[model])
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
+def test_replicating_short_prefills_keeps_logits(model, model_dirs, single_rank_logits):
+    """pcp_min_tokens=25: rows below it are replicated, longer ones split, in the same steps."""
+    got = run_plans(model_dirs[model], scripted_plans(vocab=256), pcp_size=2, pcp_min_tokens=25)
+    assert_same_logits(got, single_rank_logits[model])
