@@ -1,0 +1,281 @@
+"""PCP layout: which rank computes which tokens of a step (DualChunkSwap).
+
+A pure function of the global batch metadata, so every rank computes the same
+layout without communicating. Pure numpy, vectorised over all rows at once: it
+runs on the critical path of every step.
+
+A prefilling row of q tokens is cut into 2P contiguous chunks whose lengths
+differ by at most one (the first ``q mod 2P`` chunks take the extra token).
+Rank k owns chunk k (early, cheap under causal attention) and chunk 2P-1-k
+(late, expensive), so every rank gets about the same attention work. Rank P-1
+owns the two middle chunks, which touch: it runs them as ONE row. Example,
+q = 10 tokens after c cached ones, P = 2 (chunks of 3, 3, 2, 2 tokens)::
+
+    positions   c+0 c+1 c+2 | c+3 c+4 c+5 | c+6 c+7 | c+8 c+9
+    chunk            0      |      1      |    2    |    3
+    rank 0      [ chunk 0   ]                        [ chunk 3 ]   2 rows, 5 tokens
+    rank 1                  [ chunk 1   +   chunk 2 ]              1 row,  5 tokens
+
+Rows that are not split (decodes, and prefills shorter than ``replicate_below``)
+are replicated: every rank computes them, only rank 0's copy writes KV and
+provides the output. Each rank orders its rows: replicated rows, then chunks
+with context (start position > 0), then chunks starting at position 0; each
+group in global order (request, then position). Attention kernels want this.
+
+Every rank pads its tokens to n = max over ranks, so collectives have equal
+shapes. The "gathered space" has P*n slots, rank k's local token j at k*n + j::
+
+    gathered:  | rank 0: n slots      | rank 1: n slots      | ...
+               | tok tok tok pad pad  | tok tok tok tok tok  |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class RankRows:
+    """One rank's local batch: its rows and its n (padded) tokens.
+
+    A rank with no tokens gets a single zero-token row (req_idx 0, start_pos 0,
+    num_tokens 0, seq_len 0): it attends to nothing and reads no cache, but
+    keeps "at least one row" true for kernels and the model runner.
+    """
+
+    rank: int
+    req_idx: np.ndarray  # (rows,) int64: global row of each local row
+    start_pos: np.ndarray  # (rows,) int64: absolute position of the row's first token
+    num_tokens: np.ndarray  # (rows,) int64
+    seq_lens: np.ndarray  # (rows,) int64: start_pos + num_tokens (keys attended)
+    query_start_loc: np.ndarray  # (rows + 1,) int64: exclusive prefix sum of num_tokens
+    is_replicated: np.ndarray  # (rows,) bool: row computed by every rank
+    positions: np.ndarray  # (n,) int64: absolute position per local token, 0 on padding
+    token_idx: np.ndarray  # (n,) int64: global flat token per local token, 0 on padding
+    is_padding: np.ndarray  # (n,) bool
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_idx)
+
+
+@dataclass(frozen=True, eq=False)
+class PCPLayout:
+    """The layout of one step over P ranks. Arrays are read-only.
+
+    Index maps over the gathered space (P*n slots, rank k's token j at k*n + j):
+    ``padded_gather_idx`` (global flat token at each slot, 0 on padding),
+    ``kv_write_mask`` (slot writes KV: split tokens, and replicated tokens on
+    rank 0 only, so each global token is written exactly once) and
+    ``hidden_restore_idx`` (slot of the authoritative copy of each global token,
+    so ``gathered[hidden_restore_idx]`` is in global order).
+
+    Local rows live in one flat table (``row_*``): first the
+    ``num_replicated_rows`` replicated rows, shared by every rank, then the
+    chunk rows, rank-major and in local order. Rank k's rows are the replicated
+    rows followed by ``row_*[rank_row_start[k]:rank_row_start[k+1]]``;
+    ``rank_rows(k)`` assembles them with that rank's tokens.
+    """
+
+    pcp_size: int
+    num_tokens: int  # T: scheduled tokens of the step
+    num_tokens_padded: int  # n: max tokens on any rank
+    per_rank_num_tokens: np.ndarray  # (P,) int64
+    padded_gather_idx: np.ndarray  # (P*n,) int64
+    kv_write_mask: np.ndarray  # (P*n,) bool
+    hidden_restore_idx: np.ndarray  # (T,) int64
+    is_split: np.ndarray  # (R,) bool: row cut into chunks (else replicated, or no tokens)
+    num_replicated_rows: int
+    rank_row_start: np.ndarray  # (P+1,) int64, into the row table
+    row_req_idx: np.ndarray  # (rows,) int64: global row
+    row_start_pos: np.ndarray  # (rows,) int64: absolute position of the first token
+    row_num_tokens: np.ndarray  # (rows,) int64
+
+    @property
+    def is_all_replicated(self) -> bool:
+        """No row was split: the step needs no KV all-gather and no restore."""
+        return not self.is_split.any()
+
+    @cached_property
+    def gathered_is_padding(self) -> np.ndarray:  # (P*n,) bool
+        n = self.num_tokens_padded
+        return _frozen((np.arange(n) >= self.per_rank_num_tokens[:, None]).reshape(-1))
+
+    @cached_property
+    def gathered_positions(self) -> np.ndarray:  # (P*n,) int64, 0 on padding
+        return _frozen(np.concatenate([self.rank_rows(k).positions for k in range(self.pcp_size)]))
+
+    def attention_work(self) -> np.ndarray:  # (P,) int64
+        """Causal attention work per rank: sum of (position + 1) over its real tokens."""
+        work = np.where(self.gathered_is_padding, 0, self.gathered_positions + 1)
+        return work.reshape(self.pcp_size, -1).sum(axis=1)
+
+    def rank_rows(self, rank: int) -> RankRows:
+        """The local rows and tokens of ``rank`` (cheap: O(rows + n) of that rank)."""
+        if not 0 <= rank < self.pcp_size:
+            raise ValueError(f"rank {rank} out of range for pcp_size {self.pcp_size}")
+        Rr, lo, hi = self.num_replicated_rows, self.rank_row_start[rank], self.rank_row_start[rank + 1]
+        table = (self.row_req_idx, self.row_start_pos, self.row_num_tokens)
+        req_idx, start_pos, num_tokens = (np.concatenate([a[:Rr], a[lo:hi]]) for a in table)
+        if len(req_idx) == 0:  # the zero-token row of an empty rank
+            req_idx, start_pos, num_tokens = (np.zeros(1, dtype=np.int64) for _ in range(3))
+        n, real = self.num_tokens_padded, int(self.per_rank_num_tokens[rank])
+        positions = np.zeros(n, dtype=np.int64)
+        positions[:real] = _ragged_arange(start_pos, num_tokens)
+        return RankRows(
+            rank=rank,
+            req_idx=_frozen(req_idx),
+            start_pos=_frozen(start_pos),
+            num_tokens=_frozen(num_tokens),
+            seq_lens=_frozen(start_pos + num_tokens),
+            query_start_loc=_frozen(_exclusive_cumsum(num_tokens)),
+            is_replicated=_frozen(np.arange(len(req_idx)) < Rr),
+            positions=_frozen(positions),
+            token_idx=self.padded_gather_idx[rank * n : (rank + 1) * n],
+            is_padding=_frozen(np.arange(n) >= real),
+        )
+
+
+def chunk_offsets(num_tokens: np.ndarray | int, pcp_size: int, chunk: np.ndarray | int) -> np.ndarray:
+    """Offset (within its row) where balanced chunk ``chunk`` of 2P starts; broadcasts.
+
+    The first ``q mod 2P`` chunks are one token longer, so chunk i starts at
+    i * (q // 2P) + min(i, q mod 2P); chunk 2P "starts" at q.
+    """
+    base, rem = np.divmod(num_tokens, 2 * pcp_size)
+    return chunk * base + np.minimum(chunk, rem)
+
+
+def plan_pcp_layout(
+    num_scheduled_tokens: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    is_prefilling: np.ndarray,
+    pcp_size: int,
+    replicate_below: int = 0,
+) -> PCPLayout:
+    """Lay out one step's R rows over ``pcp_size`` ranks with DualChunkSwap.
+
+    Inputs are 1-D arrays of length R (int, int, bool). Rows with no scheduled
+    tokens own nothing. Prefilling rows with at least ``replicate_below``
+    tokens are split; every other row is replicated. Raises ValueError on
+    invalid input.
+    """
+    q, c, prefilling = _validate(
+        num_scheduled_tokens, num_computed_tokens, is_prefilling, pcp_size, replicate_below
+    )
+    P = pcp_size
+    qsl = _exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
+    is_split = prefilling & (q >= max(replicate_below, 1))  # (R,)
+    rep_rows = (~is_split & (q > 0)).nonzero()[0]  # (Rr,)
+    split_rows = is_split.nonzero()[0]  # (S,)
+
+    # Chunk i of split row s spans [bounds[i, s], bounds[i+1, s]). Rank k owns chunk k ("head")
+    # and chunk 2P-1-k ("tail"), whose bounds are the same rows read backwards.
+    bounds = chunk_offsets(q[split_rows], P, np.arange(2 * P + 1)[:, None])  # (2P+1, S)
+    off = np.stack([bounds[:P], bounds[2 * P - 1 : P - 1 : -1]], axis=2)  # (P, S, 2) [head, tail]
+    end = np.stack([bounds[1 : P + 1], bounds[2 * P : P : -1]], axis=2)  # (P, S, 2)
+    end[P - 1, :, 0] = end[P - 1, :, 1]  # rank P-1: chunks P-1 and P touch, one row
+    end[P - 1, :, 1] = off[P - 1, :, 1]
+    # (P, 2S): per rank, columns in (request, position) order
+    off, length = off.reshape(P, -1), (end - off).reshape(P, -1)
+    chunk_req = np.repeat(split_rows, 2)  # (2S,)
+    at_zero = c[chunk_req] + off == 0  # (P, 2S)
+    # Non-empty chunks in columns [with context | at position 0]: reading this rank-major
+    # (P, 4S) table in order lists every rank's chunk rows in local order, with no sort.
+    keep = np.concatenate([(length > 0) & ~at_zero, (length > 0) & at_zero], axis=1)  # (P, 4S)
+    rank_of, col = np.divmod(keep.ravel().nonzero()[0], max(keep.shape[1], 1))  # (rows_c,)
+    col %= max(off.shape[1], 1)  # table column -> chunk column
+    ch_req, ch_off, ch_len = chunk_req[col], off[rank_of, col], length[rank_of, col]
+
+    # Row table: replicated rows (shared by all ranks), then chunk rows rank-major.
+    Rr = len(rep_rows)
+    row_req = np.concatenate([rep_rows, ch_req])  # (rows,)
+    row_off = np.concatenate([np.zeros(Rr, dtype=np.int64), ch_off])
+    row_len = np.concatenate([q[rep_rows], ch_len])
+    rank_row_start = Rr + _exclusive_cumsum(np.bincount(rank_of, minlength=P))  # (P+1,)
+    T_rep = int(q[rep_rows].sum())
+    per_rank = T_rep + length.sum(axis=1)  # (P,)
+    n = int(per_rank.max())
+
+    # Every rank's local tokens: the replicated tokens (same slots on every rank), then its
+    # chunk tokens; the row table's tokens, in order, are exactly that.
+    tok = _ragged_arange(qsl[row_req] + row_off, row_len)  # (T_rep + T_split,)
+    j = np.arange(n)
+    kv_write_mask = (j >= T_rep) & (j < per_rank[:, None])  # (P, n) chunk tokens...
+    split_slots = kv_write_mask.ravel().nonzero()[0]  # (T_split,)
+    kv_write_mask[0, :T_rep] = True  # ...and rank 0's copy of the replicated tokens
+    padded_gather_idx = np.zeros((P, n), dtype=np.int64)
+    padded_gather_idx[:, :T_rep] = tok[:T_rep]
+    padded_gather_idx.ravel()[split_slots] = tok[T_rep:]
+    hidden_restore_idx = np.empty(int(qsl[-1]), dtype=np.int64)  # (T,) authoritative = written copy
+    hidden_restore_idx[tok[:T_rep]] = j[:T_rep]
+    hidden_restore_idx[tok[T_rep:]] = split_slots
+    return PCPLayout(
+        pcp_size=P,
+        num_tokens=int(qsl[-1]),
+        num_tokens_padded=n,
+        per_rank_num_tokens=_frozen(per_rank),
+        padded_gather_idx=_frozen(padded_gather_idx.reshape(-1)),
+        kv_write_mask=_frozen(kv_write_mask.reshape(-1)),
+        hidden_restore_idx=_frozen(hidden_restore_idx),
+        is_split=_frozen(is_split),
+        num_replicated_rows=Rr,
+        rank_row_start=_frozen(rank_row_start),
+        row_req_idx=_frozen(row_req),
+        row_start_pos=_frozen(c[row_req] + row_off),
+        row_num_tokens=_frozen(row_len),
+    )
+
+
+# Small helpers called several times per step; ndarray methods skip numpy's Python wrappers.
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:  # (len(a) + 1,)
+    out = np.zeros(len(a) + 1, dtype=np.int64)
+    a.cumsum(out=out[1:])
+    return out
+
+
+def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:  # (sum(lengths),)
+    """concat(arange(s, s + l) for s, l in zip(starts, lengths)), without a Python loop."""
+    offsets = _exclusive_cumsum(lengths)
+    return (starts - offsets[:-1]).repeat(lengths) + np.arange(offsets[-1])
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    # The layout is shared by the whole step; a stray in-place edit would desynchronise ranks.
+    a.setflags(write=False)
+    return a
+
+
+def _validate(
+    num_scheduled_tokens: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    is_prefilling: np.ndarray,
+    pcp_size: int,
+    replicate_below: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check the inputs; return them as (int64, int64, bool) arrays."""
+    arrays = [np.asarray(a) for a in (num_scheduled_tokens, num_computed_tokens, is_prefilling)]
+    names = ("num_scheduled_tokens", "num_computed_tokens", "is_prefilling")
+    for name, a in zip(names, arrays):
+        if a.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    q, c, prefilling = arrays
+    if not len(q) == len(c) == len(prefilling):
+        raise ValueError(f"length mismatch: {', '.join(f'{k}={len(a)}' for k, a in zip(names, arrays))}")
+    if len(q) == 0:
+        raise ValueError("empty batch: need at least one row")
+    for name, a in zip(names, arrays):
+        if a.dtype.kind not in "biu":
+            raise ValueError(f"{name} must hold integers or bools, got dtype {a.dtype}")
+    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
+        raise ValueError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    if replicate_below < 0:
+        raise ValueError(f"replicate_below must be >= 0, got {replicate_below}")
+    if q.min() < 0 or c.min() < 0:
+        raise ValueError("num_scheduled_tokens and num_computed_tokens must be >= 0")
+    if not q.any():
+        raise ValueError("no tokens scheduled: every row has num_scheduled_tokens == 0")
+    return q.astype(np.int64, copy=False), c.astype(np.int64, copy=False), prefilling.astype(bool, copy=False)

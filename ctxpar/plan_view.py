@@ -1,0 +1,173 @@
+"""Show how one step's batch is split across PCP ranks (DualChunkSwap layout).
+
+Each prompt (minus its cached tokens) is cut into 2P chunks and rank k
+computes chunks k and 2P-1-k; decodes are computed by every rank. The view
+lists every rank's rows (which chunk of which request, at which positions), its
+token count and causal attention work (sum of position + 1), and the imbalance
+of that work (max rank / mean rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+
+from ctxpar.errors import CtxparError
+from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
+
+BAR_WIDTH = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-lens", type=int, nargs="*", default=[], metavar="N", help="prompt lengths")
+    parser.add_argument(
+        "--cached", type=int, nargs="*", metavar="N",
+        help="tokens of each prompt already in the KV cache (prefix hits, earlier chunks); default 0 each",
+    )
+    parser.add_argument("--decodes", type=int, default=0, help="number of decoding requests (1 token each)")
+    parser.add_argument("--decode-context", type=int, default=1000, help="tokens cached for each decode")
+    parser.add_argument("--pcp", type=int, default=2, help="number of PCP ranks")
+    parser.add_argument(
+        "--replicate-below", type=int, default=0, metavar="N",
+        help="replicate prompts computing fewer than N tokens instead of splitting them",
+    )
+    parser.add_argument("--png", metavar="FILE", help="also draw the layout to this PNG file (needs matplotlib)")
+
+
+@dataclass(frozen=True)
+class Batch:
+    scheduled: np.ndarray  # (R,) prompts first, then decodes
+    computed: np.ndarray  # (R,)
+    prefilling: np.ndarray  # (R,)
+    num_prompts: int
+
+    def name(self, req: int) -> str:
+        return f"prompt {req}" if req < self.num_prompts else f"decode {req - self.num_prompts}"
+
+
+def build_batch(args: argparse.Namespace) -> Batch:
+    prompts = np.array(args.prompt_lens, dtype=np.int64)
+    cached = np.zeros_like(prompts) if args.cached is None else np.array(args.cached, dtype=np.int64)
+    if len(cached) != len(prompts):
+        raise CtxparError(f"--cached has {len(cached)} values for {len(prompts)} --prompt-lens: give one per prompt")
+    if (prompts < 1).any():
+        raise CtxparError("--prompt-lens must all be >= 1")
+    if ((cached < 0) | (cached >= prompts)).any():
+        raise CtxparError("each --cached value must be >= 0 and below its prompt length (a step computes >= 1 token)")
+    if args.decodes < 0 or args.decode_context < 1:
+        raise CtxparError("--decodes must be >= 0 and --decode-context >= 1")
+    if args.pcp < 1:
+        raise CtxparError(f"--pcp must be >= 1, got {args.pcp}")
+    if args.replicate_below < 0:
+        raise CtxparError(f"--replicate-below must be >= 0, got {args.replicate_below}")
+    if len(prompts) + args.decodes == 0:
+        raise CtxparError("nothing to plan: give --prompt-lens and/or --decodes")
+    return Batch(
+        scheduled=np.concatenate([prompts - cached, np.ones(args.decodes, dtype=np.int64)]),
+        computed=np.concatenate([cached, np.full(args.decodes, args.decode_context, dtype=np.int64)]),
+        prefilling=np.concatenate([np.ones(len(prompts), dtype=bool), np.zeros(args.decodes, dtype=bool)]),
+        num_prompts=len(prompts),
+    )
+
+
+def row_label(batch: Batch, layout: PCPLayout, req: int, start_pos: int, num_tokens: int) -> str:
+    """e.g. 'prompt 1  chunk 3', 'prompt 0  chunks 1-2' (rank P-1's merged row), 'decode 0  replicated'."""
+    if not layout.is_split[req]:
+        return f"{batch.name(req)}  replicated"
+    P = layout.pcp_size
+    bounds = chunk_offsets(int(batch.scheduled[req]), P, np.arange(2 * P + 1))
+    offset = start_pos - int(batch.computed[req])
+    first = int(np.searchsorted(bounds, offset, side="right")) - 1  # skips empty chunks sharing the bound
+    last = int(np.searchsorted(bounds, offset + num_tokens, side="left")) - 1
+    return f"{batch.name(req)}  " + (f"chunk {first}" if first == last else f"chunks {first}-{last}")
+
+
+def render_text(batch: Batch, layout: PCPLayout) -> str:
+    P, work = layout.pcp_size, layout.attention_work()
+    prompt_tokens = int(batch.scheduled[: batch.num_prompts].sum())
+    lines = [
+        f"PCP layout over {P} rank(s): {batch.num_prompts} prompt(s) computing {prompt_tokens} tokens, "
+        f"{len(batch.scheduled) - batch.num_prompts} decode(s); {layout.num_tokens} tokens this step, "
+        f"padded to {layout.num_tokens_padded} per rank",
+        "",
+    ]
+    for k in range(P):
+        bar = "#" * round(BAR_WIDTH * work[k] / max(work.max(), 1))
+        lines.append(f"rank {k}: {layout.per_rank_num_tokens[k]} tokens, attention work {work[k]:,}  {bar}")
+        for first_slot, req, start, num in _rows(layout, k):
+            if num == 0:
+                lines.append("    no tokens (one empty placeholder row)")
+                continue
+            flat = int(layout.padded_gather_idx[k * layout.num_tokens_padded + first_slot])
+            lines.append(
+                f"    {row_label(batch, layout, req, start, num):<22} positions {_span(start, num):<13} "
+                f"{num:>6} {'tokens' if num > 1 else 'token':<6}   step tokens {_span(flat, num)}"
+            )
+    lines += [
+        "",
+        f"tokens per rank: {' '.join(map(str, layout.per_rank_num_tokens.tolist()))}",
+        f"attention work imbalance (max/mean, 1.000 = perfect): {work.max() / work.mean():.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def _rows(layout: PCPLayout, rank: int) -> list[tuple[int, int, int, int]]:
+    """(first local slot, req_idx, start_pos, num_tokens) of each of the rank's rows."""
+    rows = layout.rank_rows(rank)
+    columns = (rows.query_start_loc[:-1], rows.req_idx, rows.start_pos, rows.num_tokens)
+    return list(zip(*(c.tolist() for c in columns)))
+
+
+def _span(first: int, count: int) -> str:
+    return f"{first}-{first + count - 1}" if count > 1 else str(first)
+
+
+def draw_png(batch: Batch, layout: PCPLayout, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise CtxparError("--png needs matplotlib: pip install matplotlib (or pip install 'ctxpar[plot]')") from e
+    P, n, work = layout.pcp_size, layout.num_tokens_padded, layout.attention_work()
+    fig, (ax_tok, ax_work) = plt.subplots(
+        1, 2, figsize=(12, 1 + 0.6 * P), gridspec_kw={"width_ratios": [3, 1]}
+    )
+    colors = plt.get_cmap("tab10")
+    for k in range(P):
+        for first_slot, req, start, num in _rows(layout, k):
+            if num == 0:
+                continue
+            color = colors(req % 10) if req < batch.num_prompts else "0.6"  # decodes in grey
+            ax_tok.barh(k, num, left=first_slot, color=color, edgecolor="black", linewidth=0.5)
+            if num >= 0.08 * n:  # label only segments wide enough to hold it
+                label = row_label(batch, layout, req, start, num).replace("  ", "\n")
+                ax_tok.text(first_slot + num / 2, k, label, ha="center", va="center", fontsize=7)
+        real = layout.per_rank_num_tokens[k]
+        if real < n:
+            ax_tok.barh(k, n - real, left=real, color="white", edgecolor="0.7", hatch="//")
+    ax_tok.set(title="local tokens per rank (hatched: padding)", xlabel="local token slot", ylabel="rank",
+               yticks=range(P), xlim=(0, n))
+    ax_tok.invert_yaxis()
+    ax_work.barh(range(P), work, color="tab:blue")
+    ax_work.axvline(work.mean(), color="black", linestyle="--", linewidth=1)
+    ax_work.set(title=f"attention work, max/mean {work.max() / work.mean():.3f}", yticks=range(P),
+                xlabel="sum of position + 1 (dashed: mean)")
+    ax_work.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> None:
+    batch = build_batch(args)
+    layout = plan_pcp_layout(
+        batch.scheduled, batch.computed, batch.prefilling, args.pcp, args.replicate_below
+    )
+    print(render_text(batch, layout))
+    if args.png:
+        draw_png(batch, layout, args.png)
+        print(f"\nwrote {args.png}")

@@ -1,0 +1,78 @@
+"""`ctxpar plan` and `ctxpar bench planner` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctxpar import cli
+
+
+@pytest.fixture(autouse=True)
+def only_planner_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    # build_parser imports every registered subcommand module; keep this test
+    # independent of the others (they have their own tests).
+    monkeypatch.setattr(cli, "COMMANDS", {"plan": cli.COMMANDS["plan"]})
+    monkeypatch.setattr(cli, "BENCHMARKS", {"planner": cli.BENCHMARKS["planner"]})
+
+
+def test_single_prompt_two_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--prompt-lens", "10", "--pcp", "2"]) == 0
+    out = capsys.readouterr().out
+    # 10 tokens, 4 chunks of 3, 3, 2, 2: rank 0 gets chunks 0 and 3, rank 1 chunks 1-2; 5 each.
+    assert "rank 0: 5 tokens" in out and "rank 1: 5 tokens" in out
+    assert "chunks 1-2" in out and "chunk 3" in out
+    assert "1.091" in out  # work 25 vs 30
+
+
+def test_mixed_batch_four_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--prompt-lens", "8000", "3000", "--cached", "0", "1000", "--decodes", "4", "--pcp", "4"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    # 8000 + 2000 prompt tokens split 2500 per rank, plus the 4 replicated decodes.
+    assert "10004 tokens this step" in out
+    for k in range(4):
+        assert f"rank {k}: 2504 tokens" in out
+    assert out.count("replicated") == 4 * 4
+
+
+def test_png_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # an optional extra: ctxpar[plot]
+    png = tmp_path / "plan.png"
+    assert cli.main(["plan", "--prompt-lens", "100", "7", "--decodes", "2", "--pcp", "3", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(png) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--prompt-lens", "-5"],
+        ["--prompt-lens", "10", "20", "--cached", "3"],
+        ["--prompt-lens", "10", "--cached", "10"],
+        ["--prompt-lens", "10", "--pcp", "0"],
+        ["--prompt-lens", "10", "--replicate-below", "-1"],
+        ["--decodes", "0"],
+    ],
+)
+def test_bad_input_exits_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_png_without_matplotlib(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert cli.main(["plan", "--prompt-lens", "10", "--png", str(tmp_path / "x.png")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_bench_planner_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # One call per configuration: checks both planners agree on every benchmark batch.
+    assert cli.main(["bench", "planner", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "DualChunkSwap" in out
