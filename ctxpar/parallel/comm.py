@@ -5,8 +5,9 @@ Two groups over the same ranks:
   and the gather of sampled hidden states, with a short timeout so a dead
   rank turns into an error instead of a hang;
 - the control group (always gloo) carries rank 0's step plans. Workers wait
-  on it while the engine is idle, so it has no practical timeout; a dead
-  rank 0 closes its sockets and the workers' wait fails at once.
+  on it while the engine is idle, so on their side it has no practical
+  timeout (a dead rank 0 closes its sockets and their wait fails at once);
+  on rank 0's side it has the same short timeout as the data group.
 """
 
 from __future__ import annotations
@@ -22,18 +23,24 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 DATA_TIMEOUT_S = 30
+STARTUP_TIMEOUT_S = 600
 
 
 class PCPGroup:
     def __init__(self, rank: int, size: int, device: torch.device, init_method: str) -> None:
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # The world group only starts the ranks and waits for their models to
+        # load, which may take minutes on a busy machine.
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=DATA_TIMEOUT_S)
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
         )
-        self.data = dist.group.WORLD
+        self.data = dist.new_group(backend=backend, timeout=timedelta(seconds=DATA_TIMEOUT_S))
+        # Timeouts are per process: rank 0 gives up on a silent worker after
+        # DATA_TIMEOUT_S, while workers wait for rank 0's next plan indefinitely.
+        control_timeout = timedelta(seconds=DATA_TIMEOUT_S) if rank == 0 else timedelta(days=365)
+        self.control = dist.new_group(backend="gloo", timeout=control_timeout)
         self.comm_seconds = 0.0  # time spent in data collectives, waiting included (for benchmarks)
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
@@ -58,8 +65,8 @@ class PCPGroup:
         return box[0]
 
     def barrier(self) -> None:
-        """Wait on the control group until every rank is here (e.g. has loaded its model)."""
-        dist.barrier(group=self.control)
+        """Wait until every rank is here (e.g. has loaded its model)."""
+        dist.barrier()
 
     def close(self) -> None:
         if dist.is_initialized():

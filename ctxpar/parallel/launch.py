@@ -108,7 +108,7 @@ class MultiRankExecutor:
                 sys.exit(0)
             self.group.barrier()  # returns once every worker has loaded its model
         except Exception as e:
-            self.close()
+            self.close(graceful=False)
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {self._why(e)}") from e
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -120,13 +120,13 @@ class MultiRankExecutor:
             return self.runner.execute(plan)
         except Exception as e:
             why = self._why(e)
-            self.close()
+            self.close(graceful=False)
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e
 
     def _check_alive(self) -> None:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
-            self.close()
+            self.close(graceful=False)
             raise RankFailure(", ".join(f"PCP rank {r} exited with code {c}" for r, c in dead))
 
     def _why(self, e: Exception) -> str:
@@ -134,16 +134,17 @@ class MultiRankExecutor:
         cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return "; ".join(dead) + f" ({cause})" if dead else f"{cause} (no rank answered within {DATA_TIMEOUT_S} s?)"
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by force) and leave the process group. Idempotent."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers (politely unless after a failure, then by force)
+        and leave the process group. Idempotent."""
         group, self.group = self.group, None
-        if group is not None and all(p.is_alive() for p in self.procs):
+        if graceful and group is not None and all(p.is_alive() for p in self.procs):
             try:
                 group.broadcast_object(None)
             except Exception:
                 pass  # a broken group: the workers are terminated below
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if graceful else 0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

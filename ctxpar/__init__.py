@@ -1,0 +1,21 @@
+"""ctxpar: context-parallel LLM inference.
+
+    from ctxpar import LLM, SamplingParams
+"""
+
+from ctxpar.config import EngineConfig
+from ctxpar.errors import CtxparError
+from ctxpar.llm import LLM
+from ctxpar.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ctxpar.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "EngineConfig",
+    "CtxparError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,183 @@
+"""Offline throughput and prefill time: ctxpar versus transformers, in one run.
+
+Workload: N prompts of seeded random lengths (64 to 1024 tokens) made of random
+real token ids, each generating a fixed number of tokens greedily with EOS
+ignored, so both engines do exactly the same work. Printed: output tokens/s
+and mean time to first token of each, their ratios, how many requests came out
+token-identical, and the time of one 2048-token prefill (one forward pass).
+
+transformers runs each prompt alone (batch size 1, one after the other). That
+is its exact, standard path: no padding tokens (with these lengths, left
+padding to the longest prompt would roughly double the prefill work) and no
+pad masks that change numerics. Pass --hf-batched to run it as one
+left-padded batch instead, its best case for decode throughput. Both engines
+see all prompts at time 0, so TTFT includes waiting for one's turn; the
+"alone" figure is transformers' TTFT from the start of each request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-prompts", type=int, default=16, metavar="N", help="prompts in the workload (default: 16)")
+    p.add_argument("--output-len", type=int, default=64, metavar="N", help="tokens generated per prompt (default: 64)")
+    p.add_argument("--min-prompt-len", type=int, default=64, metavar="N", help="shortest prompt (default: 64)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, metavar="N", help="longest prompt (default: 1024)")
+    p.add_argument(
+        "--prefill-len", type=int, default=2048, metavar="N", help="prefill-time prompt (default: 2048, 0: skip)"
+    )
+    p.add_argument("--threads", type=int, metavar="N", help="torch threads for both engines (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
+    p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
+    p.add_argument("--hf-batched", action="store_true", help="run transformers as one left-padded batch")
+
+
+def make_prompts(tokenizer, vocab_size: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """Seeded prompts of random real (non-special) token ids, lengths in [lo, hi]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
+    pool = np.array([t for t in range(vocab_size) if t not in special])
+    lengths = rng.integers(lo, hi + 1, n)
+    return [rng.choice(pool, int(k)).tolist() for k in lengths]
+
+
+def load_hf(model: str | None):
+    """The same weights in transformers, fp32 (a GGUF is dequantised by transformers itself)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ctxpar.models.loader import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt itself
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(hf, prompts: list[list[int]], output_len: int, batched: bool) -> dict:
+    import torch
+
+    gen = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, eos_token_id=None, pad_token_id=0)
+    outputs, ttft, ttft_alone = [], [], []
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        if batched:
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            timer = _FirstTokenTimer()
+            out = hf.generate(ids, attention_mask=mask, streamer=timer, **gen)
+            outputs = [row[width:].tolist() for row in out]
+            ttft = ttft_alone = [timer.first - t0] * len(prompts)
+        else:
+            for p in prompts:
+                timer, start = _FirstTokenTimer(), time.perf_counter()
+                mask = torch.ones(1, len(p), dtype=torch.long)
+                out = hf.generate(torch.tensor([p]), attention_mask=mask, streamer=timer, **gen)
+                outputs.append(out[0, len(p) :].tolist())
+                ttft.append(timer.first - t0)
+                ttft_alone.append(timer.first - start)
+        elapsed = time.perf_counter() - t0
+    return dict(outputs=outputs, elapsed=elapsed, ttft=ttft, ttft_alone=ttft_alone)
+
+
+def hf_prefill(hf, prompt: list[int]) -> float:
+    """One forward pass over the prompt (logits of the last token only, as generate does)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf(ids[:, :64], logits_to_keep=1)  # warm-up
+        t = time.perf_counter()
+        hf(ids, logits_to_keep=1)
+        return time.perf_counter() - t
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from ctxpar import LLM, SamplingParams
+    from ctxpar.errors import CtxparError
+
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        raise CtxparError(
+            f"need 1 <= --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
+        )
+    if args.num_prompts < 1 or args.output_len < 1:
+        raise CtxparError("--num-prompts and --output-len must be >= 1")
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    with LLM(args.model, num_threads=threads) as llm:
+        engine = llm.engine
+        prompts = make_prompts(
+            engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed
+        )
+        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        print(
+            f"model {engine.loaded.name}, {threads} threads, {len(prompts)} prompts of {min(map(len, prompts))}-"
+            f"{max(map(len, prompts))} tokens (sum {sum(map(len, prompts))}), {args.output_len} output tokens each"
+        )
+        llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        ours = [o.outputs[0].token_ids for o in outs]
+        n_out = sum(map(len, ours))
+        c_tps, c_ttft = n_out / elapsed, sum(o.metrics.ttft for o in outs) / len(outs)
+        print(f"ctxpar:        {c_tps:8.1f} output tok/s  mean TTFT {c_ttft:6.2f} s  ({elapsed:.1f} s)")
+        pre = None
+        if args.prefill_len:
+            n = args.prefill_len
+            [long] = make_prompts(engine.tokenizer, engine.vocab_size, 1, n, n, args.seed + 1)
+            [o] = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            pre = o.metrics.ttft
+            print(f"ctxpar prefill of {len(long)} tokens: {pre:.3f} s ({len(long) / pre:.0f} tok/s)")
+    if args.skip_hf:
+        return
+
+    hf = load_hf(args.model)
+    mode = "one left-padded batch" if args.hf_batched else "batch size 1, sequential"
+    r = run_hf(hf, prompts, args.output_len, args.hf_batched)
+    h_n = sum(map(len, r["outputs"]))
+    h_tps, h_ttft = h_n / r["elapsed"], sum(r["ttft"]) / len(prompts)
+    print(
+        f"transformers:  {h_tps:8.1f} output tok/s  mean TTFT {h_ttft:6.2f} s  ({r['elapsed']:.1f} s, {mode}; "
+        f"mean TTFT alone {sum(r['ttft_alone']) / len(prompts):.2f} s)"
+    )
+    same = sum(a == b for a, b in zip(ours, r["outputs"]))
+    print(f"token-identical requests: {same}/{len(prompts)}")
+    print(
+        f"ratios (above 1: ctxpar better): throughput ctxpar/transformers {c_tps / h_tps:.2f}x, "
+        f"mean TTFT transformers/ctxpar {h_ttft / c_ttft:.2f}x"
+    )
+    if pre is not None:
+        h_pre = hf_prefill(hf, long)
+        print(f"transformers prefill of {len(long)} tokens: {h_pre:.3f} s ({len(long) / h_pre:.0f} tok/s)")
+        print(f"ratio (above 1: ctxpar faster): prefill time transformers/ctxpar {h_pre / pre:.2f}x")

@@ -1,0 +1,83 @@
+"""Time to first token of long single prompts: P=2 context-parallel ranks
+(one thread each) against one rank with one thread and with two threads.
+
+Scaling efficiency = T(P=1, 1 thread) / (2 * T(P=2)): 100% means two ranks
+halve the prefill. Also prints the share of the P=2 prefill spent in
+collectives (waiting for the other rank included) and the time of a
+decode-only step, where PCP replicates the row and skips every collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8128], help="prompt lengths in tokens")
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per length (the best is kept)")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per configuration")
+    p.add_argument("--pcp-min-tokens", type=int, default=None, help="override pcp_min_tokens at P=2")
+
+
+def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int) -> dict:
+    from ctxpar import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    group = getattr(llm.engine.executor, "group", None)
+    llm.generate([{"prompt_token_ids": prompts[min(prompts)][:256]}], one, use_tqdm=False)  # warm up
+    result: dict = {}
+    for n, ids in prompts.items():
+        best, comm = float("inf"), 0.0
+        for _ in range(repeat):
+            c0 = group.comm_seconds if group else 0.0
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            if dt < best:
+                best, comm = dt, (group.comm_seconds - c0 if group else 0.0)
+        result[n] = (best, comm / best)
+    short = {"prompt_token_ids": prompts[min(prompts)][:64]}
+    t0 = time.perf_counter()
+    llm.generate([short], one, use_tqdm=False)
+    t1 = time.perf_counter()
+    llm.generate([short], SamplingParams(max_tokens=1 + decode_steps, temperature=0, ignore_eos=True), use_tqdm=False)
+    t2 = time.perf_counter()
+    result["decode"] = ((t2 - t1) - (t1 - t0)) / decode_steps
+    return result
+
+
+def run(args: argparse.Namespace) -> None:
+    from ctxpar import LLM
+
+    longest = max(args.lengths)
+    rng = np.random.default_rng(0)
+    common = dict(max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8)
+    setups = [
+        ("P=1, 1 thread", dict(pcp_size=1, num_threads=1)),
+        ("P=1, 2 threads", dict(pcp_size=1, num_threads=2)),
+        ("P=2, 1 thread/rank", dict(pcp_size=2, num_threads=1)),
+    ]
+    if args.pcp_min_tokens is not None:
+        setups[2][1]["pcp_min_tokens"] = args.pcp_min_tokens
+    results = {}
+    for name, kwargs in setups:
+        with LLM(args.model, **common, **kwargs) as llm:
+            vocab = llm.engine.vocab_size
+            prompts = {n: rng.integers(0, vocab, size=n).tolist() for n in sorted(args.lengths)}
+            rng = np.random.default_rng(0)  # same prompts for every setup
+            results[name] = _measure(llm, prompts, args.repeat, args.decode_steps)
+            print(f"measured {name}", flush=True)
+    base, two, pcp = (results[name] for name, _ in setups)
+    print(f"\n{'prompt':>8} | {'P=1 1t (s)':>10} | {'P=1 2t (s)':>10} | {'P=2 (s)':>8} | "
+          f"{'speed-up vs 1t':>14} | {'vs 2t':>6} | {'efficiency':>10} | {'collectives':>11}")
+    for n in sorted(args.lengths):
+        t1, t2, tp = base[n][0], two[n][0], pcp[n][0]
+        print(f"{n:>8} | {t1:>10.2f} | {t2:>10.2f} | {tp:>8.2f} | {t1 / tp:>13.2f}x | {t2 / tp:>5.2f}x | "
+              f"{t1 / (2 * tp):>9.0%} | {pcp[n][1]:>10.0%}")
+    print(f"\ndecode-only step (64-token context): P=1 1t {base['decode'] * 1e3:.1f} ms, "
+          f"P=1 2t {two['decode'] * 1e3:.1f} ms, P=2 {pcp['decode'] * 1e3:.1f} ms "
+          f"(P=2 / P=1 1t = {pcp['decode'] / base['decode']:.2f}x)")

