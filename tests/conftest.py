@@ -34,10 +34,13 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), torch_dtype=torch.float32)
     # Random init is small; scale up so logits are not near-ties everywhere.
+    # Biases (zero) and norm weights (one) are perturbed so loading them is tested too.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.mul_(4.0)
+            else:
+                p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 
@@ -68,3 +71,41 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """{name: directory} of tiny random Llama-family checkpoints."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {name: save_tiny_model(cfg, root / name) for name, cfg in tiny_configs().items()}
+
+
+def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: int):
+    """ForwardContext of one sequence computing positions [start, start + length).
+
+    The flat cache slot of a token is its position, so the context of the row
+    is slots arange(start + length) and the new entries go to their positions.
+    """
+    from ctxpar.layers.context import ForwardContext
+
+    return ForwardContext(
+        query_start_loc=[0, length],
+        start_pos=[start],
+        seq_lens=[start + length],
+        context_slots=[torch.arange(start + length)],
+        write_src=None,
+        write_slots=torch.arange(start, start + length),
+        kv_caches=kv_caches,
+    )
+
+
+class SingleSequence:
+    """Feeds one sequence through a CausalLM chunk by chunk with a flat KV cache."""
+
+    def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32) -> None:
+        self.model = model
+        self.kv_caches = [torch.zeros(max_len, *model.kv_entry_shape, dtype=dtype) for _ in range(model.num_kv_layers)]
+        self.pos = 0
+
+    @torch.inference_mode()
+    def step(self, ids) -> torch.Tensor:
+        """Append token ids (list or (n,) tensor) and return their logits (n, vocab)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        n = ids.shape[0]
+        ctx = single_sequence_context(self.kv_caches, self.pos, n)
+        hidden = self.model.forward(ids, torch.arange(self.pos, self.pos + n), ctx)
+        self.pos += n
+        return self.model.compute_logits(hidden)

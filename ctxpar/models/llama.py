@@ -1,0 +1,218 @@
+"""The Llama family in one implementation: Llama (any rope scaling, e.g. llama3),
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and SmolLM2
+(Llama with tied embeddings).
+
+RMSNorm, SwiGLU MLP, grouped-query attention. Projections are fused: one
+matmul for Q, K and V, one for gate and up. Attention goes through the paged
+KV cache of the ForwardContext (DESIGN.md §4): compute K/V of the local
+tokens, ``store_and_load_kv`` (all-gather, cache write, context read), then
+causal attention of each local row over its whole context.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ctxpar.errors import CtxparError
+from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    """An uninitialised, frozen parameter in the default dtype and device (the loader fills it)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _optional(flag: bool, *shape: int) -> nn.Parameter | None:
+    return _weight(*shape) if flag else None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        if config.model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden)  # rows: [q | k | v]
+        self.qkv_bias = _optional(qkv_bias, self.q_size + 2 * self.kv_size)
+        self.o_weight = _weight(hidden, self.q_size)
+        self.o_bias = _optional(o_bias, hidden)
+        qk_norm = config.model_type == "qwen3"
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: (n, hidden), cos/sin: (n, head_dim/2) -> (n, hidden)."""
+        n = x.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, hd)  # Q and K heads side by side
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, hd)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # one rope pass for Q and K: (n, h + kvh, hd)
+        q, k = qk[:, :h], qk[:, h:]  # (n, h, hd), (n, kvh, hd)
+        entries = torch.stack([k, v], dim=1)  # (n, 2, kvh, hd)
+        contexts = store_and_load_kv(entries, ctx, self.layer_idx)  # rows x (seq_len, 2, kvh, hd)
+
+        out = x.new_empty(n, h, hd)  # (n, h, hd)
+        qsl = ctx.query_start_loc
+        for r, kv in enumerate(contexts):
+            a, b = qsl[r], qsl[r + 1]
+            if a == b:
+                continue
+            out[a:b] = causal_attention(q[a:b], kv[:, 0], kv[:, 1], self.scale)
+        if qsl[-1] < n:  # padding tokens: keep them finite, nobody reads them
+            out[qsl[-1] :].zero_()
+        return F.linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise CtxparError(f"unsupported hidden_act {act!r} (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.inter = config.intermediate_size
+        self.gate_up_weight = _weight(2 * self.inter, config.hidden_size)  # rows: [gate | up]
+        self.gate_up_bias = _optional(bias, 2 * self.inter)
+        self.down_weight = _weight(config.hidden_size, self.inter)
+        self.down_bias = _optional(bias, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
+        gate, up = gate_up.split(self.inter, dim=-1)
+        act = F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
+        return F.linear(act, self.down_weight, self.down_bias)  # (n, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(h), cos, sin, ctx).add_(h)  # residual
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+
+class LlamaForCausalLM(nn.Module):
+    """CausalLM (ctxpar/models/base.py) for Llama, Qwen2, Qwen3 and SmolLM2 configs.
+
+    Parameters are created uninitialised in the default dtype/device; fill them
+    with ``load_weights``. The rope tables stay fp32 whatever the dtype.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            raise CtxparError("sliding-window attention is not supported; use a config with use_sliding_window=false")
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        attn = self.layers[0].self_attn
+        self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
+        self.num_kv_layers: int = config.num_hidden_layers
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, attn.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""
+        h = F.embedding(input_ids, self.embed_tokens)  # (n, hidden)
+        cos, sin = self.rotary(positions)  # (n, hd/2) each, fp32
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(m, hidden) -> (m, vocab) float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (parameter, first row, row count) inside our (possibly fused) parameters."""
+        t: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def add(name: str, p: torch.Tensor | None, start: int = 0, rows: int | None = None) -> None:
+            if p is not None:
+                t[name] = (p, start, p.shape[0] if rows is None else rows)
+
+        add("model.embed_tokens.weight", self.embed_tokens)
+        add("model.norm.weight", self.norm.weight)
+        if not self.tie_word_embeddings:
+            add("lm_head.weight", self.lm_head)
+        for i, layer in enumerate(self.layers):
+            pre, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            add(pre + "input_layernorm.weight", layer.input_layernorm.weight)
+            add(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            for kind, p in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
+                add(pre + f"self_attn.q_proj.{kind}", p, 0, a.q_size)
+                add(pre + f"self_attn.k_proj.{kind}", p, a.q_size, a.kv_size)
+                add(pre + f"self_attn.v_proj.{kind}", p, a.q_size + a.kv_size, a.kv_size)
+            add(pre + "self_attn.o_proj.weight", a.o_weight)
+            add(pre + "self_attn.o_proj.bias", a.o_bias)
+            if a.q_norm is not None:
+                add(pre + "self_attn.q_norm.weight", a.q_norm.weight)
+                add(pre + "self_attn.k_norm.weight", a.k_norm.weight)
+            for kind, p in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
+                add(pre + f"mlp.gate_proj.{kind}", p, 0, m.inter)
+                add(pre + f"mlp.up_proj.{kind}", p, m.inter, m.inter)
+            add(pre + "mlp.down_proj.weight", m.down_weight)
+            add(pre + "mlp.down_proj.bias", m.down_bias)
+        return t
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in; CtxparError on a missing, unexpected or mis-shaped one.
+
+        Rotary ``inv_freq`` buffers are ignored, and so is ``lm_head.weight``
+        when the embeddings are tied.
+        """
+        targets = self._targets()
+        missing = set(targets)
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            if name not in targets:
+                unexpected.append(name)
+                continue
+            param, start, rows = targets[name]
+            expected = (rows, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise CtxparError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
+            param[start : start + rows].copy_(tensor)
+            missing.discard(name)
+        if unexpected or missing:
+            raise CtxparError(
+                f"checkpoint does not match the {self.config.model_type} model: "
+                f"{len(missing)} missing tensor(s) {sorted(missing)[:5]}, "
+                f"{len(unexpected)} unexpected tensor(s) {sorted(unexpected)[:5]}"
+            )
+
+
+# Qwen2/Qwen3 are the same code; the config's model_type selects bias and q/k norm.
+Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM

