@@ -25,7 +25,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     pcp_size: int = 1  # prefill context-parallel ranks
-    pcp_min_tokens: int = 256  # prefill rows shorter than this are replicated, not split
+    pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     seed: int = 0
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks
     master_addr: str = "127.0.0.1"

@@ -16,6 +16,10 @@ import argparse
 import sys
 import time
 
+from ctxpar.config import EngineConfig
+
+DEFAULTS = EngineConfig()  # the CLI shows and uses the engine's own defaults
+
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 
 
@@ -63,11 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=DEFAULTS.max_num_batched_tokens,
         metavar="N",
-        help="tokens per step; longer prompts are prefilled in chunks (default: 2048)",
+        help=f"tokens per step; longer prompts are prefilled in chunks (default: {DEFAULTS.max_num_batched_tokens})",
     )
-    e.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block (default: 16)")
+    e.add_argument(
+        "--block-size", type=int, default=DEFAULTS.block_size, metavar="N",
+        help=f"tokens per KV-cache block (default: {DEFAULTS.block_size})",
+    )
     e.add_argument(
         "--kv-cache-blocks", type=int, metavar="N", help="KV-cache size in blocks (default: as many as fit in 1 GiB)"
     )
@@ -75,10 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--pcp-min-tokens",
         type=int,
-        default=256,
+        default=DEFAULTS.pcp_min_tokens,
         metavar="N",
-        help="prompts shorter than this are not split across ranks (default: 256)",
+        help=f"prompts shorter than this are not split across ranks (default: {DEFAULTS.pcp_min_tokens})",
     )
+    e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
+    e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")
     e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--verbose", "-v", action="store_true", help="print the model and KV-cache layout first")
 
@@ -106,6 +115,8 @@ def run(args: argparse.Namespace) -> None:
         pcp_size=args.pcp,
         pcp_min_tokens=args.pcp_min_tokens,
         num_threads=args.threads,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     ) as llm:
         if args.verbose:
             _describe(llm, time.perf_counter() - t_load)

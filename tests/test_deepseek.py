@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import save_tiny_model
+from conftest import save_tiny_model, single_sequence_context
 from deepseek_configs import tiny_deepseek_configs
 
 from ctxpar.errors import CtxparError
@@ -67,26 +67,13 @@ def _build(cfg, path):
     return model
 
 
-def _ctx(start: int, n: int, caches: list[torch.Tensor]) -> ForwardContext:
-    """Single sequence whose flat cache slot equals its position."""
-    return ForwardContext(
-        query_start_loc=[0, n],
-        start_pos=[start],
-        seq_lens=[start + n],
-        context_slots=[torch.arange(start + n)],
-        write_src=None,
-        write_slots=torch.arange(start, start + n),
-        kv_caches=caches,
-    )
-
-
 def _run(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """Feed the prompt in chunks of the given sizes; return logits for every token."""
     caches = [torch.zeros(64, *model.kv_entry_shape) for _ in range(model.num_kv_layers)]
     logits, start = [], 0
     for n in chunks:
         pos = torch.arange(start, start + n)
-        hidden = model.forward(ids[start : start + n], pos, _ctx(start, n, caches))
+        hidden = model.forward(ids[start : start + n], pos, single_sequence_context(caches, start, n))
         logits.append(model.compute_logits(hidden))
         start += n
     assert start == ids.numel()
@@ -180,7 +167,7 @@ def test_batched_rows_with_padding(ds_models, name):
     ids_b = ids.flip(0)[:10].contiguous()
     want_b = _run(model, ids_b, [10])
     caches = [torch.zeros(64, *model.kv_entry_shape) for _ in range(model.num_kv_layers)]
-    model.forward(ids[:12], torch.arange(12), _ctx(0, 12, caches))  # A's prompt in slots 0..11
+    model.forward(ids[:12], torch.arange(12), single_sequence_context(caches, 0, 12))  # A's prompt in slots 0..11
     step_ids = torch.cat([ids[12:13], ids_b, torch.zeros(1, dtype=torch.long)])
     step_pos = torch.cat([torch.tensor([12]), torch.arange(10), torch.zeros(1, dtype=torch.long)])
     ctx = ForwardContext(

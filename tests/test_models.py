@@ -11,6 +11,7 @@ from conftest import SingleSequence
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext
+from ctxpar.models.llama import LlamaForCausalLM
 from ctxpar.models.loader import load_model
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config, supported_architectures
 
@@ -136,8 +137,11 @@ def _state(d) -> dict[str, torch.Tensor]:
     return load_file(str(d / "model.safetensors"))
 
 
-def test_load_weights_rejects_mismatches(pairs, tiny_model_dirs):
-    model = pairs["llama"][0]
+def test_load_weights_rejects_mismatches(tiny_model_dirs):
+    from transformers import AutoConfig
+
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(tiny_model_dirs["llama"]))  # unpacked, unloaded
     state = _state(tiny_model_dirs["llama"])
     ok = list(state.items()) + [("model.rotary_emb.inv_freq", torch.ones(8))]  # ignored
     model.load_weights(ok)
@@ -150,7 +154,10 @@ def test_load_weights_rejects_mismatches(pairs, tiny_model_dirs):
     bad["model.layers.0.self_attn.k_proj.weight"] = torch.ones(3, 64)
     with pytest.raises(CtxparError, match=r"k_proj.weight has shape \(3, 64\)"):
         model.load_weights(bad.items())
-    model.load_weights(state.items())  # leave it intact for the other tests
+    model.load_weights(state.items())
+    model.pack_for_cpu()
+    with pytest.raises(RuntimeError, match="packed"):
+        model.load_weights(state.items())
 
 
 def test_registry():

@@ -5,6 +5,10 @@ Scaling efficiency = T(P=1, 1 thread) / (2 * T(P=2)): 100% means two ranks
 halve the prefill. Also prints the share of the P=2 prefill spent in
 collectives (waiting for the other rank included) and the time of a
 decode-only step, where PCP replicates the row and skips every collective.
+
+Then, for short prompts at P=2, splitting them across the ranks against
+replicating them (what pcp_min_tokens decides): below the crossover the
+per-layer all-gathers cost more than the halved compute saves.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="timed runs per length (the best is kept)")
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per configuration")
     p.add_argument("--pcp-min-tokens", type=int, default=None, help="override pcp_min_tokens at P=2")
+    p.add_argument(
+        "--short", type=int, nargs="*", default=[16, 32, 64, 128, 256, 512],
+        help="short prompt lengths for the split-vs-replicate table (none: skip it)",
+    )
 
 
 def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int) -> dict:
@@ -44,10 +52,37 @@ def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int)
     t0 = time.perf_counter()
     llm.generate([short], one, use_tqdm=False)
     t1 = time.perf_counter()
+    b0 = group.control_seconds if group else 0.0
     llm.generate([short], SamplingParams(max_tokens=1 + decode_steps, temperature=0, ignore_eos=True), use_tqdm=False)
     t2 = time.perf_counter()
     result["decode"] = ((t2 - t1) - (t1 - t0)) / decode_steps
+    result["broadcast"] = (group.control_seconds - b0) / (decode_steps + 1) if group else 0.0
     return result
+
+
+def _short_prompts(args: argparse.Namespace) -> None:
+    """TTFT at P=2 of short prompts, split (pcp_min_tokens=0) vs replicated."""
+    from ctxpar import LLM, SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    times = {}
+    for mode, min_tokens in (("split", 0), ("replicated", 1 << 30)):
+        with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens) as llm:
+            prompts = {n: rng.integers(0, llm.engine.vocab_size, size=n).tolist() for n in args.short}
+            rng = np.random.default_rng(1)
+            llm.generate([{"prompt_token_ids": prompts[args.short[0]]}], one, use_tqdm=False)  # warm up
+            for n, ids in prompts.items():
+                best = float("inf")
+                for _ in range(max(3, args.repeat)):
+                    t0 = time.perf_counter()
+                    llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+                    best = min(best, time.perf_counter() - t0)
+                times[mode, n] = best
+    print(f"\nshort prompts at P=2: {'prompt':>6} | {'split (ms)':>10} | {'replicated (ms)':>15} | {'split speed-up':>14}")
+    for n in args.short:
+        s, r = times["split", n], times["replicated", n]
+        print(f"{'':>21} {n:>6} | {s * 1e3:>10.1f} | {r * 1e3:>15.1f} | {r / s:>13.2f}x")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -80,4 +115,6 @@ def run(args: argparse.Namespace) -> None:
               f"{t1 / (2 * tp):>9.0%} | {pcp[n][1]:>10.0%}")
     print(f"\ndecode-only step (64-token context): P=1 1t {base['decode'] * 1e3:.1f} ms, "
           f"P=1 2t {two['decode'] * 1e3:.1f} ms, P=2 {pcp['decode'] * 1e3:.1f} ms "
-          f"(P=2 / P=1 1t = {pcp['decode'] / base['decode']:.2f}x)")
+          f"(P=2 / P=1 1t = {pcp['decode'] / base['decode']:.2f}x; plan broadcast {pcp['broadcast'] * 1e3:.2f} ms/step)")
+    if args.short:
+        _short_prompts(args)

@@ -24,6 +24,9 @@ class CausalLM(Protocol):
         """(m, hidden_size) -> (m, vocab_size) float32 logits."""
         ...
 
+    # Optional: ``pack_for_cpu()``, called by the loader after load_weights,
+    # may replace projection weights by a faster CPU layout (layers/linear.py).
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; raises on a missing or unexpected name."""
         ...

@@ -19,6 +19,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.linear import can_pack, linear, pack_weight
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -59,7 +60,7 @@ class LlamaAttention(nn.Module):
         """x: (n, hidden), cos/sin: (n, head_dim/2) -> (n, hidden)."""
         n = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
         qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, hd)  # Q and K heads side by side
         v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, hd)
         if self.q_norm is not None:
@@ -78,7 +79,7 @@ class LlamaAttention(nn.Module):
             out[a:b] = causal_attention(q[a:b], kv[:, 0], kv[:, 1], self.scale)
         if qsl[-1] < n:  # padding tokens: keep them finite, nobody reads them
             out[qsl[-1] :].zero_()
-        return F.linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaMLP(nn.Module):
@@ -97,10 +98,10 @@ class LlamaMLP(nn.Module):
         self.down_bias = _optional(bias, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
         gate, up = gate_up.split(self.inter, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
-        return F.linear(act, self.down_weight, self.down_bias)  # (n, hidden)
+        return linear(act, self.down_weight, self.down_bias)  # (n, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -151,6 +152,16 @@ class LlamaForCausalLM(nn.Module):
         """(m, hidden) -> (m, vocab) float32."""
         return F.linear(hidden, self.lm_head).float()
 
+    def pack_for_cpu(self) -> None:
+        """After loading: pre-pack the projection weights for oneDNN (fp32 CPU only; see layers/linear.py)."""
+        if not can_pack(self.embed_tokens):
+            return
+        for layer in self.layers:
+            for name in ("qkv_weight", "o_weight"):
+                pack_weight(layer.self_attn, name)
+            for name in ("gate_up_weight", "down_weight"):
+                pack_weight(layer.mlp, name)
+
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF tensor name -> (parameter, first row, row count) inside our (possibly fused) parameters."""
         t: dict[str, tuple[torch.Tensor, int, int]] = {}
@@ -191,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         when the embeddings are tied.
         """
         targets = self._targets()
+        if any(p.is_mkldnn for p, _, _ in targets.values()):
+            raise RuntimeError("the weights are packed for CPU already; load_weights must come before pack_for_cpu()")
         missing = set(targets)
         unexpected: list[str] = []
         for name, tensor in weights:

@@ -96,6 +96,8 @@ def _load_hf_dir(
     model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
     model.load_weights(_iter_safetensors(files))
     model.eval()
+    if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
+        model.pack_for_cpu()
     tokenizer = _load_tokenizer(d, shown)
     return LoadedModel(
         model=model,

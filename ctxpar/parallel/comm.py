@@ -40,7 +40,9 @@ class PCPGroup:
         # DATA_TIMEOUT_S, while workers wait for rank 0's next plan indefinitely.
         control_timeout = timedelta(seconds=DATA_TIMEOUT_S) if rank == 0 else timedelta(days=365)
         self.control = dist.new_group(backend="gloo", timeout=control_timeout)
-        self.comm_seconds = 0.0  # time spent in data collectives, waiting included (for benchmarks)
+        # Seconds spent in collectives, waiting included (for benchmarks).
+        self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
+        self.control_seconds = 0.0  # control: plan broadcasts
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
@@ -60,8 +62,10 @@ class PCPGroup:
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends `obj`; every rank returns it."""
+        t0 = time.perf_counter()
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control)
+        self.control_seconds += time.perf_counter() - t0
         return box[0]
 
     def barrier(self) -> None:

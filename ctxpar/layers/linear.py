@@ -1,0 +1,31 @@
+"""Linear projections, with one CPU speed trick: oneDNN pre-packed weights.
+
+On CPU, fp32 matmuls against weights reordered once into oneDNN's blocked
+layout run ~1.4x faster than plain ``F.linear`` (MKL) at prefill shapes
+(2048 x 576 @ 576 x 3072 measured here) and are no slower at decode shapes.
+The packed tensor replaces the parameter, so memory does not grow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (n, in) @ weight (out, in)^T + bias -> (n, out), for plain or packed weights."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(module: nn.Module, name: str) -> None:
+    """Replace `module.<name>` (out, in) by its oneDNN-packed copy, in place."""
+    weight = getattr(module, name)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    setattr(module, name, nn.Parameter(packed, requires_grad=False))
