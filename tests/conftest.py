@@ -109,3 +109,18 @@ class SingleSequence:
         hidden = self.model.forward(ids, torch.arange(self.pos, self.pos + n), ctx)
         self.pos += n
         return self.model.compute_logits(hidden)
+
+
+def transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' greedy `generate`, never stopping early."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

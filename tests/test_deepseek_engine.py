@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import save_tiny_model, transformers_greedy
 from ctxpar import LLM, SamplingParams
 from deepseek_configs import tiny_deepseek_configs
 from test_engine import SMALL, token_ids, workload
@@ -33,17 +33,7 @@ def test_greedy_matches_transformers(deepseek_dirs, name):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(deepseek_dirs[name], dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=32,
-                min_new_tokens=32,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), (name, len(prompt))
+        assert out.outputs[0].token_ids == transformers_greedy(hf, prompt, 32), (name, len(prompt))
 
 
 @pytest.mark.parametrize("name", ["v2_group_yarn", "v3"])

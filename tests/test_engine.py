@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import transformers_greedy
 from ctxpar import LLM, SamplingParams
 from tiny_tokenizer import with_byte_tokenizer
 
@@ -111,17 +112,7 @@ def test_greedy_matches_transformers(tiny_model_dirs, name):
         )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=32,
-                min_new_tokens=32,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist(), (name, len(prompt))
+        assert out.outputs[0].token_ids == transformers_greedy(hf, prompt, 32), (name, len(prompt))
 
 
 def test_logprobs_match_transformers(tiny_model_dirs, llama):

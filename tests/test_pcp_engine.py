@@ -19,7 +19,7 @@ import torch
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.launch import RankFailure, free_port
-from conftest import save_tiny_model
+from conftest import save_tiny_model, transformers_greedy
 from deepseek_configs import tiny_deepseek_configs
 from pcp_harness import run_plans, scripted_plans
 
@@ -89,7 +89,7 @@ def test_three_ranks_match_transformers(models):
 
     ref = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     p = prompts()[2]["prompt_token_ids"]
-    want = ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, len(p):].tolist()
+    want = transformers_greedy(ref, p, 12)
     with LLM(models["llama"], pcp_size=3, pcp_min_tokens=0) as llm:
         assert tokens(llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)) == [want]
 
