@@ -31,54 +31,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int) -> dict:
+def _prompts(lengths: list[int], vocab: int, seed: int) -> dict[int, list[int]]:
+    """The same random prompts for every setup of a table."""
+    rng = np.random.default_rng(seed)
+    return {n: rng.integers(0, vocab, size=n).tolist() for n in sorted(lengths)}
+
+
+def _first_token(llm, ids: list[int], repeat: int) -> tuple[float, float]:
+    """Best time of `repeat` one-token generations, and the seconds that run spent in collectives."""
     from ctxpar import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     group = getattr(llm.engine.executor, "group", None)
-    llm.generate([{"prompt_token_ids": prompts[min(prompts)][:256]}], one, use_tqdm=False)  # warm up
+    best, comm = float("inf"), 0.0
+    for _ in range(repeat):
+        c0 = group.comm_seconds if group else 0.0
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, comm = dt, (group.comm_seconds - c0 if group else 0.0)
+    return best, comm
+
+
+def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int) -> dict:
+    from ctxpar import SamplingParams
+
+    group = getattr(llm.engine.executor, "group", None)
+    _first_token(llm, prompts[min(prompts)][:256], 1)  # warm up
     result: dict = {}
     for n, ids in prompts.items():
-        best, comm = float("inf"), 0.0
-        for _ in range(repeat):
-            c0 = group.comm_seconds if group else 0.0
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            if dt < best:
-                best, comm = dt, (group.comm_seconds - c0 if group else 0.0)
+        best, comm = _first_token(llm, ids, repeat)
         result[n] = (best, comm / best)
-    short = {"prompt_token_ids": prompts[min(prompts)][:64]}
-    t0 = time.perf_counter()
-    llm.generate([short], one, use_tqdm=False)
-    t1 = time.perf_counter()
+    short = prompts[min(prompts)][:64]
+    t_first, _ = _first_token(llm, short, 1)
     b0 = group.control_seconds if group else 0.0
-    llm.generate([short], SamplingParams(max_tokens=1 + decode_steps, temperature=0, ignore_eos=True), use_tqdm=False)
-    t2 = time.perf_counter()
-    result["decode"] = ((t2 - t1) - (t1 - t0)) / decode_steps
+    t0 = time.perf_counter()
+    decode = SamplingParams(max_tokens=1 + decode_steps, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": short}], decode, use_tqdm=False)
+    result["decode"] = (time.perf_counter() - t0 - t_first) / decode_steps
     result["broadcast"] = (group.control_seconds - b0) / (decode_steps + 1) if group else 0.0
     return result
 
 
 def _short_prompts(args: argparse.Namespace) -> None:
     """TTFT at P=2 of short prompts, split (pcp_min_tokens=0) vs replicated."""
-    from ctxpar import LLM, SamplingParams
+    from ctxpar import LLM
 
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(1)
     times = {}
     for mode, min_tokens in (("split", 0), ("replicated", 1 << 30)):
         with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens) as llm:
-            prompts = {n: rng.integers(0, llm.engine.vocab_size, size=n).tolist() for n in args.short}
-            rng = np.random.default_rng(1)
-            llm.generate([{"prompt_token_ids": prompts[args.short[0]]}], one, use_tqdm=False)  # warm up
+            prompts = _prompts(args.short, llm.engine.vocab_size, seed=1)
+            _first_token(llm, prompts[min(prompts)], 1)  # warm up
             for n, ids in prompts.items():
-                best = float("inf")
-                for _ in range(max(3, args.repeat)):
-                    t0 = time.perf_counter()
-                    llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
-                    best = min(best, time.perf_counter() - t0)
-                times[mode, n] = best
+                times[mode, n] = _first_token(llm, ids, max(3, args.repeat))[0]
     print(f"\nshort prompts at P=2: {'prompt':>6} | {'split (ms)':>10} | {'replicated (ms)':>15} | {'split speed-up':>14}")
     for n in args.short:
         s, r = times["split", n], times["replicated", n]
@@ -89,7 +95,6 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
 
     longest = max(args.lengths)
-    rng = np.random.default_rng(0)
     common = dict(max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8)
     setups = [
         ("P=1, 1 thread", dict(pcp_size=1, num_threads=1)),
@@ -101,9 +106,7 @@ def run(args: argparse.Namespace) -> None:
     results = {}
     for name, kwargs in setups:
         with LLM(args.model, **common, **kwargs) as llm:
-            vocab = llm.engine.vocab_size
-            prompts = {n: rng.integers(0, vocab, size=n).tolist() for n in sorted(args.lengths)}
-            rng = np.random.default_rng(0)  # same prompts for every setup
+            prompts = _prompts(args.lengths, llm.engine.vocab_size, seed=0)
             results[name] = _measure(llm, prompts, args.repeat, args.decode_steps)
             print(f"measured {name}", flush=True)
     base, two, pcp = (results[name] for name, _ in setups)

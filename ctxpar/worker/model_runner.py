@@ -124,10 +124,9 @@ class ModelRunner:
         if received is None:
             return None
         # The s-th sampled token is the k-th of its owner's list, in global order.
-        rank_of = owner
         index_in_rank = np.zeros_like(owner)
         for k in range(self.pcp_size):
             sel = owner == k
             index_in_rank[sel] = np.arange(int(sel.sum()))
-        picked = received[torch.from_numpy(rank_of), torch.from_numpy(index_in_rank)]
+        picked = received[torch.from_numpy(owner), torch.from_numpy(index_in_rank)]
         return self.model.compute_logits(picked)
