@@ -100,7 +100,17 @@ class LLM:
         """Generate for every prompt, batched; returns outputs in input order."""
         engine = self._engine
         reqs = self._prepare(prompts, sampling_params)
-        ids = [engine.add_request(tok, p, prompt=text) for text, tok, p in reqs]
+        ids: list[str] = []
+        try:
+            for text, tok, p in reqs:
+                ids.append(engine.add_request(tok, p, prompt=text))
+        except BaseException:
+            # All or nothing: _prepare validated every request, but should
+            # adding one still fail, the ones before it must not stay queued
+            # with nobody left to collect them.
+            for rid in ids:
+                self._abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
