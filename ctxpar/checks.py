@@ -67,12 +67,20 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+THREADS_PER_CORE = 4  # more torch threads than this per core only add contention
+
+
 def usable_cores() -> int:
     """Cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def max_threads() -> int:
+    """The most torch threads per rank ctxpar accepts on this machine."""
+    return THREADS_PER_CORE * usable_cores()
 
 
 # -- argparse types: the same limits as an argparse error (usage line, exit 2) --

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ctxpar.checks import check_int, usable_cores
+from ctxpar.checks import THREADS_PER_CORE, check_int, max_threads
 from ctxpar.errors import CtxparError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
 MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste KV memory
-THREADS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -55,10 +54,9 @@ class EngineConfig:
         check_int("pcp_size", self.pcp_size, 1)
         check_int("pcp_min_tokens", self.pcp_min_tokens, 0)
         check_int("seed", self.seed, 0, SEED_MAX)
-        cores = usable_cores()
         check_int(
-            "num_threads", self.num_threads, 1, THREADS_PER_CORE * cores, none_ok=True,
-            why=f" ({THREADS_PER_CORE} per core of the {cores} here; more only adds contention)",
+            "num_threads", self.num_threads, 1, max_threads(), none_ok=True,
+            why=f" ({THREADS_PER_CORE} per core of this machine; more only adds contention)",
         )
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")

@@ -204,7 +204,9 @@ def check_png_path(args: argparse.Namespace) -> None:
     if not folder.is_dir():
         raise CtxparError(f"--png {args.png}: the directory {folder} does not exist; create it or pick another path")
     if args.pcp > MAX_PNG_RANKS:
-        raise CtxparError(f"--png draws at most {MAX_PNG_RANKS} ranks, got --pcp {args.pcp}; drop --png for the text view")
+        raise CtxparError(
+            f"--png draws at most {MAX_PNG_RANKS} ranks, got --pcp {args.pcp}; drop --png for the text view"
+        )
 
 
 def run(args: argparse.Namespace) -> None:

@@ -78,7 +78,8 @@ class SamplingParams:
             check_int("top_k (-1 = off)", self.top_k, 1)
         check_float("min_p", self.min_p, 0, 1)
         check_int(
-            "seed", self.seed, SEED_MIN, SEED_MAX, none_ok=True, why=" (64 bits, what torch.Generator.manual_seed takes)"
+            "seed", self.seed, SEED_MIN, SEED_MAX, none_ok=True,
+            why=" (64 bits, what torch.Generator.manual_seed takes)",
         )
         check_int("logprobs", self.logprobs, 0, none_ok=True)
         for name in ("ignore_eos", "skip_special_tokens"):
