@@ -225,7 +225,9 @@ def test_bad_field_set_after_construction_is_refused_before_work(text_llm, field
 
 def test_changing_params_after_adding_does_not_reach_the_request(llm):
     prompt = [3, 1, 4, 1, 5]
-    make = lambda: SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, stop_token_ids=[])  # noqa: E731
+    def make():
+        return SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, stop_token_ids=[])
+
     [ref] = llm.generate({"prompt_token_ids": prompt}, make(), use_tqdm=False)
     engine = llm.engine
     sp = make()
