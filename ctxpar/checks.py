@@ -50,16 +50,26 @@ def check_int(
 
 
 def check_float(
-    name: str, value: object, lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+    name: str,
+    value: object,
+    lo: float,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    why: str = "",
 ) -> None:
-    """Raise CtxparError unless ``value`` is a finite real number in the given range."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (
-            hi is None or (value < hi if hi_open else value <= hi)
-        )
-    if not ok:
-        raise CtxparError(f"{name} must be a finite number {_range(lo, hi, lo_open, hi_open)}, got {value!r}")
+    """Raise CtxparError unless ``value`` is a finite real number in the given range.
+
+    why: what the range means, appended to the range in the message.
+    """
+    limit = f"{_range(lo, hi, lo_open, hi_open)}{why}"
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+        raise CtxparError(f"{name} must be a finite number {limit}, got {value!r}")
+    above = value > lo if lo_open else value >= lo
+    below = hi is None or (value < hi if hi_open else value <= hi)
+    if not (above and below):
+        raise CtxparError(f"{name} must be {limit}, got {value!r}")
 
 
 def machine_memory_bytes() -> int:

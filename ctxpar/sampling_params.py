@@ -67,7 +67,7 @@ class SamplingParams:
         after construction are checked and honoured too.
         """
         check_int("max_tokens", self.max_tokens, 1)
-        check_float("temperature", self.temperature, 0)
+        check_float("temperature", self.temperature, 0, why=" (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise CtxparError(
                 f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the "
