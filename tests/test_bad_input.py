@@ -301,3 +301,20 @@ def test_kv_cache_bytes_beyond_memory_is_refused(tiny_model_dirs):
     with pytest.raises(CtxparError) as e:
         LLM(str(tiny_model_dirs["llama"]), kv_cache_bytes=too_much)
     assert f"kv_cache_bytes={too_much}" in str(e.value) and "memory" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, words",
+    [
+        (42, None, ["prompts must be", "int"]),
+        ({"prompt_token_ids": 5}, None, ["prompt_token_ids", "integers"]),
+        ({"prompt_token_ids": None}, None, ["prompt_token_ids", "integers"]),
+        ([{"prompt_token_ids": [1]}], 5, ["sampling_params", "int"]),
+    ],
+)
+def test_wrong_argument_types_are_ctxpar_errors(llm, prompts, params, words):
+    with pytest.raises(CtxparError) as e:
+        llm.generate(prompts, params, use_tqdm=False)
+    for w in words:
+        assert w in str(e.value)
+    assert not llm.engine.has_unfinished_requests()
