@@ -28,11 +28,9 @@ def _range(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: b
     return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
 
 
-def int_error(name: str, value: object, lo: int | None, hi: int | None = None) -> str | None:
-    """Why ``value`` is not an integer in [lo, hi] (None bounds: unbounded), or None if it is."""
-    if is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi):  # type: ignore[operator]
-        return None
-    return f"{name} must be an integer {_range(lo, hi)}, got {value!r}"
+def in_int_range(value: object, lo: int | None, hi: int | None = None) -> bool:
+    """Whether ``value`` is an integer in [lo, hi] (a None bound: unbounded)."""
+    return is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi)  # type: ignore[operator]
 
 
 def check_int(
@@ -44,7 +42,7 @@ def check_int(
     """
     if value is None and none_ok:
         return
-    if int_error(name, value, lo, hi) is not None:
+    if not in_int_range(value, lo, hi):
         alt = " or None" if none_ok else ""
         raise CtxparError(f"{name} must be an integer {_range(lo, hi)}{alt}{why}, got {value!r}")
 
@@ -104,7 +102,7 @@ def int_arg(lo: int, hi: int | None = None) -> Callable[[str], int]:
             value: int | None = int(text)
         except ValueError:
             value = None
-        if value is None or int_error("", value, lo, hi) is not None:
+        if value is None or not in_int_range(value, lo, hi):
             raise argparse.ArgumentTypeError(f"must be an integer {_range(lo, hi)}, got {text!r}")
         return value
 

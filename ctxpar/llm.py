@@ -24,6 +24,7 @@ Message = dict  # {"role": ..., "content": ...}
 
 
 def _as_list(values: Any, expected: str) -> list:
+    """``list(values)``, or a CtxparError saying what was ``expected`` when it is not iterable."""
     try:
         return list(values)
     except TypeError:

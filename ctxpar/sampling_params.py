@@ -53,7 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Normalised view of `stop`, always a list (filled in __post_init__).
+    # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
