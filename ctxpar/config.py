@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ctxpar.checks import THREADS_PER_CORE, check_int, max_threads
+from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
 from ctxpar.errors import CtxparError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
 MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste KV memory
+# Host memory the block manager spends per block on its free list (a deque
+# slot and an int object; measured with tracemalloc), before any KV tensor.
+BLOCK_ID_BYTES = 40
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,17 @@ class EngineConfig:
         # A request needs at least one prompt token and room for one generated token.
         check_int("max_model_len", self.max_model_len, 2, none_ok=True, why=" (a prompt token plus a generated one)")
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
-        # Upper limits of the cache size depend on the model and the device: checked
-        # in ctxpar.worker.kv_cache before anything is allocated.
         check_int("num_kv_blocks", self.num_kv_blocks, 1, none_ok=True)
+        # The cache's own bytes depend on the model and the device: checked in
+        # ctxpar.worker.kv_cache once the model's shape is known, before any
+        # allocation. Its bookkeeping alone is checked here, before the model loads.
+        host = machine_memory_bytes()
+        if self.num_kv_blocks is not None and self.num_kv_blocks * BLOCK_ID_BYTES > host:
+            raise CtxparError(
+                f"num_kv_blocks={self.num_kv_blocks} is beyond this machine: the block ids alone would take "
+                f"{self.num_kv_blocks * BLOCK_ID_BYTES / 2**30:.1f} GiB of its {host / 2**30:.1f} GiB of memory "
+                f"(the KV tensors far more); at most {host // BLOCK_ID_BYTES} blocks, lower num_kv_blocks"
+            )
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

@@ -45,9 +45,9 @@ class LLM:
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise CtxparError(f"unknown LLM argument(s): {', '.join(unknown)}; valid ones: {', '.join(valid)}")
+        self.config = EngineConfig(model=model, **kwargs)  # validated before torch is even imported
         from ctxpar.engine.engine import Engine
 
-        self.config = EngineConfig(model=model, **kwargs)
         self.engine: Engine | None = Engine(self.config)
         self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
 

@@ -296,6 +296,19 @@ def test_huge_num_kv_blocks_fails_fast(tiny_model_dirs):
     assert elapsed < 1.0, f"took {elapsed:.2f} s: something was built before the check"
 
 
+def test_num_kv_blocks_just_beyond_memory_is_refused_before_allocating(tiny_model_dirs):
+    # The tiny llama (conftest): 2 layers, 2 KV heads of 64 / 4 = 16 dims, K and V, fp32, 16 tokens a block.
+    per_block = 2 * (2 * 2 * 16 * 4) * 16
+    blocks = machine_memory_bytes() // per_block + 1  # its block ids fit easily; its KV tensors do not
+    t0 = time.perf_counter()
+    with pytest.raises(CtxparError) as e:
+        LLM(str(tiny_model_dirs["llama"]), num_kv_blocks=blocks)
+    assert time.perf_counter() - t0 < 5.0  # nothing of the cache's size was built first
+    msg = str(e.value)
+    assert f"num_kv_blocks={blocks}" in msg and f"{per_block} bytes per block" in msg
+    assert f"at most {blocks - 1} blocks fit" in msg
+
+
 def test_kv_cache_bytes_beyond_memory_is_refused(tiny_model_dirs):
     too_much = 2 * machine_memory_bytes()
     with pytest.raises(CtxparError) as e:

@@ -132,3 +132,14 @@ def test_engine_config_edges_accepted():
         max_model_len=2, block_size=1 << 16, seed=(1 << 64) - 1, num_threads=max_threads(), pcp_min_tokens=0,
         master_port=65535, num_kv_blocks=1,
     )
+
+
+def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():
+    from ctxpar.checks import machine_memory_bytes
+    from ctxpar.config import BLOCK_ID_BYTES
+
+    most = machine_memory_bytes() // BLOCK_ID_BYTES
+    EngineConfig(num_kv_blocks=most)  # the config alone allocates nothing
+    with pytest.raises(CtxparError) as e:
+        EngineConfig(num_kv_blocks=most + 1)
+    assert f"num_kv_blocks={most + 1}" in str(e.value) and f"at most {most} blocks" in str(e.value)
