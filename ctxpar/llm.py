@@ -23,6 +23,14 @@ PromptType = Union[str, dict]
 Message = dict  # {"role": ..., "content": ...}
 
 
+def _as_list(values: Any, expected: str) -> list:
+    """``list(values)``, or a CtxparError saying what was ``expected`` when it is not iterable."""
+    try:
+        return list(values)
+    except TypeError:
+        raise CtxparError(f"{expected}, got {type(values).__name__}") from None
+
+
 class LLM:
     """An engine for one model, with vLLM's offline ``generate`` and ``chat``.
 
@@ -37,9 +45,9 @@ class LLM:
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise CtxparError(f"unknown LLM argument(s): {', '.join(unknown)}; valid ones: {', '.join(valid)}")
+        self.config = EngineConfig(model=model, **kwargs)  # validated before torch is even imported
         from ctxpar.engine.engine import Engine
 
-        self.config = EngineConfig(model=model, **kwargs)
         self.engine: Engine | None = Engine(self.config)
         self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
 
@@ -61,7 +69,8 @@ class LLM:
                 raise CtxparError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
             return prompt, list(tok.encode(prompt))
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            # Passed on as given: Engine.validate checks it is a sequence of token ids.
+            return prompt.get("prompt"), prompt["prompt_token_ids"]
         raise CtxparError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _prepare(
@@ -72,13 +81,13 @@ class LLM:
         """Tokenize and validate every prompt before any is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts, "prompts must be a prompt or a list of prompts")
         if sampling_params is None:
             params = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = _as_list(sampling_params, "sampling_params must be a SamplingParams, a list of them or None")
             if len(params) != len(prompts):
                 raise CtxparError(
                     f"got {len(params)} sampling params for {len(prompts)} prompts; pass one, or one per prompt"
@@ -100,7 +109,17 @@ class LLM:
         """Generate for every prompt, batched; returns outputs in input order."""
         engine = self._engine
         reqs = self._prepare(prompts, sampling_params)
-        ids = [engine.add_request(tok, p, prompt=text) for text, tok, p in reqs]
+        ids: list[str] = []
+        try:
+            for text, tok, p in reqs:
+                ids.append(engine.add_request(tok, p, prompt=text))
+        except BaseException:
+            # All or nothing: _prepare validated every request, but should
+            # adding one still fail, the ones before it must not stay queued
+            # with nobody left to collect them.
+            for rid in ids:
+                self._abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from ctxpar.checks import check_int
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
 
 BAR_WIDTH = 40
+MAX_POSITION = (1 << 31) - 1  # far beyond any model's context; keeps attention work (sum of position + 1) in int64
+MAX_PCP = 1024
+MAX_STEP_SLOTS = 1 << 24  # ~128 MiB per int64 index map of the layout
+MAX_VIEW_LINES = 1 << 17  # one line per row of each rank: beyond this the text view is unreadable and slow
+MAX_PNG_RANKS = 64  # the figure grows with the ranks: beyond this it exceeds what matplotlib will draw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,22 +55,45 @@ class Batch:
 
 
 def build_batch(args: argparse.Namespace) -> Batch:
-    prompts = np.array(args.prompt_lens, dtype=np.int64)
-    cached = np.zeros_like(prompts) if args.cached is None else np.array(args.cached, dtype=np.int64)
-    if len(cached) != len(prompts):
-        raise CtxparError(f"--cached has {len(cached)} values for {len(prompts)} --prompt-lens: give one per prompt")
-    if (prompts < 1).any():
-        raise CtxparError("--prompt-lens must all be >= 1")
-    if ((cached < 0) | (cached >= prompts)).any():
-        raise CtxparError("each --cached value must be >= 0 and below its prompt length (a step computes >= 1 token)")
-    if args.decodes < 0 or args.decode_context < 1:
-        raise CtxparError("--decodes must be >= 0 and --decode-context >= 1")
-    if args.pcp < 1:
-        raise CtxparError(f"--pcp must be >= 1, got {args.pcp}")
-    if args.replicate_below < 0:
-        raise CtxparError(f"--replicate-below must be >= 0, got {args.replicate_below}")
-    if len(prompts) + args.decodes == 0:
+    """The batch the arguments describe; CtxparError for values outside the stated limits."""
+    for n in args.prompt_lens:
+        check_int("--prompt-lens", n, 1, MAX_POSITION)
+    cached_lens = [0] * len(args.prompt_lens) if args.cached is None else args.cached
+    if len(cached_lens) != len(args.prompt_lens):
+        raise CtxparError(
+            f"--cached has {len(cached_lens)} values for {len(args.prompt_lens)} --prompt-lens: give one per prompt"
+        )
+    for c, n in zip(cached_lens, args.prompt_lens):
+        if not 0 <= c < n:
+            raise CtxparError(
+                f"--cached {c} for a prompt of {n} tokens: each --cached value must be >= 0 and below its "
+                "prompt length (a step computes >= 1 token)"
+            )
+    check_int("--decodes", args.decodes, 0, MAX_POSITION)
+    check_int("--decode-context", args.decode_context, 1, MAX_POSITION)
+    check_int("--pcp", args.pcp, 1, MAX_PCP)
+    check_int("--replicate-below", args.replicate_below, 0, MAX_POSITION)
+    if len(args.prompt_lens) + args.decodes == 0:
         raise CtxparError("nothing to plan: give --prompt-lens and/or --decodes")
+    # The layout holds int64 index maps over every rank's local tokens: split
+    # tokens once in all, replicated ones (decodes, short prompts) once per rank.
+    new = [n - c for n, c in zip(args.prompt_lens, cached_lens)]
+    split = sum(q for q in new if q >= args.replicate_below)
+    slots = split + args.pcp * (sum(new) - split + args.decodes)
+    if slots > MAX_STEP_SLOTS:
+        raise CtxparError(
+            f"this step lays out {slots:,} token slots over {args.pcp} rank(s) (split tokens plus ranks x "
+            f"replicated tokens), more than the {MAX_STEP_SLOTS:,} this view handles; a real step holds "
+            "max_num_batched_tokens (default 2048) tokens: give fewer or shorter prompts, fewer decodes or ranks"
+        )
+    lines = args.pcp * (2 * len(new) + args.decodes)  # a split prompt is at most two rows per rank
+    if lines > MAX_VIEW_LINES:
+        raise CtxparError(
+            f"this view would print up to {lines:,} rows ({args.pcp} rank(s) x ({len(new)} prompt(s) x 2 + "
+            f"{args.decodes} decode(s))), more than {MAX_VIEW_LINES:,}: give fewer prompts, decodes or ranks"
+        )
+    prompts = np.array(args.prompt_lens, dtype=np.int64)
+    cached = np.array(cached_lens, dtype=np.int64)
     return Batch(
         scheduled=np.concatenate([prompts - cached, np.ones(args.decodes, dtype=np.int64)]),
         computed=np.concatenate([cached, np.full(args.decodes, args.decode_context, dtype=np.int64)]),
@@ -158,12 +188,30 @@ def draw_png(batch: Batch, layout: PCPLayout, path: str) -> None:
                 xlabel="sum of position + 1 (dashed: mean)")
     ax_work.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:  # e.g. no permission: the path was checked to exist beforehand
+        raise CtxparError(f"--png {path}: cannot write it: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def check_png_path(args: argparse.Namespace) -> None:
+    """Refuse a --png that cannot be written before planning anything."""
+    if not args.png:
+        return
+    folder = Path(args.png).resolve().parent
+    if not folder.is_dir():
+        raise CtxparError(f"--png {args.png}: the directory {folder} does not exist; create it or pick another path")
+    if args.pcp > MAX_PNG_RANKS:
+        raise CtxparError(
+            f"--png draws at most {MAX_PNG_RANKS} ranks, got --pcp {args.pcp}; drop --png for the text view"
+        )
 
 
 def run(args: argparse.Namespace) -> None:
     batch = build_batch(args)
+    check_png_path(args)
     layout = plan_pcp_layout(
         batch.scheduled, batch.computed, batch.prefilling, args.pcp, args.replicate_below
     )

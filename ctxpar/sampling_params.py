@@ -1,16 +1,25 @@
 """SamplingParams: how one request chooses its tokens and when it stops.
 
 The fields and their defaults follow vLLM's ``SamplingParams`` so code written
-for vLLM's offline API runs unchanged. Values are validated once, at
-construction, with messages that name the value and the limit: a bad value must
-fail before any work is queued.
+for vLLM's offline API runs unchanged. Values are validated at construction
+and again, on their current values, when a request enters the engine (the
+object is mutable, as vLLM's is): a field set after construction is honoured
+and checked, and a bad value fails before any work is queued, with a message
+that names the field, the value and the allowed range.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ctxpar.checks import check_float, check_int, is_int
 from ctxpar.errors import CtxparError
+
+# torch.Generator.manual_seed takes any integer that fits 64 bits, signed or not.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Below this the tempered logits (logits / temperature) overflow float32 and
+# sampling fails; use temperature 0 for greedy decoding.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -44,43 +53,56 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Normalised view of `stop`, always a list (filled in __post_init__).
+    # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        self.validate()
 
-        def is_num(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def validate(self) -> None:
+        """Check every field's current value and re-derive ``stop_strings``.
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise CtxparError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise CtxparError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise CtxparError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
-            raise CtxparError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            raise CtxparError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise CtxparError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise CtxparError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        Raises CtxparError naming the field, the value and the allowed range.
+        The engine calls this again when a request is added, so fields changed
+        after construction are checked and honoured too.
+        """
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0, why=" (0 = greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise CtxparError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the "
+                f"tempered logits), got {self.temperature!r}"
+            )
+        check_float("top_p", self.top_p, 0, 1, lo_open=True)
+        if self.top_k != -1:
+            check_int("top_k (-1 = off)", self.top_k, 1)
+        check_float("min_p", self.min_p, 0, 1)
+        check_int(
+            "seed", self.seed, SEED_MIN, SEED_MAX, none_ok=True,
+            why=" (64 bits, what torch.Generator.manual_seed takes)",
+        )
+        check_int("logprobs", self.logprobs, 0, none_ok=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise CtxparError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
+            stops = [self.stop]
         elif self.stop is None:
-            self.stop_strings = []
+            stops = []
+        elif isinstance(self.stop, (list, tuple)):
+            stops = list(self.stop)
         else:
-            self.stop_strings = list(self.stop)
-        for s in self.stop_strings:
+            raise CtxparError(f"stop must be a string, a list of strings or None, got {self.stop!r}")
+        for s in stops:
             if not isinstance(s, str) or not s:
-                raise CtxparError(f"stop strings must be non-empty strings, got {s!r}")
-        ids = self.stop_token_ids or []
+                raise CtxparError(f"stop strings must be non-empty strings, got {s!r} in stop={self.stop!r}")
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if not isinstance(ids, (list, tuple)):
+            raise CtxparError(f"stop_token_ids must be a list of integers >= 0 or None, got {ids!r}")
         for t in ids:
             if not is_int(t) or t < 0:
-                raise CtxparError(f"stop_token_ids must be integers >= 0, got {t!r}")
+                raise CtxparError(f"stop_token_ids must be integers >= 0, got {t!r} in stop_token_ids={ids!r}")
+        self.stop_strings = stops
         self.stop_token_ids = list(ids)
 
     @property

@@ -17,17 +17,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ctxpar.checks import int_arg, nonnegative_int, positive_int
 from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
 
 ROWS = (1, 64, 256, 1024)
 PCP_SIZES = (2, 4, 8)
 SINGLE_PROMPTS = (10, 1000, 8192)
+MAX_BUDGET = 1 << 24  # the layouts are int64 maps over the step's tokens: ~128 MiB each at this size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeat", type=int, default=20, help="timed calls per planner and configuration (best is reported)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random mixed batches")
-    parser.add_argument("--budget", type=int, default=8192, help="tokens per step in the mixed batches")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=20,
+        help="timed calls per planner and configuration (best is reported)",
+    )
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random mixed batches")
+    parser.add_argument(
+        "--budget", type=int_arg(1, MAX_BUDGET), default=8192, help="tokens per step in the mixed batches"
+    )
 
 
 @dataclass(frozen=True)

@@ -22,20 +22,32 @@ import os
 import time
 from pathlib import Path
 
+from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--num-prompts", type=int, default=16, metavar="N", help="prompts in the workload (default: 16)")
-    p.add_argument("--output-len", type=int, default=64, metavar="N", help="tokens generated per prompt (default: 64)")
-    p.add_argument("--min-prompt-len", type=int, default=64, metavar="N", help="shortest prompt (default: 64)")
-    p.add_argument("--max-prompt-len", type=int, default=1024, metavar="N", help="longest prompt (default: 1024)")
     p.add_argument(
-        "--prefill-len", type=int, default=2048, metavar="N", help="prefill-time prompt (default: 2048, 0: skip)"
+        "--num-prompts", type=positive_int, default=16, metavar="N", help="prompts in the workload (default: 16)"
     )
-    p.add_argument("--threads", type=int, metavar="N", help="torch threads for both engines (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
+    p.add_argument(
+        "--output-len", type=positive_int, default=64, metavar="N", help="tokens generated per prompt (default: 64)"
+    )
+    p.add_argument("--min-prompt-len", type=positive_int, default=64, metavar="N", help="shortest prompt (default: 64)")
+    p.add_argument(
+        "--max-prompt-len", type=positive_int, default=1024, metavar="N", help="longest prompt (default: 1024)"
+    )
+    p.add_argument(
+        "--prefill-len", type=nonnegative_int, default=2048, metavar="N",
+        help="prefill-time prompt (default: 2048, 0: skip)",
+    )
+    p.add_argument(
+        "--threads", type=int_arg(1, max_threads()), metavar="N",
+        help="torch threads for both engines (default: all cores)",
+    )
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
     p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
     p.add_argument("--hf-batched", action="store_true", help="run transformers as one left-padded batch")
 
@@ -126,12 +138,10 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM, SamplingParams
     from ctxpar.errors import CtxparError
 
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+    if args.min_prompt_len > args.max_prompt_len:
         raise CtxparError(
-            f"need 1 <= --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
+            f"need --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
         )
-    if args.num_prompts < 1 or args.output_len < 1:
-        raise CtxparError("--num-prompts and --output-len must be >= 1")
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     with LLM(args.model, num_threads=threads) as llm:

@@ -18,15 +18,17 @@ import time
 
 import numpy as np
 
+from ctxpar.checks import nonnegative_int, positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8128], help="prompt lengths in tokens")
-    p.add_argument("--repeat", type=int, default=2, help="timed runs per length (the best is kept)")
-    p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per configuration")
-    p.add_argument("--pcp-min-tokens", type=int, default=None, help="override pcp_min_tokens at P=2")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[4096, 8128], help="prompt lengths in tokens")
+    p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per length (the best is kept)")
+    p.add_argument("--decode-steps", type=positive_int, default=16, help="decode steps timed per configuration")
+    p.add_argument("--pcp-min-tokens", type=nonnegative_int, default=None, help="override pcp_min_tokens at P=2")
     p.add_argument(
-        "--short", type=int, nargs="*", default=[16, 32, 64, 128, 256, 512],
+        "--short", type=positive_int, nargs="*", default=[16, 32, 64, 128, 256, 512],
         help="short prompt lengths for the split-vs-replicate table (none: skip it)",
     )
 

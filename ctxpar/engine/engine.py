@@ -11,6 +11,7 @@ raises a CtxparError and leaves the requests already in flight untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -57,6 +58,7 @@ class Engine:
             model.num_kv_layers,
             dtype,
             self.max_model_len,
+            next(model.parameters()).device,
         )
         self.block_manager = BlockManager(self.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -76,6 +78,9 @@ class Engine:
         """
         if not isinstance(params, SamplingParams):
             raise CtxparError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # The same checks as at construction, on the current values: fields may
+        # have been set since (sp.stop = [...], sp.max_tokens = 0).
+        params.validate()
         try:
             ids = [operator.index(t) for t in prompt_token_ids]
         except TypeError:
@@ -106,6 +111,9 @@ class Engine:
         """Validate and queue a request; returns its id."""
         params = params if params is not None else SamplingParams()
         ids = self.validate(prompt_token_ids, params)
+        # A private, validated copy: changing the caller's object later cannot
+        # reach a request in flight.
+        params = dataclasses.replace(params)
         index = next(self._arrivals)
         request_id = request_id if request_id is not None else str(index)
         if request_id in self.requests:

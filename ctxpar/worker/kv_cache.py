@@ -12,11 +12,19 @@ import math
 import numpy as np
 import torch
 
+from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
 
 
 def kv_bytes_per_token_per_layer(kv_entry_shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(kv_entry_shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """All the memory of the device the cache would live on (a GPU's, else the machine's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return machine_memory_bytes()
 
 
 def num_kv_blocks(
@@ -27,10 +35,28 @@ def num_kv_blocks(
     num_layers: int,
     dtype: torch.dtype,
     max_model_len: int,
+    device: torch.device,
 ) -> int:
-    """Blocks that fit the budget; an error if one max-length request would not fit."""
+    """Blocks that fit the budget; an error if one max-length request would not
+    fit, or if the cache would not fit in the device's memory.
+
+    Runs before the block manager or the cache tensors exist, so an absurd size
+    is refused at once instead of after (or while) allocating it.
+    """
     per_block = block_size * num_layers * kv_bytes_per_token_per_layer(kv_entry_shape, dtype)
+    memory = device_memory_bytes(device)
+    if num_kv_blocks is None and kv_cache_bytes > memory:
+        raise CtxparError(
+            f"kv_cache_bytes={kv_cache_bytes} ({kv_cache_bytes / 2**30:.1f} GiB per rank) exceeds the "
+            f"{memory / 2**30:.1f} GiB of memory of {device.type}; lower kv_cache_bytes"
+        )
     blocks = num_kv_blocks if num_kv_blocks is not None else kv_cache_bytes // per_block
+    if num_kv_blocks is not None and blocks * per_block > memory:
+        raise CtxparError(
+            f"num_kv_blocks={blocks} needs {blocks * per_block / 2**30:.1f} GiB per rank ({per_block} bytes per "
+            f"block of {block_size} tokens), more than the {memory / 2**30:.1f} GiB of memory of {device.type}; "
+            f"at most {memory // per_block} blocks fit: lower num_kv_blocks"
+        )
     needed = -(-max_model_len // block_size)
     if blocks < needed:
         raise CtxparError(

@@ -1,0 +1,169 @@
+"""Every numeric argument of `ctxpar bench`, `ctxpar plan` and `ctxpar generate`
+is validated before any work: a zero, negative, non-finite or absurd value
+exits 2 with one `error:` line (argparse's usage error or ctxpar's own) and no
+traceback. Nothing here loads a model except the KV-size case."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from ctxpar import cli
+
+# Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
+# prompt, 0 is a seed like any other.
+ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("planner", "--seed"),
+                ("ttft", "--pcp-min-tokens")}
+
+
+def typed_actions(bench: str) -> list[argparse.Action]:
+    """The bench's options that take a typed value (every one of them is numeric)."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(cli.BENCHMARKS[bench][0]).add_arguments(parser)
+    return [a for a in parser._actions if a.option_strings and a.type is not None]
+
+
+def numeric_options(bench: str) -> list[str]:
+    return [a.option_strings[0] for a in typed_actions(bench)]
+
+
+BENCH_CASES = [
+    (bench, option, value)
+    for bench in cli.BENCHMARKS
+    for option in numeric_options(bench)
+    for value in (["-1"] if (bench, option) in ZERO_ALLOWED else ["0", "-1"])
+]
+
+
+def test_every_bench_has_numeric_options_covered():
+    assert {b for b, _, _ in BENCH_CASES} == set(cli.BENCHMARKS)
+    assert len(BENCH_CASES) >= 20
+    # A bare `type=int` accepts 0 and negatives: each option must use a validating type.
+    bare = [(b, a.dest) for b in cli.BENCHMARKS for a in typed_actions(b) if a.type in (int, float)]
+    assert not bare
+
+
+@pytest.mark.parametrize("bench, option, value", BENCH_CASES)
+def test_bench_refuses_zero_and_negative(bench, option, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", bench, option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: must be an integer " in err
+    assert repr(value) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bench, option", sorted(ZERO_ALLOWED))
+def test_zero_where_it_means_something_is_accepted(bench, option):
+    args = cli.build_parser().parse_args(["bench", bench, option, "0"])
+    assert getattr(args, option.lstrip("-").replace("-", "_")) == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "planner", "--budget", str(1 << 30)],  # index maps of a billion tokens
+        ["bench", "planner", "--repeat", "x"],
+        ["bench", "throughput", "--threads", "100000"],
+        ["bench", "ttft", "--lengths", "4096", "0"],  # each value of a list
+        ["bench", "ttft", "--short", "16", "-4"],
+    ],
+)
+def test_bench_refuses_other_bad_values(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and "Traceback" not in err
+
+
+def test_throughput_prompt_lengths_in_order(capsys):
+    assert cli.main(["bench", "throughput", "--min-prompt-len", "100", "--max-prompt-len", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--min-prompt-len <= --max-prompt-len" in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--prompt-lens", "0"], ["--prompt-lens", "0"]),
+        (["--prompt-lens", str(10**10)], ["--prompt-lens", "2147483647"]),
+        (["--prompt-lens", "10", "--cached", "-1"], ["--cached", "-1"]),
+        (["--decodes", "-1"], ["--decodes", "-1"]),
+        (["--decodes", str(10**11)], ["--decodes", "2147483647"]),
+        (["--decodes", "1", "--decode-context", "0"], ["--decode-context", "0"]),
+        (["--decodes", "1", "--decode-context", str(10**19)], ["--decode-context", "2147483647"]),
+        (["--prompt-lens", "10", "--pcp", "-1"], ["--pcp", "-1"]),
+        (["--prompt-lens", "10", "--pcp", str(10**8)], ["--pcp", "1024"]),
+        (["--prompt-lens", "100000000", "100000000"], ["token slots", "16,777,216"]),
+        (["--decodes", "10000", "--pcp", "1024"], ["rows", "131,072"]),
+        (["--prompt-lens", "10", "--pcp", "100", "--png", "x.png"], ["--png", "64 ranks"]),
+        (["--prompt-lens", "10", "--png", "/no/such/dir/x.png"], ["--png", "/no/such/dir", "does not exist"]),
+    ],
+)
+def test_plan_refuses_bad_and_huge_values(argv, words, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-tokens", "0"], ["max_tokens", "0"]),
+        (["--max-tokens", "-3"], ["max_tokens", "-3"]),
+        (["--temperature", "nan"], ["temperature", "finite", "nan"]),
+        (["--temperature", "inf"], ["temperature", "finite", "inf"]),
+        (["--temperature", "-1"], ["temperature", "-1"]),
+        (["--top-p", "0"], ["top_p", "(0, 1]"]),
+        (["--top-p", "nan"], ["top_p", "nan"]),
+        (["--top-k", "0"], ["top_k", "0"]),
+        (["--min-p=-inf"], ["min_p", "-inf"]),
+        (["--seed", str(1 << 64)], ["seed", "64 bits"]),
+        (["--max-model-len", "1"], ["max_model_len", ">= 2"]),
+        (["--max-model-len", "-1"], ["max_model_len", "-1"]),
+        (["--max-num-batched-tokens", "0"], ["max_num_batched_tokens", "0"]),
+        (["--block-size", "0"], ["block_size", "0"]),
+        (["--kv-cache-blocks", "-1"], ["num_kv_blocks", "-1"]),
+        (["--pcp", "0"], ["pcp_size", "0"]),
+        (["--pcp-min-tokens", "-1"], ["pcp_min_tokens", "-1"]),
+        (["--master-port", "70000"], ["master_port", "65535"]),
+        (["--master-port", "0"], ["master_port", "0"]),
+        (["--threads", "0"], ["num_threads", "0"]),
+        (["--threads", "1000000"], ["num_threads", "1000000"]),
+    ],
+)
+def test_generate_refuses_bad_values_before_loading(argv, words, capsys):
+    assert cli.main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_generate_huge_kv_cache_refused(tiny_model_dirs, capsys):
+    assert cli.main(["generate", "--model", str(tiny_model_dirs["llama"]), "--kv-cache-blocks", str(10**9)]) == 2
+    err = capsys.readouterr().err
+    # Refused from the config (block ids vs this machine's memory) or, on a
+    # machine big enough for those, from the KV size once the model's shape is known.
+    assert err.startswith("error: num_kv_blocks=1000000000 ") and "memory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "ttft", "--repeat", "0"],
+        ["plan", "--prompt-lens", "10", "--png", "/no/such/dir/x.png"],
+        ["generate", "--temperature", "nan"],
+    ],
+)
+def test_real_process_exits_2_with_one_error_line(argv):
+    r = subprocess.run([sys.executable, "-m", "ctxpar.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "error: " in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr

@@ -1,0 +1,145 @@
+"""SamplingParams and EngineConfig refuse every bad value with a CtxparError
+naming the field, the value and the allowed range; valid values pass through
+unchanged. No model is loaded here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar import CtxparError, SamplingParams
+from ctxpar.checks import max_threads
+from ctxpar.config import EngineConfig
+from ctxpar.sampling_params import SEED_MAX, SEED_MIN
+
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+valid_params = st.fixed_dictionaries(
+    {
+        "max_tokens": st.integers(1, 1 << 40),
+        "temperature": st.one_of(st.just(0.0), st.floats(1e-6, 1e6)),
+        "top_p": st.floats(0, 1, exclude_min=True),
+        "top_k": st.one_of(st.just(-1), st.integers(1, 1 << 20)),
+        "min_p": st.floats(0, 1),
+        "seed": st.one_of(st.none(), st.integers(SEED_MIN, SEED_MAX)),
+        "stop": st.one_of(st.none(), st.text(min_size=1), st.lists(st.text(min_size=1), max_size=3)),
+        "stop_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 1 << 20), max_size=3)),
+        "ignore_eos": st.booleans(),
+        "logprobs": st.one_of(st.none(), st.integers(0, 100)),
+        "skip_special_tokens": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(valid_params)
+def test_any_valid_sampling_params_round_trip(kwargs):
+    sp = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        if name != "stop_token_ids":
+            assert getattr(sp, name) == value
+    stops = kwargs["stop"]
+    assert sp.stop_strings == ([] if stops is None else [stops] if isinstance(stops, str) else stops)
+    assert sp.stop_token_ids == (kwargs["stop_token_ids"] or [])
+    # Validating again (what the engine does when the request is added) and
+    # copying (the engine's private snapshot) change nothing.
+    sp.validate()
+    assert dataclasses.replace(sp) == sp
+    if sp.seed is not None:  # every accepted seed is one torch takes
+        torch.Generator().manual_seed(sp.seed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(valid_params, st.sampled_from(FLOAT_FIELDS), st.sampled_from([math.nan, -math.nan, math.inf, -math.inf]))
+def test_any_non_finite_float_is_refused(kwargs, name, value):
+    with pytest.raises(CtxparError) as e:
+        SamplingParams(**{**kwargs, name: value})
+    assert f"{name} must be a finite number" in str(e.value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(FLOAT_FIELDS), st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_non_finite_float_set_after_construction_is_refused_on_validate(name, value):
+    sp = SamplingParams()
+    setattr(sp, name, value)
+    with pytest.raises(CtxparError, match=name):
+        sp.validate()
+
+
+@pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, SEED_MAX])
+def test_seed_limits_are_torchs(seed):
+    SamplingParams(seed=seed)
+    torch.Generator().manual_seed(seed)
+    for outside in (SEED_MIN - 1, SEED_MAX + 1):
+        with pytest.raises((ValueError, RuntimeError)):
+            torch.Generator().manual_seed(outside)  # the limit is torch's own, not an invention
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(seed="x"), ["seed", "'x'"]),
+        (dict(seed=True), ["seed", "True"]),
+        (dict(seed=1.5), ["seed", "1.5"]),
+        (dict(seed=-1), ["seed", "[0,", "-1"]),
+        (dict(seed=1 << 64), ["seed", str((1 << 64) - 1)]),
+        (dict(max_model_len=1), ["max_model_len", ">= 2", "1"]),
+        (dict(max_model_len=0), ["max_model_len", "0"]),
+        (dict(max_model_len=100.0), ["max_model_len", "100.0"]),
+        (dict(block_size=0), ["block_size", "[1, 65536]", "0"]),
+        (dict(block_size=1 << 20), ["block_size", "65536", str(1 << 20)]),
+        (dict(block_size=True), ["block_size", "True"]),
+        (dict(num_kv_blocks=0), ["num_kv_blocks", "0"]),
+        (dict(num_kv_blocks=-5), ["num_kv_blocks", "-5"]),
+        (dict(num_kv_blocks=2.0), ["num_kv_blocks", "2.0"]),
+        (dict(kv_cache_bytes=0), ["kv_cache_bytes", "0"]),
+        (dict(max_num_seqs=0), ["max_num_seqs", "0"]),
+        (dict(max_num_batched_tokens=-1), ["max_num_batched_tokens", "-1"]),
+        (dict(pcp_size=0), ["pcp_size", "0"]),
+        (dict(pcp_size=True), ["pcp_size", "True"]),
+        (dict(pcp_size="2"), ["pcp_size", "'2'"]),
+        (dict(pcp_min_tokens=-1), ["pcp_min_tokens", ">= 0", "-1"]),
+        (dict(pcp_min_tokens=False), ["pcp_min_tokens", "False"]),
+        (dict(num_threads=0), ["num_threads", "0"]),
+        (dict(num_threads=max_threads() + 1), ["num_threads", f"[1, {max_threads()}]", str(max_threads() + 1)]),
+        (dict(num_threads=10**9), ["num_threads", str(10**9)]),
+        (dict(dtype="float64"), ["dtype", "float32", "'float64'"]),
+        (dict(dtype=torch.float32), ["dtype", "torch.float32"]),
+        (dict(device="tpu"), ["device", "'tpu'"]),
+        (dict(master_port=0), ["master_port", "[1, 65535]", "0"]),
+        (dict(master_port=65536), ["master_port", "65536"]),
+        (dict(master_port="29500"), ["master_port", "'29500'"]),
+        (dict(master_port=True), ["master_port", "True"]),
+        (dict(master_addr=""), ["master_addr", "''"]),
+        (dict(master_addr=None), ["master_addr", "None"]),
+        (dict(model=42), ["model", "42"]),
+    ],
+)
+def test_bad_engine_config(kwargs, words):
+    with pytest.raises(CtxparError) as e:
+        EngineConfig(**kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_engine_config_edges_accepted():
+    EngineConfig(
+        max_model_len=2, block_size=1 << 16, seed=(1 << 64) - 1, num_threads=max_threads(), pcp_min_tokens=0,
+        master_port=65535, num_kv_blocks=1,
+    )
+
+
+def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():
+    from ctxpar.checks import machine_memory_bytes
+    from ctxpar.config import BLOCK_ID_BYTES
+
+    most = machine_memory_bytes() // BLOCK_ID_BYTES
+    EngineConfig(num_kv_blocks=most)  # the config alone allocates nothing
+    with pytest.raises(CtxparError) as e:
+        EngineConfig(num_kv_blocks=most + 1)
+    assert f"num_kv_blocks={most + 1}" in str(e.value) and f"at most {most} blocks" in str(e.value)
