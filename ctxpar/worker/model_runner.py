@@ -106,7 +106,7 @@ class ModelRunner:
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool
     ) -> torch.Tensor | None:
         q = plan.num_scheduled_tokens.astype(np.int64)
-        last = np.cumsum(q)[plan.needs_logits & (q > 0)] - 1  # (S,) global index of sampled tokens
+        last = np.cumsum(q)[plan.needs_logits] - 1  # (S,) global index of sampled tokens
         where = layout.hidden_restore_idx[last]  # (S,) gathered position of the authoritative copy
         if not split:
             # Rank 0 holds every authoritative copy itself (gathered position == local index).
