@@ -205,10 +205,11 @@ def test_unseeded_sampling_is_reproducible_per_engine_seed(tiny_model_dirs):
     prompts = [{"prompt_token_ids": [1, 2, 3]}] * 2
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = []
-    for _ in range(2):
-        with LLM(str(tiny_model_dirs["qwen3"]), seed=7, **SMALL) as llm:
+    for seed in (7, 7, 8):
+        with LLM(str(tiny_model_dirs["qwen3"]), seed=seed, **SMALL) as llm:
             runs.append(token_ids(llm.generate(prompts, sp, use_tqdm=False)))
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # two requests: two streams
+    assert runs[2] != runs[0] and runs[2][0] != runs[0][0]  # the engine seed is used
 
 
 def test_interleaved_streams_and_generate_share_the_engine(text_llm):

@@ -32,14 +32,15 @@ def make_req(i: int, prompt_len: int, max_tokens: int = 4) -> Request:
 
 
 def finish_step(sched: Scheduler, batch, token: int = 5) -> list[Request]:
-    """Act as the engine: append a token to every sampling row, finish at max_tokens."""
-    done = []
-    for req, need in zip(batch.requests, batch.plan.needs_logits):
-        if need:
-            req.output_token_ids.append(token)
-            if len(req.output_token_ids) >= req.params.max_tokens:
-                sched.finish(req)
-                done.append(req)
+    """Act as the engine after a successful step: append a token to every
+    sampling row, commit the step, finish at max_tokens."""
+    sampled = [req for req, need in zip(batch.requests, batch.plan.needs_logits) if need]
+    for req in sampled:
+        req.output_token_ids.append(token)
+    sched.commit(batch)
+    done = [req for req in sampled if len(req.output_token_ids) >= req.params.max_tokens]
+    for req in done:
+        sched.finish(req)
     return done
 
 
@@ -178,6 +179,17 @@ def test_random_workload_plans_are_consistent(seed):
                 break
             continue
         p = batch.plan
+        if rng.random() < 0.2:
+            # A step that fails part-way: it wrote some of its slots (with garbage), and
+            # is never committed. Every request must recompute them before reading.
+            for i, req in enumerate(batch.requests):
+                c, q = int(p.num_computed_tokens[i]), int(p.num_scheduled_tokens[i])
+                assert req.num_computed_tokens == c
+                table = p.block_tables[i]
+                for pos in range(c, c + int(rng.integers(0, q + 1))):
+                    cache[int(table[pos // block_size] * block_size + pos % block_size)] = ("failed", pos, -1)
+            bm.check_integrity()
+            continue
         assert p.num_tokens <= budget and p.num_rows <= max_seqs and len(sched.running) <= max_seqs
         assert len({r.request_id for r in batch.requests}) == p.num_rows
         seen_prefill = False
@@ -185,7 +197,7 @@ def test_random_workload_plans_are_consistent(seed):
         for i, req in enumerate(batch.requests):
             c, q = int(p.num_computed_tokens[i]), int(p.num_scheduled_tokens[i])
             total = req.num_tokens
-            assert q >= 1 and c + q <= total and req.num_computed_tokens == c + q
+            assert q >= 1 and c + q <= total and req.num_computed_tokens == c  # advanced only by commit
             decode = q == 1 and c == total - 1 and c >= req.num_prompt_tokens
             assert p.is_prefilling[i] == (not decode)
             assert not (decode and seen_prefill), "decodes come before prefills"
@@ -205,8 +217,10 @@ def test_random_workload_plans_are_consistent(seed):
                 cache[slot(pos)] = (req.request_id, pos, ids[k])
             if p.needs_logits[i]:
                 req.output_token_ids.append(fake_token(context + ids))
-                if len(req.output_token_ids) >= req.params.max_tokens:
-                    sched.finish(req)
+        sched.commit(batch)
+        for req in batch.requests:
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                sched.finish(req)
         bm.check_integrity()
     assert arrivals == n_req and all(r.finished for r in reqs)
     for r in reqs:

@@ -159,30 +159,51 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that got a new token (finished
-        ones included, each for the last time: the engine then forgets them)."""
+        ones included, each for the last time: the engine then forgets them).
+
+        A step is all or nothing. If running or sampling it raises (any
+        exception, KeyboardInterrupt included), no request has advanced: each
+        keeps its computed-token count, its tokens and its RNG state, so the
+        step is simply scheduled again. The exception goes to the caller.
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        self.num_steps += 1
         now = time.perf_counter()
         for req in batch.requests:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        logits = self.executor.execute(batch.plan)
         sampling = [r for r, need in zip(batch.requests, batch.plan.needs_logits) if need]
-        out = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        generators = [r.generator for r in sampling]
+        # Rows sampled before a failing one have drawn from their generators already.
+        rng_states = [g.get_state() if g is not None else None for g in generators]
+        try:
+            logits = self.executor.execute(batch.plan)
+            out = self.sampler(logits, [r.params for r in sampling], generators)
+        except BaseException:
+            for g, state in zip(generators, rng_states):
+                if g is not None:
+                    g.set_state(state)
+            raise
+        # Success: record the tokens, then commit. In this order an interruption in
+        # between still leaves a valid request (a known token not yet cached is recomputed).
+        for req, token in zip(sampling, out.token_ids):
+            req.output_token_ids.append(token)
+        self.scheduler.commit(batch)
+        self.num_steps += 1
         now = time.perf_counter()
         outputs = []
-        for req, token, lp in zip(sampling, out.token_ids, out.logprobs):
-            self._append_token(req, token, lp, now)
+        for req, lp in zip(sampling, out.logprobs):
+            self._check_new_token(req, lp, now)
             outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
                 del self._detok[req.request_id]
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        req.output_token_ids.append(token)
+    def _check_new_token(self, req: Request, logprobs: dict[int, float] | None, now: float) -> None:
+        """Metrics, logprobs, text and stop conditions of the token just appended."""
+        token = req.output_token_ids[-1]
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         if logprobs is not None and req.logprobs is not None:

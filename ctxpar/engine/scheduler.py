@@ -73,8 +73,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Plan the next step, or None if there is nothing to run.
 
-        Advances each scheduled request's ``num_computed_tokens`` by its
-        scheduled count: the plan is a commitment to compute those tokens.
+        Admits, preempts and allocates blocks, which leaves every request in a
+        valid state whether or not the step then runs; ``num_computed_tokens``
+        moves only in ``commit``, once the step has succeeded.
         """
         bm = self.block_manager
         budget = self.max_num_batched_tokens
@@ -129,10 +130,19 @@ class Scheduler:
 
         if not rows:
             return None
-        plan = self._build_plan(rows)
-        for req, q in rows:
+        return ScheduledBatch(plan=self._build_plan(rows), requests=[r for r, _ in rows], preempted=preempted)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Record that ``batch`` ran: its tokens are now in the KV cache.
+
+        Called only after the step's execute and sampling both succeeded, so a
+        failed step leaves every request's count as it was and its tokens are
+        simply scheduled again. (Blocks allocated for a failed step stay with
+        their request, which will fill them when it runs; preempted requests
+        stay queued. Both are states a successful step can leave too.)
+        """
+        for req, q in zip(batch.requests, batch.plan.num_scheduled_tokens.tolist()):
             req.num_computed_tokens += q
-        return ScheduledBatch(plan=plan, requests=[r for r, _ in rows], preempted=preempted)
 
     def _make_room(
         self, req: Request, num_tokens: int, scheduled: set[str], preempted: list[Request], may_preempt_self: bool

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from datetime import timedelta
 
 import torch
@@ -43,12 +44,15 @@ class PCPGroup:
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
+        # Data-group collectives made so far, by kind ("all_gather", "gather_to_first").
+        self.num_collectives: Counter[str] = Counter()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
         t0 = time.perf_counter()
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         _all_gather(out, x.contiguous(), group=self.data)
+        self.num_collectives["all_gather"] += 1
         self.comm_seconds += time.perf_counter() - t0
         return out
 
@@ -57,6 +61,7 @@ class PCPGroup:
         t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x.contiguous(), parts, dst=0, group=self.data)
+        self.num_collectives["gather_to_first"] += 1
         self.comm_seconds += time.perf_counter() - t0
         return torch.stack(parts) if parts is not None else None
 

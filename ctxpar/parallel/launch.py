@@ -111,17 +111,29 @@ class MultiRankExecutor:
             self.close(graceful=False)
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {self._why(e)}") from e
 
+    # Why the ranks were stopped, once execute has stopped them; None while they run.
+    _stopped_because: str | None = None
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.group is None:
-            raise RankFailure("the PCP ranks were shut down after an earlier failure; create a new LLM")
+            why = self._stopped_because or "they were shut down after an earlier failure"
+            raise RankFailure(f"the PCP ranks were stopped: {why}; create a new LLM")
         self._check_alive()
         try:
             self.group.broadcast_object(plan)
             return self.runner.execute(plan)
         except Exception as e:
             why = self._why(e)
+            self._stopped_because = f"a rank failed during a step ({why})"
             self.close(graceful=False)
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e
+        except BaseException as e:
+            # KeyboardInterrupt (or SystemExit) on rank 0 mid-step: the other ranks are
+            # inside this step's collectives and cannot be led out of them, so stop them
+            # now, and let the interrupt through.
+            self._stopped_because = f"a step was interrupted ({type(e).__name__})"
+            self.close(graceful=False)
+            raise
 
     def _check_alive(self) -> None:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]

@@ -64,14 +64,15 @@ class ModelRunner:
         global_slots = self._global_slots(plan)  # (T,)
         to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
 
+        # Which of the KV entries an attention layer holds get written, as a mask over exactly
+        # those entries: the P*n gathered ones in a split step, the n local ones otherwise.
         if split:
             # Every rank writes every token of the step (rank 0's copy of replicated rows).
-            write_src = np.flatnonzero(layout.kv_write_mask)
-            write_slots = global_slots[layout.padded_gather_idx[write_src]]
+            writes, token_of = layout.kv_write_mask, layout.padded_gather_idx
         else:
             # No gather: each rank writes its own (identical) copy of every token.
-            write_src = np.flatnonzero(~rows.is_padding)
-            write_slots = global_slots[rows.token_idx[write_src]]
+            writes, token_of = ~rows.is_padding, rows.token_idx
+        write_src = np.flatnonzero(writes)
         ctx = ForwardContext(
             query_start_loc=rows.query_start_loc.tolist(),
             start_pos=rows.start_pos.tolist(),
@@ -80,8 +81,8 @@ class ModelRunner:
                 to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
                 for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
             ],
-            write_src=None if len(write_src) == len(rows.is_padding) else to_dev(write_src),
-            write_slots=to_dev(write_slots),
+            write_src=None if writes.all() else to_dev(write_src),
+            write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
             gather=self.group.all_gather if split else None,
         )
@@ -105,7 +106,7 @@ class ModelRunner:
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool
     ) -> torch.Tensor | None:
         q = plan.num_scheduled_tokens.astype(np.int64)
-        last = np.cumsum(q)[plan.needs_logits & (q > 0)] - 1  # (S,) global index of sampled tokens
+        last = np.cumsum(q)[plan.needs_logits] - 1  # (S,) global index of sampled tokens
         where = layout.hidden_restore_idx[last]  # (S,) gathered position of the authoritative copy
         if not split:
             # Rank 0 holds every authoritative copy itself (gathered position == local index).

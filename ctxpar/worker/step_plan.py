@@ -34,3 +34,7 @@ class StepPlan:
     def __post_init__(self) -> None:
         if int(self.num_scheduled_tokens.sum()) != len(self.input_ids):
             raise ValueError("StepPlan: input_ids length must equal the sum of num_scheduled_tokens")
+        # Every row computes at least one token, so "the rows with needs_logits" means the
+        # same rows to the runner (which returns their logits) and the engine (which samples them).
+        if self.num_rows == 0 or self.num_scheduled_tokens.min() < 1:
+            raise ValueError("StepPlan: every row must schedule at least one token")
