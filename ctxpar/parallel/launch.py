@@ -5,27 +5,51 @@ other ranks are either spawned here with torch.multiprocessing, or started by
 torchrun (the torch.distributed environment variables are set): then every
 process runs the same program, rank 0 drives and the others serve in
 ``MultiRankExecutor.__init__`` until rank 0 shuts down, and then exit.
+
+Ranks meet through the handshake of startup.py; spawned workers ignore
+SIGINT (a terminal's Ctrl-C reaches the whole process group): their lifetime
+is rank 0's to decide, and rank 0 stops them when it is interrupted.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
-from ctxpar.errors import CtxparError
-from ctxpar.parallel.comm import DATA_TIMEOUT_S, PCPGroup, torchrun_env
+from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.parallel import startup
+from ctxpar.parallel.comm import (
+    DATA_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    PCPGroup,
+    TorchrunEnv,
+    check_local_address,
+    open_store,
+    torchrun_env,
+)
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.step_plan import StepPlan
 
+__all__ = ["MultiRankExecutor", "RankFailure", "check_launch", "free_port", "max_local_ranks"]
 
-class RankFailure(RuntimeError):
-    """A PCP rank died or failed: the engine cannot continue."""
+# Each executor's handshake keys get their own prefix: under torchrun the
+# agent's store outlives an LLM, and every process creates its LLMs in the
+# same order, so the n-th LLM of every rank meets under "ctxpar/n/".
+_executor_serial = itertools.count()
+
+# Spawning more CPU ranks than cores only time-slices them; a few are still
+# allowed on small machines (tests, trying PCP out), no more.
+MIN_CPU_RANK_LIMIT = 8
 
 
 def free_port() -> int:
@@ -38,6 +62,56 @@ def threads_per_rank(config: EngineConfig) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.pcp_size)
 
 
+def max_local_ranks(device: torch.device) -> int:
+    """How many ranks may be spawned on this machine: one per GPU on CUDA;
+    on CPU one per usable core, but at least MIN_CPU_RANK_LIMIT."""
+    if device.type == "cuda":
+        return torch.cuda.device_count()
+    return max(MIN_CPU_RANK_LIMIT, len(os.sched_getaffinity(0)))
+
+
+def check_launch(config: EngineConfig) -> None:
+    """Under torchrun the world size rules: every process it started must be a
+    PCP rank, else each would run an engine of its own (pcp_size=1 included)
+    and print everything once per process. Raised on every rank."""
+    env = torchrun_env()
+    if env is not None and env.world_size != config.pcp_size:
+        raise CtxparError(
+            f"torchrun started {env.world_size} processes but pcp_size is {config.pcp_size} (this is rank "
+            f"{env.rank}); pass --pcp {env.world_size} (pcp_size={env.world_size}), or start "
+            f"{config.pcp_size} process(es) in all (--nnodes x --nproc-per-node)"
+        )
+
+
+def _check_fits_machine(config: EngineConfig, device: torch.device) -> None:
+    """Refuse before spawning anything: each rank is a process with its own model."""
+    n, limit = config.pcp_size, max_local_ranks(device)
+    if n <= limit:
+        return
+    if device.type == "cuda":
+        why = f"needs one GPU per rank but {limit} are visible"
+    else:
+        cores = len(os.sched_getaffinity(0))
+        why = (
+            f"is more CPU ranks than this machine runs: the limit is {limit} (its {cores} usable cores, "
+            f"at least {MIN_CPU_RANK_LIMIT}; more ranks than cores only share them)"
+        )
+    raise CtxparError(f"pcp_size={n} {why}; use pcp_size <= {limit}, or torchrun to spread the ranks over machines")
+
+
+def _refuse_in_bootstrapping_child() -> None:
+    """A spawned rank re-imports the main module; a script without a main
+    guard then creates an LLM in the child too. Exit with one line (rank 0
+    names this rank and the fix) instead of multiprocessing's traceback."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        print(
+            'ctxpar: a spawned PCP rank is importing a main module that creates an LLM; put it under `if __name__ == "__main__":`',
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
+
+
 def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) -> ModelRunner:
     from ctxpar.worker.executor import DTYPES
 
@@ -46,23 +120,48 @@ def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) 
     )
 
 
+def _join(config: EngineConfig, store: dist.Store, rank: int, device: torch.device, model, num_blocks: int):
+    """A worker with its model loaded: handshake, then (group, runner)."""
+    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
+    group = PCPGroup(rank, config.pcp_size, device, store)
+    return group, _make_runner(config, model, num_blocks, group)
+
+
 def _serve(runner: ModelRunner, group: PCPGroup) -> None:
     """A worker's whole life: run every plan rank 0 sends, until it sends None."""
-    while (plan := group.broadcast_object()) is not None:
+    while True:
+        try:
+            plan = group.broadcast_object()
+        except Exception as e:  # rank 0 died or was stopped mid-step: nothing to report to
+            print(f"ctxpar: PCP rank {group.rank} lost rank 0 ({startup.first_line(e)}); exiting", file=sys.stderr)
+            sys.exit(1)
+        if plan is None:
+            return
         runner.execute(plan)
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, num_blocks: int) -> None:
+def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, num_blocks: int) -> None:
+    """Entry point of a spawned rank."""
     from ctxpar.models.loader import load_model
     from ctxpar.worker.executor import DTYPES, resolve_device
 
+    # Started with SIGINT blocked (see _spawn): ignore it, then unblock.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    store = None
     try:
         torch.set_num_threads(threads_per_rank(config))
+        store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
+        store.set(f"started/{rank}", "")
         device = resolve_device(config, rank)
-        group = PCPGroup(rank, config.pcp_size, device, init_method)
         loaded = load_model(config.model, DTYPES[config.dtype], device, config.max_model_len)
-        runner = _make_runner(config, loaded.model, num_blocks, group)
-        group.barrier()  # model loaded
+        group, runner = _join(config, store, rank, device, loaded.model, num_blocks)
+    except Exception as e:
+        startup.report_failure(store, rank, e)
+        if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
+            print(f"ctxpar: PCP rank {rank} failed to start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    try:
         _serve(runner, group)
         group.close()
     except Exception:
@@ -78,38 +177,64 @@ class MultiRankExecutor:
 
         self.procs: list[mp.Process] = []
         self.group: PCPGroup | None = None
+        self.store: dist.Store | None = None
+        check_launch(config)
         env = torchrun_env()
-        if env is not None:
-            rank, world, local_rank, init_method = env
-            if world != config.pcp_size:
-                raise CtxparError(f"torchrun started {world} processes but pcp_size={config.pcp_size}; make them equal")
-        else:
-            rank, local_rank = 0, 0
-            init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
-        device = resolve_device(config, local_rank)
-        if device.type == "cuda" and env is None and config.pcp_size > torch.cuda.device_count():
-            raise CtxparError(
-                f"pcp_size={config.pcp_size} needs one GPU per rank but {torch.cuda.device_count()} are visible"
-            )
-        torch.set_num_threads(threads_per_rank(config))
+        rank = env.rank if env is not None else 0
+        device = resolve_device(config, env.local_rank if env is not None else 0)
         if env is None:
-            spawn = mp.get_context("spawn")
+            _refuse_in_bootstrapping_child()
+            _check_fits_machine(config, device)
+            check_local_address(config.master_addr)
+        torch.set_num_threads(threads_per_rank(config))
+        prefix = f"ctxpar/{next(_executor_serial)}/"
+        if env is None:
+            # port 0: the store binds a free port itself (no race with other jobs).
+            server = open_store(config.master_addr, config.master_port or 0, is_master=True)
+            self.store = dist.PrefixStore(prefix, server)
+            self._spawn(config, server.port, prefix, num_blocks)
+        else:
+            self.store = dist.PrefixStore(prefix, _torchrun_store(env))
+        if rank != 0:
+            self._serve_torchrun_worker(config, rank, device, loaded.model, num_blocks)  # never returns
+        try:
+            startup.lead(self.store, config.pcp_size, dict(enumerate(self.procs, start=1)), time.monotonic() + STARTUP_TIMEOUT_S)
+            self.group = PCPGroup(0, config.pcp_size, device, self.store)
+            self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
+        except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
+            startup.abandon(self.store, startup.first_line(e))
+            why = self._why(e) if isinstance(e, Exception) else ""  # before close() forgets the processes
+            self.close(graceful=False)
+            if isinstance(e, RankFailure) or not isinstance(e, Exception):
+                raise
+            raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
+
+    def _spawn(self, config: EngineConfig, port: int, prefix: str, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        # The children inherit this thread's signal mask: with SIGINT blocked
+        # while they start, a Ctrl-C during their imports cannot make them
+        # print a traceback; _worker_main ignores SIGINT and unblocks it.
+        # (Rank 0 still gets the Ctrl-C: its other threads take it.)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             for r in range(1, config.pcp_size):
-                p = spawn.Process(target=_worker_main, args=(config, r, init_method, num_blocks), daemon=True)
+                args = (config, r, config.master_addr, port, prefix, num_blocks)
+                p = ctx.Process(target=_worker_main, args=args, daemon=True)
                 p.start()
                 self.procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _serve_torchrun_worker(self, config: EngineConfig, rank: int, device: torch.device, model, num_blocks: int):
+        """A non-zero torchrun rank: serve rank 0, then leave with the rest of the program."""
         try:
-            self.group = PCPGroup(rank, config.pcp_size, device, init_method)
-            self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
-            if rank != 0:  # torchrun worker: serve, then leave with the rest of the program
-                self.group.barrier()
-                _serve(self.runner, self.group)
-                self.group.close()
-                sys.exit(0)
-            self.group.barrier()  # returns once every worker has loaded its model
+            self.group, self.runner = _join(config, self.store, rank, device, model, num_blocks)
         except Exception as e:
-            self.close(graceful=False)
-            raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {self._why(e)}") from e
+            startup.report_failure(self.store, rank, e)
+            raise
+        _serve(self.runner, self.group)
+        self.group.close()
+        sys.exit(0)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.group is None:
@@ -123,16 +248,22 @@ class MultiRankExecutor:
             self.close(graceful=False)
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e
 
+    def _dead(self) -> list[tuple[int, mp.Process]]:
+        return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+
     def _check_alive(self) -> None:
-        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
+        dead = self._dead()
         if dead:
             self.close(graceful=False)
-            raise RankFailure(", ".join(f"PCP rank {r} exited with code {c}" for r, c in dead))
+            raise RankFailure(", ".join(f"PCP rank {r} {startup.exit_reason(p.exitcode)}" for r, p in dead))
 
-    def _why(self, e: Exception) -> str:
-        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs) if not p.is_alive()]
-        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return "; ".join(dead) + f" ({cause})" if dead else f"{cause} (no rank answered within {DATA_TIMEOUT_S} s?)"
+    def _why(self, e: BaseException) -> str:
+        """Why a collective failed: the ranks that died (read before close()
+        forgets them), else the error, which after DATA_TIMEOUT_S means a hung rank."""
+        dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
+        if dead:
+            return "; ".join(dead) + f" ({startup.first_line(e)})"
+        return f"{startup.first_line(e)} (a rank that stays silent for {DATA_TIMEOUT_S} s counts as failed)"
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)
@@ -151,6 +282,13 @@ class MultiRankExecutor:
         self.procs = []
         if group is not None:
             group.close()
+        self.store = None  # rank 0's store server (spawned ranks) goes with it
 
     def __del__(self) -> None:
         self.close()
+
+
+def _torchrun_store(env: TorchrunEnv) -> dist.Store:
+    """The store torchrun's agent hosts (or rank 0 hosts, under a launcher
+    without an agent store), joined as a client."""
+    return open_store(env.master_addr, env.master_port, is_master=env.rank == 0 and not env.agent_store)
