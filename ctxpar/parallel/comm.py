@@ -128,6 +128,24 @@ def check_local_address(addr: str) -> None:
     raise CtxparError(f"master_addr {addr!r} is not an address of this machine; {fix}")
 
 
+def _port_in_use(port: int) -> CtxparError:
+    return CtxparError(
+        f"master_port {port} is already in use (another ctxpar or torchrun job?); "
+        "pass a free port (--master-port), or leave it unset to pick one"
+    )
+
+
+def check_port_free(port: int) -> None:
+    """Fail early, before any model is loaded, on a busy master_port (the
+    store's own bind still reports one taken in the meantime)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise _port_in_use(port) from None
+
+
 def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
     """Host (is_master) or join the rendezvous store at addr:port (port 0:
     any free port, read back from store.port). Never blocks for other ranks:
@@ -138,10 +156,7 @@ def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
         )
     except dist.DistNetworkError as e:
         if is_master and "EADDRINUSE" in str(e):
-            raise CtxparError(
-                f"master_port {port} is already in use (another ctxpar or torchrun job?); "
-                "pass a free port (--master-port), or leave it unset to pick one"
-            ) from None
+            raise _port_in_use(port) from None
         raise RankFailure(
             f"could not reach the rendezvous at {addr}:{port} within {RENDEZVOUS_TIMEOUT_S} s "
             f"({str(e).splitlines()[0]}); check the master address and port and that no firewall blocks them"

@@ -34,6 +34,7 @@ from ctxpar.parallel.comm import (
     PCPGroup,
     TorchrunEnv,
     check_local_address,
+    check_port_free,
     open_store,
     torchrun_env,
 )
@@ -71,20 +72,38 @@ def max_local_ranks(device: torch.device) -> int:
 
 
 def check_launch(config: EngineConfig) -> None:
-    """Under torchrun the world size rules: every process it started must be a
-    PCP rank, else each would run an engine of its own (pcp_size=1 included)
-    and print everything once per process. Raised on every rank."""
+    """What can be refused before any model is loaded, on every rank:
+
+    - under torchrun the world size rules: every process it started must be a
+      PCP rank, else each would run an engine of its own (pcp_size=1
+      included) and print everything once per process;
+    - when spawning: a spawned rank re-importing a main module that creates
+      an LLM (no main guard), more ranks than the machine holds, a
+      master_addr that is not this machine's and a busy master_port.
+    """
     env = torchrun_env()
-    if env is not None and env.world_size != config.pcp_size:
-        raise CtxparError(
-            f"torchrun started {env.world_size} processes but pcp_size is {config.pcp_size} (this is rank "
-            f"{env.rank}); pass --pcp {env.world_size} (pcp_size={env.world_size}), or start "
-            f"{config.pcp_size} process(es) in all (--nnodes x --nproc-per-node)"
-        )
+    if env is not None:
+        if env.world_size != config.pcp_size:
+            raise CtxparError(
+                f"torchrun started {env.world_size} processes but pcp_size is {config.pcp_size} (this is rank "
+                f"{env.rank}); pass --pcp {env.world_size} (pcp_size={env.world_size}), or start "
+                f"{config.pcp_size} process(es) in all (--nnodes x --nproc-per-node)"
+            )
+        return
+    if config.pcp_size == 1:
+        return
+    _refuse_in_bootstrapping_child()
+    _check_fits_machine(config)
+    check_local_address(config.master_addr)
+    if config.master_port is not None:
+        check_port_free(config.master_port)
 
 
-def _check_fits_machine(config: EngineConfig, device: torch.device) -> None:
+def _check_fits_machine(config: EngineConfig) -> None:
     """Refuse before spawning anything: each rank is a process with its own model."""
+    from ctxpar.worker.executor import resolve_device
+
+    device = resolve_device(config)
     n, limit = config.pcp_size, max_local_ranks(device)
     if n <= limit:
         return
@@ -102,10 +121,12 @@ def _check_fits_machine(config: EngineConfig, device: torch.device) -> None:
 def _refuse_in_bootstrapping_child() -> None:
     """A spawned rank re-imports the main module; a script without a main
     guard then creates an LLM in the child too. Exit with one line (rank 0
-    names this rank and the fix) instead of multiprocessing's traceback."""
+    names this rank and the fix) instead of loading a model and then getting
+    multiprocessing's traceback."""
     if getattr(mp.current_process(), "_inheriting", False):
         print(
-            'ctxpar: a spawned PCP rank is importing a main module that creates an LLM; put it under `if __name__ == "__main__":`',
+            "ctxpar: a spawned PCP rank is importing a main module that creates an LLM; "
+            'put that code under `if __name__ == "__main__":`',
             file=sys.stderr,
             flush=True,
         )
@@ -178,14 +199,10 @@ class MultiRankExecutor:
         self.procs: list[mp.Process] = []
         self.group: PCPGroup | None = None
         self.store: dist.Store | None = None
-        check_launch(config)
+        check_launch(config)  # again, for callers without an Engine
         env = torchrun_env()
         rank = env.rank if env is not None else 0
         device = resolve_device(config, env.local_rank if env is not None else 0)
-        if env is None:
-            _refuse_in_bootstrapping_child()
-            _check_fits_machine(config, device)
-            check_local_address(config.master_addr)
         torch.set_num_threads(threads_per_rank(config))
         prefix = f"ctxpar/{next(_executor_serial)}/"
         if env is None:

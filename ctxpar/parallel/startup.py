@@ -79,8 +79,13 @@ def _raise_if_failed(store: dist.Store, rank: int, proc: BaseProcess | None) -> 
         how = f" and {exit_reason(proc.exitcode)}" if dead else ""
         raise RankFailure(f"PCP rank {rank} failed while starting{how}: {store.get(f'error/{rank}').decode()}")
     if dead:
-        where = "while loading the model" if store.check([f"started/{rank}"]) else MAIN_GUARD_HINT
-        raise RankFailure(f"PCP rank {rank} {exit_reason(proc.exitcode)} during start-up, {where}")
+        if store.check([f"started/{rank}"]):
+            where = ", while loading the model"
+        elif proc.exitcode == 1:  # a Python error before the worker's code ran: importing __main__
+            where = ", " + MAIN_GUARD_HINT
+        else:
+            where = ""
+        raise RankFailure(f"PCP rank {rank} {exit_reason(proc.exitcode)} during start-up{where}")
 
 
 def abandon(store: dist.Store | None, why: str) -> None:

@@ -53,9 +53,8 @@ class LocalExecutor:
 
 
 def start_executor(config: EngineConfig, loaded, num_blocks: int) -> Executor:
-    from ctxpar.parallel.launch import MultiRankExecutor, check_launch
-
-    check_launch(config)  # under torchrun, pcp_size=1 must not mean one engine per process
     if config.pcp_size == 1:
         return LocalExecutor(config, loaded, num_blocks)
+    from ctxpar.parallel.launch import MultiRankExecutor
+
     return MultiRankExecutor(config, loaded, num_blocks)
