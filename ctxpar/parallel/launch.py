@@ -52,6 +52,8 @@ _executor_serial = itertools.count()
 # allowed on small machines (tests, trying PCP out), no more.
 MIN_CPU_RANK_LIMIT = 8
 
+EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -277,10 +279,15 @@ class MultiRankExecutor:
     def _why(self, e: BaseException) -> str:
         """Why a collective failed: the ranks that died (read before close()
         forgets them), else the error, which after DATA_TIMEOUT_S means a hung rank."""
+        # A peer's closed socket can fail the collective before its process
+        # is reaped: give the workers a moment to be seen dead.
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
         if dead:
             return "; ".join(dead) + f" ({startup.first_line(e)})"
-        return f"{startup.first_line(e)} (a rank that stays silent for {DATA_TIMEOUT_S} s counts as failed)"
+        return f"{startup.first_line(e)} (a rank died, or was silent for {DATA_TIMEOUT_S} s)"
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)
