@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         from ctxpar.models.loader import load_model
-        from ctxpar.parallel.launch import check_launch
+        from ctxpar.parallel.preflight import check_launch
         from ctxpar.worker.executor import DTYPES, resolve_device, start_executor
         from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
 

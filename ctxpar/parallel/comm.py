@@ -12,14 +12,13 @@ Two groups over the same ranks:
 
 Ranks meet through a TCPStore: rank 0 hosts it when it spawns the workers,
 torchrun's agent hosts it under torchrun. The start-up handshake on it (see
-launch.py) is polled, so a rank that dies while starting is noticed within a
+startup.py) is polled, so a rank that dies while starting is noticed within a
 poll interval instead of at the end of a long blocking wait.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -109,54 +108,25 @@ def torchrun_env() -> TorchrunEnv | None:
     )
 
 
-def check_local_address(addr: str) -> None:
-    """Spawned ranks all run on this machine and meet at rank 0 there, so
-    master_addr must resolve to one of its addresses. Checked up front: a
-    foreign address would otherwise leave the store's connect retrying."""
-    fix = "use 127.0.0.1 (the default) or an address of this machine; to span machines start the ranks with torchrun"
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
-        raise CtxparError(f"master_addr {addr!r} does not resolve ({e}); {fix}") from None
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0))  # binds only to an address of this machine
-            return
-        except OSError:
-            continue
-    raise CtxparError(f"master_addr {addr!r} is not an address of this machine; {fix}")
-
-
-def _port_in_use(port: int) -> CtxparError:
+def port_in_use(port: int) -> CtxparError:
+    """The error for a busy master_port (found before the model load, or by the store)."""
     return CtxparError(
         f"master_port {port} is already in use (another ctxpar or torchrun job?); "
         "pass a free port (--master-port), or leave it unset to pick one"
     )
 
 
-def check_port_free(port: int) -> None:
-    """Fail early, before any model is loaded, on a busy master_port (the
-    store's own bind still reports one taken in the meantime)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise _port_in_use(port) from None
-
-
 def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
     """Host (is_master) or join the rendezvous store at addr:port (port 0:
     any free port, read back from store.port). Never blocks for other ranks:
-    they are waited for by polling, see launch.py."""
+    they are waited for by polling, see startup.py."""
     try:
         return dist.TCPStore(
             addr, port, None, is_master, timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False
         )
     except dist.DistNetworkError as e:
         if is_master and "EADDRINUSE" in str(e):
-            raise _port_in_use(port) from None
+            raise port_in_use(port) from None
         raise RankFailure(
             f"could not reach the rendezvous at {addr}:{port} within {RENDEZVOUS_TIMEOUT_S} s "
             f"({str(e).splitlines()[0]}); check the master address and port and that no firewall blocks them"

@@ -26,31 +26,26 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
-from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.errors import RankFailure
 from ctxpar.parallel import startup
+from ctxpar.parallel.preflight import check_launch
 from ctxpar.parallel.comm import (
     DATA_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     PCPGroup,
     TorchrunEnv,
-    check_local_address,
-    check_port_free,
     open_store,
     torchrun_env,
 )
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.step_plan import StepPlan
 
-__all__ = ["MultiRankExecutor", "RankFailure", "check_launch", "free_port", "max_local_ranks"]
+__all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 
 # Each executor's handshake keys get their own prefix: under torchrun the
 # agent's store outlives an LLM, and every process creates its LLMs in the
 # same order, so the n-th LLM of every rank meets under "ctxpar/n/".
 _executor_serial = itertools.count()
-
-# Spawning more CPU ranks than cores only time-slices them; a few are still
-# allowed on small machines (tests, trying PCP out), no more.
-MIN_CPU_RANK_LIMIT = 8
 
 EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
 
@@ -63,76 +58,6 @@ def free_port() -> int:
 
 def threads_per_rank(config: EngineConfig) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // config.pcp_size)
-
-
-def max_local_ranks(device: torch.device) -> int:
-    """How many ranks may be spawned on this machine: one per GPU on CUDA;
-    on CPU one per usable core, but at least MIN_CPU_RANK_LIMIT."""
-    if device.type == "cuda":
-        return torch.cuda.device_count()
-    return max(MIN_CPU_RANK_LIMIT, len(os.sched_getaffinity(0)))
-
-
-def check_launch(config: EngineConfig) -> None:
-    """What can be refused before any model is loaded, on every rank:
-
-    - under torchrun the world size rules: every process it started must be a
-      PCP rank, else each would run an engine of its own (pcp_size=1
-      included) and print everything once per process;
-    - when spawning: a spawned rank re-importing a main module that creates
-      an LLM (no main guard), more ranks than the machine holds, a
-      master_addr that is not this machine's and a busy master_port.
-    """
-    env = torchrun_env()
-    if env is not None:
-        if env.world_size != config.pcp_size:
-            raise CtxparError(
-                f"torchrun started {env.world_size} processes but pcp_size is {config.pcp_size} (this is rank "
-                f"{env.rank}); pass --pcp {env.world_size} (pcp_size={env.world_size}), or start "
-                f"{config.pcp_size} process(es) in all (--nnodes x --nproc-per-node)"
-            )
-        return
-    if config.pcp_size == 1:
-        return
-    _refuse_in_bootstrapping_child()
-    _check_fits_machine(config)
-    check_local_address(config.master_addr)
-    if config.master_port is not None:
-        check_port_free(config.master_port)
-
-
-def _check_fits_machine(config: EngineConfig) -> None:
-    """Refuse before spawning anything: each rank is a process with its own model."""
-    from ctxpar.worker.executor import resolve_device
-
-    device = resolve_device(config)
-    n, limit = config.pcp_size, max_local_ranks(device)
-    if n <= limit:
-        return
-    if device.type == "cuda":
-        why = f"needs one GPU per rank but {limit} are visible"
-    else:
-        cores = len(os.sched_getaffinity(0))
-        why = (
-            f"is more CPU ranks than this machine runs: the limit is {limit} (its {cores} usable cores, "
-            f"at least {MIN_CPU_RANK_LIMIT}; more ranks than cores only share them)"
-        )
-    raise CtxparError(f"pcp_size={n} {why}; use pcp_size <= {limit}, or torchrun to spread the ranks over machines")
-
-
-def _refuse_in_bootstrapping_child() -> None:
-    """A spawned rank re-imports the main module; a script without a main
-    guard then creates an LLM in the child too. Exit with one line (rank 0
-    names this rank and the fix) instead of loading a model and then getting
-    multiprocessing's traceback."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        print(
-            "ctxpar: a spawned PCP rank is importing a main module that creates an LLM; "
-            'put that code under `if __name__ == "__main__":`',
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(1)
 
 
 def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) -> ModelRunner:
