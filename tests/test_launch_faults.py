@@ -235,3 +235,20 @@ def test_cli_ctrl_c_exits_130_without_any_traceback(model):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not running(worker)  # rank 0 stopped the worker before it exited
+
+
+def test_workers_leave_when_rank_0_is_killed(model):
+    """SIGKILL rank 0 mid-generation: no orphan keeps running; the worker's
+    wait or collective fails as rank 0's sockets close, and it exits with
+    one line instead of a traceback."""
+    proc = start_cli(model)
+    wait_for_text(proc)
+    (worker,) = spawned_workers(proc.pid)
+    proc.kill()
+    killed = time.monotonic()
+    while running(worker) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    assert not running(worker)
+    assert time.monotonic() - killed < 10
+    _, err = proc.communicate(timeout=30)  # the worker's stderr is the same pipe
+    assert "ctxpar: PCP rank 1 lost rank 0" in err and "Traceback" not in err, err

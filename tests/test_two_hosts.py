@@ -66,15 +66,14 @@ sys.path.insert(0, {tests!r})
 from ctxpar import LLM, RankFailure, SamplingParams
 from test_launch_faults import long_prompts
 from test_two_hosts import GREEDY
-with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:
-    print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)]), flush=True)
-    if {keep_going}:
-        try:
-            while True:  # long prefills until the other host goes away
-                llm.generate(long_prompts(4, 400), GREEDY, use_tqdm=False)
-        except RankFailure as e:
-            print("FAILED", time.monotonic(), e, flush=True)
-            sys.exit(1)  # a failed rank 0 ends its torchrun at once (success would wait for node 1 to finish)
+try:
+    with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:  # rank 1 serves in here
+        print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)]), flush=True)
+        while {keep_going}:  # long prefills until the other host goes away
+            llm.generate(long_prompts(4, 400), GREEDY, use_tqdm=False)
+except RankFailure as e:
+    print("FAILED", time.monotonic(), e, flush=True)
+    sys.exit(1)  # a failed rank ends its torchrun at once (success would wait for the other node)
 """
 
 
@@ -155,3 +154,23 @@ def test_killing_one_host_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path)
     _, when, message = failed[0].split(" ", 2)
     assert float(when) - killed < 10
     assert "a PCP rank failed during a step" in message and ADDRS[1] in message  # names the peer host
+
+
+def test_killing_rank_0s_host_ends_the_other_host(hosts, tiny_model_dirs, tmp_path):
+    """The other way round: rank 1 waits for rank 0's next plan or is inside
+    a step with it; when node 0 goes away that fails at once and LLM() on
+    rank 1 raises RankFailure saying so."""
+    procs = start_nodes(hosts, str(tiny_model_dirs["llama"]), tmp_path, keep_going=True)
+    try:
+        assert procs[0].stdout.readline().startswith("TOKENS "), procs[0].stderr.read()[-3000:]
+        time.sleep(0.5)
+        killed = time.monotonic()
+        kill_tree(procs[0].pid)
+        out, err = procs[1].communicate(timeout=120)
+    finally:
+        stop(procs)
+    failed = [l for l in out.splitlines() if l.startswith("FAILED ")]
+    assert failed and procs[1].returncode == 1, err[-3000:]
+    _, when, message = failed[0].split(" ", 2)
+    assert float(when) - killed < 10
+    assert message.startswith("PCP rank 1 lost rank 0") and ADDRS[0] in message

@@ -76,16 +76,26 @@ def _join(config: EngineConfig, store: dist.Store, rank: int, device: torch.devi
 
 
 def _serve(runner: ModelRunner, group: PCPGroup) -> None:
-    """A worker's whole life: run every plan rank 0 sends, until it sends None."""
+    """A worker's whole life: run every plan rank 0 sends, until it sends None.
+
+    Raises RankFailure when rank 0 goes away: its sockets close, so the wait
+    for the next plan, or a collective of the step under way, fails at once.
+    """
     while True:
         try:
             plan = group.broadcast_object()
-        except Exception as e:  # rank 0 died or was stopped mid-step: nothing to report to
-            print(f"ctxpar: PCP rank {group.rank} lost rank 0 ({startup.first_line(e)}); exiting", file=sys.stderr)
-            sys.exit(1)
-        if plan is None:
-            return
-        runner.execute(plan)
+            if plan is None:
+                return
+            runner.execute(plan)
+        except Exception as e:
+            if not _is_link_failure(e):
+                raise  # this rank's own failure: the caller shows the traceback
+            raise RankFailure(f"PCP rank {group.rank} lost rank 0 ({startup.first_line(e)})") from e
+
+
+def _is_link_failure(e: Exception) -> bool:
+    # gloo's transport errors surface as plain RuntimeErrors naming the transport.
+    return isinstance(e, dist.DistError) or "gloo/transport" in str(e)
 
 
 def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, num_blocks: int) -> None:
@@ -112,6 +122,9 @@ def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: 
     try:
         _serve(runner, group)
         group.close()
+    except RankFailure as e:  # rank 0 is gone: nothing to add to what it reports
+        print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception:
         print(f"ctxpar: PCP rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -170,7 +183,8 @@ class MultiRankExecutor:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def _serve_torchrun_worker(self, config: EngineConfig, rank: int, device: torch.device, model, num_blocks: int):
-        """A non-zero torchrun rank: serve rank 0, then leave with the rest of the program."""
+        """A non-zero torchrun rank: serve rank 0, then leave with the rest of
+        the program (or raise RankFailure if rank 0 goes away)."""
         try:
             self.group, self.runner = _join(config, self.store, rank, device, model, num_blocks)
         except Exception as e:
