@@ -128,6 +128,6 @@ def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
         if is_master and "EADDRINUSE" in str(e):
             raise port_in_use(port) from None
         raise RankFailure(
-            f"could not reach the rendezvous at {addr}:{port} within {RENDEZVOUS_TIMEOUT_S} s "
+            f"could not reach the rendezvous at {addr}:{port} (gave up after retrying for {RENDEZVOUS_TIMEOUT_S} s) "
             f"({str(e).splitlines()[0]}); check the master address and port and that no firewall blocks them"
         ) from None
