@@ -68,7 +68,8 @@ from test_launch_faults import long_prompts
 from test_two_hosts import GREEDY
 try:
     with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:  # rank 1 serves in here
-        print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)]), flush=True)
+        outs = llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)
+        print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
         while {keep_going}:  # long prefills until the other host goes away
             llm.generate(long_prompts(4, 400), GREEDY, use_tqdm=False)
 except RankFailure as e:
@@ -90,9 +91,8 @@ def start_nodes(hosts, model: str, tmp_path, keep_going: bool) -> list[subproces
             "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", ADDRS[0],
             "--master-port", str(MASTER_PORT), str(script),
         ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        )
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(subprocess.Popen(cmd, **pipes, env=env, start_new_session=True))
     return procs
 
 

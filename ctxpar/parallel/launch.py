@@ -145,17 +145,19 @@ class MultiRankExecutor:
         device = resolve_device(config, env.local_rank if env is not None else 0)
         torch.set_num_threads(threads_per_rank(config))
         prefix = f"ctxpar/{next(_executor_serial)}/"
-        if env is None:
+        if env is not None:
+            self.store = dist.PrefixStore(prefix, _torchrun_store(env))
+            if rank != 0:
+                self._serve_torchrun_worker(config, rank, device, loaded.model, num_blocks)  # never returns
+        else:
             # port 0: the store binds a free port itself (no race with other jobs).
             server = open_store(config.master_addr, config.master_port or 0, is_master=True)
             self.store = dist.PrefixStore(prefix, server)
-            self._spawn(config, server.port, prefix, num_blocks)
-        else:
-            self.store = dist.PrefixStore(prefix, _torchrun_store(env))
-        if rank != 0:
-            self._serve_torchrun_worker(config, rank, device, loaded.model, num_blocks)  # never returns
         try:
-            startup.lead(self.store, config.pcp_size, dict(enumerate(self.procs, start=1)), time.monotonic() + STARTUP_TIMEOUT_S)
+            if env is None:
+                self._spawn(config, server.port, prefix, num_blocks)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            startup.lead(self.store, config.pcp_size, dict(enumerate(self.procs, start=1)), deadline)
             self.group = PCPGroup(0, config.pcp_size, device, self.store)
             self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
