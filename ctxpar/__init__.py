@@ -4,7 +4,7 @@
 """
 
 from ctxpar.config import EngineConfig
-from ctxpar.errors import CtxparError
+from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.llm import LLM
 from ctxpar.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SamplingParams
@@ -17,5 +17,6 @@ __all__ = [
     "RequestMetrics",
     "EngineConfig",
     "CtxparError",
+    "RankFailure",
 ]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from ctxpar.errors import CtxparError
+from ctxpar.errors import CtxparError, RankFailure
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -50,14 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Exit status: 0 ok, 2 a user mistake (CtxparError),
+    1 a runtime failure of the ranks (RankFailure), 130 interrupted (Ctrl-C);
+    each failure is one ``error: ...`` line on stderr, without a traceback."""
     args = build_parser().parse_args(argv)
     try:
         args._run(args)
     except CtxparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("error: interrupted", file=sys.stderr)
         return 130
     return 0
 

@@ -128,14 +128,16 @@ def run(args: argparse.Namespace) -> None:
             prompt = DEFAULT_CHAT  # a model without a chat template just continues the text
         last = None
         shown = 0
-        for last in llm.stream_outputs(prompt, params):
-            text = last.outputs[0].text
-            if len(text) > shown:
-                sys.stdout.write(text[shown:])
-                sys.stdout.flush()
-                shown = len(text)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        try:
+            for last in llm.stream_outputs(prompt, params):
+                text = last.outputs[0].text
+                if len(text) > shown:
+                    sys.stdout.write(text[shown:])
+                    sys.stdout.flush()
+                    shown = len(text)
+        finally:  # end the text's line, also when a failure or Ctrl-C cuts it short
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         if last is not None:
             _report(last)
 

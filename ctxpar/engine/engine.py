@@ -36,10 +36,12 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         from ctxpar.models.loader import load_model
+        from ctxpar.parallel.preflight import check_launch
         from ctxpar.worker.executor import DTYPES, resolve_device, start_executor
         from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
 
         self.config = config
+        check_launch(config)  # how the ranks are started: refused before the model load if it cannot work
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # loading (dequantisation) uses them too
         dtype = DTYPES[config.dtype]

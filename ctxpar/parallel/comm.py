@@ -1,4 +1,5 @@
-"""The PCP process group: the three collectives context parallelism needs.
+"""The PCP process group: the three collectives context parallelism needs,
+and the rendezvous that forms it.
 
 Two groups over the same ranks:
 - the data group (gloo on CPU, NCCL on CUDA) carries per-layer KV all-gathers
@@ -8,6 +9,11 @@ Two groups over the same ranks:
   on it while the engine is idle, so on their side it has no practical
   timeout (a dead rank 0 closes its sockets and their wait fails at once);
   on rank 0's side it has the same short timeout as the data group.
+
+Ranks meet through a TCPStore: rank 0 hosts it when it spawns the workers,
+torchrun's agent hosts it under torchrun. The start-up handshake on it (see
+startup.py) is polled, so a rank that dies while starting is noticed within a
+poll interval instead of at the end of a long blocking wait.
 """
 
 from __future__ import annotations
@@ -15,26 +21,30 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ctxpar.errors import CtxparError, RankFailure
+
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-DATA_TIMEOUT_S = 30
-STARTUP_TIMEOUT_S = 600
+DATA_TIMEOUT_S = 30  # a collective with a silent rank fails after this
+STARTUP_TIMEOUT_S = 600  # every rank must have loaded its model within this
+RENDEZVOUS_TIMEOUT_S = 30  # connecting to rank 0's (or torchrun's) store
 
 
 class PCPGroup:
-    def __init__(self, rank: int, size: int, device: torch.device, init_method: str) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store) -> None:
+        """Form the groups. Called by every rank once all have loaded their
+        models (the start-up handshake), so a short timeout suffices."""
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # The world group only starts the ranks and waits for their models to
-        # load, which may take minutes on a busy machine.
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=size, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+            backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=DATA_TIMEOUT_S)
         )
         self.data = dist.new_group(backend=backend, timeout=timedelta(seconds=DATA_TIMEOUT_S))
         # Timeouts are per process: rank 0 gives up on a silent worker after
@@ -73,22 +83,56 @@ class PCPGroup:
         self.control_seconds += time.perf_counter() - t0
         return box[0]
 
-    def barrier(self) -> None:
-        """Wait until every rank is here (e.g. has loaded its model)."""
-        dist.barrier()
-
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def torchrun_env() -> tuple[int, int, int, str] | None:
-    """(rank, world_size, local_rank, init_method) when launched by torchrun, else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent hosts the store; every rank is a client
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torch.distributed environment set by torchrun (or a launcher like it), else None."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
-    return (
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        "env://",
+    return TorchrunEnv(
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
+
+
+def port_in_use(port: int) -> CtxparError:
+    """The error for a busy master_port (found before the model load, or by the store)."""
+    return CtxparError(
+        f"master_port {port} is already in use (another ctxpar or torchrun job?); "
+        "pass a free port (--master-port), or leave it unset to pick one"
+    )
+
+
+def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
+    """Host (is_master) or join the rendezvous store at addr:port (port 0:
+    any free port, read back from store.port). Never blocks for other ranks:
+    they are waited for by polling, see startup.py."""
+    try:
+        return dist.TCPStore(
+            addr, port, None, is_master, timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False
+        )
+    except dist.DistNetworkError as e:
+        if is_master and "EADDRINUSE" in str(e):
+            raise port_in_use(port) from None
+        raise RankFailure(
+            f"could not reach the rendezvous at {addr}:{port} (gave up after retrying for {RENDEZVOUS_TIMEOUT_S} s) "
+            f"({str(e).splitlines()[0]}); check the master address and port and that no firewall blocks them"
+        ) from None

@@ -5,27 +5,49 @@ other ranks are either spawned here with torch.multiprocessing, or started by
 torchrun (the torch.distributed environment variables are set): then every
 process runs the same program, rank 0 drives and the others serve in
 ``MultiRankExecutor.__init__`` until rank 0 shuts down, and then exit.
+
+Ranks meet through the handshake of startup.py; spawned workers ignore
+SIGINT (a terminal's Ctrl-C reaches the whole process group): their lifetime
+is rank 0's to decide, and rank 0 stops them when it is interrupted.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
-from ctxpar.errors import CtxparError
-from ctxpar.parallel.comm import DATA_TIMEOUT_S, PCPGroup, torchrun_env
+from ctxpar.errors import RankFailure
+from ctxpar.parallel import startup
+from ctxpar.parallel.preflight import check_launch
+from ctxpar.parallel.comm import (
+    DATA_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    PCPGroup,
+    TorchrunEnv,
+    open_store,
+    torchrun_env,
+)
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.step_plan import StepPlan
 
+__all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 
-class RankFailure(RuntimeError):
-    """A PCP rank died or failed: the engine cannot continue."""
+# Each executor's handshake keys get their own prefix: under torchrun the
+# agent's store outlives an LLM, and every process creates its LLMs in the
+# same order, so the n-th LLM of every rank meets under "ctxpar/n/".
+_executor_serial = itertools.count()
+
+EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
 
 
 def free_port() -> int:
@@ -46,25 +68,63 @@ def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) 
     )
 
 
+def _join(config: EngineConfig, store: dist.Store, rank: int, device: torch.device, model, num_blocks: int):
+    """A worker with its model loaded: handshake, then (group, runner)."""
+    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
+    group = PCPGroup(rank, config.pcp_size, device, store)
+    return group, _make_runner(config, model, num_blocks, group)
+
+
 def _serve(runner: ModelRunner, group: PCPGroup) -> None:
-    """A worker's whole life: run every plan rank 0 sends, until it sends None."""
-    while (plan := group.broadcast_object()) is not None:
-        runner.execute(plan)
+    """A worker's whole life: run every plan rank 0 sends, until it sends None.
+
+    Raises RankFailure when rank 0 goes away: its sockets close, so the wait
+    for the next plan, or a collective of the step under way, fails at once.
+    """
+    while True:
+        try:
+            plan = group.broadcast_object()
+            if plan is None:
+                return
+            runner.execute(plan)
+        except Exception as e:
+            if not _is_link_failure(e):
+                raise  # this rank's own failure: the caller shows the traceback
+            raise RankFailure(f"PCP rank {group.rank} lost rank 0 ({startup.first_line(e)})") from e
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, num_blocks: int) -> None:
+def _is_link_failure(e: Exception) -> bool:
+    # gloo's transport errors surface as plain RuntimeErrors naming the transport.
+    return isinstance(e, dist.DistError) or "gloo/transport" in str(e)
+
+
+def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, num_blocks: int) -> None:
+    """Entry point of a spawned rank."""
     from ctxpar.models.loader import load_model
     from ctxpar.worker.executor import DTYPES, resolve_device
 
+    # Started with SIGINT blocked (see _spawn): ignore it, then unblock.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    store = None
     try:
         torch.set_num_threads(threads_per_rank(config))
+        store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
+        store.set(f"started/{rank}", "")
         device = resolve_device(config, rank)
-        group = PCPGroup(rank, config.pcp_size, device, init_method)
         loaded = load_model(config.model, DTYPES[config.dtype], device, config.max_model_len)
-        runner = _make_runner(config, loaded.model, num_blocks, group)
-        group.barrier()  # model loaded
+        group, runner = _join(config, store, rank, device, loaded.model, num_blocks)
+    except Exception as e:
+        startup.report_failure(store, rank, e)
+        if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
+            print(f"ctxpar: PCP rank {rank} failed to start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    try:
         _serve(runner, group)
         group.close()
+    except RankFailure as e:  # rank 0 is gone: nothing to add to what it reports
+        print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception:
         print(f"ctxpar: PCP rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -78,38 +138,63 @@ class MultiRankExecutor:
 
         self.procs: list[mp.Process] = []
         self.group: PCPGroup | None = None
+        self.store: dist.Store | None = None
+        check_launch(config)  # again, for callers without an Engine
         env = torchrun_env()
-        if env is not None:
-            rank, world, local_rank, init_method = env
-            if world != config.pcp_size:
-                raise CtxparError(f"torchrun started {world} processes but pcp_size={config.pcp_size}; make them equal")
-        else:
-            rank, local_rank = 0, 0
-            init_method = f"tcp://{config.master_addr}:{config.master_port or free_port()}"
-        device = resolve_device(config, local_rank)
-        if device.type == "cuda" and env is None and config.pcp_size > torch.cuda.device_count():
-            raise CtxparError(
-                f"pcp_size={config.pcp_size} needs one GPU per rank but {torch.cuda.device_count()} are visible"
-            )
+        rank = env.rank if env is not None else 0
+        device = resolve_device(config, env.local_rank if env is not None else 0)
         torch.set_num_threads(threads_per_rank(config))
-        if env is None:
-            spawn = mp.get_context("spawn")
+        prefix = f"ctxpar/{next(_executor_serial)}/"
+        if env is not None:
+            self.store = dist.PrefixStore(prefix, _torchrun_store(env))
+            if rank != 0:
+                self._serve_torchrun_worker(config, rank, device, loaded.model, num_blocks)  # never returns
+        else:
+            # port 0: the store binds a free port itself (no race with other jobs).
+            server = open_store(config.master_addr, config.master_port or 0, is_master=True)
+            self.store = dist.PrefixStore(prefix, server)
+        try:
+            if env is None:
+                self._spawn(config, server.port, prefix, num_blocks)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            startup.lead(self.store, config.pcp_size, dict(enumerate(self.procs, start=1)), deadline)
+            self.group = PCPGroup(0, config.pcp_size, device, self.store)
+            self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
+        except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
+            startup.abandon(self.store, startup.first_line(e))
+            why = self._why(e) if isinstance(e, Exception) else ""  # before close() forgets the processes
+            self.close(graceful=False)
+            if isinstance(e, RankFailure) or not isinstance(e, Exception):
+                raise
+            raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
+
+    def _spawn(self, config: EngineConfig, port: int, prefix: str, num_blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        # The children inherit this thread's signal mask: with SIGINT blocked
+        # while they start, a Ctrl-C during their imports cannot make them
+        # print a traceback; _worker_main ignores SIGINT and unblocks it.
+        # (Rank 0 still gets the Ctrl-C: its other threads take it.)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             for r in range(1, config.pcp_size):
-                p = spawn.Process(target=_worker_main, args=(config, r, init_method, num_blocks), daemon=True)
+                args = (config, r, config.master_addr, port, prefix, num_blocks)
+                p = ctx.Process(target=_worker_main, args=args, daemon=True)
                 p.start()
                 self.procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _serve_torchrun_worker(self, config: EngineConfig, rank: int, device: torch.device, model, num_blocks: int):
+        """A non-zero torchrun rank: serve rank 0, then leave with the rest of
+        the program (or raise RankFailure if rank 0 goes away)."""
         try:
-            self.group = PCPGroup(rank, config.pcp_size, device, init_method)
-            self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
-            if rank != 0:  # torchrun worker: serve, then leave with the rest of the program
-                self.group.barrier()
-                _serve(self.runner, self.group)
-                self.group.close()
-                sys.exit(0)
-            self.group.barrier()  # returns once every worker has loaded its model
+            self.group, self.runner = _join(config, self.store, rank, device, model, num_blocks)
         except Exception as e:
-            self.close(graceful=False)
-            raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {self._why(e)}") from e
+            startup.report_failure(self.store, rank, e)
+            raise
+        _serve(self.runner, self.group)
+        self.group.close()
+        sys.exit(0)
 
     # Why the ranks were stopped, once execute has stopped them; None while they run.
     _stopped_because: str | None = None
@@ -135,16 +220,27 @@ class MultiRankExecutor:
             self.close(graceful=False)
             raise
 
+    def _dead(self) -> list[tuple[int, mp.Process]]:
+        return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+
     def _check_alive(self) -> None:
-        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
+        dead = self._dead()
         if dead:
             self.close(graceful=False)
-            raise RankFailure(", ".join(f"PCP rank {r} exited with code {c}" for r, c in dead))
+            raise RankFailure(", ".join(f"PCP rank {r} {startup.exit_reason(p.exitcode)}" for r, p in dead))
 
-    def _why(self, e: Exception) -> str:
-        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs) if not p.is_alive()]
-        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return "; ".join(dead) + f" ({cause})" if dead else f"{cause} (no rank answered within {DATA_TIMEOUT_S} s?)"
+    def _why(self, e: BaseException) -> str:
+        """Why a collective failed: the ranks that died (read before close()
+        forgets them), else the error, which after DATA_TIMEOUT_S means a hung rank."""
+        # A peer's closed socket can fail the collective before its process
+        # is reaped: give the workers a moment to be seen dead.
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
+        if dead:
+            return "; ".join(dead) + f" ({startup.first_line(e)})"
+        return f"{startup.first_line(e)} (a rank died, or was silent for {DATA_TIMEOUT_S} s)"
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)
@@ -163,6 +259,13 @@ class MultiRankExecutor:
         self.procs = []
         if group is not None:
             group.close()
+        self.store = None  # rank 0's store server (spawned ranks) goes with it
 
     def __del__(self) -> None:
         self.close()
+
+
+def _torchrun_store(env: TorchrunEnv) -> dist.Store:
+    """The store torchrun's agent hosts (or rank 0 hosts, under a launcher
+    without an agent store), joined as a client."""
+    return open_store(env.master_addr, env.master_port, is_master=env.rank == 0 and not env.agent_store)
