@@ -95,3 +95,25 @@ def tiny_deepseek_configs() -> dict:
             rope_parameters=dict(YARN),
         ),
     }
+
+
+def save_tiny_deepseek(config, path, seed: int = 0):
+    """save_tiny_model for a DeepSeek config, with V3's e_score_correction_bias
+    randomised: transformers initialises it to zero, which would leave the
+    bias path of noaux_tc routing untested."""
+    import glob
+
+    import torch
+    from conftest import save_tiny_model
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model(config, path, seed=seed)
+    for f in sorted(glob.glob(str(path / "*.safetensors"))):
+        state = load_file(f)
+        biases = [k for k in state if k.endswith("e_score_correction_bias")]
+        if biases:
+            g = torch.Generator().manual_seed(100 + seed)
+            for k in biases:
+                state[k] = torch.randn(state[k].shape, generator=g) * 0.2
+            save_file(state, f, metadata={"format": "pt"})
+    return path

@@ -12,10 +12,10 @@ import glob
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from conftest import save_tiny_model, single_sequence_context
-from deepseek_configs import tiny_deepseek_configs
+from conftest import single_sequence_context
+from deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers import mla
@@ -41,17 +41,7 @@ def ds_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_deepseek")
     out = {}
     for i, (name, cfg) in enumerate(tiny_deepseek_configs().items()):
-        path = save_tiny_model(cfg, root / name, seed=i)
-        # transformers initialises V3's e_score_correction_bias to zero: make it matter.
-        files = sorted(glob.glob(str(path / "*.safetensors")))
-        for f in files:
-            state = load_file(f)
-            if any(k.endswith("e_score_correction_bias") for k in state):
-                g = torch.Generator().manual_seed(100 + i)
-                for k in state:
-                    if k.endswith("e_score_correction_bias"):
-                        state[k] = torch.randn(state[k].shape, generator=g) * 0.2
-                save_file(state, f, metadata={"format": "pt"})
+        path = save_tiny_deepseek(cfg, root / name, seed=i)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
         ids = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7 + i))
         with torch.no_grad():
