@@ -144,7 +144,7 @@ def test_lru_eviction_and_last_blocks_first():
     assert bm.cached_prefix(ha) == ta[:1] and bm.cached_prefix(hb) == tb
     bm.allocate("c", 3)
     assert bm.cached_prefix(ha) == [] and bm.cached_prefix(hb) == tb[:1]
-    assert bm.num_cached_blocks == 1
+    assert bm.num_cached_blocks == 1 and bm.num_evictions == 3
     bm.check_integrity()
 
 

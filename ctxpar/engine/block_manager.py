@@ -80,6 +80,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[Hashable, list[int]] = {}
         self._num_registered: dict[Hashable, int] = {}  # leading blocks of a table already offered to the cache
+        self.num_evictions = 0  # cached blocks reused for other content, for tests and metrics
 
     @property
     def num_free_blocks(self) -> int:
@@ -188,6 +189,7 @@ class BlockManager:
         if h is not None:
             del self._cached[h]
             self._hash[block] = None
+            self.num_evictions += 1
 
     def owners(self) -> list[Hashable]:
         return list(self._tables)
