@@ -22,14 +22,20 @@ TINY = dict(block_size=BS, max_model_len=256)
 def shared_prefix_rounds(seed: int = 0) -> list[list[dict]]:
     """Two rounds of prompts over two shared prefixes (70 and 23 tokens):
     the first round computes them, the second asks again with new suffixes
-    (of 0 to 40 tokens, so a hit can cover all but the last token)."""
+    (0 to 40 tokens), and both rounds ask one identical 65-token prompt, whose
+    repeat finds all but its last token cached (a one-token prefill)."""
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 256, 70).tolist(), rng.integers(0, 256, 23).tolist()]
     rounds = []
     for _ in range(2):
         suffixes = [rng.integers(0, 256, int(n)).tolist() for n in (5, 40, 1, 17, 0, 9)]
-        rounds.append([{"prompt_token_ids": docs[i % 2] + s} for i, s in enumerate(suffixes)])
+        prompts = [docs[i % 2] + s for i, s in enumerate(suffixes)] + [docs[0][:65]]
+        rounds.append([{"prompt_token_ids": p} for p in prompts])
     return rounds
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_rounds(llm: LLM, rounds: list[list[dict]]) -> tuple[list[list[int]], list[int]]:
@@ -72,12 +78,13 @@ def test_same_tokens_with_and_without_caching(model, reference, kwargs):
         stats = llm.engine.scheduler.prefix_cache_stats
         llm.engine.block_manager.check_integrity()
     assert tokens == reference
-    prompts = [p["prompt_token_ids"] for r in rounds for p in r]
-    second = range(len(rounds[0]), len(prompts))
-    # Round 2: every whole block of its shared prefix is cached (never the last token).
-    for i in second:
-        doc = 70 if i % 2 == 0 else 23
-        assert cached[i] >= min(doc, len(prompts[i]) - 1) // BS * BS, (i, cached[i])
+    first = [p["prompt_token_ids"] for p in rounds[0]]
+    prompts = first + [p["prompt_token_ids"] for p in rounds[1]]
+    # Round 2 finds cached every whole block it shares with round 1, short of its last token.
+    for i in range(len(first), len(prompts)):
+        shared = max(common_prefix(prompts[i], p) for p in first)
+        assert cached[i] >= min(shared, len(prompts[i]) - 1) // BS * BS, (i, cached[i])
+    assert cached[-1] == 64  # the repeated 65-token prompt computes one token
     assert all(c % BS == 0 and c < len(p) for c, p in zip(cached, prompts))
     assert stats.hits >= sum(cached) > 0 and stats.queries >= sum(map(len, prompts))
 
@@ -124,6 +131,23 @@ def test_small_cache_evicts_and_preempts_with_the_same_tokens(model, reference):
     assert sched.num_preemptions > 0 and bm.num_evictions > 0
     # Recomputations after preemption looked up and hit too, beyond first admissions.
     assert sched.prefix_cache_stats.hits > sum(cached) > 0
+
+
+def test_aborted_request_leaves_its_computed_blocks(model, reference):
+    """A request aborted mid-prefill (two 24-token chunks computed) frees its
+    blocks with their KV cached; the same prompt then starts from them."""
+    prompt = shared_prefix_rounds()[0][1]["prompt_token_ids"]
+    with LLM(model, **TINY, max_num_batched_tokens=24) as llm:
+        engine = llm.engine
+        rid = engine.add_request(prompt, GREEDY)
+        engine.step()
+        engine.step()
+        engine.abort(rid)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+        [out] = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+        engine.block_manager.check_integrity()
+    assert out.num_cached_tokens == 48
+    assert list(out.outputs[0].token_ids) == reference[1]
 
 
 # -- scheduler over a shadow KV cache ----------------------------------------------
@@ -187,3 +211,19 @@ def test_random_shared_prefix_workload_reads_only_its_own_tokens(seed):
     assert all(r.finished for r in reqs)
     assert {r.request_id: r.output_token_ids for r in reqs} == expected
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_generate_verbose_shows_the_counters(model, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tiny_tokenizer import with_byte_tokenizer
+
+    path = str(with_byte_tokenizer(model, tmp_path / "llama_bytes"))
+    base = [sys.executable, "-m", "ctxpar.cli", "generate", "--model", path, "--prompt", "Hello there", "--max-tokens", "3"]
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    for extra, want in (([], "prefix cache: 0 of "), (["--no-prefix-caching"], "prefix cache: off")):
+        r = subprocess.run([*base, "-v", *extra], capture_output=True, env=env, timeout=300, encoding="utf-8")
+        assert r.returncode == 0, r.stderr
+        assert want in r.stderr and "time to first token" in r.stderr.strip().splitlines()[-1]

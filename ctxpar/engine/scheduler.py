@@ -189,13 +189,15 @@ class Scheduler:
     def _cache_computed(self, req: Request) -> None:
         """Offer the request's computed full blocks to the prefix cache.
 
-        Called lazily, at the next schedule() and before its blocks are freed,
-        never for the tokens of the step being planned: schedule() advances
-        num_computed_tokens for tokens not computed yet, and a step can fail and
-        be rolled back. Between steps num_computed_tokens counts only tokens a
-        completed step wrote (the engine rolls a failed step back), so a
-        registered block always holds real KV; a hash pointing at KV never
-        written would give a later request wrong tokens.
+        Called lazily, at the next schedule() and before its blocks are freed
+        (finished: after its last step ran; aborted or preempted: between
+        steps), never for the tokens of the step being planned: schedule()
+        advances num_computed_tokens for tokens not computed yet, and a step
+        can fail. Outside a step num_computed_tokens counts only tokens a
+        completed step wrote (the engine rolls a failed step back to the
+        plan's num_computed_tokens), so a registered block always holds real
+        KV; a hash pointing at KV never written would give a later request
+        wrong tokens.
         """
         if self.block_manager.enable_caching:
             n = req.num_computed_tokens // self.block_manager.block_size
