@@ -5,6 +5,8 @@ a shadow KV cache where hits must serve exactly the requester's tokens."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -227,3 +229,16 @@ def test_generate_verbose_shows_the_counters(model, tmp_path):
         r = subprocess.run([*base, "-v", *extra], capture_output=True, env=env, timeout=300, encoding="utf-8")
         assert r.returncode == 0, r.stderr
         assert want in r.stderr and "time to first token" in r.stderr.strip().splitlines()[-1]
+
+
+def test_bench_prefix_small_run(model, capsys):
+    from ctxpar.cli import main
+
+    assert main(["bench", "prefix", "--questions", "1"]) == 2
+    assert "--questions must be >= 2" in capsys.readouterr().err
+    args = ["--doc-tokens", "64", "--questions", "3", "--question-tokens", "8", "--requests", "3"]
+    args += ["--shared-tokens", "32", "--own-tokens", "4", "8", "--output-len", "2", "--pcp", "1"]
+    assert main(["bench", "prefix", "--model", model, *args]) == 0
+    out = capsys.readouterr().out
+    assert "CPU:" in out and "| 3/3" in out and "identical outputs 3/3" in out
+    assert re.search(r"\|\s+64 \| 3/3", out)  # questions 2-3 found the whole document cached
