@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     pcp_size: int = 1  # prefill context-parallel ranks
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     seed: int = 0
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks

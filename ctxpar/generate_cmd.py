@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--kv-cache-blocks", type=int, metavar="N", help="KV-cache size in blocks (default: as many as fit in 1 GiB)"
     )
+    e.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="recompute every prompt in full instead of reusing the KV of cached prefixes",
+    )
     e.add_argument("--pcp", type=int, default=1, metavar="P", help="prefill context-parallel ranks (default: 1)")
     e.add_argument(
         "--pcp-min-tokens",
@@ -89,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
     e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")
     e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--verbose", "-v", action="store_true", help="print the model and KV-cache layout first")
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -112,6 +120,7 @@ def run(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_kv_blocks=args.kv_cache_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
         pcp_size=args.pcp,
         pcp_min_tokens=args.pcp_min_tokens,
         num_threads=args.threads,
@@ -138,6 +147,8 @@ def run(args: argparse.Namespace) -> None:
         finally:  # end the text's line, also when a failure or Ctrl-C cuts it short
             sys.stdout.write("\n")
             sys.stdout.flush()
+        if args.verbose:
+            print(prefix_cache_summary(llm.engine), file=sys.stderr)
         if last is not None:
             _report(last)
 
@@ -155,6 +166,18 @@ def _describe(llm, load_s: float) -> None:
         f"= {engine.num_blocks * cfg.block_size} tokens, {kv_mib:.0f} MiB",
     ]
     print("\n".join(lines), file=sys.stderr)
+
+
+def prefix_cache_summary(engine) -> str:
+    """One line of the engine's prefix-cache counters (tokens looked up at
+    admission and tokens found cached, as vLLM counts them)."""
+    if not engine.config.enable_prefix_caching:
+        return "prefix cache: off"
+    s = engine.scheduler.prefix_cache_stats
+    return (
+        f"prefix cache: {s.hits} of {s.queries} queried tokens hit ({s.hit_rate:.0%}), "
+        f"{engine.block_manager.num_cached_blocks} blocks cached, {engine.block_manager.num_evictions} evicted"
+    )
 
 
 def _report(out) -> None:

@@ -56,6 +56,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
     @property
     def ttft(self) -> float | None:

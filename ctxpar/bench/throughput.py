@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
     p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
+    p.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="turn ctxpar's prefix caching off (random prompts barely hit it anyway)",
+    )
     p.add_argument("--hf-batched", action="store_true", help="run transformers as one left-padded batch")
 
 
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
         )
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    with LLM(args.model, num_threads=threads) as llm:
+    with LLM(args.model, num_threads=threads, enable_prefix_caching=args.enable_prefix_caching) as llm:
         engine = llm.engine
         prompts = make_prompts(
             engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed

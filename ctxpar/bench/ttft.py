@@ -82,7 +82,7 @@ def _short_prompts(args: argparse.Namespace) -> None:
 
     times = {}
     for mode, min_tokens in (("split", 0), ("replicated", 1 << 30)):
-        with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens) as llm:
+        with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens, enable_prefix_caching=False) as llm:
             prompts = _prompts(args.short, llm.engine.vocab_size, seed=1)
             _first_token(llm, prompts[min(prompts)], 1)  # warm up
             for n, ids in prompts.items():
@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
 
     longest = max(args.lengths)
-    common = dict(max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8)
+    # Prefix caching off: the repeats of one prompt would time a cache hit, not a prefill.
+    common = dict(
+        max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8, enable_prefix_caching=False
+    )
     setups = [
         ("P=1, 1 thread", dict(pcp_size=1, num_threads=1)),
         ("P=1, 2 threads", dict(pcp_size=1, num_threads=2)),

@@ -1,34 +1,95 @@
-"""Paged KV-cache bookkeeping: which fixed-size blocks each request owns.
+"""Paged KV-cache bookkeeping: which fixed-size blocks each request owns, and
+which full blocks hold a known prefix (automatic prefix caching).
 
 The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. A request
 owns a block table (a list of block ids); position p of the request lives in
 slot ``table[p // block_size] * block_size + p % block_size``. The model runner
 computes the slots from the tables in the StepPlan, so this class deals in
 block ids only, and knows nothing of tensors, ranks or PCP.
+
+Prefix caching. A full block is identified by a hash chain: the hash of block i
+covers (hash of block i-1, the block's token ids), so equal hashes mean equal
+whole prefixes. Once an owner's full block is computed, the caller registers
+its hash (``cache_blocks``); a later owner whose prompt starts with the same
+blocks takes them (``cached_prefix`` then ``allocate(..., cached=...)``)
+instead of computing them again. Blocks are reference-counted, so running
+owners share them. A block whose count drops to zero keeps its content and
+hash in the free pool; the pool hands out its least recently freed block
+first, and only then forgets ("evicts") that block's hash. Only full blocks
+whose KV is written are ever registered, so a shared block is never written.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The chain hash of one full block. SHA-256, not Python's ``hash``: a
+    collision would hand one prompt another prompt's KV (wrong tokens), and
+    64-bit builtin hashes of integer tuples can be collided on purpose."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], tokens: Sequence[int], block_size: int) -> None:
+    """Extend, in place, the chain ``hashes`` of a sequence's first full blocks
+    with every full block of ``tokens``: the sequence's tokens from position
+    ``len(hashes) * block_size`` on. Kept per request, so each block is hashed once."""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + block_size]))
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups in tokens, as vLLM counts them: every admission
+    queries its known tokens; hits are the tokens it did not compute."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockManager:
-    """Allocates KV blocks to owners (request ids) and takes them back."""
+    """Allocates KV blocks to owners (request ids), shares cached full blocks
+    between them, and takes blocks back."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # FIFO reuse: a freed block goes to the back, which spreads writes and
-        # makes stale-slot bugs show up in tests instead of being masked.
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._ref = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks  # set while the block is in _cached
+        self._cached: dict[BlockHash, int] = {}
+        # Blocks nobody references, oldest-freed first. New blocks come from the
+        # front (evicting a cached one loses the least recently used prefix);
+        # freed blocks go to the back, which also spreads writes when nothing is
+        # cached and makes stale-slot bugs show up in tests instead of being masked.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[Hashable, list[int]] = {}
+        self._num_registered: dict[Hashable, int] = {}  # leading blocks of a table already offered to the cache
+        self.num_evictions = 0  # cached blocks reused for other content, for tests and metrics
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody references (cached ones included: they can be evicted)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -38,47 +99,127 @@ class BlockManager:
         """The owner's block ids in position order (empty if it owns none)."""
         return self._tables.get(owner, [])
 
-    def num_new_blocks(self, owner: Hashable, num_tokens: int) -> int:
-        """Blocks the owner must add so that its table covers ``num_tokens``."""
-        return max(0, self.blocks_for(num_tokens) - len(self.block_table(owner)))
+    # -- prefix lookups -------------------------------------------------------
 
-    def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
+    def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks holding the longest cached prefix of a hash chain (none
+        when caching is off). Changes nothing: pass the result to ``allocate``."""
+        blocks: list[int] = []
+        if self.enable_caching:
+            for h in hashes:
+                block = self._cached.get(h)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    # -- allocation -------------------------------------------------------------
+
+    def num_new_blocks(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free-pool blocks the owner needs so that its table covers
+        ``num_tokens``, when a new owner starts with the ``cached`` blocks (a
+        cached block nobody references is in the pool, so it counts too)."""
+        have = len(self.block_table(owner)) + len(cached)
+        return max(0, self.blocks_for(num_tokens) - have) + sum(self._ref[b] == 0 for b in cached)
+
+    def can_allocate(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether the owner's table can grow to cover ``num_tokens`` tokens now."""
-        return self.num_new_blocks(owner, num_tokens) <= len(self._free)
+        return self.num_new_blocks(owner, num_tokens, cached) <= len(self._free)
 
     def max_coverable_tokens(self, owner: Hashable) -> int:
         """Most tokens the owner's table could cover using every free block."""
         return (len(self.block_table(owner)) + len(self._free)) * self.block_size
 
-    def allocate(self, owner: Hashable, num_tokens: int) -> list[int]:
-        """Grow the owner's table (creating it if needed) to cover ``num_tokens``
-        tokens and return it. Raises if there are not enough free blocks; check
-        ``can_allocate`` first. A table never shrinks here: see ``free``."""
-        need = self.num_new_blocks(owner, num_tokens)
+    def allocate(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
+        """Grow the owner's table (creating it if needed, starting with the
+        ``cached`` blocks from ``cached_prefix``) to cover ``num_tokens`` tokens
+        and return it. Raises, changing nothing, if the pool is too small;
+        check ``can_allocate`` first. A table never shrinks here: see ``free``."""
+        if cached and owner in self._tables:
+            raise ValueError(f"cached blocks can only start a new table; {owner!r} already has one")
+        need = self.num_new_blocks(owner, num_tokens, cached)
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
         table = self._tables.setdefault(owner, [])
-        for _ in range(need):
-            table.append(self._free.popleft())
+        for block in cached:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+            table.append(block)
+        self._num_registered.setdefault(owner, len(cached))
+        for _ in range(self.blocks_for(num_tokens) - len(table)):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            table.append(block)
         return table
 
+    def cache_blocks(self, owner: Hashable, hashes: Sequence[BlockHash], num_blocks: int) -> None:
+        """Register the owner's first ``num_blocks`` blocks, whose chain is
+        ``hashes[:num_blocks]``. Call it only for full blocks whose KV is
+        written: a registered block is handed to other owners as is. Blocks
+        registered before are skipped; a block whose hash another block holds
+        already stays private (the same prefix computed twice at once)."""
+        if not self.enable_caching or owner not in self._tables or num_blocks <= self._num_registered[owner]:
+            return
+        table = self._tables[owner]
+        if not num_blocks <= min(len(hashes), len(table)):
+            raise ValueError(f"cannot register {num_blocks} blocks: {len(hashes)} hashes, {len(table)} blocks")
+        for i in range(self._num_registered[owner], num_blocks):
+            if hashes[i] not in self._cached:
+                self._cached[hashes[i]] = table[i]
+                self._hash[table[i]] = hashes[i]
+        self._num_registered[owner] = num_blocks
+
     def free(self, owner: Hashable) -> int:
-        """Return all of the owner's blocks to the free list; returns how many."""
+        """Drop the owner's references; returns how many blocks it had. A block
+        nobody references joins the pool with its content and hash kept. The
+        table goes in reverse, so a sequence's last blocks are evicted before
+        its first ones, which every longer prefix needs."""
         table = self._tables.pop(owner, [])
-        self._free.extend(table)
+        self._num_registered.pop(owner, None)
+        for block in reversed(table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
         return len(table)
+
+    def _evict(self, block: int) -> None:
+        h = self._hash[block]
+        if h is not None:
+            del self._cached[h]
+            self._hash[block] = None
+            self.num_evictions += 1
 
     def owners(self) -> list[Hashable]:
         return list(self._tables)
 
     def check_integrity(self) -> None:
-        """Assert that the free list and the owned tables partition all blocks:
-        every block id is in exactly one place, and every id is in range."""
-        seen: list[int] = list(self._free)
-        for table in self._tables.values():
-            seen.extend(table)
-        if len(seen) != self.num_blocks or sorted(seen) != list(range(self.num_blocks)):
-            dup = len(seen) - len(set(seen))
+        """Assert the accounting: every block id is in range; a block's
+        reference count equals the number of tables holding it (a table holds
+        a block at most once); the free pool is exactly the unreferenced
+        blocks; the hash index and the per-block hashes agree."""
+        refs = [0] * self.num_blocks
+        for owner, table in self._tables.items():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"table of {owner!r} holds a block twice: {table}")
+            for block in table:
+                if not 0 <= block < self.num_blocks:
+                    raise AssertionError(f"block id {block} out of range in the table of {owner!r}")
+                refs[block] += 1
+            if not 0 <= self._num_registered[owner] <= len(table):
+                raise AssertionError(f"{owner!r}: {self._num_registered[owner]} registered of {len(table)} blocks")
+        if refs != self._ref:
+            raise AssertionError("block reference counts do not match the tables")
+        unreferenced = {b for b in range(self.num_blocks) if refs[b] == 0}
+        if set(self._free) != unreferenced:
             raise AssertionError(
-                f"block accounting broken: {len(seen)} ids for {self.num_blocks} blocks, {dup} duplicates"
+                f"free pool holds {len(self._free)} blocks; {len(unreferenced)} are unreferenced"
             )
+        if set(self._num_registered) != set(self._tables):
+            raise AssertionError("registration counts and tables name different owners")
+        for h, block in self._cached.items():
+            if self._hash[block] != h:
+                raise AssertionError(f"hash index points at block {block}, which holds another hash")
+        if sum(h is not None for h in self._hash) != len(self._cached):
+            raise AssertionError("a block keeps a hash the index has forgotten")

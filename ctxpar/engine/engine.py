@@ -62,7 +62,8 @@ class Engine:
             self.max_model_len,
             next(model.parameters()).device,
         )
-        self.block_manager = BlockManager(self.num_blocks, config.block_size)
+        # Under DCP (issue 10) the logical block, the unit hashed for prefix caching, is block_size * D tokens.
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.executor = start_executor(config, self.loaded, self.num_blocks)
@@ -247,6 +248,7 @@ class Engine:
             outputs=[completion],
             finished=req.finished,
             metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
     def close(self) -> None:

@@ -46,6 +46,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: hash chain of the full blocks of the known tokens, grown
+    # lazily (tokens never change once known, so neither do the hashes).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     # Detokenized output; `text` is what may be shown (prefix-stable while streaming).
     text: str = ""
 

@@ -15,6 +15,11 @@ oldest request always makes progress, so the engine never livelocks, and a
 preempted request's output is the same as if it had never been preempted (its
 sampled tokens are kept and its RNG is never rewound).
 
+Prefix caching: a request is admitted with the longest run of its leading
+full blocks found in the cache as already computed (num_computed_tokens > 0),
+always leaving its last known token to compute, so that it samples. A request
+preempted and recomputed looks up its prompt and outputs the same way.
+
 The scheduler knows nothing of PCP, ranks or tensors: its output is a StepPlan.
 """
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ctxpar.engine.block_manager import BlockManager
+from ctxpar.engine.block_manager import BlockManager, PrefixCacheStats, extend_block_hashes
 from ctxpar.engine.request import Request, RequestStatus
 from ctxpar.worker.step_plan import StepPlan
 
@@ -50,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_index: running[-1] is the newest
         self.num_preemptions = 0  # total so far, for tests and metrics
+        self.prefix_cache_stats = PrefixCacheStats()
 
     def add(self, request: Request) -> None:
         """Queue a request; it is admitted at the next step that has room."""
@@ -66,7 +72,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.block_manager.free(request.request_id)
+        self._release(request)
 
     # -- scheduling ---------------------------------------------------------
 
@@ -78,6 +84,8 @@ class Scheduler:
         moves only in ``commit``, once the step has succeeded.
         """
         bm = self.block_manager
+        for req in self.running:
+            self._cache_computed(req)
         budget = self.max_num_batched_tokens
         rows: list[tuple[Request, int]] = []
         scheduled: set[str] = set()
@@ -117,11 +125,19 @@ class Scheduler:
         # blocks just freed are for the requests already running.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            q = min(req.num_tokens, budget)
-            if not bm.can_allocate(req.request_id, q):
+            cached = self._cached_prefix(req)
+            c = len(cached) * bm.block_size
+            q = min(req.num_tokens - c, budget)
+            if not bm.can_allocate(req.request_id, c + q, cached):
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
-            bm.allocate(req.request_id, q)
+            bm.allocate(req.request_id, c + q, cached)
+            req.num_computed_tokens = c
+            if bm.enable_caching:
+                self.prefix_cache_stats.queries += req.num_tokens
+                self.prefix_cache_stats.hits += c
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = c
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             rows.append((req, q))
@@ -162,9 +178,49 @@ class Scheduler:
                 return False
         return True
 
+    # -- prefix caching -------------------------------------------------------
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's known
+        tokens, all but the last: that one is computed so the request samples."""
+        if not self.block_manager.enable_caching:
+            return []
+        n = (req.num_tokens - 1) // self.block_manager.block_size
+        return self.block_manager.cached_prefix(self._block_hashes(req, n)[:n])
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's hash chain, grown to cover at least its first
+        ``num_blocks`` full blocks (every block is hashed once per request)."""
+        bs = self.block_manager.block_size
+        if len(req.block_hashes) < num_blocks:
+            extend_block_hashes(req.block_hashes, req.token_ids(len(req.block_hashes) * bs, num_blocks * bs), bs)
+        return req.block_hashes
+
+    def _cache_computed(self, req: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache.
+
+        Called lazily, at the next schedule() and before its blocks are freed
+        (finished: after its last step ran; aborted or preempted: between
+        steps), never for the tokens of the step being planned: schedule()
+        advances num_computed_tokens for tokens not computed yet, and a step
+        can fail. Outside a step num_computed_tokens counts only tokens a
+        completed step wrote (the engine rolls a failed step back to the
+        plan's num_computed_tokens), so a registered block always holds real
+        KV; a hash pointing at KV never written would give a later request
+        wrong tokens.
+        """
+        if self.block_manager.enable_caching:
+            n = req.num_computed_tokens // self.block_manager.block_size
+            self.block_manager.cache_blocks(req.request_id, self._block_hashes(req, n), n)
+
+    def _release(self, req: Request) -> None:
+        """Free the request's blocks; its computed full blocks stay cached."""
+        self._cache_computed(req)
+        self.block_manager.free(req.request_id)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
+        self._release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
