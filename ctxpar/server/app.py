@@ -248,9 +248,11 @@ def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: 
             if first is not None:
                 yield chunk([first])
             async for i, out in sub.outputs(gone):
-                d = cursors.setdefault(i, R.ChoiceCursor()).advance(out)
-                if d.text or out.finished or (d.token_ids and d.logprobs is not None):
-                    yield chunk([choice(i, out, d)])
+                cursor = cursors.setdefault(i, R.ChoiceCursor())
+                # Tokens whose text is not complete yet (part of a character,
+                # or a possible stop string) wait for it: chunks carry text.
+                if cursor.peek(out).text or out.finished:
+                    yield chunk([choice(i, out, cursor.advance(out))])
                 if out.finished:
                     finals[i] = out
             if include_usage:

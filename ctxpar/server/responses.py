@@ -43,11 +43,16 @@ class ChoiceCursor:
         self.chars = 0
         self.tokens = 0
 
-    def advance(self, out: RequestOutput) -> Delta:
+    def peek(self, out: RequestOutput) -> Delta:
+        """The unsent rest, still unsent (a stream may wait for text before sending tokens)."""
         c = out.outputs[0]
-        d = Delta(c.text[self.chars:], c.token_ids[self.tokens:],
-                  c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
-        self.chars, self.tokens = len(c.text), len(c.token_ids)
+        return Delta(c.text[self.chars:], c.token_ids[self.tokens:],
+                     c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
+
+    def advance(self, out: RequestOutput) -> Delta:
+        """The unsent rest, now counted as sent."""
+        d = self.peek(out)
+        self.chars, self.tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
         return d
 
 
