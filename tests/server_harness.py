@@ -99,8 +99,12 @@ class Server:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def descendants(self) -> list[int]:
+        return children(self.proc.pid)
+
     def stop(self) -> int:
-        """SIGTERM, then wait; returns the exit code."""
+        """SIGTERM, then wait; returns the exit code. Raises if a child process (a PCP rank) outlives it."""
+        kids = self.descendants()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -110,4 +114,9 @@ class Server:
                 self.proc.wait()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (orphans := [k for k in kids if alive(k)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if orphans:
+            raise AssertionError(f"processes {orphans} outlived the server")
         return self.proc.returncode
