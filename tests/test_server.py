@@ -167,6 +167,7 @@ BAD = [
     # (path, body, status, words in the message)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature", ">= 0"]),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, ["n=2", "not supported"]),
+    ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, ["temperature"]),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, ["presence_penalty"]),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, ["echo"]),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, ["best_of"]),
