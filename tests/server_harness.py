@@ -13,9 +13,9 @@ import httpx
 
 START_TIMEOUT_S = 600  # a loaded machine, several ranks: generous
 STOP_TIMEOUT_S = 60
-# uvicorn shuts down gracefully on SIGTERM, then re-raises the signal so the
-# exit status says what ended the process.
-STOPPED = (0, -signal.SIGTERM)
+# uvicorn shuts down gracefully on SIGTERM or SIGINT, then may re-raise the
+# signal so the exit status says what ended the process.
+STOPPED = (0, -signal.SIGTERM, -signal.SIGINT, 130)
 
 
 def free_port() -> int:
@@ -102,11 +102,11 @@ class Server:
     def descendants(self) -> list[int]:
         return children(self.proc.pid)
 
-    def stop(self) -> int:
-        """SIGTERM, then wait; returns the exit code. Raises if a child process (a PCP rank) outlives it."""
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig``, then wait; returns the exit code. Raises if a child process (a PCP rank) outlives it."""
         kids = self.descendants()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -32,7 +32,7 @@ def server(model_dir, tmp_path_factory):
     s = Server(["--model", str(model_dir), "--pcp", "2", "--pcp-min-tokens", "0", "--threads", "1"],
                log=tmp_path_factory.mktemp("serve_pcp_log") / "server.log")
     yield s
-    assert s.stop() in STOPPED, s.log()  # and no rank left behind (stop checks)
+    assert s.stop(signal.SIGINT) in STOPPED, s.log()  # Ctrl-C; and no rank left behind (stop checks)
 
 
 def test_64_concurrent_streams_equal_one_rank(server, model_dir):

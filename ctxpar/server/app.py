@@ -14,7 +14,7 @@ import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -221,9 +221,11 @@ async def _collect(request: Request, sub: Submission) -> list:
     gone = asyncio.ensure_future(_wait_disconnect(request))
     final = {}
     try:
-        async for i, out in sub.outputs(gone):  # ClientGone if the client leaves: its requests are aborted
-            if out.finished:
-                final[i] = out
+        # ClientGone if the client leaves; closing the iterator aborts what is unfinished.
+        async with aclosing(sub.outputs(gone)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    final[i] = out
     finally:
         gone.cancel()
     return [final[i] for i in range(len(final))]
@@ -247,14 +249,15 @@ def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: 
         try:
             if first is not None:
                 yield chunk([first])
-            async for i, out in sub.outputs(gone):
-                cursor = cursors.setdefault(i, R.ChoiceCursor())
-                # Tokens whose text is not complete yet (part of a character,
-                # or a possible stop string) wait for it: chunks carry text.
-                if cursor.peek(out).text or out.finished:
-                    yield chunk([choice(i, out, cursor.advance(out))])
-                if out.finished:
-                    finals[i] = out
+            async with aclosing(sub.outputs(gone)) as outputs:  # closed (aborting) even if sending fails
+                async for i, out in outputs:
+                    cursor = cursors.setdefault(i, R.ChoiceCursor())
+                    # Tokens whose text is not complete yet (part of a character,
+                    # or a possible stop string) wait for it: chunks carry text.
+                    if cursor.peek(out).text or out.finished:
+                        yield chunk([choice(i, out, cursor.advance(out))])
+                    if out.finished:
+                        finals[i] = out
             if include_usage:
                 yield event(R.envelope(rid, obj, model, created, [], usage=_usage(list(finals.values()))))
         except ClientGone:

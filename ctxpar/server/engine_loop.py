@@ -113,9 +113,10 @@ class EngineLoop:
                 self._fail_all(f"the engine failed and takes no more requests; restart the server ({type(e).__name__}: {e})")
                 continue
             now = time.perf_counter()
+            # Gauges first: a client that sees a token sees metrics at least as fresh.
+            self.metrics.observe_engine(engine)
             for out in outputs:
                 self._deliver(out, now)
-            self.metrics.observe_engine(engine)
 
     def _do_add(self, sink: _Sink, ids: list[str], prompts: list) -> None:
         added = []
