@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from ctxpar.checks import int_arg
 from ctxpar.generate_cmd import add_engine_arguments, engine_kwargs
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port to bind (default: 8000; 0 = any free)")
     s.add_argument(
         "--api-key",
         metavar="KEY",
@@ -49,10 +50,8 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from ctxpar import LLM
-    from ctxpar.checks import check_int
     from ctxpar.server.app import build_app
 
-    check_int("--port", args.port, 0, 65535)
     llm = LLM(**engine_kwargs(args))
     name = args.served_model_name or args.model or llm.engine.loaded.name
     app = build_app(llm, name, args.api_key or None)
