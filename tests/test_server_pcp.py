@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import STOPPED, Server, alive
@@ -29,7 +30,7 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     # --pcp-min-tokens 0: even these short prompts are split across the two ranks.
-    s = Server(["--model", str(model_dir), "--pcp", "2", "--pcp-min-tokens", "0", "--threads", "1"],
+    s = Server(["--model", str(model_dir), "--served-model-name", "tiny", "--pcp", "2", "--pcp-min-tokens", "0", "--threads", "1"],
                log=tmp_path_factory.mktemp("serve_pcp_log") / "server.log")
     yield s
     assert s.stop(signal.SIGINT) in STOPPED, s.log()  # Ctrl-C; and no rank left behind (stop checks)
@@ -37,7 +38,7 @@ def server(model_dir, tmp_path_factory):
 
 def test_64_concurrent_streams_equal_one_rank(server, model_dir):
     async def one(client, prompt):
-        stream = await client.completions.create(model=str(model_dir), prompt=prompt, max_tokens=6, temperature=0,
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                                  stream=True, extra_body={"return_token_ids": True})
         return [t async for ch in stream for t in ch.choices[0].token_ids]
 
@@ -65,11 +66,18 @@ def _worker(server) -> int:
 
 
 def test_dead_rank_fails_requests_and_health(server):
-    """Last in the module: it kills rank 1."""
+    """Last in the module: it kills rank 1 under a stream in flight."""
+    stream = server.openai().completions.create(model="tiny", prompt="hello", max_tokens=400,
+                                                stream=True, temperature=0)
+    next(iter(stream))
     worker = _worker(server)
     os.kill(worker, signal.SIGKILL)
     while alive(worker):
         time.sleep(0.1)
+    # The stream in flight ends with an error event naming the failure (no hang).
+    with pytest.raises(openai.APIError, match="PCP rank"):
+        for _ in stream:
+            pass
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=300)
     assert r.status_code == 503, r.text
     assert "PCP rank" in r.json()["error"]["message"] and "restart" in r.json()["error"]["message"]
