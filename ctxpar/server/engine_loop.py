@@ -92,8 +92,9 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            # Block for commands only when there is nothing to step.
-            commands = [self._inbox.get()] if not engine.has_unfinished_requests() else []
+            # Block for commands when there is nothing to step (or nothing may be stepped).
+            idle = self.dead is not None or not engine.has_unfinished_requests()
+            commands = [self._inbox.get()] if idle else []
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
