@@ -31,8 +31,8 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(["--model", str(model_dir), "--served-model-name", NAME, "--threads", "1", "--kv-cache-blocks", "512"], api_key=KEY,
-               log=tmp_path_factory.mktemp("serve_log") / "server.log")
+    args = ["--model", str(model_dir), "--served-model-name", NAME, "--threads", "1", "--kv-cache-blocks", "512"]
+    s = Server(args, api_key=KEY, log=tmp_path_factory.mktemp("serve_log") / "server.log")
     yield s
     assert s.stop() in STOPPED, s.log()
     assert "Traceback" not in s.log()

@@ -30,8 +30,8 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     # --pcp-min-tokens 0: even these short prompts are split across the two ranks.
-    s = Server(["--model", str(model_dir), "--served-model-name", "tiny", "--pcp", "2", "--pcp-min-tokens", "0", "--threads", "1"],
-               log=tmp_path_factory.mktemp("serve_pcp_log") / "server.log")
+    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--pcp", "2", "--pcp-min-tokens", "0"]
+    s = Server([*args, "--threads", "1"], log=tmp_path_factory.mktemp("serve_pcp_log") / "server.log")
     yield s
     assert s.stop(signal.SIGINT) in STOPPED, s.log()  # Ctrl-C; and no rank left behind (stop checks)
 

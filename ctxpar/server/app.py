@@ -51,6 +51,16 @@ class ServerState:
             raise ApiError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model")
 
+    def render_chat(self, messages: list, chat_template_kwargs: dict | None = None) -> dict:
+        """{"prompt", "prompt_token_ids"} of the conversation, as LLM.chat renders it."""
+        try:
+            [rendered] = self.llm.apply_chat_template([m.as_template_input() for m in messages], chat_template_kwargs)
+        except (CtxparError, ApiError):
+            raise
+        except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
+            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        return rendered
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The same tokenization as LLM.generate's, so outputs match it token for token.
         if self.tokenizer is None:
@@ -148,13 +158,7 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
     async def chat(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
         state.check_model(req.model)
-        messages = [m.as_template_input() for m in req.messages]
-        try:
-            [rendered] = state.llm.apply_chat_template(messages, req.chat_template_kwargs)
-        except CtxparError:
-            raise
-        except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
-            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        rendered = state.render_chat(req.messages, req.chat_template_kwargs)
         ids = rendered["prompt_token_ids"]
         params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs)
         sub = state.loop.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
@@ -186,8 +190,7 @@ def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
         if req.prompt is not None:
             tokens = state.encode(req.prompt, req.add_special_tokens)
         else:
-            [rendered] = state.llm.apply_chat_template([m.as_template_input() for m in req.messages])
-            tokens = rendered["prompt_token_ids"]
+            tokens = state.render_chat(req.messages)["prompt_token_ids"]
         return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize")

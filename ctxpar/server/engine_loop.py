@@ -111,7 +111,8 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except Exception as e:  # a dead rank (RankFailure) or a bug: the engine is not trusted again
-                self._fail_all(f"the engine failed and takes no more requests; restart the server ({type(e).__name__}: {e})")
+                why = f"{type(e).__name__}: {e}"
+                self._fail_all(f"the engine failed and takes no more requests; restart the server ({why})")
                 continue
             now = time.perf_counter()
             # Gauges first: a client that sees a token sees metrics at least as fresh.
