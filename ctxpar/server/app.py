@@ -14,7 +14,7 @@ import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -68,20 +68,10 @@ class ServerState:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def build_app(llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app for an LLM whose engine it then owns (and closes at shutdown)."""
-    state = ServerState(llm, model_name, api_key)
+def build_app(state: ServerState) -> FastAPI:
+    """The routes over ``state``; its EngineLoop must run (see command.py) for requests to finish."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.loop.start()
-        yield
-        # uvicorn has stopped accepting and waited for (or cancelled) the
-        # requests in flight: fail any left, then stop the ranks.
-        await asyncio.to_thread(state.loop.stop)
-        llm.close()
-
-    app = FastAPI(title="ctxpar", lifespan=lifespan)
+    app = FastAPI(title="ctxpar")
     app.state.ctxpar = state
 
     @app.exception_handler(ApiError)

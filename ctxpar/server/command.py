@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from ctxpar.checks import int_arg
+from ctxpar.errors import CtxparError
 from ctxpar.generate_cmd import add_engine_arguments, engine_kwargs
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
@@ -50,11 +53,32 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from ctxpar import LLM
-    from ctxpar.server.app import build_app
+    from ctxpar.server.app import ServerState, build_app
 
-    llm = LLM(**engine_kwargs(args))
-    name = args.served_model_name or args.model or llm.engine.loaded.name
-    app = build_app(llm, name, args.api_key or None)
-    print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    with LLM(**engine_kwargs(args)) as llm:  # closing it stops the ranks
+        name = args.served_model_name or args.model or llm.engine.loaded.name
+        state = ServerState(llm, name, args.api_key or None)
+        config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(config)
+
+        def http() -> None:
+            try:
+                server.run()  # not the main thread: uvicorn installs no signal handlers of its own
+            finally:
+                state.loop.stop()  # however uvicorn ended (signal, bind error), the engine loop ends too
+
+        def shut_down(signum: int, frame: object) -> None:
+            # Stop accepting; uvicorn lets requests in flight finish (the engine
+            # loop keeps stepping them) for GRACEFUL_SHUTDOWN_S, then cuts them.
+            server.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, shut_down)
+        thread = threading.Thread(target=http, name="ctxpar-http")
+        thread.start()
+        print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        state.loop.run()  # on the main thread, until the HTTP server has stopped
+        thread.join()
+    if not server.started:
+        raise CtxparError(f"the HTTP server could not start on {args.host}:{args.port} (see the message above)")

@@ -1,5 +1,9 @@
 """The engine loop: one thread owns the Engine and steps it while work exists.
 
+It is the process's main thread (the HTTP server runs in another): torch
+steps measured ~1.5x slower on a secondary thread than on the main one (CPU,
+oneDNN/OpenMP), and the main thread is also where signals arrive.
+
 HTTP handlers run on the asyncio event loop and never touch the engine's
 state: they post commands (add a batch, abort a request) to a thread-safe
 inbox, and read their outputs from an asyncio queue that the engine thread
@@ -25,6 +29,9 @@ from dataclasses import dataclass, field
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
 from ctxpar.server.metrics import ServerMetrics
+
+
+IDLE_POLL_S = 0.5
 
 
 class EngineDead(RuntimeError):
@@ -56,15 +63,10 @@ class EngineLoop:
         self._sinks: dict[str, _Sink] = {}  # engine request id -> its sink (engine thread only)
         self._lock = threading.Lock()  # orders `dead` against posting to the inbox
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="ctxpar-engine-loop", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fail what is still in flight, then let the thread end (the caller closes the engine)."""
+    def stop(self) -> None:
+        """Make ``run`` fail what is still in flight and return (the caller closes the engine)."""
         self._post(("stop",), check=False)
-        self._thread.join(timeout)
 
     # -- the event loop's side ----------------------------------------------
 
@@ -89,12 +91,18 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step the engine for the handlers until ``stop``; call it on the main thread."""
         engine = self.engine
         while True:
-            # Block for commands when there is nothing to step (or nothing may be stepped).
-            idle = self.dead is not None or not engine.has_unfinished_requests()
-            commands = [self._inbox.get()] if idle else []
+            # Wait for commands when there is nothing to step (or nothing may
+            # be stepped); with a timeout, so that signal handlers get to run.
+            commands = []
+            if self.dead is not None or not engine.has_unfinished_requests():
+                try:
+                    commands.append(self._inbox.get(timeout=IDLE_POLL_S))
+                except queue.Empty:
+                    continue
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
