@@ -17,6 +17,7 @@ from ctxpar.errors import CtxparError, RankFailure
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("ctxpar.generate_cmd", "generate text, streamed to the terminal"),
     "plan": ("ctxpar.plan_view", "show how a batch is split across PCP ranks"),
+    "serve": ("ctxpar.server.command", "serve the model over an OpenAI-compatible HTTP API"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),

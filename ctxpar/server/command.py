@@ -1,0 +1,84 @@
+"""Serve a model over an OpenAI-compatible HTTP API (like `vllm serve`).
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming with
+"stream": true), /tokenize, /detokenize, /health and /metrics (Prometheus).
+Many concurrent requests share each engine step. Ctrl-C or SIGTERM stops
+accepting, lets requests in flight finish for a few seconds, then stops the
+PCP ranks.
+
+examples:
+  ctxpar serve
+  ctxpar serve --model ./my-llama --pcp 2 --port 8000 --api-key secret
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from ctxpar.checks import int_arg
+from ctxpar.errors import CtxparError
+from ctxpar.generate_cmd import add_engine_arguments, engine_kwargs
+
+# After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port to bind (default: 8000; 0 = any free)")
+    s.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("CTXPAR_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $CTXPAR_API_KEY; none = open)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: --model as given, or the default model's name)",
+    )
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from ctxpar import LLM
+    from ctxpar.server.app import ServerState, build_app
+
+    with LLM(**engine_kwargs(args)) as llm:  # closing it stops the ranks
+        name = args.served_model_name or args.model or llm.engine.loaded.name
+        state = ServerState(llm, name, args.api_key or None)
+        config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(config)
+
+        def http() -> None:
+            try:
+                server.run()  # not the main thread: uvicorn installs no signal handlers of its own
+            finally:
+                state.loop.stop()  # however uvicorn ended (signal, bind error), the engine loop ends too
+
+        def shut_down(signum: int, frame: object) -> None:
+            # Stop accepting; uvicorn lets requests in flight finish (the engine
+            # loop keeps stepping them) for GRACEFUL_SHUTDOWN_S, then cuts them.
+            server.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, shut_down)
+        thread = threading.Thread(target=http, name="ctxpar-http")
+        thread.start()
+        print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        state.loop.run()  # on the main thread, until the HTTP server has stopped
+        thread.join()
+    if not server.started:
+        raise CtxparError(f"the HTTP server could not start on {args.host}:{args.port} (see the message above)")

@@ -1,0 +1,248 @@
+"""The OpenAI request bodies ctxpar serves, and their translation to SamplingParams.
+
+Bodies are parsed strictly (no "5" for 5) and unknown fields are refused:
+a field the server ignored would silently change what the client asked for.
+Fields OpenAI (or vLLM) defines that the engine does not implement yet are
+accepted only at their neutral value; any other value is a 400 naming the
+field, never silence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ctxpar.errors import CtxparError
+from ctxpar.sampling_params import SamplingParams
+
+# OpenAI's cap on completions' `logprobs` is 5 and on chat's `top_logprobs` 20;
+# like vLLM, one limit for both (the engine itself has none).
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's JSON shape: {"error": {message, type, param, code}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             503: "service_unavailable", 500: "internal_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM extension; 0 or -1 disables
+    min_p: float = 0.0  # vLLM extension
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
+    user: str | None = None  # an end-user id for abuse monitoring: has no effect on generation
+    # Defined by OpenAI or vLLM, not implemented by the engine: only their neutral values pass.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+
+    # field -> (neutral values, why it is refused otherwise)
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "n": ((1,), "one completion per request; send n requests (with different seeds) instead"),
+        "presence_penalty": ((0, 0.0), "the engine has no penalties yet"),
+        "frequency_penalty": ((0, 0.0), "the engine has no penalties yet"),
+        "repetition_penalty": ((1, 1.0), "the engine has no penalties yet"),
+        "logit_bias": ((None,), "the engine has no logit bias yet"),
+        "min_tokens": ((0,), "the engine has no min_tokens yet"),
+    }
+
+    def check_supported(self) -> None:
+        for name, (neutral, why) in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value not in neutral:
+                raise ApiError(400, f"{name}={value!r} is not supported: {why}", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one prompt; CtxparError (a 400) on a bad value.
+
+        Without max_tokens a request may use the rest of the context (vLLM's
+        default); with one, prompt + max_tokens must fit in it, as OpenAI and
+        vLLM require, rather than being cut short without a word."""
+        room = max_model_len - num_prompt_tokens
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.default_max_tokens(room)
+        if max_tokens > room and room > 0:
+            raise CtxparError(
+                f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} prompt "
+                f"tokens + max_tokens={max_tokens} is {num_prompt_tokens + max_tokens}; lower max_tokens to at "
+                f"most {room} or shorten the prompt"
+            )
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise CtxparError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=-1 if self.top_k == 0 else self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    def default_max_tokens(self, room: int) -> int:
+        return max(room, 1)  # a too-long prompt is refused by the engine's own check
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_Sampling.UNSUPPORTED,
+        "echo": ((False,), "the prompt is not returned; use return_token_ids for its token ids"),
+        "suffix": ((None,), "no insertion (fill-in-the-middle) mode"),
+        "best_of": ((None, 1), "one completion per request"),
+    }
+
+    def default_max_tokens(self, room: int) -> int:
+        return 16  # OpenAI's default for completions
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
+        return list(p)
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """{"role", "content"} with the content as one string, as chat templates expect."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(
+                        400, f"content part {part.get('type')!r} is not supported: ctxpar serves text models, "
+                        "give parts as {'type': 'text', 'text': ...}", param="messages",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)  # vLLM joins text parts the same way
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_Sampling.UNSUPPORTED,
+        "tools": ((None, []), "no tool calling yet"),
+        "tool_choice": ((None, "none"), "no tool calling yet"),
+        "response_format": ((None, {"type": "text"}), "no structured output yet"),
+    }
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise ApiError(400, "messages is empty: give at least one message", param="messages")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ApiError(400, "max_tokens and max_completion_tokens differ: give one", param="max_tokens")
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        reserved = {"add_generation_prompt", "tokenize", "conversation"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                           param="chat_template_kwargs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[_Body], body: bytes) -> Any:
+    """Parse a JSON body into ``model``; a 400 naming the first bad field otherwise."""
+    try:
+        req = model.model_validate_json(body or b"{}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        raise ApiError(400, f"{where}: {err['msg']}", param=where.split(".")[0]) from None
+    check = getattr(req, "check_supported", None)
+    if check is not None:
+        check()
+    return req

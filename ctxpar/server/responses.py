@@ -1,0 +1,101 @@
+"""Engine outputs -> OpenAI response bodies (whole, or as streamed deltas).
+
+Engine outputs are cumulative (all the text and tokens so far), so a stream
+keeps, per choice, how much it has sent and emits the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ctxpar.outputs import RequestOutput
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(rid: str, obj: str, model: str, created: int, choices: list[dict], **extra: Any) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+@dataclass
+class Delta:
+    """What one choice's next output adds to what was already sent."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int  # characters sent before this delta (completions' text_offset)
+
+
+class ChoiceCursor:
+    """How much of one choice has been sent; ``advance`` returns the rest."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.tokens = 0
+
+    def peek(self, out: RequestOutput) -> Delta:
+        """The unsent rest, still unsent (a stream may wait for text before sending tokens)."""
+        c = out.outputs[0]
+        return Delta(c.text[self.chars:], c.token_ids[self.tokens:],
+                     c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
+
+    def advance(self, out: RequestOutput) -> Delta:
+        """The unsent rest, now counted as sent."""
+        d = self.peek(out)
+        self.chars, self.tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+        return d
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+
+def completion_logprobs(tokenizer, d: Delta) -> dict | None:
+    """/v1/completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+
+    top_logprobs holds the requested most likely tokens plus the sampled one, as vLLM's does."""
+    if d.logprobs is None:
+        return None
+    tokens = [_token_text(tokenizer, t) for t in d.token_ids]
+    offsets, pos = [], d.text_offset
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs)],
+        "top_logprobs": [{_token_text(tokenizer, k): v for k, v in lp.items()} for lp in d.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
+    """/v1/chat/completions' logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if d.logprobs is None:
+        return None
+
+    def entry(t: int, lp: float) -> dict:
+        s = _token_text(tokenizer, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for t, lp in zip(d.token_ids, d.logprobs):
+        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
+    return {"content": content}
+
+
+def finish_fields(out: RequestOutput) -> dict:
+    """finish_reason as OpenAI defines it ("stop", "length"; null while running) and vLLM's stop_reason."""
+    c = out.outputs[0]
+    return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

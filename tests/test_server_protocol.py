@@ -1,0 +1,51 @@
+"""Request bodies -> SamplingParams, without a server: every field the engine
+does not implement is refused at a non-neutral value (the table must cover
+each one, so a new field cannot slip through untested)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ctxpar.errors import CtxparError
+from ctxpar.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+
+NON_NEUTRAL = {
+    "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+    "logit_bias": {"5": 1.0}, "min_tokens": 3, "echo": True, "suffix": "end", "best_of": 2,
+    "tools": [{"type": "function"}], "tool_choice": "auto", "response_format": {"type": "json_object"},
+}
+BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}
+CASES = [(m, f) for m in BASE for f in m.UNSUPPORTED]
+
+
+def test_table_covers_every_unsupported_field():
+    assert {f for _, f in CASES} == set(NON_NEUTRAL)
+
+
+@pytest.mark.parametrize("model, field", CASES, ids=[f"{m.__name__}.{f}" for m, f in CASES])
+def test_unsupported_field_is_refused_by_name(model, field):
+    with pytest.raises(ApiError) as e:
+        parse(model, json.dumps({**BASE[model], field: NON_NEUTRAL[field]}).encode())
+    assert e.value.status == 400 and e.value.param == field and f"{field}=" in e.value.message
+
+
+@pytest.mark.parametrize("model", list(BASE))
+def test_neutral_values_pass(model):
+    neutral = {f: v[0][0] for f, v in model.UNSUPPORTED.items()}
+    req = parse(model, json.dumps({**BASE[model], **neutral}).encode())
+    p = req.sampling_params(10, 100, None)
+    assert p.temperature == 1.0 and p.top_k == -1 and p.top_p == 1.0
+
+
+def test_defaults_and_limits():
+    req = parse(CompletionRequest, b'{"prompt": "x", "top_k": 0, "temperature": 0}')
+    assert req.sampling_params(10, 100, None).max_tokens == 16  # OpenAI's completions default
+    assert req.sampling_params(10, 100, None).top_k == -1  # vLLM: 0 disables too
+    chat = parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}]}')
+    assert chat.sampling_params(10, 100, None).max_tokens == 90  # the rest of the context
+    with pytest.raises(CtxparError, match="maximum context length is 100"):
+        parse(CompletionRequest, b'{"prompt": "x", "max_tokens": 91}').sampling_params(10, 100, None)
+    with pytest.raises(ApiError, match="max_tokens: Input should be a valid integer"):
+        parse(CompletionRequest, b'{"prompt": "x", "max_tokens": "5"}')
