@@ -207,8 +207,11 @@ def test_random_shared_prefix_workload_reads_only_its_own_tokens(seed):
                 cache[slot(pos)] = (pos, ids[k])
             if p.needs_logits[i]:
                 req.output_token_ids.append(fake_token(req.token_ids(0, c) + ids))
-                if len(req.output_token_ids) >= req.params.max_tokens:
-                    sched.finish(req)
+        # As Engine.step: the step succeeded, so commit it, then check stops.
+        sched.commit(batch)
+        for req in batch.requests:
+            if len(req.output_token_ids) >= req.params.max_tokens and not req.finished:
+                sched.finish(req)
         bm.check_integrity()
     assert all(r.finished for r in reqs)
     assert {r.request_id: r.output_token_ids for r in reqs} == expected
