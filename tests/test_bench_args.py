@@ -17,7 +17,7 @@ from ctxpar import cli
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
 # prompt, 0 is a seed like any other.
 ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("planner", "--seed"),
-                ("ttft", "--pcp-min-tokens")}
+                ("ttft", "--pcp-min-tokens"), ("prefix", "--requests"), ("prefix", "--seed")}
 
 
 def typed_actions(bench: str) -> list[argparse.Action]:
@@ -27,30 +27,31 @@ def typed_actions(bench: str) -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and a.type is not None]
 
 
-def numeric_options(bench: str) -> list[str]:
-    return [a.option_strings[0] for a in typed_actions(bench)]
+def numeric_options(bench: str) -> list[tuple[str, int]]:
+    """Each numeric option with how many values it takes at once (``nargs=2`` takes two)."""
+    return [(a.option_strings[0], a.nargs if isinstance(a.nargs, int) else 1) for a in typed_actions(bench)]
 
 
 BENCH_CASES = [
-    (bench, option, value)
+    (bench, option, value, count)
     for bench in cli.BENCHMARKS
-    for option in numeric_options(bench)
+    for option, count in numeric_options(bench)
     for value in (["-1"] if (bench, option) in ZERO_ALLOWED else ["0", "-1"])
 ]
 
 
 def test_every_bench_has_numeric_options_covered():
-    assert {b for b, _, _ in BENCH_CASES} == set(cli.BENCHMARKS)
+    assert {b for b, _, _, _ in BENCH_CASES} == set(cli.BENCHMARKS)
     assert len(BENCH_CASES) >= 20
     # A bare `type=int` accepts 0 and negatives: each option must use a validating type.
     bare = [(b, a.dest) for b in cli.BENCHMARKS for a in typed_actions(b) if a.type in (int, float)]
     assert not bare
 
 
-@pytest.mark.parametrize("bench, option, value", BENCH_CASES)
-def test_bench_refuses_zero_and_negative(bench, option, value, capsys):
+@pytest.mark.parametrize("bench, option, value, count", BENCH_CASES)
+def test_bench_refuses_zero_and_negative(bench, option, value, count, capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", bench, option, value])
+        cli.main(["bench", bench, option, *[value] * count])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {option}: must be an integer " in err

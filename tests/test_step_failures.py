@@ -14,7 +14,11 @@ import ctxpar.layers.sampler as sampler_module
 from ctxpar import LLM, SamplingParams
 from ctxpar.worker.step_plan import StepPlan
 
-CONFIG = dict(max_num_batched_tokens=64, pcp_min_tokens=0, num_threads=1, kv_cache_bytes=1 << 24)
+# Prefix caching off: each drive() must replay the same steps (A's prompt in
+# three chunks), which a cache hit on the second drive would shorten.
+CONFIG = dict(
+    max_num_batched_tokens=64, pcp_min_tokens=0, num_threads=1, kv_cache_bytes=1 << 24, enable_prefix_caching=False
+)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
 BAD = SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True)  # sampling it raises, below
@@ -45,7 +49,7 @@ def drive(llm: LLM, add_bad_after: int | None = None) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     step, bad = 0, None
     while engine.has_unfinished_requests():
-        if step == add_bad_after:
+        if step == add_bad_after and bad is None:
             bad = engine.add_request(prompt(4, 2), BAD)
         try:
             outs = engine.step()

@@ -21,25 +21,27 @@ from __future__ import annotations
 import argparse
 import time
 
+from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--pcp", type=int, nargs="+", default=[1, 2], metavar="P", help="PCP sizes (default: 1 2)")
-    p.add_argument("--doc-tokens", type=int, default=6000, metavar="N", help="document length (default: 6000)")
-    p.add_argument("--questions", type=int, default=8, metavar="N", help="questions asked in turn (default: 8)")
-    p.add_argument("--question-tokens", type=int, default=24, metavar="N", help="tokens per question (default: 24)")
-    p.add_argument("--answer-tokens", type=int, default=8, metavar="N", help="tokens per answer (default: 8)")
-    p.add_argument("--requests", type=int, default=16, metavar="N", help="shared-prefix requests (default: 16, 0: skip)")
-    p.add_argument("--shared-tokens", type=int, default=1024, metavar="N", help="shared prefix (default: 1024)")
+    p.add_argument("--pcp", type=positive_int, nargs="+", default=[1, 2], metavar="P", help="PCP sizes (default: 1 2)")
+    p.add_argument("--doc-tokens", type=positive_int, default=6000, metavar="N", help="document length (default: 6000)")
+    p.add_argument("--questions", type=positive_int, default=8, metavar="N", help="questions asked in turn (default: 8)")
+    p.add_argument("--question-tokens", type=positive_int, default=24, metavar="N", help="tokens per question (default: 24)")
+    p.add_argument("--answer-tokens", type=positive_int, default=8, metavar="N", help="tokens per answer (default: 8)")
+    p.add_argument("--requests", type=nonnegative_int, default=16, metavar="N", help="shared-prefix requests (default: 16, 0: skip)")
+    p.add_argument("--shared-tokens", type=positive_int, default=1024, metavar="N", help="shared prefix (default: 1024)")
     p.add_argument(
-        "--own-tokens", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
+        "--own-tokens", type=positive_int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
         help="range of each request's own tokens (default: 100 300)",
     )
-    p.add_argument("--output-len", type=int, default=32, metavar="N", help="tokens per shared-prefix request (default: 32)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
+    p.add_argument("--output-len", type=positive_int, default=32, metavar="N", help="tokens per shared-prefix request (default: 32)")
+    p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompts (default: 0)")
 
 
 def _documents(llm, args: argparse.Namespace) -> list[list[int]]:
