@@ -136,23 +136,32 @@ def test_two_hosts_generate_what_one_rank_does(hosts, tiny_model_dirs, tmp_path)
     assert json.loads(lines[0][len("TOKENS "):]) == want
 
 
-def test_killing_one_host_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path):
-    """Node 1 (rank 1 and its torchrun agent) is killed while rank 0 runs
-    long prefills: rank 0's collective fails as the link's sockets close and
-    it raises RankFailure within seconds, not after a timeout."""
-    procs = start_nodes(hosts, str(tiny_model_dirs["llama"]), tmp_path, keep_going=True)
+def kill_host_and_wait(hosts, model: str, tmp_path, victim: int) -> tuple[float, str]:
+    """Start both nodes, kill node `victim` (its rank and torchrun agent) once
+    long prefills are under way, and return how long the other node took to
+    report the failure and the message it printed."""
+    survivor = 1 - victim
+    procs = start_nodes(hosts, model, tmp_path, keep_going=True)
     try:
         assert procs[0].stdout.readline().startswith("TOKENS "), procs[0].stderr.read()[-3000:]
         time.sleep(0.5)  # inside the long prefills
         killed = time.monotonic()
-        kill_tree(procs[1].pid)
-        out, err = procs[0].communicate(timeout=120)
+        kill_tree(procs[victim].pid)
+        out, err = procs[survivor].communicate(timeout=120)
     finally:
         stop(procs)
-    failed = [l for l in out.splitlines() if l.startswith("FAILED ")]
-    assert failed and procs[0].returncode == 1, err[-3000:]
+    failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed and procs[survivor].returncode == 1, err[-3000:]
     _, when, message = failed[0].split(" ", 2)
-    assert float(when) - killed < 10
+    return float(when) - killed, message
+
+
+def test_killing_one_host_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path):
+    """Node 1 (rank 1 and its torchrun agent) is killed while rank 0 runs
+    long prefills: rank 0's collective fails as the link's sockets close and
+    it raises RankFailure within seconds, not after a timeout."""
+    took, message = kill_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=1)
+    assert took < 10
     assert "a PCP rank failed during a step" in message and ADDRS[1] in message  # names the peer host
 
 
@@ -160,17 +169,6 @@ def test_killing_rank_0s_host_ends_the_other_host(hosts, tiny_model_dirs, tmp_pa
     """The other way round: rank 1 waits for rank 0's next plan or is inside
     a step with it; when node 0 goes away that fails at once and LLM() on
     rank 1 raises RankFailure saying so."""
-    procs = start_nodes(hosts, str(tiny_model_dirs["llama"]), tmp_path, keep_going=True)
-    try:
-        assert procs[0].stdout.readline().startswith("TOKENS "), procs[0].stderr.read()[-3000:]
-        time.sleep(0.5)
-        killed = time.monotonic()
-        kill_tree(procs[0].pid)
-        out, err = procs[1].communicate(timeout=120)
-    finally:
-        stop(procs)
-    failed = [l for l in out.splitlines() if l.startswith("FAILED ")]
-    assert failed and procs[1].returncode == 1, err[-3000:]
-    _, when, message = failed[0].split(" ", 2)
-    assert float(when) - killed < 10
+    took, message = kill_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=0)
+    assert took < 10
     assert message.startswith("PCP rank 1 lost rank 0") and ADDRS[0] in message
