@@ -17,7 +17,8 @@ from ctxpar import cli
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
 # prompt, 0 is a seed like any other.
 ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("planner", "--seed"),
-                ("ttft", "--pcp-min-tokens"), ("prefix", "--requests"), ("prefix", "--seed")}
+                ("ttft", "--pcp-min-tokens"), ("prefix", "--requests"), ("prefix", "--seed"),
+                ("serve", "--seed")}
 
 
 def typed_actions(bench: str) -> list[argparse.Action]:
@@ -88,6 +89,15 @@ def test_throughput_prompt_lengths_in_order(capsys):
     assert err.startswith("error: ") and "--min-prompt-len <= --max-prompt-len" in err
 
 
+def assert_one_error_line(argv: list[str], words: list[str], capsys) -> None:
+    """`ctxpar ARGV` exits 2 with one `error:` line naming every one of `words`."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -107,11 +117,7 @@ def test_throughput_prompt_lengths_in_order(capsys):
     ],
 )
 def test_plan_refuses_bad_and_huge_values(argv, words, capsys):
-    assert cli.main(["plan", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
-    for w in words:
-        assert w in err, (w, err)
+    assert_one_error_line(["plan", *argv], words, capsys)
 
 
 @pytest.mark.parametrize(
@@ -141,11 +147,7 @@ def test_plan_refuses_bad_and_huge_values(argv, words, capsys):
     ],
 )
 def test_generate_refuses_bad_values_before_loading(argv, words, capsys):
-    assert cli.main(["generate", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
-    for w in words:
-        assert w in err, (w, err)
+    assert_one_error_line(["generate", *argv], words, capsys)
 
 
 def test_generate_huge_kv_cache_refused(tiny_model_dirs, capsys):

@@ -1,0 +1,235 @@
+"""The HTTP server under load versus offline LLM.generate, in one run.
+
+Workload: N prompts of seeded random lengths made of random real token ids,
+each generating a fixed number of tokens greedily with EOS ignored, so every
+configuration does exactly the same work.
+
+1. Offline baseline (the same engine flags, in this process): the throughput
+   of LLM.generate on all N prompts at once, and each prompt's time to first
+   token alone (max_tokens=1, one after the other).
+2. Served: a `ctxpar serve` process on a free loopback port (or --url, a
+   server already running the same model). For each concurrency C, C client
+   threads send the N prompts as streaming /v1/completions requests, a new
+   one as soon as one ends. Printed per C: requests/s, output tok/s, TTFT
+   and inter-token latency p50 / p99, and how many requests came out
+   token-identical to offline.
+3. Ratios: served output tok/s at the best C over offline throughput (goal
+   >= 0.9), and offline TTFT p50 over served TTFT p50 at C = 1 (goal: within
+   10%, i.e. >= 0.9).
+
+Traffic goes to loopback only, bounded by N requests per level and --timeout.
+Offline runs first, then the server, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--url", metavar="URL", help="a running server of the same model (default: start one here)")
+    p.add_argument("--pcp", type=positive_int, default=1, metavar="P", help="PCP ranks of both engines (default: 1)")
+    p.add_argument(
+        "--concurrency", type=positive_int, nargs="+", default=[1, 4, 16, 64], metavar="C",
+        help="client counts of the sweep (default: 1 4 16 64)",
+    )
+    p.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests per level (default: 64)")
+    p.add_argument("--min-prompt-len", type=positive_int, default=64, metavar="N", help="shortest prompt (default: 64)")
+    p.add_argument("--max-prompt-len", type=positive_int, default=512, metavar="N", help="longest prompt (default: 512)")
+    p.add_argument("--output-len", type=positive_int, default=32, metavar="N", help="tokens per request (default: 32)")
+    p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompts (default: 0)")
+    p.add_argument(
+        "--timeout", type=positive_int, default=900, metavar="S", help="give up on the sweep after S seconds (default: 900)"
+    )
+
+
+@dataclass
+class Timing:
+    """One streamed request: when it was sent, when each token arrived."""
+
+    sent: float
+    arrivals: list[float] = field(default_factory=list)  # one per token
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
+
+
+def stream_completion(host: str, port: int, body: dict, timeout: float) -> Timing:
+    """POST a streaming /v1/completions and time its server-sent events."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        t = Timing(sent=time.perf_counter())
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"the server answered {resp.status}: {resp.read().decode()[:300]}")
+        while line := resp.readline():
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            for choice in json.loads(line[6:]).get("choices", []):
+                ids = choice.get("token_ids") or []
+                t.arrivals += [now] * len(ids)  # tokens of one event arrived together
+                t.token_ids += ids
+        return t
+    finally:
+        conn.close()
+
+
+def sweep_level(host: str, port: int, bodies: list[dict], clients: int, deadline: float) -> tuple[list[Timing], float]:
+    """Send every body with `clients` threads, each taking the next body when its last one ends."""
+    results: list[Timing | None] = [None] * len(bodies)
+    errors: list[BaseException] = []
+    lock, next_index = threading.Lock(), [0]
+
+    def client() -> None:
+        while not errors:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(bodies):
+                return
+            try:
+                results[i] = stream_completion(host, port, bodies[i], timeout=max(1.0, deadline - time.monotonic()))
+            except BaseException as e:  # noqa: BLE001 - reported once below
+                errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    if errors or any(th.is_alive() for th in threads):
+        raise RuntimeError(f"at concurrency {clients}: {errors[0] if errors else 'the sweep ran past --timeout'}")
+    return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """`ctxpar serve` on loopback with this benchmark's engine flags; returns once /health answers 200."""
+    cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp)]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}: {proc.stderr.read()[-500:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not answer /health within 300 s")
+
+
+def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], float, list[float]]:
+    """Prompts, offline outputs, offline output tok/s, and each prompt's TTFT alone."""
+    from ctxpar import LLM, SamplingParams
+    from ctxpar.bench.throughput import make_prompts
+
+    with LLM(args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False) as llm:
+        engine = llm.engine
+        prompts = make_prompts(
+            engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed
+        )
+        llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+        first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        ttfts = [llm.generate({"prompt_token_ids": p}, first, use_tqdm=False)[0].metrics.ttft for p in prompts]
+    return prompts, outputs, sum(map(len, outputs)) / elapsed, ttfts
+
+
+def run(args: argparse.Namespace) -> None:
+    from ctxpar.bench.machine import describe_machine
+    from ctxpar.errors import CtxparError
+
+    if args.min_prompt_len > args.max_prompt_len:
+        raise CtxparError(
+            f"need --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
+        )
+    url = urllib.parse.urlsplit(args.url or "http://127.0.0.1")
+    if url.scheme != "http" or url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise CtxparError(f"--url must be an http:// loopback address (this benchmark sends load), got {args.url!r}")
+    print(describe_machine())
+    prompts, want, off_tps, off_ttft = offline(args)
+    print(
+        f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"{args.output_len} output tokens each, P={args.pcp}"
+    )
+    print(f"offline LLM.generate: {off_tps:8.1f} output tok/s; TTFT alone p50 {percentile(off_ttft, 50) * 1e3:.0f} ms")
+
+    port = (url.port or 8000) if args.url else free_port()
+    server = None if args.url else start_server(args, port)
+    served: dict[int, tuple[float, float]] = {}  # concurrency -> (output tok/s, TTFT p50)
+    try:
+        deadline = time.monotonic() + args.timeout
+        bodies = [
+            {"prompt": p, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+             "return_token_ids": True}
+            for p in prompts
+        ]
+        stream_completion(url.hostname, port, {**bodies[0], "max_tokens": 2}, timeout=120)  # warm-up
+        print(" C  req/s  out tok/s  TTFT p50/p99 ms  ITL p50/p99 ms  identical")
+        for c in args.concurrency:
+            timings, elapsed = sweep_level(url.hostname, port, bodies, c, deadline)
+            n_out = sum(len(t.token_ids) for t in timings)
+            ttft = [t.ttft for t in timings]
+            itl = [x for t in timings for x in t.itls()]
+            same = sum(t.token_ids == w for t, w in zip(timings, want))
+            served[c] = (n_out / elapsed, percentile(ttft, 50))
+            print(
+                f"{c:2d} {len(timings) / elapsed:6.2f} {n_out / elapsed:10.1f} "
+                f"{percentile(ttft, 50) * 1e3:7.0f}/{percentile(ttft, 99) * 1e3:<7.0f} "
+                f"{percentile(itl, 50) * 1e3:7.1f}/{percentile(itl, 99) * 1e3:<7.1f} {same:4d}/{len(timings)}"
+            )
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+    best = max(served, key=lambda c: served[c][0])
+    print(
+        f"ratios (above 1: served better): throughput served(C={best})/offline {served[best][0] / off_tps:.2f}x"
+        + (f", TTFT p50 offline/served(C=1) {percentile(off_ttft, 50) / served[1][1]:.2f}x" if 1 in served else "")
+    )
