@@ -49,7 +49,9 @@ def load_chat_template(chat_template: str | None) -> str | None:
     if chat_template is None:
         return None
     if not isinstance(chat_template, str) or not chat_template:
-        raise CtxparError(f"chat_template must be a Jinja template or the path of a file holding one, got {chat_template!r}")
+        raise CtxparError(
+            f"chat_template must be a Jinja template or the path of a file holding one, got {chat_template!r}"
+        )
     if "{" not in chat_template:  # no Jinja syntax: a file name
         path = Path(chat_template).expanduser()
         if not path.is_file():

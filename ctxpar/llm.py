@@ -120,6 +120,13 @@ class LLM:
             if not isinstance(flag, bool):
                 raise CtxparError(f"{name} must be True or False, got {flag!r}")
         self._default_sampling = default_sampling_kwargs(model, generation_config, override_generation_config)
+        try:  # a value SamplingParams refuses fails here, not at the first generate
+            SamplingParams(**self._default_sampling)
+        except (CtxparError, TypeError) as e:
+            raise CtxparError(
+                f"the generation config's sampling defaults {self._default_sampling} are not usable: {e}; "
+                "pass generation_config='vllm' to ignore them"
+            ) from None
         own_tokenizer = _load_tokenizer(tokenizer, trust_remote_code) if tokenizer is not None else None
         from ctxpar.engine.engine import Engine
 

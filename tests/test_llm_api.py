@@ -77,7 +77,8 @@ def test_hints_are_ignored_with_one_log_line_and_neutral_values_accepted(text_di
             assert sum(f"ignoring {name}=" in line for line in lines) == 1, lines
         assert other.config.seed == 0  # seed=None: vLLM's default seed, 0
         prompt = {"prompt_token_ids": [5, 6, 7]}
-        assert tokens(other.generate(prompt, GREEDY, use_tqdm=False)) == tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
+        same = tokens(llm.generate(prompt, GREEDY, use_tqdm=False))
+        assert tokens(other.generate(prompt, GREEDY, use_tqdm=False)) == same
 
 
 def test_docs_list_every_vllm_argument():
@@ -238,8 +239,12 @@ def test_generation_config_repetition_penalty(text_dir, tmp_path):
         assert llm.get_default_sampling_params().repetition_penalty == 1.1
 
 
-def test_bad_generation_config_file_is_named(text_dir, tmp_path):
+def test_bad_generation_config_is_named_before_loading(text_dir, tmp_path):
     model = shutil.copytree(text_dir, tmp_path / "m")
     (model / "generation_config.json").write_text("{not json")
     with pytest.raises(CtxparError, match="generation_config.json"):
         LLM(str(model), **SMALL)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(CtxparError) as e:
+        LLM(str(model), **SMALL)
+    assert "temperature" in str(e.value) and "generation_config='vllm'" in str(e.value)
