@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxpar.errors import CtxparError
+from ctxpar.sampling_params import SamplingParams
 
 logger = logging.getLogger("ctxpar")
 
@@ -48,7 +49,9 @@ def default_sampling_kwargs(
 
     model: the LLM's model path (a directory has a generation config; a .gguf
         file and the default model have none).
-    Raises CtxparError for a bad ``generation_config`` value or an unreadable file.
+    Raises CtxparError for a bad ``generation_config`` value, an unreadable
+    file, or values SamplingParams refuses (so they fail when the LLM is
+    built, not at its first generate).
     """
     if not isinstance(generation_config, (str, os.PathLike)):
         raise CtxparError(f"generation_config must be 'auto', 'vllm' or a directory path, got {generation_config!r}")
@@ -70,6 +73,13 @@ def default_sampling_kwargs(
         config = _read(path)
     config = {**config, **(override or {})}
     found = {SAMPLING_KEYS[k]: v for k, v in config.items() if k in SAMPLING_KEYS and v is not None}
+    try:
+        SamplingParams(**found)
+    except (CtxparError, TypeError) as e:
+        raise CtxparError(
+            f"the generation config's sampling defaults {found} are not usable: {e}; "
+            "pass generation_config='vllm' to ignore them"
+        ) from None
     if found:
         logger.warning(
             "ctxpar: default sampling parameters come from the model's generation config (%s); "

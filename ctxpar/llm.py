@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Union
 
 from ctxpar.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
@@ -22,7 +21,7 @@ from ctxpar.generation_config import default_sampling_kwargs
 from ctxpar.inputs import PromptType, TokensPrompt, parse_prompt
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
-from ctxpar.vllm_args import apply_vllm_args
+from ctxpar.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
 
 Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
 # use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
@@ -50,29 +49,6 @@ def _progress_bar(use_tqdm: UseTqdm, *args: Any, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(*args, **kwargs)
-
-
-def _no_lora(lora_request: Any) -> None:
-    if lora_request is not None:
-        raise CtxparError(
-            "lora_request is not supported: ctxpar has no LoRA adapters; merge the adapter into the weights "
-            "(peft's merge_and_unload) and load the merged checkpoint"
-        )
-
-
-def _load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    """The tokenizer= argument: a local Hugging Face tokenizer directory."""
-    if not isinstance(path, str) or not Path(path).expanduser().is_dir():
-        raise CtxparError(
-            f"tokenizer={path!r} is not a directory; pass a local Hugging Face tokenizer directory "
-            "(ctxpar downloads nothing) or leave it None for the model's own"
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CtxparError(f"cannot load the tokenizer in {path}: {e}") from e
 
 
 class LLM:
@@ -120,14 +96,7 @@ class LLM:
             if not isinstance(flag, bool):
                 raise CtxparError(f"{name} must be True or False, got {flag!r}")
         self._default_sampling = default_sampling_kwargs(model, generation_config, override_generation_config)
-        try:  # a value SamplingParams refuses fails here, not at the first generate
-            SamplingParams(**self._default_sampling)
-        except (CtxparError, TypeError) as e:
-            raise CtxparError(
-                f"the generation config's sampling defaults {self._default_sampling} are not usable: {e}; "
-                "pass generation_config='vllm' to ignore them"
-            ) from None
-        own_tokenizer = _load_tokenizer(tokenizer, trust_remote_code) if tokenizer is not None else None
+        own_tokenizer = load_tokenizer(tokenizer, trust_remote_code) if tokenizer is not None else None
         from ctxpar.engine.engine import Engine
 
         self.engine: Engine | None = Engine(self.config)
@@ -196,7 +165,7 @@ class LLM:
         lora_request: only None (ctxpar has no LoRA adapters).
         """
         _check_tqdm(use_tqdm)
-        _no_lora(lora_request)
+        refuse_lora(lora_request)
         engine = self._engine
         reqs = self._prepare(prompts, sampling_params)
         ids: list[str] = []
@@ -228,7 +197,7 @@ class LLM:
         the chat template (the tokenizer's, or ``chat_template``: a template
         string or a file). See ``ctxpar.chat.render_chat`` for the options."""
         _check_tqdm(use_tqdm)
-        _no_lora(lora_request)
+        refuse_lora(lora_request)
         prompts = self.apply_chat_template(
             messages, chat_template_kwargs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools,
@@ -267,7 +236,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise CtxparError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _check_tqdm(use_tqdm)
-        _no_lora(lora_request)
+        refuse_lora(lora_request)
         # The candidates of each step: the 2 * beam_width most likely next tokens (and the one drawn).
         step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
         starts = [ids for _, ids, _ in self._prepare(prompts, step_params)]

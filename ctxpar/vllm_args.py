@@ -17,6 +17,7 @@ docs/vllm.md lists all three kinds; a test keeps it in step with these tables.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from ctxpar.errors import CtxparError
@@ -49,6 +50,10 @@ HINTS: dict[str, str] = {
     "scheduling_policy": "requests are scheduled first come, first served",
 }
 
+NO_LORA = (
+    "ctxpar has no LoRA adapters; merge the adapter into the weights (peft's merge_and_unload) "
+    "and load the merged checkpoint"
+)
 # name -> (vLLM's neutral values, accepted silently; what to do instead of any other).
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tensor_parallel_size": (
@@ -63,11 +68,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         "ctxpar runs the checkpoint's weights as stored (a .gguf file is dequantised when loaded); "
         "pass an unquantised checkpoint or a .gguf file",
     ),
-    "enable_lora": (
-        (False,),
-        "ctxpar has no LoRA adapters; merge the adapter into the weights "
-        "(peft's merge_and_unload) and load the merged checkpoint",
-    ),
+    "enable_lora": ((False,), NO_LORA),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype; leave kv_cache_dtype='auto'"),
     "speculative_config": ((None,), "ctxpar has no speculative decoding"),
     "hf_overrides": ((None, {}), "edit the checkpoint's config.json instead"),
@@ -107,3 +108,24 @@ def apply_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
         else:
             rest[name] = value
     return rest
+
+
+def refuse_lora(lora_request: Any) -> None:
+    """The lora_request argument of generate, chat and beam_search: only None."""
+    if lora_request is not None:
+        raise CtxparError(f"lora_request is not supported: {NO_LORA}")
+
+
+def load_tokenizer(path: Any, trust_remote_code: bool) -> Any:
+    """The tokenizer= argument: a local Hugging Face tokenizer directory."""
+    if not isinstance(path, str) or not Path(path).expanduser().is_dir():
+        raise CtxparError(
+            f"tokenizer={path!r} is not a directory; pass a local Hugging Face tokenizer directory "
+            "(ctxpar downloads nothing) or leave it None for the model's own"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CtxparError(f"cannot load the tokenizer in {path}: {e}") from e
