@@ -11,11 +11,14 @@ the beam_width best continuations of a step are among each beam's best 2 * beam_
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import shutil
 
 import pytest
 import torch
+from tqdm import tqdm
 
 from ctxpar import LLM, BeamSearchOutput
 from ctxpar.errors import CtxparError
@@ -124,5 +127,8 @@ def test_beam_search_bad_input(tiny_model_dirs):
         with pytest.raises(CtxparError, match="max_model_len"):
             llm.beam_search([{"prompt_token_ids": list(range(20))}], BeamSearchParams(2, 4))
         # Beams that reach max_model_len complete there ("length") instead of failing.
-        [out] = llm.beam_search([{"prompt_token_ids": list(range(1, 13))}], BeamSearchParams(2, 10))
+        sink = io.StringIO()
+        bar = functools.partial(tqdm, file=sink)  # use_tqdm as a callable: a bar over the token steps
+        [out] = llm.beam_search([{"prompt_token_ids": list(range(1, 13))}], BeamSearchParams(2, 10), use_tqdm=bar)
         assert all(len(s.tokens) == 16 and s.finish_reason == "length" for s in out.sequences)
+        assert "Beam search" in sink.getvalue()
