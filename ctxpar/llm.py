@@ -196,13 +196,11 @@ class LLM:
         """Generate replies to one conversation or a list of them, rendered with
         the chat template (the tokenizer's, or ``chat_template``: a template
         string or a file). See ``ctxpar.chat.render_chat`` for the options."""
-        _check_tqdm(use_tqdm)
-        refuse_lora(lora_request)
         prompts = self.apply_chat_template(
             messages, chat_template_kwargs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools,
         )
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(
         self,
