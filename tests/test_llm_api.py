@@ -248,3 +248,10 @@ def test_bad_generation_config_is_named_before_loading(text_dir, tmp_path):
     with pytest.raises(CtxparError) as e:
         LLM(str(model), **SMALL)
     assert "temperature" in str(e.value) and "generation_config='vllm'" in str(e.value)
+
+
+def test_lora_request_is_refused(llm):
+    for call in (llm.generate, llm.chat):
+        with pytest.raises(CtxparError, match="lora_request is not supported.*merge_and_unload"):
+            call([{"role": "user", "content": "hi"}] if call == llm.chat else "hi", GREEDY, False, object())
+    assert not llm.engine.has_unfinished_requests()
