@@ -92,11 +92,11 @@ def run_beam_search(
     next_logprobs: NextLogprobs,
     eos_token_ids: set[int],
     max_model_len: int,
-    steps: Callable[[range], Any] = iter,
+    on_step: Callable[[], Any] | None = None,
 ) -> list[list[BeamSearchSequence]]:
     """The best beams of each prompt, best first.
 
-    steps: wraps the range of steps (a progress bar, say).
+    on_step: called after each step (a progress bar's update, say).
     """
     eos = set() if params.ignore_eos else set(eos_token_ids)
 
@@ -105,7 +105,7 @@ def run_beam_search(
 
     live = [[BeamSearchSequence(tokens=list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in steps(range(params.max_tokens)):
+    for _ in range(params.max_tokens):
         # A beam at the context limit cannot take another token: it is complete.
         for beams, finished in zip(live, done):
             for b in [b for b in beams if len(b.tokens) >= max_model_len]:
@@ -132,6 +132,8 @@ def run_beam_search(
                     else:
                         grown.append(new)
             live[i] = sorted(grown, key=score, reverse=True)[: params.beam_width]
+        if on_step is not None:
+            on_step()
     results = []
     for beams, finished in zip(live, done):
         for b in beams:

@@ -243,11 +243,17 @@ class LLM:
             outs = self.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], step_params, use_tqdm=False)
             return [o.outputs[0].logprobs[0] for o in outs]
 
-        def steps(r: range) -> Any:
-            return _progress_bar(use_tqdm, r, desc="Beam search", unit="token") if use_tqdm else r
-
         engine = self._engine
-        results = run_beam_search(starts, params, next_logprobs, engine.eos_token_ids, engine.max_model_len, steps)
+        # Like vLLM's, the bar counts token steps: it may stop short of max_tokens when every beam has ended.
+        bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        try:
+            results = run_beam_search(
+                starts, params, next_logprobs, engine.eos_token_ids, engine.max_model_len,
+                on_step=bar.update if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
         tok = engine.tokenizer
         for seqs in results:
             for seq in seqs:
