@@ -21,12 +21,15 @@ def is_conversation_list(messages: Any) -> bool:
     return isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
 
 
-def message_text(content: Any) -> str:
-    """A message's content as one string: text parts are joined with newlines, as vLLM does."""
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def text_parts(content: Any) -> list[str]:
+    """The texts of a message's content: a string, None, or a list of text parts."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, (list, tuple)):
         raise CtxparError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
     texts = []
@@ -41,6 +44,16 @@ def message_text(content: Any) -> str:
                 f"content part {kind!r} is not supported: ctxpar runs text models; "
                 "give parts as {'type': 'text', 'text': ...}"
             )
+    return texts
+
+
+def template_content(content: Any, content_format: str) -> str | list[dict[str, str]]:
+    """A message's content as the template takes it: one string ("string"; text
+    parts joined with newlines, as vLLM does) or a list of text parts ("openai").
+    "auto" is "string": every text model's template takes strings."""
+    texts = text_parts(content)
+    if content_format == "openai":
+        return [{"type": "text", "text": t} for t in texts]
     return "\n".join(texts)
 
 
@@ -65,6 +78,7 @@ def render_chat(
     conversation: list[dict[str, Any]],
     *,
     chat_template: str | None = None,
+    chat_template_content_format: str = "auto",
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
@@ -73,11 +87,18 @@ def render_chat(
     """One conversation -> {"prompt", "prompt_token_ids"}.
 
     chat_template: overrides the tokenizer's (a template string or a file path).
+    chat_template_content_format: message content as a string ("string", or
+        "auto") or a list of {"type": "text", "text": ...} parts ("openai").
     continue_final_message: leave the last message open so the model continues
         it (vLLM's option; excludes add_generation_prompt).
     chat_template_kwargs: extra variables for the template; they override the
         options above, as in vLLM.
     """
+    if chat_template_content_format not in CONTENT_FORMATS:
+        raise CtxparError(
+            f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+            f"got {chat_template_content_format!r}"
+        )
     template = load_chat_template(chat_template)
     if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
         raise CtxparError(
@@ -101,7 +122,7 @@ def render_chat(
     for m in conversation:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise CtxparError(f"a message must be a dict with a 'role' string and 'content', got {m!r}")
-        messages.append({**m, "content": message_text(m.get("content"))})
+        messages.append({**m, "content": template_content(m.get("content"), chat_template_content_format)})
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
     # The template writes BOS and friends itself: the tokenizer must add no more.
     return TokensPrompt(prompt=text, prompt_token_ids=list(tokenizer.encode(text, add_special_tokens=False)))

@@ -188,6 +188,7 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -197,7 +198,8 @@ class LLM:
         the chat template (the tokenizer's, or ``chat_template``: a template
         string or a file). See ``ctxpar.chat.render_chat`` for the options."""
         prompts = self.apply_chat_template(
-            messages, chat_template_kwargs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            messages, chat_template_kwargs, chat_template=chat_template,
+            chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools,
         )
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
@@ -208,6 +210,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -216,7 +219,8 @@ class LLM:
         conversations = messages if is_conversation_list(messages) else [messages]
         return [
             render_chat(
-                self._engine.tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                self._engine.tokenizer, conv, chat_template=chat_template,
+                chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations

@@ -155,6 +155,11 @@ def test_chat_options_render_as_the_template_says(llm, tmp_path):
     assert render({"suffix": "?"}, chat_template=str(tmp_path / "t.jinja"))[0]["prompt"] == "[hi][yo]?"
     with pytest.raises(CtxparError, match="tokenize"):
         render({"tokenize": True})
+    # "openai": content reaches the template as a list of text parts.
+    parts = "{% for m in messages %}{% for p in m['content'] %}({{ p['text'] }}){% endfor %}{% endfor %}"
+    assert render(chat_template=parts, chat_template_content_format="openai")[0]["prompt"] == "(hi)(yo)"
+    with pytest.raises(CtxparError, match="chat_template_content_format"):
+        render(chat_template_content_format="xml")
     [p] = render()
     assert p["prompt_token_ids"] == list(p["prompt"].encode())  # the template's text, no extra special tokens
 
