@@ -48,6 +48,16 @@ HINTS: dict[str, str] = {
     "max_cpu_loras": "ctxpar has no LoRA adapters (enable_lora is refused)",
     "enable_sleep_mode": "ctxpar has no sleep mode",
     "scheduling_policy": "requests are scheduled first come, first served",
+    "num_gpu_blocks_override": "the KV cache is sized by kv_cache_bytes or num_kv_blocks",
+    "num_scheduler_steps": "ctxpar schedules every step",
+    "use_v2_block_manager": "ctxpar has one block manager",
+    "model_impl": "ctxpar runs its own model implementations",
+    "enable_expert_parallel": "MoE experts run on every rank",
+    "guided_decoding_backend": "ctxpar has no structured output",
+    "structured_outputs_config": "ctxpar has no structured output",
+    "allowed_local_media_path": "ctxpar runs text-only models",
+    "limit_mm_per_prompt": "ctxpar runs text-only models",
+    "mm_processor_kwargs": "ctxpar runs text-only models",
 }
 
 NO_LORA = (
