@@ -3,8 +3,10 @@
     from ctxpar import LLM, SamplingParams
 """
 
+from ctxpar.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.inputs import PromptType, TextPrompt, TokensPrompt
 from ctxpar.llm import LLM
 from ctxpar.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SamplingParams
@@ -15,6 +17,12 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "EngineConfig",
     "CtxparError",
     "RankFailure",

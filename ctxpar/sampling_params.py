@@ -109,3 +109,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax at every step."""
         return self.temperature == 0
+
+
+# vLLM users import it from here (vllm.sampling_params.BeamSearchParams); it lives with the search.
+from ctxpar.beam_search import BeamSearchParams  # noqa: E402,F401

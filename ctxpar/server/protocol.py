@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ctxpar.chat import template_content
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams
 
@@ -161,19 +162,12 @@ class ChatMessage(_Body):
     name: str | None = None
 
     def as_template_input(self) -> dict:
-        """{"role", "content"} with the content as one string, as chat templates expect."""
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(
-                        400, f"content part {part.get('type')!r} is not supported: ctxpar serves text models, "
-                        "give parts as {'type': 'text', 'text': ...}", param="messages",
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)  # vLLM joins text parts the same way
-        msg = {"role": self.role, "content": content or ""}
+        """{"role", "content"} with the content as one string, as LLM.chat renders it."""
+        try:
+            content = template_content(self.content, "string")
+        except CtxparError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        msg = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
         return msg
