@@ -7,8 +7,10 @@ configuration does exactly the same work.
 1. Offline baseline (the same engine flags, in this process): the throughput
    of LLM.generate on all N prompts at once, and each prompt's time to first
    token alone (max_tokens=1, one after the other).
-2. Served: a `ctxpar serve` process on a free loopback port (or --url, a
-   server already running the same model). For each concurrency C, C client
+2. Served: a `ctxpar serve --no-prefix-caching` process on a free loopback
+   port (or --url, a server already running the same model, which should run
+   with --no-prefix-caching too: every level sends the same prompts, and a
+   cache would serve the later levels from the first). For each concurrency C, C client
    threads send the N prompts as streaming /v1/completions requests, a new
    one as soon as one ends. Printed per C: requests/s, output tok/s, TTFT
    and inter-token latency p50 / p99, and how many requests came out
@@ -139,8 +141,10 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    """`ctxpar serve` on loopback with this benchmark's engine flags; returns once /health answers 200."""
-    cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp)]
+    """`ctxpar serve` on loopback with this benchmark's engine flags; returns once /health answers 200.
+    Prefix caching is off, as offline: each level resends the same prompts."""
+    cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp),
+           "--no-prefix-caching"]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
