@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ctxpar.outputs import RequestOutput
+from ctxpar.outputs import Logprob, RequestOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -32,7 +32,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     text_offset: int  # characters sent before this delta (completions' text_offset)
 
 
@@ -73,8 +73,8 @@ def completion_logprobs(tokenizer, d: Delta) -> dict | None:
         pos += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs)],
-        "top_logprobs": [{_token_text(tokenizer, k): v for k, v in lp.items()} for lp in d.logprobs],
+        "token_logprobs": [lp[t].logprob for t, lp in zip(d.token_ids, d.logprobs)],
+        "top_logprobs": [{_token_text(tokenizer, k): v.logprob for k, v in lp.items()} for lp in d.logprobs],
         "text_offset": offsets,
     }
 
@@ -90,8 +90,8 @@ def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
 
     content = []
     for t, lp in zip(d.token_ids, d.logprobs):
-        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
+        best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top]
+        content.append({**entry(t, lp[t].logprob), "top_logprobs": [entry(k, v.logprob) for k, v in best]})
     return {"content": content}
 
 
