@@ -72,14 +72,10 @@ class _Sampling(_Body):
     allowed_token_ids: list[int] | None = None  # vLLM extension
     include_stop_str_in_output: bool = False  # vLLM extension
     spaces_between_special_tokens: bool = True  # vLLM extension
-    # Defined by OpenAI or vLLM, not implemented by the server: only their neutral values pass.
-    n: int = 1
+    n: int = 1  # choices per prompt; they share the prompt's KV blocks
 
-    # field -> (neutral values, why it is refused otherwise)
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
-        "n": ((1,), "the server returns one choice per prompt; send n requests (with different seeds), "
-                    "or use the offline LLM, whose SamplingParams take n"),
-    }
+    # Defined by OpenAI or vLLM, not implemented: field -> (neutral values, why it is refused otherwise)
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     def check_supported(self) -> None:
         for name, (neutral, why) in self.UNSUPPORTED.items():
@@ -110,6 +106,7 @@ class _Sampling(_Body):
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise CtxparError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
         return SamplingParams(
+            n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

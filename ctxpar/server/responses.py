@@ -37,22 +37,29 @@ class Delta:
 
 
 class ChoiceCursor:
-    """How much of one choice has been sent; ``advance`` returns the rest."""
+    """How much of one choice (sample ``sample`` of a request) has been sent; ``advance`` returns the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample: int = 0) -> None:
+        self.sample = sample
         self.chars = 0
         self.tokens = 0
+        self.finished = False  # its finish_reason was sent
 
     def peek(self, out: RequestOutput) -> Delta:
         """The unsent rest, still unsent (a stream may wait for text before sending tokens)."""
-        c = out.outputs[0]
+        c = out.outputs[self.sample]
         return Delta(c.text[self.chars:], c.token_ids[self.tokens:],
                      c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
+
+    def has_news(self, out: RequestOutput) -> bool:
+        """Text to send, or an end not yet announced (tokens alone wait for their text)."""
+        return bool(self.peek(out).text) or (out.outputs[self.sample].finished() and not self.finished)
 
     def advance(self, out: RequestOutput) -> Delta:
         """The unsent rest, now counted as sent."""
         d = self.peek(out)
-        self.chars, self.tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+        c = out.outputs[self.sample]
+        self.chars, self.tokens, self.finished = len(c.text), len(c.token_ids), c.finished()
         return d
 
 
@@ -95,7 +102,7 @@ def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
     return {"content": content}
 
 
-def finish_fields(out: RequestOutput) -> dict:
+def finish_fields(out: RequestOutput, sample: int = 0) -> dict:
     """finish_reason as OpenAI defines it ("stop", "length"; null while running) and vLLM's stop_reason."""
-    c = out.outputs[0]
+    c = out.outputs[sample]
     return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
