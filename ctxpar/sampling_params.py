@@ -217,5 +217,6 @@ def _token_ids(name: str, value: object, empty_ok: bool) -> list[int]:
             raise CtxparError(f"{name} must be integers >= 0, got {t!r} in {name}={value!r}")
     return list(value)
 
+
 # vLLM users import it from here (vllm.sampling_params.BeamSearchParams); it lives with the search.
 from ctxpar.beam_search import BeamSearchParams  # noqa: E402,F401
