@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import operator
 import time
 from collections.abc import Sequence
 
@@ -24,12 +23,14 @@ import torch
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
+from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.scheduler import Scheduler
+from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
-from ctxpar.layers.sampler import Sampler, logprobs_of
+from ctxpar.layers.sampler import Sampler
 from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ctxpar.sampling_params import ALL_LOGPROBS, SEED_MAX, SamplingParams
+from ctxpar.sampling_params import SEED_MAX, SamplingParams
 
 
 class Engine:
@@ -82,54 +83,10 @@ class Engine:
 
         Raises CtxparError naming the bad value and the limit.
         """
-        if not isinstance(params, SamplingParams):
-            raise CtxparError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        # The same checks as at construction, on the current values: fields may
-        # have been set since (sp.stop = [...], sp.max_tokens = 0).
-        params.validate()
-        try:
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise CtxparError("prompt_token_ids must be a sequence of integers") from None
-        if not ids:
-            raise CtxparError("the prompt is empty: it needs at least one token")
-        if params.truncate_prompt_tokens is not None:
-            # Keep the end of the prompt, as vLLM does; -1: all that leaves room for one generated token.
-            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            ids = ids[-keep:]
-        if len(ids) >= self.max_model_len:
-            raise CtxparError(
-                f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at most "
-                f"{self.max_model_len - 1} (room must be left for one generated token); shorten it or set "
-                "truncate_prompt_tokens"
-            )
-        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise CtxparError(
-                f"prompt token {bad[0]} has id {bad[1]}, outside the vocabulary [0, {self.vocab_size})"
-            )
-        self._check_against_model(params)
-        return ids
-
-    def _check_against_model(self, params: SamplingParams) -> None:
-        """The limits that depend on the model and the engine: vocabulary, tokenizer, max_logprobs."""
-        for name in ("stop_strings", "bad_words"):
-            if getattr(params, name) and self.tokenizer is None:
-                raise CtxparError(f"{name.replace('_strings', ' strings')} need a tokenizer, and this model has none")
-        limit = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            num = self.vocab_size if value == ALL_LOGPROBS else value
-            if num is not None and num > limit:
-                raise CtxparError(
-                    f"{name}={value} asks for {num} logprobs per token, more than max_logprobs={limit}; "
-                    "ask for fewer, or create the LLM with a larger max_logprobs (-1: the whole vocabulary)"
-                )
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []),
-                          ("logit_bias", list(params.logit_bias or {}))):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise CtxparError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return check_request(
+            prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            max_logprobs=self.config.max_logprobs, has_tokenizer=self.tokenizer is not None,
+        )
 
     def add_request(
         self,
@@ -250,7 +207,7 @@ class Engine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         plan = batch.plan
-        all_logits = np.array([self._wants_prompt_logits(r) for r in batch.requests])
+        all_logits = np.array([wants_prompt_logits(r) for r in batch.requests])
         if all_logits.any():
             plan = batch.plan = dataclasses.replace(plan, all_logits=all_logits)
         sampling = [r for r, need in zip(batch.requests, plan.needs_logits) if need]
@@ -259,7 +216,7 @@ class Engine:
         rng_states = [g.get_state() if g is not None else None for g in generators]
         try:
             logits = self.executor.execute(plan)
-            sample_rows, prompt_lps = self._split_logits(batch, logits)
+            sample_rows, prompt_chunks = split_logits(batch.requests, plan, logits)
             out = self.sampler(
                 logits if sample_rows is None else logits[sample_rows],
                 [r.params for r in sampling], generators, sampling,
@@ -276,8 +233,8 @@ class Engine:
             req.output_token_ids.append(token)
         self.scheduler.commit(batch)
         self.num_steps += 1
-        for group, first_pos, entries in prompt_lps:
-            self._add_prompt_logprobs(group, first_pos, entries)
+        for chunk in prompt_chunks:
+            chunk.group.prompt_logprobs += [self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)]
         now = time.perf_counter()
         touched: dict[str, RequestGroup] = {}
         for req, lp in zip(sampling, out.logprobs):
@@ -299,45 +256,7 @@ class Engine:
                     del self.requests[req.request_id]
         return outputs
 
-    # -- prompt logprobs ------------------------------------------------------
-
-    def _wants_prompt_logits(self, req: Request) -> bool:
-        """Whether this step's row of ``req`` computes prompt positions whose logprobs are still missing."""
-        group = req.group
-        return req.index == 0 and group.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1
-
-    def _split_logits(self, batch, logits: torch.Tensor):
-        """Which logits rows sample, and the prompt logprobs of the all_logits rows.
-
-        Returns (sample_rows or None when every row samples, [(group, first position, entries)])."""
-        plan = batch.plan
-        if plan.all_logits is None:
-            return None, []
-        sample_rows: list[int] = []
-        prompt_lps = []
-        at = 0
-        for req, q, need, every in zip(
-            batch.requests, plan.num_scheduled_tokens.tolist(), plan.needs_logits, plan.all_logits
-        ):
-            if every:
-                c = int(req.num_computed_tokens)  # not committed yet: the row's first position
-                k = max(0, min(c + q, req.num_prompt_tokens - 1) - c)  # positions that predict a prompt token
-                nxt = req.prompt_token_ids[c + 1 : c + 1 + k]
-                n = req.params.prompt_logprobs
-                prompt_lps.append((req.group, c + 1, logprobs_of(logits[at : at + k].cpu(), nxt, n) if k else []))
-                at += q
-                if need:
-                    sample_rows.append(at - 1)
-            elif need:
-                sample_rows.append(at)
-                at += 1
-        return sample_rows, prompt_lps
-
-    def _add_prompt_logprobs(self, group: RequestGroup, first_pos: int, entries: list) -> None:
-        lps = group.prompt_logprobs
-        for pos, entry in enumerate(entries, start=first_pos):
-            if pos == len(lps):  # a recomputed chunk (after a preemption) adds nothing twice
-                lps.append(self._with_text(entry, group.params.detokenize))
+    # -- outputs --------------------------------------------------------------
 
     def _with_text(self, lps: dict[int, Logprob], detokenize: bool) -> dict[int, Logprob]:
         """Fill in each Logprob's decoded_token (the token decoded on its own, as vLLM)."""
@@ -348,8 +267,6 @@ class Engine:
                     text = self._token_texts[t] = self.tokenizer.decode([t])
                 lp.decoded_token = text
         return lps
-
-    # -- outputs --------------------------------------------------------------
 
     def _check_new_token(self, req: Request, logprobs: dict[int, Logprob] | None, now: float) -> None:
         """Metrics, logprobs, text and stop conditions of the token just appended."""
