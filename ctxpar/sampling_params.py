@@ -12,6 +12,7 @@ engine when the request is added.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from ctxpar.checks import check_float, check_int, is_int
@@ -144,6 +145,12 @@ class SamplingParams:
         check_int("n", self.n, 1, MAX_N)
         if self.best_of is not None:
             check_int("best_of", self.best_of, self.n, MAX_N, why=f" (at least n={self.n!r})")
+        if self.temperature == 0 and self.num_samples > 1:
+            # As vLLM: greedy samples would all be the same sequence.
+            raise CtxparError(
+                f"n={self.n} and best_of={self.best_of} must be 1 with greedy sampling (temperature=0): every "
+                "sample would be the same; set temperature > 0"
+            )
         check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise CtxparError(
@@ -169,6 +176,10 @@ class SamplingParams:
             if not is_int(t) or t < 0:
                 raise CtxparError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             check_float(f"logit_bias[{t}]", b, -1e9, 1e9)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): changing it leaves this one alone."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

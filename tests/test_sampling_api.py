@@ -153,6 +153,8 @@ def test_fields_set_after_construction_are_honoured_and_checked(llm):
     [
         (dict(n=0), ["n", "[1, 1024]", "0"]),
         (dict(n=2, best_of=1), ["best_of", "n=2", "1"]),
+        (dict(n=2, temperature=0), ["n=2", "greedy", "temperature > 0"]),
+        (dict(best_of=3, temperature=0), ["best_of=3", "greedy"]),
         (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]", "2.5"]),
         (dict(frequency_penalty=float("nan")), ["frequency_penalty", "finite", "nan"]),
         (dict(repetition_penalty=0.0), ["repetition_penalty", "> 0", "0.0"]),

@@ -11,7 +11,6 @@ raises a CtxparError and leaves the requests already in flight untouched.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -100,7 +99,7 @@ class Engine:
         ids = self.validate(prompt_token_ids, params)
         # A private copy, re-validated so every derived field follows the copied values:
         # changing the caller's object (or its lists) later cannot reach a request in flight.
-        params = copy.deepcopy(params)
+        params = params.clone()
         params.validate()
         index = next(self._arrivals)
         request_id = request_id if request_id is not None else str(index)
