@@ -136,7 +136,9 @@ class SamplingParams:
         if self.stop_strings and not self.detokenize:
             raise CtxparError("stop strings need detokenize=True (they are matched in the text); drop one of them")
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, empty_ok=True)
-        _strings("bad_words", self.bad_words)
+        for word in _strings("bad_words", self.bad_words):
+            if not word.strip():
+                raise CtxparError(f"bad_words must hold words, not only spaces: got {word!r}")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False)
         self._check_logit_bias()

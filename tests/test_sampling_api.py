@@ -167,6 +167,7 @@ def test_fields_set_after_construction_are_honoured_and_checked(llm):
         (dict(allowed_token_ids=[]), ["allowed_token_ids", "at least one"]),
         (dict(allowed_token_ids=[-1]), ["allowed_token_ids", "-1"]),
         (dict(bad_words=[""]), ["bad_words", "''"]),
+        (dict(bad_words=["  "]), ["bad_words", "spaces", "'  '"]),
         (dict(prompt_logprobs=-2), ["prompt_logprobs", "-1", "-2"]),
         (dict(truncate_prompt_tokens=0), ["truncate_prompt_tokens", ">= 1", "-1", "0"]),
         (dict(stop="x", detokenize=False), ["stop", "detokenize"]),

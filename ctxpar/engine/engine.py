@@ -158,15 +158,15 @@ class Engine:
         return torch.Generator().manual_seed(seed)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's tokens, alone and after a space (a word mid-text), as vLLM tokenizes them."""
+        """Each bad word's tokens, as vLLM tokenizes them: the word alone, and after
+        a space (a word mid-text) when that gives a different word token of the same length."""
         out: list[list[int]] = []
         for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                toks = list(self.tokenizer.encode(text, add_special_tokens=False))
-                if not toks and text == word.lstrip():
-                    raise CtxparError(f"bad word {word!r} tokenizes to no tokens; drop it from bad_words")
-                if toks and toks not in out:
-                    out.append(toks)
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
         return out
 
     def abort(self, request_id: str) -> None:
