@@ -10,6 +10,7 @@ import math
 import pytest
 
 from ctxpar import LLM, CtxparError, SamplingParams
+from ctxpar.logprobs import Logprob
 from tiny_tokenizer import with_byte_tokenizer
 
 MAX_MODEL_LEN = 48
@@ -63,7 +64,7 @@ def test_logprob_objects_and_cumulative_logprob(llm):
     assert len(c.logprobs) == 6
     total = 0.0
     for t, lps in zip(c.token_ids, c.logprobs):
-        assert next(iter(lps)) == t  # the sampled token first, as vLLM
+        assert next(iter(lps)) == t and all(isinstance(v, Logprob) for v in lps.values())  # sampled first
         top = sorted(lps.values(), key=lambda v: -v.logprob)
         assert [v.rank for v in top[:3]] == [1, 2, 3] and lps[t].rank >= 1
         for k, v in lps.items():
