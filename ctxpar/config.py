@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     seed: int = 0
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port
@@ -66,6 +67,8 @@ class EngineConfig:
         check_int("pcp_size", self.pcp_size, 1)
         check_int("pcp_min_tokens", self.pcp_min_tokens, 0)
         check_int("seed", self.seed, 0, SEED_MAX)
+        if self.max_logprobs != -1:
+            check_int("max_logprobs", self.max_logprobs, 0, why=" or -1 (the whole vocabulary)")
         check_int(
             "num_threads", self.num_threads, 1, max_threads(), none_ok=True,
             why=f" ({THREADS_PER_CORE} per core of this machine; more only adds contention)",

@@ -6,26 +6,49 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """The log probability of one token at one position, as vLLM reports it.
+
+    logprob: from log_softmax of the raw logits (before penalties and temperature).
+    rank: 1 + the number of tokens more likely than this one (the argmax has rank 1).
+    decoded_token: the token decoded on its own; None with detokenize=False or no tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: the sampled (or prompt) token first, then the top-N.
+LogprobsOnePosition = dict[int, Logprob]
+SampleLogprobs = list[LogprobsOnePosition]
+PromptLogprobs = list[LogprobsOnePosition | None]  # first entry None: the first token has no context
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
     text: the detokenized output; while streaming, the part that is final (text
         that could still turn out to be the start of a stop string is held back).
     token_ids: every generated token id (a stop token included, as in vLLM).
+    cumulative_logprob: the sum of the sampled tokens' logprobs; None unless
+        SamplingParams.logprobs is set (or best_of ranks the samples), as in vLLM.
+    logprobs: with SamplingParams.logprobs=N, one {token_id: Logprob} per token.
     finish_reason: "stop" (EOS, stop token or stop string), "length"
         (max_tokens or max_model_len), or None while running.
-    logprobs: with SamplingParams.logprobs=N, one {token_id: logprob} per token.
     """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    @property
     def finished(self) -> bool:
+        """Whether this sequence has stopped (a method, as vLLM's)."""
         return self.finish_reason is not None
 
 
@@ -48,7 +71,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its output so far (``finished`` once it stopped)."""
+    """A request's prompt and its output so far (``finished`` once every sample stopped).
+
+    outputs: one CompletionOutput per sample (SamplingParams.n), by index.
+    prompt_logprobs: with SamplingParams.prompt_logprobs=N, one entry per
+        prompt token, the first None (as vLLM); None otherwise.
+    """
 
     request_id: str
     prompt: str | None
@@ -57,6 +85,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def ttft(self) -> float | None:

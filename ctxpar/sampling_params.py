@@ -5,11 +5,14 @@ for vLLM's offline API runs unchanged. Values are validated at construction
 and again, on their current values, when a request enters the engine (the
 object is mutable, as vLLM's is): a field set after construction is honoured
 and checked, and a bad value fails before any work is queued, with a message
-that names the field, the value and the allowed range.
+that names the field, the value and the allowed range. Limits that depend on
+the model (vocabulary, context length, ``max_logprobs``) are checked by the
+engine when the request is added.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from ctxpar.checks import check_float, check_int, is_int
@@ -20,32 +23,56 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # Below this the tempered logits (logits / temperature) overflow float32 and
 # sampling fails; use temperature 0 for greedy decoding.
 MIN_TEMPERATURE = 1e-6
+MAX_N = 1024  # samples of one prompt (vLLM's limit is an environment variable; one request, one batch here)
+ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: the whole vocabulary
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling and stopping settings.
+    """Per-request sampling and stopping settings (vLLM's fields and meanings).
 
+    n: samples to return for the prompt; they share its prompt KV blocks.
+    best_of: sample this many (>= n) and return the n with the highest
+        cumulative logprob; None means n.
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit
+        of every token already generated, once (presence) or per occurrence (frequency).
+    repetition_penalty: > 0; logits of tokens in the prompt or the output are
+        divided by it when positive, multiplied when negative; 1 disables.
     temperature: 0 means greedy (argmax); > 0 scales the logits before softmax.
-    top_k: keep the k most likely tokens; -1 disables.
+    top_k: keep the k most likely tokens; 0 or -1 disables.
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 disables.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 disables.
     seed: per-request random seed. The same seed gives the same tokens whatever
         else is in the batch; None draws a seed from the engine's own seed.
-    max_tokens: most tokens to generate.
-    stop: strings that end generation; the text is cut before the stop string.
+        With n > 1, sample i uses seed + i.
+    stop: strings that end generation; the text is cut before the stop string
+        (after it with include_stop_str_in_output).
     stop_token_ids: token ids that end generation (besides the model's EOS).
+    bad_words: words never generated: the last token of a word is banned when
+        the tokens before it were just generated (with and without a leading space).
+    include_stop_str_in_output: keep the stop string that ended generation in the text.
     ignore_eos: keep generating past the model's EOS tokens.
-    logprobs: if set to N, return for each generated token a dict
-        {token_id: logprob} of the N most likely tokens plus the sampled one,
-        from log_softmax of the raw logits (before temperature), as vLLM does.
+    max_tokens: most tokens to generate; None: up to the model's context length.
+    min_tokens: tokens generated before EOS, stop tokens or stop strings may end generation.
+    logprobs: N returns for each generated token a dict {token_id: Logprob}
+        of the N most likely tokens plus the sampled one, from log_softmax of
+        the raw logits (before penalties and temperature), as vLLM does; -1:
+        the whole vocabulary. At most the engine's ``max_logprobs``.
+    prompt_logprobs: the same for each prompt token (the first entry is None).
+        Such a request computes its whole prompt (no prefix-cache reads).
+    detokenize: False leaves the output text empty (and allows no stop strings).
     skip_special_tokens: leave special tokens out of the text.
+    spaces_between_special_tokens: passed on to the tokenizer's decode.
+    logit_bias: {token_id: bias} added to the logits before sampling.
+    allowed_token_ids: only these tokens may be generated.
+    truncate_prompt_tokens: keep only the last k prompt tokens; -1: as many as
+        the context allows.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -53,6 +80,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
     # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -66,7 +107,7 @@ class SamplingParams:
         The engine calls this again when a request is added, so fields changed
         after construction are checked and honoured too.
         """
-        check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, 1, none_ok=True, why=" (None: up to max_model_len)")
         check_float("temperature", self.temperature, 0, why=" (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise CtxparError(
@@ -74,41 +115,120 @@ class SamplingParams:
                 f"tempered logits), got {self.temperature!r}"
             )
         check_float("top_p", self.top_p, 0, 1, lo_open=True)
-        if self.top_k != -1:
-            check_int("top_k (-1 = off)", self.top_k, 1)
+        if self.top_k not in (0, -1):
+            check_int("top_k (0 or -1 = off)", self.top_k, 1)
         check_float("min_p", self.min_p, 0, 1)
         check_int(
             "seed", self.seed, SEED_MIN, SEED_MAX, none_ok=True,
             why=" (64 bits, what torch.Generator.manual_seed takes)",
         )
-        check_int("logprobs", self.logprobs, 0, none_ok=True)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        self._check_counts()
+        check_float("presence_penalty", self.presence_penalty, -2, 2)
+        check_float("frequency_penalty", self.frequency_penalty, -2, 2)
+        check_float("repetition_penalty", self.repetition_penalty, 0, lo_open=True, why=" (1 = off)")
+        for name in (
+            "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise CtxparError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.stop, str):
-            stops = [self.stop]
-        elif self.stop is None:
-            stops = []
-        elif isinstance(self.stop, (list, tuple)):
-            stops = list(self.stop)
-        else:
-            raise CtxparError(f"stop must be a string, a list of strings or None, got {self.stop!r}")
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise CtxparError(f"stop strings must be non-empty strings, got {s!r} in stop={self.stop!r}")
-        ids = self.stop_token_ids if self.stop_token_ids is not None else []
-        if not isinstance(ids, (list, tuple)):
-            raise CtxparError(f"stop_token_ids must be a list of integers >= 0 or None, got {ids!r}")
-        for t in ids:
+        self.stop_strings = _strings("stop", self.stop)
+        if self.stop_strings and not self.detokenize:
+            raise CtxparError("stop strings need detokenize=True (they are matched in the text); drop one of them")
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, empty_ok=True)
+        for word in _strings("bad_words", self.bad_words):
+            if not word.strip():
+                raise CtxparError(f"bad_words must hold words, not only spaces: got {word!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False)
+        self._check_logit_bias()
+
+    def _check_counts(self) -> None:
+        check_int("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            check_int("best_of", self.best_of, self.n, MAX_N, why=f" (at least n={self.n!r})")
+        if self.temperature == 0 and self.num_samples > 1:
+            # As vLLM: greedy samples would all be the same sequence.
+            raise CtxparError(
+                f"n={self.n} and best_of={self.best_of} must be 1 with greedy sampling (temperature=0): every "
+                "sample would be the same; set temperature > 0"
+            )
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise CtxparError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}; "
+                "raise max_tokens or lower min_tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value != ALL_LOGPROBS:
+                check_int(name, value, 0, none_ok=True, why=" or -1 (the whole vocabulary)")
+        if self.truncate_prompt_tokens != -1:
+            check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, 1, none_ok=True,
+                why=" or -1 (keep what max_model_len allows)",
+            )
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise CtxparError(f"logit_bias must be a dict {{token_id: bias}} or None, got {self.logit_bias!r}")
+        for t, b in self.logit_bias.items():
             if not is_int(t) or t < 0:
-                raise CtxparError(f"stop_token_ids must be integers >= 0, got {t!r} in stop_token_ids={ids!r}")
-        self.stop_strings = stops
-        self.stop_token_ids = list(ids)
+                raise CtxparError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            check_float(f"logit_bias[{t}]", b, -1e9, 1e9)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``clone``): changing it leaves this one alone."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax at every step."""
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the logits are changed before sampling (penalties, bias, masks)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.min_tokens or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
+        )
+
+
+def _strings(name: str, value: object) -> list[str]:
+    """A str, a list of non-empty str or None, as a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise CtxparError(f"{name} must be a string, a list of strings or None, got {value!r}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise CtxparError(f"{name} must hold non-empty strings, got {s!r} in {name}={value!r}")
+    return items
+
+
+def _token_ids(name: str, value: object, empty_ok: bool) -> list[int]:
+    """A list of token ids (integers >= 0), or None when ``empty_ok`` (as [])."""
+    if value is None and empty_ok:
+        return []
+    if not isinstance(value, (list, tuple)) or (not value and not empty_ok):
+        what = "a list of integers >= 0" + (" or None" if empty_ok else " with at least one id")
+        raise CtxparError(f"{name} must be {what}, got {value!r}")
+    for t in value:
+        if not is_int(t) or t < 0:
+            raise CtxparError(f"{name} must be integers >= 0, got {t!r} in {name}={value!r}")
+    return list(value)
 
 
 # vLLM users import it from here (vllm.sampling_params.BeamSearchParams); it lives with the search.

@@ -56,7 +56,7 @@ def test_bad_value_exits_2_without_traceback(model_dir):
     [
         (["--top-p", "2"], ["top_p", "(0, 1]"]),
         (["--max-tokens", "0"], ["max_tokens", ">= 1"]),
-        (["--top-k", "0"], ["top_k"]),
+        (["--top-k", "-2"], ["top_k", "-2"]),
         (["--min-p", "3"], ["min_p"]),
         (["--block-size", "0"], ["block_size"]),
         (["--max-model-len", "100000"], ["max_model_len", "512"]),

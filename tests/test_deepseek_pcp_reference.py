@@ -64,5 +64,5 @@ def test_greedy_and_logprobs_match_transformers(models, prompts, name, pcp_size)
             top2 = set(ref[k].topk(2).indices.tolist())
             assert top2 <= set(got.logprobs[k]), (len(prompt), k)
             for t, v in got.logprobs[k].items():
-                assert abs(v - ref[k, t].item()) < 1e-4, (len(prompt), k, t)
+                assert abs(v.logprob - ref[k, t].item()) < 1e-4, (len(prompt), k, t)
     assert compared >= len(prompts) * NEW_TOKENS * 2 // 3, compared

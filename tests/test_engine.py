@@ -130,7 +130,7 @@ def test_logprobs_match_transformers(tiny_model_dirs, llama):
     for k, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert tok in lp and set(ref[k].topk(3).indices.tolist()) <= set(lp)
         for t, v in lp.items():
-            assert abs(v - ref[k, t].item()) < 1e-4
+            assert abs(v.logprob - ref[k, t].item()) < 1e-4
 
 
 def test_max_model_len_stops_with_length(tiny_model_dirs):

@@ -66,10 +66,10 @@ def test_logprobs_equal_one_rank_and_transformers(llms, model_dir):
         ref = torch.log_softmax(logits[len(ids) - 1 : -1], -1)  # the position predicting each output token
         for k, (tok, lp_a, lp_b) in enumerate(zip(b.token_ids, a.logprobs, b.logprobs)):
             assert lp_b.keys() == lp_a.keys()
-            assert max(abs(lp_b[t] - lp_a[t]) for t in lp_a) < 1e-5
+            assert max(abs(lp_b[t].logprob - lp_a[t].logprob) for t in lp_a) < 1e-5
             assert tok in lp_b and set(ref[k].topk(sp.logprobs).indices.tolist()) <= set(lp_b)
             for t, v in lp_b.items():
-                assert abs(v - ref[k, t].item()) < 1e-4, (len(ids), k, t)
+                assert abs(v.logprob - ref[k, t].item()) < 1e-4, (len(ids), k, t)
 
 
 def test_chat_equals_one_rank(llms):
@@ -88,7 +88,7 @@ def test_chat_equals_one_rank(llms):
         assert (b.token_ids, b.text) == (a.token_ids, a.text)
         # Tokens alone can survive a small fault in a random model: the logprobs cannot.
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert lb.keys() == la.keys() and max(abs(lb[t] - la[t]) for t in la) < 1e-5
+            assert lb.keys() == la.keys() and max(abs(lb[t].logprob - la[t].logprob) for t in la) < 1e-5
 
 
 def test_stop_strings_cut_like_one_rank(llms):

@@ -118,10 +118,14 @@ def test_logprobs_match_log_softmax_of_raw_logits():
         top = set(ref[i].topk(n).indices.tolist()) if n else set()
         assert set(lp) == top | {tok}
         for t, v in lp.items():
-            assert math.isclose(v, ref[i, t].item(), abs_tol=1e-5)
-    assert out.logprobs[1] == {out.token_ids[1]: pytest.approx(ref[1].max().item(), abs=1e-5)}
+            assert math.isclose(v.logprob, ref[i, t].item(), abs_tol=1e-5)
+            assert v.rank == 1 + int((ref[i] > ref[i, t]).sum())
+    [(t1, v1)] = out.logprobs[1].items()
+    assert t1 == out.token_ids[1] and v1.logprob == pytest.approx(ref[1].max().item(), abs=1e-5) and v1.rank == 1
 
 
 def test_compute_logprobs_includes_an_unlikely_sampled_token():
     lp = compute_logprobs(LOGITS, 4, 2)
-    assert set(lp) == {0, 1, 4} and math.isclose(lp[4], math.log(0.05), abs_tol=1e-5)
+    assert list(lp) == [4, 0, 1]  # the sampled token first, then the top-n, as vLLM orders them
+    assert math.isclose(lp[4].logprob, math.log(0.05), abs_tol=1e-5)
+    assert [v.rank for v in lp.values()] == [5, 1, 2]

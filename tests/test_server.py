@@ -82,15 +82,48 @@ def test_completions_equal_llm_generate(server, llm):
     assert r.choices[0].prompt_token_ids == ids and r.usage.prompt_tokens == 4
 
 
+def test_penalties_and_bias_equal_llm_generate(server, llm):
+    sp = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={65: 3.0})
+    ref = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0]
+    r = server.openai().completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0, presence_penalty=0.5, logit_bias={"65": 3.0},
+        extra_body={"repetition_penalty": 1.5, "return_token_ids": True},
+    )
+    assert r.choices[0].token_ids == ref.token_ids
+
+
+def test_n_choices_equal_llm_generate(server, llm):
+    sp = SamplingParams(n=2, seed=3, max_tokens=6, temperature=1.0)
+    ref = llm.generate(PROMPTS[2:4], sp, use_tqdm=False)
+    client = server.openai()
+    r = client.completions.create(model=NAME, prompt=PROMPTS[2:4], n=2, seed=3, max_tokens=6, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [c.text for o in ref for c in o.outputs]
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for o in ref for c in o.outputs)
+    chunks = client.completions.create(model=NAME, prompt=PROMPTS[2], n=2, seed=3, max_tokens=6, temperature=1.0,
+                                       stream=True)
+    texts, ends = {0: "", 1: ""}, {}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert c.index not in ends  # each choice ends once
+                ends[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == [c.text for c in ref[0].outputs] and set(ends) == {0, 1}
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2, seed=1,
+                                          max_tokens=4)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+
+
 def test_stop_and_logprobs_equal_llm_generate(server, llm):
     client = server.openai()
     ref = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, logprobs=2), use_tqdm=False)
     ref = ref[0].outputs[0]
     r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)])
     for got, want in zip(lp.top_logprobs, ref.logprobs):  # keyed by token text: byte tokens may share one
-        assert all(any(v == pytest.approx(w) for w in want.values()) for v in got.values())
+        assert all(any(v == pytest.approx(w.logprob) for w in want.values()) for v in got.values())
     # A stop string from the middle of the greedy text cuts it there.
     stop = ref.text[3:5]
     if stop and "\ufffd" not in stop:
@@ -179,9 +212,10 @@ def test_api_key(server):
 BAD = [
     # (path, body, status, words in the message)
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature", ">= 0"]),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, ["n=2", "not supported"]),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, ["n must be", "0"]),
     ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, ["temperature"]),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, ["presence_penalty", "[-2, 2]"]),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1.0}}, 400, ["logit_bias", "99999", "vocabulary"]),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, ["echo"]),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, ["best_of"]),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, ["frobnicate"]),

@@ -12,8 +12,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 
 NON_NEUTRAL = {
-    "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
-    "logit_bias": {"5": 1.0}, "min_tokens": 3, "echo": True, "suffix": "end", "best_of": 2,
+    "echo": True, "suffix": "end", "best_of": 2,
     "tools": [{"type": "function"}], "tool_choice": "auto", "response_format": {"type": "json_object"},
 }
 BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}
@@ -49,3 +48,19 @@ def test_defaults_and_limits():
         parse(CompletionRequest, b'{"prompt": "x", "max_tokens": 91}').sampling_params(10, 100, None)
     with pytest.raises(ApiError, match="max_tokens: Input should be a valid integer"):
         parse(CompletionRequest, b'{"prompt": "x", "max_tokens": "5"}')
+
+
+def test_penalties_bias_and_vllm_extensions_reach_sampling_params():
+    body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+            "logit_bias": {"5": 1.0, "7": -300.0}, "min_tokens": 3, "bad_words": ["foo"],
+            "allowed_token_ids": [5, 7, 9], "include_stop_str_in_output": True, "spaces_between_special_tokens": False,
+            "n": 3}
+    p = parse(CompletionRequest, json.dumps(body).encode()).sampling_params(10, 100, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -0.5, 1.1, 3)
+    assert p.logit_bias == {5: 1.0, 7: -100.0}  # clamped to OpenAI's [-100, 100], as vLLM
+    assert p.bad_words == ["foo"] and p.allowed_token_ids == [5, 7, 9]
+    assert p.include_stop_str_in_output and not p.spaces_between_special_tokens and p.n == 3
+    with pytest.raises(CtxparError, match=r"presence_penalty must be in \[-2, 2\]"):
+        parse(CompletionRequest, b'{"prompt": "x", "presence_penalty": 3.0}').sampling_params(10, 100, None)
+    with pytest.raises(ApiError, match="logit_bias key 'x'"):
+        parse(CompletionRequest, b'{"prompt": "x", "logit_bias": {"x": 1.0}}').sampling_params(10, 100, None)

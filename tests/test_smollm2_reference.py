@@ -109,7 +109,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(outputs, reference, pcp_s
         compared += n
         ref_logprobs = torch.log_softmax(logits, -1)
         for k in range(n):  # the engine's logprob of each token the two agree on
-            diff = abs(out.outputs[0].logprobs[k][got[k]] - ref_logprobs[k, got[k]].item())
+            diff = abs(out.outputs[0].logprobs[k][got[k]].logprob - ref_logprobs[k, got[k]].item())
             assert diff < LOGPROB_TOL, f"prompt {i} token {k}: logprob differs by {diff:.3g}"
     # A near-tie may end a comparison early, but most tokens must be compared.
     assert compared >= len(reference) * NEW_TOKENS * 2 // 3, compared
@@ -121,4 +121,4 @@ def test_two_ranks_equal_one_rank(outputs):
         assert b.token_ids == a.token_ids and b.text == a.text
         for lp_a, lp_b in zip(a.logprobs, b.logprobs):
             assert lp_a.keys() == lp_b.keys()
-            assert max(abs(lp_a[t] - lp_b[t]) for t in lp_a) < RANKS_TOL
+            assert max(abs(lp_a[t].logprob - lp_b[t].logprob) for t in lp_a) < RANKS_TOL

@@ -10,7 +10,10 @@ so the first generated word gets its leading space right.
 
 The text shown while streaming holds back the last ``len(longest stop) - 1``
 characters: they could be the start of a stop string, which must not appear
-in the output. Shown text therefore only ever grows.
+in the output. Shown text therefore only ever grows. With
+``include_stop_str_in_output`` the stop string stays in the text (cut just
+after it) and nothing is held back, as in vLLM. Stop strings count only once
+more than ``min_tokens`` tokens were generated.
 """
 
 from __future__ import annotations
@@ -25,25 +28,39 @@ class IncrementalDetokenizer:
     """Turns a request's output tokens into text, one token at a time."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        """tokenizer: None when there is none or the request asked for detokenize=False."""
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.decode_kwargs = dict(
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""  # decoded output so far (cut before a stop string once one is seen)
+        self.text = ""  # decoded output so far (cut at a stop string once one is seen)
         self.stop = stop
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.num_tokens = 0  # generated tokens added
+        self.hold_back = 0 if include_stop_str_in_output else max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, **self.decode_kwargs)
 
     def add(self, token_id: int) -> str | None:
         """Append one generated token. Returns the stop string it completed, if any
-        (the text is then cut before it)."""
+        (the text is then cut before it, or after it with include_stop_str_in_output)."""
         if self.tokenizer is None:
             return None
+        self.num_tokens += 1
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -66,6 +83,8 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str | None:
         start = len(self.text)
         self.text += delta
+        if self.num_tokens <= self.min_tokens:
+            return None
         best: tuple[int, str] | None = None
         for s in self.stop:
             # Only a match that touches the new text can be new.
@@ -74,7 +93,7 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self.text = self.text[: best[0] + (len(best[1]) if self.include_stop else 0)]
         return best[1]
 
     def visible_text(self, finished: bool) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import time
 from collections.abc import Sequence
 
@@ -23,12 +22,14 @@ import torch
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
-from ctxpar.engine.request import Request
+from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
+from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.scheduler import Scheduler
+from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.layers.sampler import Sampler
-from ctxpar.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ctxpar.sampling_params import SamplingParams
+from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ctxpar.sampling_params import SEED_MAX, SamplingParams
 
 
 class Engine:
@@ -67,42 +68,24 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.executor = start_executor(config, self.loaded, self.num_blocks)
-        self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
+        self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
+        self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id
         self._arrivals = itertools.count()
         self.num_steps = 0
 
     # -- requests -----------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """Check a request without queuing it; returns the ids as a list of ints.
+        """Check a request without queuing it; returns the ids as a list of ints
+        (the last ``truncate_prompt_tokens`` of them when that is set).
 
         Raises CtxparError naming the bad value and the limit.
         """
-        if not isinstance(params, SamplingParams):
-            raise CtxparError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        # The same checks as at construction, on the current values: fields may
-        # have been set since (sp.stop = [...], sp.max_tokens = 0).
-        params.validate()
-        try:
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise CtxparError("prompt_token_ids must be a sequence of integers") from None
-        if not ids:
-            raise CtxparError("the prompt is empty: it needs at least one token")
-        if len(ids) >= self.max_model_len:
-            raise CtxparError(
-                f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} allows at most "
-                f"{self.max_model_len - 1} (room must be left for one generated token)"
-            )
-        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise CtxparError(
-                f"prompt token {bad[0]} has id {bad[1]}, outside the vocabulary [0, {self.vocab_size})"
-            )
-        if params.stop_strings and self.tokenizer is None:
-            raise CtxparError("stop strings need a tokenizer, and this model has none")
-        return ids
+        return check_request(
+            prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            max_logprobs=self.config.max_logprobs, has_tokenizer=self.tokenizer is not None,
+        )
 
     def add_request(
         self,
@@ -111,49 +94,94 @@ class Engine:
         prompt: str | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id."""
+        """Validate and queue a request (its ``n`` or ``best_of`` samples); returns its id."""
         params = params if params is not None else SamplingParams()
         ids = self.validate(prompt_token_ids, params)
-        # A private, validated copy: changing the caller's object later cannot
-        # reach a request in flight.
-        params = dataclasses.replace(params)
+        # A private copy, re-validated so every derived field follows the copied values:
+        # changing the caller's object (or its lists) later cannot reach a request in flight.
+        params = params.clone()
+        params.validate()
         index = next(self._arrivals)
         request_id = request_id if request_id is not None else str(index)
-        if request_id in self.requests:
+        k = params.num_samples
+        sample_ids = [request_id] if k == 1 else [f"{i}_{request_id}" for i in range(k)]  # vLLM's child ids
+        if request_id in self.groups or any(r in self.requests for r in sample_ids):
             raise CtxparError(f"request id {request_id!r} is already in use")
-        generator = None
-        if not params.greedy:
-            # An unseeded request still gets its own generator, seeded from the
-            # engine seed and its arrival index: runs are reproducible, and its
-            # draws never depend on the rest of the batch.
-            seed = params.seed
-            if seed is None:
-                seed = int(np.random.SeedSequence((self.config.seed, index)).generate_state(1)[0])
-            generator = torch.Generator().manual_seed(seed)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            arrival_index=index,
-            metrics=RequestMetrics(arrival_time=time.perf_counter()),
-            generator=generator,
-            prompt=prompt,
-            max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len),
-        )
-        self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop_strings, params.skip_special_tokens
-        )
-        self.scheduler.add(req)
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
+        group = RequestGroup(request_id, prompt, ids, params, samples=[])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        metrics = RequestMetrics(arrival_time=time.perf_counter())  # one request to the caller: one clock
+        for i, sid in enumerate(sample_ids):
+            req = Request(
+                request_id=sid,
+                prompt_token_ids=ids,
+                params=params,
+                arrival_index=index,
+                metrics=metrics,
+                generator=self._generator(params, index, i),
+                prompt=prompt,
+                max_total_tokens=min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len),
+                bad_words_token_ids=bad_words,
+                min_tokens_banned=banned,
+                group=group,
+                index=i,
+                # Prompt logprobs need every prompt token's hidden state: no prefix-cache reads.
+                skip_prefix_cache=i == 0 and params.prompt_logprobs is not None,
+            )
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer if params.detokenize else None, ids, params.stop_strings, params.skip_special_tokens,
+                params.spaces_between_special_tokens, params.include_stop_str_in_output, params.min_tokens,
+            )
+            group.samples.append(req)
+            self.requests[sid] = req
+        # The other samples start once the first one's prompt is in the KV cache, and share its blocks.
+        group.held = group.samples[1:]
+        self.groups[request_id] = group
+        self.scheduler.add(group.samples[0])
         return request_id
 
+    def _generator(self, params: SamplingParams, index: int, sample: int) -> torch.Generator | None:
+        """Sample ``sample``'s own RNG: its draws never depend on the rest of the batch."""
+        if params.greedy:
+            return None
+        seed = params.seed
+        if seed is not None:
+            seed += sample  # vLLM's seed of sample i; wrapped into the 64 bits manual_seed takes
+            if seed > SEED_MAX:
+                seed -= 1 << 64
+        else:
+            # Unseeded: seeded from the engine seed and the arrival index, so runs are reproducible.
+            entropy = (self.config.seed, index) if sample == 0 else (self.config.seed, index, sample)
+            seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+        return torch.Generator().manual_seed(seed)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, as vLLM tokenizes them: the word alone, and after
+        a space (a word mid-text) when that gives a different word token of the same length."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
+
     def abort(self, request_id: str) -> None:
-        """Drop a request (e.g. a stream the caller stopped reading)."""
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            req.finish_reason = "abort"
-            self.scheduler.finish(req)
-        self._detok.pop(request_id, None)
+        """Drop a request and all its samples (e.g. a stream the caller stopped reading)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for req in group.samples:
+            self.requests.pop(req.request_id, None)
+            if req in group.held:
+                req.status = RequestStatus.FINISHED  # never reached the scheduler
+            elif not req.finished:
+                req.finish_reason = "abort"
+                self.scheduler.finish(req)
+        group.held = []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -163,6 +191,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that got a new token (finished
         ones included, each for the last time: the engine then forgets them).
+        A best_of request (best_of > n) is returned once, finished.
 
         A step is all or nothing. If running or sampling it raises (any
         exception, KeyboardInterrupt included), no request has advanced: each
@@ -176,13 +205,22 @@ class Engine:
         for req in batch.requests:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        sampling = [r for r, need in zip(batch.requests, batch.plan.needs_logits) if need]
+        plan = batch.plan
+        all_logits = np.array([wants_prompt_logits(r) for r in batch.requests])
+        if all_logits.any():
+            plan = batch.plan = dataclasses.replace(plan, all_logits=all_logits)
+        sampling = [r for r, need in zip(batch.requests, plan.needs_logits) if need]
         generators = [r.generator for r in sampling]
         # Rows sampled before a failing one have drawn from their generators already.
         rng_states = [g.get_state() if g is not None else None for g in generators]
         try:
-            logits = self.executor.execute(batch.plan)
-            out = self.sampler(logits, [r.params for r in sampling], generators)
+            logits = self.executor.execute(plan)
+            sample_rows, prompt_chunks = split_logits(batch.requests, plan, logits)
+            out = self.sampler(
+                logits if sample_rows is None else logits[sample_rows],
+                [r.params for r in sampling], generators, sampling,
+                [r.cumulative_logprob is not None for r in sampling],
+            )
         except BaseException:
             for g, state in zip(generators, rng_states):
                 if g is not None:
@@ -194,31 +232,59 @@ class Engine:
             req.output_token_ids.append(token)
         self.scheduler.commit(batch)
         self.num_steps += 1
+        for chunk in prompt_chunks:
+            chunk.group.prompt_logprobs += [self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)]
         now = time.perf_counter()
-        outputs = []
+        touched: dict[str, RequestGroup] = {}
         for req, lp in zip(sampling, out.logprobs):
             self._check_new_token(req, lp, now)
-            outputs.append(self._output(req))
-            if req.finished:
-                del self.requests[req.request_id]
-                del self._detok[req.request_id]
+            group = req.group
+            if req.index == 0 and group.held:
+                for held in group.held:  # the prompt is computed: the other samples may share it
+                    self.scheduler.add(held)
+                group.held = []
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            if group.params.num_samples > group.params.n and not group.finished:
+                continue  # best_of: only the finished ranking means anything
+            outputs.append(self._output(group))
+            if group.finished:
+                del self.groups[group.request_id]
+                for req in group.samples:
+                    del self.requests[req.request_id]
         return outputs
 
-    def _check_new_token(self, req: Request, logprobs: dict[int, float] | None, now: float) -> None:
+    # -- outputs --------------------------------------------------------------
+
+    def _with_text(self, lps: dict[int, Logprob], detokenize: bool) -> dict[int, Logprob]:
+        """Fill in each Logprob's decoded_token (the token decoded on its own, as vLLM)."""
+        if self.tokenizer is not None and detokenize:
+            for t, lp in lps.items():
+                text = self._token_texts.get(t)
+                if text is None:
+                    text = self._token_texts[t] = self.tokenizer.decode([t])
+                lp.decoded_token = text
+        return lps
+
+    def _check_new_token(self, req: Request, logprobs: dict[int, Logprob] | None, now: float) -> None:
         """Metrics, logprobs, text and stop conditions of the token just appended."""
         token = req.output_token_ids[-1]
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        if logprobs is not None and req.logprobs is not None:
-            req.logprobs.append(logprobs)
+        if logprobs is not None:
+            if req.cumulative_logprob is not None:
+                req.cumulative_logprob += logprobs[token].logprob
+            if req.logprobs is not None:
+                req.logprobs.append(self._with_text(logprobs, req.params.detokenize))
         p = req.params
-        detok = self._detok[req.request_id]
-        if token in p.stop_token_ids:
-            reason, stop = "stop", token
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            reason, stop = "stop", None  # like vLLM: EOS has no stop_reason
+        detok = req.detokenizer
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            # Like vLLM: EOS has no stop_reason, and a stop token adds text only with include_stop_str_in_output.
+            reason, stop = "stop", (token if token in p.stop_token_ids else None)
+            if p.include_stop_str_in_output:
+                detok.add(token)
         else:
-            # A stop or EOS token adds no text; any other token does.
             stop = detok.add(token)
             reason = "stop" if stop is not None else None
             if reason is None and req.num_tokens >= req.max_total_tokens:
@@ -231,24 +297,33 @@ class Engine:
         req.metrics.finished_time = now
         self.scheduler.finish(req)
 
-    def _output(self, req: Request) -> RequestOutput:
-        detok = self._detok[req.request_id]
-        completion = CompletionOutput(
-            index=0,
-            text=detok.visible_text(req.finished),
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            stop_reason=req.stop_reason,
-        )
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        samples = group.samples
+        if group.params.num_samples > group.params.n:
+            # best_of: the n samples with the highest cumulative logprob, best first.
+            samples = sorted(samples, key=lambda r: -r.cumulative_logprob)[: group.params.n]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=req.detokenizer.visible_text(req.finished),
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+            )
+            for i, req in enumerate(samples)
+        ]
+        first = group.samples[0]
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.finished,
-            metrics=req.metrics,
-            num_cached_tokens=req.num_cached_tokens or 0,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ctxpar.outputs import RequestMetrics
+from ctxpar.engine.detokenizer import IncrementalDetokenizer
+from ctxpar.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from ctxpar.sampling_params import SamplingParams
 
 
@@ -40,7 +41,15 @@ class Request:
     prompt: str | None = None
     max_total_tokens: int = 1 << 62  # stop with "length" once prompt + outputs reach this
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # with logprobs (or best_of): sum of the sampled tokens'
+    # What the sampler's logits processing needs (ctxpar.layers.sampler.TokenHistory).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, banned until min_tokens
+    detokenizer: IncrementalDetokenizer | None = None
+    group: RequestGroup | None = None  # the prompt's samples this one belongs to
+    index: int = 0  # which sample of its group
+    skip_prefix_cache: bool = False  # compute every prompt token (prompt logprobs need their hidden states)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -56,6 +65,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.logprobs is not None or self.params.num_samples > self.params.n:
+            self.cumulative_logprob = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,3 +95,30 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The samples of one prompt (SamplingParams.n, best_of): one request to the caller.
+
+    With several samples, only the first is scheduled at first; the others
+    wait in ``held`` until its prompt is computed, then start from the prefix
+    cache, so the prompt's full KV blocks are computed once and shared.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]  # by index
+    held: list[Request] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # filled from the first sample's prompt steps
+
+    @property
+    def finished(self) -> bool:
+        return not self.held and all(r.finished for r in self.samples)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs requested and not all collected yet (entries 1..P-1 come from positions 0..P-2)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)

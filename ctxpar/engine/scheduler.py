@@ -183,7 +183,7 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding the longest prefix of the request's known
         tokens, all but the last: that one is computed so the request samples."""
-        if not self.block_manager.enable_caching:
+        if not self.block_manager.enable_caching or req.skip_prefix_cache:
             return []
         n = (req.num_tokens - 1) // self.block_manager.block_size
         return self.block_manager.cached_prefix(self._block_hashes(req, n)[:n])

@@ -1,28 +1,73 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, and logprobs.
+"""Token sampling: logits processors, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Each row is sampled on its own with its request's ``torch.Generator``, so a
 seeded request draws the same tokens whatever else shares its batch. Greedy
-rows (temperature 0) are one vectorised argmax. Logits arrive in float32 and
-only for rows that sample (the executor computes no others).
+rows (temperature 0) without logits processing are one vectorised argmax.
+Logits arrive in float32 and only for rows that sample (the executor
+computes no others).
 
-Order of the filters, as in vLLM: temperature, then min-p (relative to the
-most likely token of the tempered distribution), then top-k, then top-p.
+Order, as in vLLM: logprobs are taken from the raw logits. Then the logits
+processors (allowed_token_ids, bad_words, min_tokens, logit_bias), then the
+penalties (repetition, frequency, presence), then greedy argmax, or
+temperature, min-p (relative to the most likely token of the tempered
+distribution), top-k, top-p and a draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from ctxpar.sampling_params import SamplingParams
+from ctxpar.outputs import Logprob
+from ctxpar.sampling_params import ALL_LOGPROBS, SamplingParams
+
+
+class TokenHistory(Protocol):
+    """What penalties and masks need to know of a row's request (ctxpar.engine.request.Request has it)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
+    min_tokens_banned: list[int]  # EOS and stop token ids: banned until min_tokens are generated
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # per row; None where not requested
+    logprobs: list[dict[int, Logprob] | None]  # per row; None where not requested
+
+
+def apply_logits_processing(logits: torch.Tensor, p: SamplingParams, h: TokenHistory) -> torch.Tensor:
+    """One row's (V,) logits after allowed_token_ids, bad_words, min_tokens,
+    logit_bias and the penalties: what greedy and random sampling choose from."""
+    x = logits.clone()
+    neg_inf = float("-inf")
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        keep[p.allowed_token_ids] = True
+        x.masked_fill_(~keep, neg_inf)
+    out = h.output_token_ids
+    for word in h.bad_words_token_ids:
+        # The word's last token is banned once the tokens before it were just generated.
+        k = len(word) - 1
+        if k <= len(out) and (k == 0 or out[-k:] == word[:-1]):
+            x[word[-1]] = neg_inf
+    if len(out) < p.min_tokens and h.min_tokens_banned:
+        x[h.min_tokens_banned] = neg_inf
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype)
+    if p.repetition_penalty != 1:
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[torch.tensor(h.prompt_token_ids + out, dtype=torch.long)] = True
+        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    if (p.frequency_penalty or p.presence_penalty) and out:
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[-1]).to(x.dtype)
+        x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
 
 
 def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -49,23 +94,38 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token from a row's (V,) float32 logits."""
+    """Draw one token from a row's (V,) float32 (processed) logits."""
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(apply_filters(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def compute_logprobs(logits: torch.Tensor, token_id: int, n: int) -> dict[int, float]:
-    """{token_id: logprob} for the top-n tokens plus the sampled one, from the
-    raw logits (before temperature and filters), as vLLM reports them."""
+def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], n: int) -> list[dict[int, Logprob]]:
+    """Per row of raw (k, V) logits: {token_id: Logprob} of the given token
+    first, then of the n most likely tokens (-1: all of them), as vLLM orders them.
+    Ranks count the tokens strictly more likely, plus one."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out: dict[int, float] = {}
-    if n > 0:
-        top = torch.topk(lp, min(n, lp.shape[-1]))
-        out = {int(i): float(v) for i, v in zip(top.indices.tolist(), top.values.tolist())}
-    out[token_id] = float(lp[token_id])
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    chosen = lp.gather(1, ids[:, None])  # (k, 1)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    n = lp.shape[-1] if n == ALL_LOGPROBS else min(n, lp.shape[-1])
+    top = torch.topk(lp, n, dim=-1) if n > 0 else None
+    out = []
+    for r, (t, v) in enumerate(zip(ids.tolist(), chosen[:, 0].tolist())):
+        d = {t: Logprob(v, ranks[r])}
+        if top is not None:
+            for rank, (i, tv) in enumerate(zip(top.indices[r].tolist(), top.values[r].tolist()), start=1):
+                if i not in d:
+                    d[i] = Logprob(tv, rank)
+        out.append(d)
     return out
+
+
+def compute_logprobs(logits: torch.Tensor, token_id: int, n: int) -> dict[int, Logprob]:
+    """{token_id: Logprob} of one (V,) row: the sampled token plus the top-n,
+    from the raw logits (before processing, temperature and filters)."""
+    return logprobs_of(logits[None], [token_id], n)[0]
 
 
 class Sampler:
@@ -76,28 +136,41 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory] | None = None,
+        want_logprob: Sequence[bool] | None = None,
     ) -> SamplerOutput:
-        """logits: (S, V) float32, one row per request that samples this step."""
+        """logits: (S, V) float32, one row per request that samples this step.
+
+        histories: each row's tokens, needed by rows whose params process logits.
+        want_logprob: rows that need the sampled token's logprob even without
+            params.logprobs (best_of ranks samples by it); they get {token: Logprob}.
+        """
         s = logits.shape[0]
         if s == 0:
             return SamplerOutput([], [])
         greedy = [p.greedy for p in params]
-        want_lp = [p.logprobs is not None for p in params]
-        if all(greedy) and not any(want_lp):
+        process = [p.processes_logits for p in params]
+        if any(process) and histories is None:
+            raise ValueError("logits processing (penalties, bias, masks) needs the rows' token histories")
+        n_lp = [p.logprobs if p.logprobs is not None else (0 if want_logprob and want_logprob[i] else None)
+                for i, p in enumerate(params)]
+        if all(greedy) and not any(process) and all(n is None for n in n_lp):
             # The common benchmark path: one argmax, no copy of the logits to the host.
             return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * s)
         logits = logits.float().cpu()  # per-request CPU generators sample on the host
         tokens: list[int] = [0] * s
-        greedy_rows = [i for i in range(s) if greedy[i]]
-        if greedy_rows:
-            arg = torch.argmax(logits[greedy_rows], dim=-1).tolist()
-            for i, t in zip(greedy_rows, arg):
+        plain_greedy = [i for i in range(s) if greedy[i] and not process[i]]
+        if plain_greedy:
+            arg = torch.argmax(logits[plain_greedy], dim=-1).tolist()
+            for i, t in zip(plain_greedy, arg):
                 tokens[i] = t
         for i in range(s):
-            if not greedy[i]:
-                tokens[i] = sample_row(logits[i], params[i], generators[i])
-        logprobs: list[dict[int, float] | None] = [
-            compute_logprobs(logits[i], tokens[i], params[i].logprobs) if want_lp[i] else None  # type: ignore[arg-type]
+            if greedy[i] and not process[i]:
+                continue
+            x = apply_logits_processing(logits[i], params[i], histories[i]) if process[i] else logits[i]
+            tokens[i] = sample_row(x, params[i], generators[i])
+        logprobs: list[dict[int, Logprob] | None] = [
+            compute_logprobs(logits[i], tokens[i], n_lp[i]) if n_lp[i] is not None else None  # type: ignore[arg-type]
             for i in range(s)
         ]
         return SamplerOutput(tokens, logprobs)

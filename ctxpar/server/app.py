@@ -131,9 +131,9 @@ def build_app(state: ServerState) -> FastAPI:
         sub = state.loop.submit(prompts)
         meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
 
-        def choice(i: int, out, d: R.Delta) -> dict:
+        def choice(i: int, out, d: R.Delta, sample: int) -> dict:
             c = {"index": i, "text": d.text, "logprobs": R.completion_logprobs(state.tokenizer, d),
-                 **R.finish_fields(out)}
+                 **R.finish_fields(out, sample)}
             if req.return_token_ids:
                 c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
             return c
@@ -141,7 +141,9 @@ def build_app(state: ServerState) -> FastAPI:
         if req.stream:
             return _sse(request, sub, meta, choice, req.include_usage, first=None)
         outs = await _collect(request, sub)
-        choices = [choice(i, o, R.ChoiceCursor().advance(o)) for i, o in enumerate(outs)]
+        # Prompt i's sample j is choice i * n + j, as vLLM numbers them.
+        choices = [choice(i * req.n + j, o, R.ChoiceCursor(j).advance(o), j)
+                   for i, o in enumerate(outs) for j in range(len(o.outputs))]
         return JSONResponse(R.envelope(*meta, choices, usage=_usage(outs)))
 
     @api.post("/v1/chat/completions")
@@ -155,21 +157,22 @@ def build_app(state: ServerState) -> FastAPI:
         meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
         top = req.top_logprobs or 0
 
-        def choice(i: int, out, d: R.Delta, key: str = "delta") -> dict:
+        def choice(i: int, out, d: R.Delta, sample: int, key: str = "delta") -> dict:
             c = {"index": i, key: {"content": d.text}, "logprobs": R.chat_logprobs(state.tokenizer, d, top),
-                 **R.finish_fields(out)}
+                 **R.finish_fields(out, sample)}
             if req.return_token_ids:
                 c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
             return c
 
         if req.stream:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
+            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in range(req.n)]
             return _sse(request, sub, meta, choice, req.include_usage, first=first)
         [out] = await _collect(request, sub)
-        c = choice(0, out, R.ChoiceCursor().advance(out), key="message")
-        c["message"]["role"] = "assistant"
-        return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], [c], usage=_usage([out])))
+        choices = [choice(j, out, R.ChoiceCursor(j).advance(out), j, key="message") for j in range(len(out.outputs))]
+        for c in choices:
+            c["message"]["role"] = "assistant"
+        return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=_usage([out])))
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -200,7 +203,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _usage(outs) -> dict:
-    return R.usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(o.outputs[0].token_ids) for o in outs))
+    return R.usage(sum(len(o.prompt_token_ids) for o in outs),
+                   sum(len(c.token_ids) for o in outs for c in o.outputs))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -224,7 +228,7 @@ async def _collect(request: Request, sub: Submission) -> list:
     return [final[i] for i in range(len(final))]
 
 
-def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: bool, first: dict | None):
+def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: bool, first: list[dict] | None):
     """A server-sent-event response: one chunk per new output, then usage if asked, then [DONE]."""
     rid, obj, model, created = meta
 
@@ -237,18 +241,20 @@ def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: 
 
     async def stream() -> AsyncIterator[str]:
         gone = asyncio.ensure_future(_wait_disconnect(request))
-        cursors: dict[int, R.ChoiceCursor] = {}
+        cursors: dict[tuple[int, int], R.ChoiceCursor] = {}
         finals = {}
         try:
             if first is not None:
-                yield chunk([first])
+                yield chunk(first)
             async with aclosing(sub.outputs(gone)) as outputs:  # closed (aborting) even if sending fails
                 async for i, out in outputs:
-                    cursor = cursors.setdefault(i, R.ChoiceCursor())
-                    # Tokens whose text is not complete yet (part of a character,
-                    # or a possible stop string) wait for it: chunks carry text.
-                    if cursor.peek(out).text or out.finished:
-                        yield chunk([choice(i, out, cursor.advance(out))])
+                    n = len(out.outputs)
+                    for j in range(n):
+                        cursor = cursors.setdefault((i, j), R.ChoiceCursor(j))
+                        # Tokens whose text is not complete yet (part of a character,
+                        # or a possible stop string) wait for it: chunks carry text.
+                        if cursor.has_news(out):
+                            yield chunk([choice(i * n + j, out, cursor.advance(out), j)])
                     if out.finished:
                         finals[i] = out
             if include_usage:

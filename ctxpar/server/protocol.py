@@ -63,23 +63,19 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
     user: str | None = None  # an end-user id for abuse monitoring: has no effect on generation
-    # Defined by OpenAI or vLLM, not implemented by the engine: only their neutral values pass.
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    repetition_penalty: float = 1.0  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
+    min_tokens: int = 0  # vLLM extension
+    bad_words: list[str] | None = None  # vLLM extension
+    allowed_token_ids: list[int] | None = None  # vLLM extension
+    include_stop_str_in_output: bool = False  # vLLM extension
+    spaces_between_special_tokens: bool = True  # vLLM extension
+    n: int = 1  # choices per prompt; they share the prompt's KV blocks
 
-    # field -> (neutral values, why it is refused otherwise)
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
-        "n": ((1,), "one completion per request; send n requests (with different seeds) instead"),
-        "presence_penalty": ((0, 0.0), "the engine has no penalties yet"),
-        "frequency_penalty": ((0, 0.0), "the engine has no penalties yet"),
-        "repetition_penalty": ((1, 1.0), "the engine has no penalties yet"),
-        "logit_bias": ((None,), "the engine has no logit bias yet"),
-        "min_tokens": ((0,), "the engine has no min_tokens yet"),
-    }
+    # Defined by OpenAI or vLLM, not implemented: field -> (neutral values, why it is refused otherwise)
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     def check_supported(self) -> None:
         for name, (neutral, why) in self.UNSUPPORTED.items():
@@ -110,6 +106,16 @@ class _Sampling(_Body):
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise CtxparError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
         return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_logit_bias(),
+            min_tokens=self.min_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -125,6 +131,19 @@ class _Sampling(_Body):
 
     def default_max_tokens(self, room: int) -> int:
         return max(room, 1)  # a too-long prompt is refused by the engine's own check
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids, each bias clamped to [-100, 100] (OpenAI's range, as vLLM)."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+            out[token] = min(100.0, max(-100.0, bias)) if bias == bias else bias  # NaN: refused by SamplingParams
+        return out
 
 
 class CompletionRequest(_Sampling):

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ctxpar.outputs import RequestOutput
+from ctxpar.outputs import Logprob, RequestOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -32,27 +32,34 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     text_offset: int  # characters sent before this delta (completions' text_offset)
 
 
 class ChoiceCursor:
-    """How much of one choice has been sent; ``advance`` returns the rest."""
+    """How much of one choice (sample ``sample`` of a request) has been sent; ``advance`` returns the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample: int = 0) -> None:
+        self.sample = sample
         self.chars = 0
         self.tokens = 0
+        self.finished = False  # its finish_reason was sent
 
     def peek(self, out: RequestOutput) -> Delta:
         """The unsent rest, still unsent (a stream may wait for text before sending tokens)."""
-        c = out.outputs[0]
+        c = out.outputs[self.sample]
         return Delta(c.text[self.chars:], c.token_ids[self.tokens:],
                      c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
+
+    def has_news(self, out: RequestOutput) -> bool:
+        """Text to send, or an end not yet announced (tokens alone wait for their text)."""
+        return bool(self.peek(out).text) or (out.outputs[self.sample].finished() and not self.finished)
 
     def advance(self, out: RequestOutput) -> Delta:
         """The unsent rest, now counted as sent."""
         d = self.peek(out)
-        self.chars, self.tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+        c = out.outputs[self.sample]
+        self.chars, self.tokens, self.finished = len(c.text), len(c.token_ids), c.finished()
         return d
 
 
@@ -73,8 +80,8 @@ def completion_logprobs(tokenizer, d: Delta) -> dict | None:
         pos += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs)],
-        "top_logprobs": [{_token_text(tokenizer, k): v for k, v in lp.items()} for lp in d.logprobs],
+        "token_logprobs": [lp[t].logprob for t, lp in zip(d.token_ids, d.logprobs)],
+        "top_logprobs": [{_token_text(tokenizer, k): v.logprob for k, v in lp.items()} for lp in d.logprobs],
         "text_offset": offsets,
     }
 
@@ -90,12 +97,12 @@ def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
 
     content = []
     for t, lp in zip(d.token_ids, d.logprobs):
-        best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
+        best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top]
+        content.append({**entry(t, lp[t].logprob), "top_logprobs": [entry(k, v.logprob) for k, v in best]})
     return {"content": content}
 
 
-def finish_fields(out: RequestOutput) -> dict:
+def finish_fields(out: RequestOutput, sample: int = 0) -> dict:
     """finish_reason as OpenAI defines it ("stop", "length"; null while running) and vLLM's stop_reason."""
-    c = out.outputs[0]
+    c = out.outputs[sample]
     return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -50,8 +50,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step. Returns float32 logits (S, vocab) of the rows with
-        needs_logits, in row order, on rank 0; None on the other ranks."""
+        """Run one step. Returns float32 logits (L, vocab) of the tokens of
+        ``plan.logits_token_indices()`` (the last token of each row with
+        needs_logits; every token of an all_logits row), in order, on rank 0;
+        None on the other ranks."""
         layout = plan_pcp_layout(
             plan.num_scheduled_tokens,
             plan.num_computed_tokens,
@@ -105,15 +107,16 @@ class ModelRunner:
     def _logits_on_rank0(
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool
     ) -> torch.Tensor | None:
-        q = plan.num_scheduled_tokens.astype(np.int64)
-        last = np.cumsum(q)[plan.needs_logits] - 1  # (S,) global index of sampled tokens
-        where = layout.hidden_restore_idx[last]  # (S,) gathered position of the authoritative copy
+        # The sampled tokens, and every token of the rows that want prompt logprobs
+        # (DESIGN §5's full restore, for those rows only), in global order.
+        wanted = plan.logits_token_indices()  # (L,)
+        where = layout.hidden_restore_idx[wanted]  # (L,) gathered position of the authoritative copy
         if not split:
             # Rank 0 holds every authoritative copy itself (gathered position == local index).
             if self.rank != 0:
                 return None
             return self.model.compute_logits(hidden[torch.from_numpy(where).to(self.device)])
-        # Only the sampled tokens travel, each from the rank that computed it, to rank 0.
+        # Only the wanted tokens travel, each from the rank that computed it, to rank 0.
         n = layout.num_tokens_padded
         owner, local = where // n, where % n
         counts = np.bincount(owner, minlength=self.pcp_size)
@@ -124,7 +127,7 @@ class ModelRunner:
         received = self.group.gather_to_first(send)  # rank 0: (P, width, H); others: None
         if received is None:
             return None
-        # The s-th sampled token is the k-th of its owner's list, in global order.
+        # The l-th wanted token is the k-th of its owner's list, in global order.
         index_in_rank = np.zeros_like(owner)
         for k in range(self.pcp_size):
             sel = owner == k

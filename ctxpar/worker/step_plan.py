@@ -22,6 +22,9 @@ class StepPlan:
     is_prefilling: np.ndarray  # (R,) bool: prompt (or recompute) rows; False for decodes
     needs_logits: np.ndarray  # (R,) bool: the row's last token is sampled this step
     block_tables: list[np.ndarray]  # R x (num_blocks_r,) int64 KV block ids of each row
+    # (R,) bool, or None for all False: the row wants the logits of every token it computes
+    # (prompt logprobs), not only of its last one.
+    all_logits: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -30,6 +33,18 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def logits_token_indices(self) -> np.ndarray:
+        """(L,) int64 global flat indices of the tokens whose logits the runner returns,
+        in order: every token of an ``all_logits`` row, the last token of any other
+        row with ``needs_logits``."""
+        ends = np.cumsum(self.num_scheduled_tokens)
+        if self.all_logits is None or not self.all_logits.any():
+            return ends[self.needs_logits] - 1
+        lengths = np.where(self.all_logits, self.num_scheduled_tokens, self.needs_logits.astype(np.int64))
+        starts = ends - lengths
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        return np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
 
     def __post_init__(self) -> None:
         if int(self.num_scheduled_tokens.sum()) != len(self.input_ids):
