@@ -305,7 +305,7 @@ class LLM:
                     if out.finished:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
-                        n_tokens += len(out.outputs[0].token_ids)
+                        n_tokens += sum(len(c.token_ids) for c in out.outputs)  # every sample of n
                         if bar is not None:
                             bar.update(1)
                             bar.set_postfix_str(f"{n_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
