@@ -130,7 +130,7 @@ def test_plan_refuses_bad_and_huge_values(argv, words, capsys):
         (["--temperature", "-1"], ["temperature", "-1"]),
         (["--top-p", "0"], ["top_p", "(0, 1]"]),
         (["--top-p", "nan"], ["top_p", "nan"]),
-        (["--top-k", "0"], ["top_k", "0"]),
+        (["--top-k", "-2"], ["top_k", "-2"]),  # 0 and -1 both mean off, as in vLLM
         (["--min-p=-inf"], ["min_p", "-inf"]),
         (["--seed", str(1 << 64)], ["seed", "64 bits"]),
         (["--max-model-len", "1"], ["max_model_len", ">= 2"]),
