@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from ctxpar import LLM, SamplingParams
+from ctxpar.cli import main
 from ctxpar.errors import CtxparError
+from ctxpar.generate_cmd import _describe
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BLOCK = 8
@@ -34,13 +36,16 @@ def test_budget_too_small_unsharded_is_refused(tiny_model_dirs):
         LLM(str(tiny_model_dirs["llama"]), pcp_size=2, **ENGINE)
 
 
-def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs):
+def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs, capsys):
     model = str(tiny_model_dirs["llama"])
     with LLM(model, enable_prefix_caching=False) as llm:  # large (default) cache, one rank
         want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
     with LLM(model, pcp_size=2, dcp_size=2, pcp_min_tokens=50, **ENGINE) as llm:
         engine = llm.engine
         assert engine.num_blocks == 24 and engine.block_manager.block_size == 2 * BLOCK
+        _describe(llm, 0.0)  # what `ctxpar generate --verbose` prints first
+        shown = capsys.readouterr().err
+        assert f"{BYTES_PER_TOKEN // 2:g} bytes per token per rank" in shown and "384 tokens in all" in shown
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
         # The long request alone takes 19 of the 24 logical blocks: the others were preempted.
         assert engine.scheduler.num_preemptions > 0
@@ -48,3 +53,27 @@ def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs):
         hits = engine.scheduler.prefix_cache_stats.hits
         assert tokens(llm.generate(prompts()[1:], GREEDY, use_tqdm=False)) == want[1:]
         assert engine.scheduler.prefix_cache_stats.hits > hits
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--pcp", "2", "--dcp", "3"], ["dcp_size=3", "pcp_size=2", "dcp_size=2"]),
+        (["--dcp", "2"], ["dcp_size=2", "pcp_size=1", "pcp_size=2"]),
+        (["--pcp", "2", "--dcp", "2", "--cp-interleave", "3"], ["cp_interleave=3", "block_size=16", "[1, 2, 4, 8, 16]"]),
+        (["--cp-interleave", "0"], ["cp_interleave", "[1, 16]"]),
+    ],
+)
+def test_bad_dcp_flags_exit_2_before_any_rank_starts(args, words, capsys):
+    assert main(["generate", *args]) == 2  # refused by EngineConfig: no model is even loaded
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    for w in words:
+        assert w in err
+
+
+def test_serve_takes_the_dcp_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--dcp D" in out and "--cp-interleave I" in out
