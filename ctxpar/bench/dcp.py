@@ -8,7 +8,10 @@ and costs, against the same ranks each holding a full replica (D = 1).
     the share of the step spent in collectives. The B requests share one
     prompt through the prefix cache (one prefill instead of B), plus one
     distinct token each; each still attends its whole context;
-(c) time to first token of a long prompt at P = 2, D = 2 against D = 1.
+(c) time to first token of a long prompt at P = 2, D = 2 against D = 1;
+(d) the combine's collective patterns on two gloo ranks, at the partials'
+    shapes of a decode step and of a split prefill step: all-to-all (what
+    ctxpar uses), all-gather of (out, lse), all-gather of lse + all-reduce of out.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--interleave", type=positive_int, nargs="+", default=[1, 16], help="cp_interleave values at D=2 (default: 1 16)"
     )
     p.add_argument(
-        "--kv-cache-mib", type=positive_int, default=256, help="KV cache per rank for the capacity table (default: 256)"
+        "--kv-cache-mib", type=positive_int, default=1024, help="KV cache per rank (default: 1024)"
     )
 
 
@@ -73,6 +76,56 @@ def _ttft(llm, vocab: int, n: int, repeat: int, seed: int) -> float:
     return best
 
 
+def _patterns_rank(rank: int, port: int, shapes: list[tuple[str, int, int]], heads: int, dim: int, repeat: int):
+    """One of two ranks timing the three combine patterns; rank 0 prints."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def a2a(n: int, T: int) -> None:  # each rank's n local tokens' partials, from each rank
+        x = torch.randn(2, n, heads, dim + 1)
+        dist.all_to_all_single(torch.empty_like(x), x)
+
+    def ag(n: int, T: int) -> None:  # every token's partials to every rank
+        x = torch.randn(T, heads, dim + 1)
+        gather(x.new_empty(2 * T, heads, dim + 1), x)
+
+    def ag_ar(n: int, T: int) -> None:  # lse gathered, out scaled and summed
+        lse, out = torch.randn(T, heads), torch.randn(T, heads, dim)
+        gather(lse.new_empty(2 * T, heads), lse)
+        dist.all_reduce(out)
+
+    for label, n, T in shapes:
+        times = []
+        for pattern in (a2a, ag, ag_ar):
+            pattern(n, T)  # warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                pattern(n, T)
+            times.append((time.perf_counter() - t0) / repeat * 1e3)
+        if rank == 0:
+            print(f"{label:>26} | " + " | ".join(f"{t:>8.2f}" for t in times), flush=True)
+    dist.destroy_process_group()
+
+
+def _patterns(batches: list[int], chunk: int) -> None:
+    import torch.multiprocessing as mp
+
+    from ctxpar.parallel.launch import free_port
+
+    # SmolLM2: 9 query heads of 64; a decode step's T = n = batch; a split step's n = T / 2.
+    shapes = [(f"decode, batch {b}", b, b) for b in batches] + [(f"split prefill, {chunk} tokens", chunk // 2, chunk)]
+    print("\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce")
+    mp.spawn(_patterns_rank, args=(free_port(), shapes, 9, 64, 50), nprocs=2)
+
+
 def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
 
@@ -110,3 +163,4 @@ def run(args: argparse.Namespace) -> None:
     for name, (_, first) in rows.items():
         if first is not None:
             print(f"{name:>14} | {first:>7.2f} s | {first / base:>5.2f}x of P=2 D=1")
+    _patterns(args.batch, 2048)

@@ -1,23 +1,27 @@
 """Attention over a KV cache sharded across the DCP ranks (DESIGN.md §6).
 
 Each rank stores only the KV entries it owns (ctxpar/parallel/dcp.py), so no
-rank can attend a row alone. The step runs in three moves per layer:
+rank can attend a row's cached context alone. A row's keys are its *context*
+(positions before this step, in the shards) and its *new* keys (this step's
+own tokens, which every rank has in this layer's entries: gathered in a split
+step, computed locally when every row is replicated). Per layer:
 
-1. queries: in a split step (some prompt rows cut across ranks) every rank
-   all-gathers the queries of the others' tokens, in the same collective as
-   the KV entries; otherwise every rank already has every query (replicated
-   rows: decodes, short prompts). So every rank holds all T queries.
-2. partial attention: every rank attends all T queries over its own shard of
-   each row's context, giving (out_k, lse_k) per query and head. A query that
-   sees none of the shard's keys gets out_k = 0, lse_k = -inf (never NaN).
-3. combine: one all-to-all sends each rank the partials of its own local
-   tokens from every rank; it merges them exactly,
-   ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``.
+1. new keys: each rank attends its local rows over their new keys, causally,
+   exactly as without DCP (the PCP layout balances this work) -> (out, lse);
+2. context (only in steps where some row has one: a decision from the plan):
+   every rank needs every query of the step, so a split step all-gathers the
+   queries in the same collective as the KV entries (pass-Q); each rank
+   attends all of them over its shard of each row's context, unmasked (every
+   query sees its whole context); one all-to-all then sends each rank the
+   partials of its own local tokens from every rank;
+3. combine exactly: ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``
+   over the context partials and the new-key part. A shard holding none of a
+   row's context sends lse = -inf, which weighs nothing (never NaN).
 
-This is "pass-Q" for split rows (Meta's context parallelism): temporary
-memory is the step's queries and partials (order max_num_batched_tokens
-tokens), never another rank's context. Every collective here runs once per
-layer with shapes fixed by the plan, whatever a rank's shard holds.
+Temporary memory is the step's queries and partials (of the order of
+max_num_batched_tokens tokens), never another rank's context. Every
+collective runs once per layer with shapes fixed by the plan, whatever a
+rank's shard holds.
 """
 
 from __future__ import annotations
@@ -29,57 +33,48 @@ import torch
 
 from ctxpar.layers.context import ForwardContext, store_kv
 
-# attend(q (L, H, Dq), kv (m, *E), mask (L, m) additive or None) -> (out (L, H, Do), lse (L, H))
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+# attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
+# causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
+Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class DCPStep:
-    """What the sharded attention of one step needs, the same for every layer.
+    """What the sharded attention of one step needs, the same for every layer."""
 
-    Rows here are the plan's global rows: every rank computes every token's
-    partial attention over its shard.
-    """
-
-    query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space (gathered or local)
+    # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
+    # row's new keys up to its last query, in position order: [step start, start_pos + len).
+    new_key_idx: list[torch.Tensor]
+    # Context, per GLOBAL row of the plan (every rank attends every token's queries).
+    has_context: bool  # some row has context: queries gathered, partials exchanged
+    query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
     query_start_loc: list[int]  # (R+1,) global token range of each row
-    start_pos: list[int]  # (R,) position of each row's first token
-    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of this rank's keys of the row's context
-    shard_pos: list[torch.Tensor]  # R x (m_r,) int64: their positions, increasing
-    num_visible: list[int]  # (R,) leading keys of the shard before start_pos: visible to every query
-    send_idx: torch.Tensor  # (D*n,) int64: global token of each rank's local token; T on padding
+    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
+    send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
     all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
 
 
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp. q (L, H, D), k/v (m, Hk, D) with H a
-    multiple of Hk, mask (L, m) additive (0 or -inf) or None.
+    multiple of Hk; causal: L == m and query i sees keys [0, i].
 
-    Returns out (L, H, Dv) and lse (L, H) in float32; a query whose every key
-    is masked gets out 0 and lse -inf.
+    Returns out (L, H, Dv) and lse (L, H), both float32.
     """
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
     if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        m = mask.to(q.dtype) if mask is not None else None
-        out, lse = flash(qh, kh, vh, 0.0, False, attn_mask=m, scale=scale)[:2]
-        out, lse = out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
-    else:
-        rep = qh.shape[1] // kh.shape[1]
-        kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
-        s = (qh.float() @ kh.float().transpose(-1, -2)) * scale  # (1, H, L, m)
-        if mask is not None:
-            s = s + mask.float()
-        lse = torch.logsumexp(s, -1)  # (1, H, L)
-        p = torch.exp(s - torch.where(lse.isfinite(), lse, 0).unsqueeze(-1))
-        out, lse = (p @ vh.float())[0].transpose(0, 1), lse[0].transpose(0, 1)
-    if mask is not None:
-        # The CPU kernel reports lse 0 for a fully masked query: it saw no key at all.
-        blind = ~(mask == 0).any(-1)  # (L,)
-        out[blind], lse[blind] = 0.0, float("-inf")
-    return out, lse
+        out, lse = flash(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+        return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+    rep = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(rep, 1).float(), vh.repeat_interleave(rep, 1).float()
+    s = (qh.float() @ kh.transpose(-1, -2)) * scale  # (1, H, L, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)  # (1, H, L)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ vh
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,54 +93,62 @@ def sharded_attention(
     q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, layer_idx: int, attend: Attend, out_dim: int
 ) -> torch.Tensor:
     """Write this rank's share of the layer's KV entries, attend over the
-    sharded cache and combine across ranks.
+    sharded cache and the step's new keys, and combine across ranks.
 
     q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
     returns (n, H, out_dim) attention outputs of the local tokens (0 on padding).
     """
     step = ctx.dcp
     n, heads = q.shape[0], q.shape[1]
-    if ctx.gather is not None:  # split step: one all-gather carries KV entries and queries
-        e_shape, q_shape = entries.shape[1:], q.shape[1:]
-        both = ctx.gather(torch.cat([entries.reshape(n, -1), q.reshape(n, -1).to(entries.dtype)], dim=1))
-        e_width = entries[0].numel()
-        entries = both[:, :e_width].reshape(-1, *e_shape)
-        q = both[:, e_width:].reshape(-1, *q_shape).to(q.dtype)
+    local_q, q_space = q, q
+    if ctx.gather is not None:  # split step: one all-gather carries the KV entries (and the queries)
+        e_shape, e_width = entries.shape[1:], entries[0].numel()
+        if step.has_context:
+            both = ctx.gather(torch.cat([entries.reshape(n, -1), q.reshape(n, -1).to(entries.dtype)], dim=1))
+            entries = both[:, :e_width].reshape(-1, *e_shape)
+            q_space = both[:, e_width:].reshape(-1, *q.shape[1:]).to(q.dtype)
+        else:
+            entries = ctx.gather(entries)
     cache = store_kv(entries, ctx, layer_idx)
-    qg = q.index_select(0, step.query_idx)  # (T, H, Dq): every token of the step
-    T = qg.shape[0]
+    outs = torch.zeros(2, n, heads, out_dim, dtype=torch.float32, device=q.device)
+    lses = torch.full((2, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if step.has_context:
+        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, out_dim)
+    qsl = ctx.query_start_loc
+    for r, idx in enumerate(step.new_key_idx):
+        a, b = qsl[r], qsl[r + 1]
+        if b > a:
+            outs[1, a:b], lses[1, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
+    return merge_partials(outs, lses)[0].to(q.dtype)
+
+
+def _context_partials(
+    q_space: torch.Tensor, cache: torch.Tensor, step: DCPStep, attend: Attend, out_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's attention over my shard of its row's context, exchanged so
+    that each rank gets its local tokens' partials from every rank, merged:
+    (n, H, out_dim), (n, H)."""
+    qg = q_space.index_select(0, step.query_idx)  # (T, H, Dq): every token of the step
+    T, heads = qg.shape[0], qg.shape[1]
     # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens.
-    partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q.device)
+    partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=qg.device)
     partial[:, :, out_dim] = float("-inf")
     qsl = step.query_start_loc
-    for r in range(len(step.start_pos)):
-        a, b = qsl[r], qsl[r + 1]
-        out, lse = _row_partial(qg[a:b], cache, step, r, attend)
-        if out is not None:
-            partial[a:b, :, :out_dim], partial[a:b, :, out_dim] = out, lse
-    D = len(step.send_idx) // n
-    received = step.all_to_all(partial.index_select(0, step.send_idx).view(D, n, heads, out_dim + 1))
-    out, _ = merge_partials(received[..., :out_dim], received[..., out_dim])
-    return out.to(q.dtype)
+    for r, slots in enumerate(step.shard_slots):
+        if len(slots):  # an empty shard of this row computes nothing and sends lse -inf
+            kv = cache.index_select(0, slots).to(qg.dtype)
+            out, lse = attend(qg[qsl[r] : qsl[r + 1]], kv, False)
+            partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
+    send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
+    received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank
+    return merge_partials(received[..., :out_dim], received[..., out_dim])
 
 
-def _row_partial(
-    q: torch.Tensor, cache: torch.Tensor, step: DCPStep, r: int, attend: Attend
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(out, lse) of one row's queries over this rank's shard of its context;
-    (None, None) when the shard holds none of it."""
-    slots, pos, visible = step.shard_slots[r], step.shard_pos[r], step.num_visible[r]
-    if len(slots) == 0:
-        return None, None
-    kv = cache.index_select(0, slots).to(q.dtype)
-    parts = []
-    if visible > 0:  # keys before the row's first query: no mask
-        parts.append(attend(q, kv[:visible], None))
-    if visible < len(slots):  # this step's own keys on the shard: causal by position
-        q_pos = step.start_pos[r] + torch.arange(q.shape[0], device=q.device)
-        allowed = pos[visible:].unsqueeze(0) <= q_pos.unsqueeze(1)  # (L, m_new)
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        parts.append(attend(q, kv[visible:], mask))
-    if len(parts) == 1:
-        return parts[0]
-    return merge_partials(torch.stack([parts[0][0], parts[1][0]]), torch.stack([parts[0][1], parts[1][1]]))
+def _causal(q: torch.Tensor, kv: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries that are the last L of the m new keys, bottom-right causal: an
+    unmasked part over the earlier keys and a causal square, merged."""
+    L, m = q.shape[0], kv.shape[0]
+    if L == m:
+        return attend(q, kv, True)
+    early, square = attend(q, kv[: m - L], False), attend(q, kv[m - L :], True)
+    return merge_partials(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))

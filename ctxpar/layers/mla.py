@@ -152,12 +152,12 @@ class MLAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
         return torch.cat([q_lat, q_pe], dim=-1)
 
-    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None):
-        """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over one shard's
-        latents (m, r + rope). W_UV is linear, so applying it before the cross-rank
-        combine is exact, and the partials travel at v_head_dim instead of kv_lora_rank."""
+    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+        """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over latents
+        (m, r + rope) (see ctxpar.layers.dcp.Attend). W_UV is linear, so applying it before
+        the cross-rank combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
-        o, lse = attention_lse(q, k, k, self.scale, mask)
+        o, lse = attention_lse(q, k, k, self.scale, causal)
         _, w_uv = self._w_uk_uv()
         o = torch.bmm(o[..., : self.kv_lora_rank].transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2))
         return o.transpose(0, 1), lse

@@ -85,9 +85,9 @@ class LlamaAttention(nn.Module):
             out[qsl[-1] :].zero_()
         return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
 
-    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None):
-        """(out, lse) of queries (L, h, hd) over cached entries (m, 2, kvh, hd) of one shard."""
-        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, mask)
+    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+        """(out, lse) of queries (L, h, hd) over KV entries (m, 2, kvh, hd) (see ctxpar.layers.dcp.Attend)."""
+        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
 
 
 class LlamaMLP(nn.Module):

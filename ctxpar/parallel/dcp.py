@@ -46,11 +46,6 @@ class DCPShard:
         rounds, rest = np.divmod(seq_len, DI)
         return rounds * I + np.clip(rest - self.rank * I, 0, I)
 
-    def global_position(self, local: np.ndarray) -> np.ndarray:
-        """Position of this rank's local token ``local`` (the inverse of local_position)."""
-        rounds, off = np.divmod(local, self.interleave)
-        return rounds * self.size * self.interleave + self.rank * self.interleave + off
-
 
 def local_slots(table: np.ndarray, local: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slot, on its rank, of local token(s) ``local`` of a sequence with block table ``table``."""

@@ -97,7 +97,7 @@ class ModelRunner:
             local = self.shard.local_position(token_pos)
             global_slots = tables[token_row, local // self.block_size] * self.block_size + local % self.block_size
             writes = writes & (self.shard.owner(token_pos) == self.rank)[token_of]
-            dcp, context_slots = self._dcp_step(plan, layout, to_dev), []
+            dcp, context_slots = self._dcp_step(plan, layout, rows, to_dev), []
         write_src = np.flatnonzero(writes)
         ctx = ForwardContext(
             query_start_loc=rows.query_start_loc.tolist(),
@@ -130,23 +130,30 @@ class ModelRunner:
             tables[r, : len(b)] = b
         return tables
 
-    def _dcp_step(self, plan: StepPlan, layout: PCPLayout, to_dev) -> DCPStep:
-        """Every rank attends every token of the step over its shard (ctxpar/layers/dcp.py):
-        per global row, this rank's keys of the row's context, and who gets which partials."""
-        shard, T = self.shard, layout.num_tokens
+    def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
+        """What the attention layers need under DCP (ctxpar/layers/dcp.py): the new keys of
+        my local rows, and my shard of every global row's context."""
         c = plan.num_computed_tokens.astype(np.int64)
-        seq = c + plan.num_scheduled_tokens
-        local_len, visible = shard.local_len(seq), shard.local_len(c)
-        shard_local = [np.arange(m) for m in local_len.tolist()]
+        qsl = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens)))
+        # A split step's entries are gathered (global token t at hidden_restore_idx[t]); in a
+        # step of replicated rows every rank's local token j is global token j, and so is
+        # hidden_restore_idx[j].
+        new_keys = [
+            to_dev(layout.hidden_restore_idx[qsl[r] : qsl[r] + max(s + m - c[r], 0)])
+            for r, s, m in zip(rows.req_idx.tolist(), rows.start_pos.tolist(), rows.num_tokens.tolist())
+        ]
+        context_len = self.shard.local_len(c)
         return DCPStep(
-            # A split step gathers the queries; otherwise rank k's token j is global token j.
+            new_key_idx=new_keys,
+            has_context=bool(c.any()),
             query_idx=to_dev(layout.hidden_restore_idx),
-            query_start_loc=np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens))).tolist(),
-            start_pos=c.tolist(),
-            shard_slots=[to_dev(local_slots(t, j, self.block_size)) for t, j in zip(plan.block_tables, shard_local)],
-            shard_pos=[to_dev(shard.global_position(j)) for j in shard_local],
-            num_visible=visible.tolist(),
-            send_idx=to_dev(np.where(layout.gathered_is_padding, T, layout.padded_gather_idx)),
+            query_start_loc=qsl.tolist(),
+            shard_slots=[
+                to_dev(local_slots(t, np.arange(m), self.block_size)) for t, m in zip(plan.block_tables, context_len)
+            ],
+            send_idx=to_dev(
+                np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)
+            ).view(self.pcp_size, -1),
             all_to_all=self.group.all_to_all,
         )
 
