@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ctxpar.server.command", "serve the model over an OpenAI-compatible HTTP API"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
     "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),

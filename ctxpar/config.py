@@ -18,6 +18,8 @@ MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste
 # Host memory the block manager spends per block on its free list (a deque
 # slot and an int object; measured with tracemalloc), before any KV tensor.
 BLOCK_ID_BYTES = 40
+# Default DCP interleave (tokens per shard run); docs/benchmarks.md, "Decode context parallelism".
+CP_INTERLEAVE = 1
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     pcp_size: int = 1  # prefill context-parallel ranks
+    # Decode context parallelism: the KV cache is sharded over D ranks (D = P: the PCP
+    # ranks themselves), so each holds 1/D of every request's KV (DESIGN.md §6).
+    dcp_size: int = 1
+    cp_interleave: int = CP_INTERLEAVE  # DCP shard granularity: position t lives on rank (t // I) % D
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     seed: int = 0
@@ -66,6 +72,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("pcp_size", self.pcp_size, 1)
         check_int("pcp_min_tokens", self.pcp_min_tokens, 0)
+        self._check_dcp()
         check_int("seed", self.seed, 0, SEED_MAX)
         if self.max_logprobs != -1:
             check_int("max_logprobs", self.max_logprobs, 0, why=" or -1 (the whole vocabulary)")
@@ -76,3 +83,22 @@ class EngineConfig:
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
+
+    def _check_dcp(self) -> None:
+        """D must be 1 or P (the DCP group is the PCP group), and a block must
+        hold whole interleave runs, so every logical block (block_size * D
+        tokens) gives each rank exactly block_size of its tokens."""
+        check_int("dcp_size", self.dcp_size, 1)
+        if self.dcp_size not in (1, self.pcp_size):
+            fix = f"pass pcp_size={self.dcp_size} too" if self.pcp_size == 1 else f"pass dcp_size={self.pcp_size}"
+            raise CtxparError(
+                f"dcp_size={self.dcp_size} with pcp_size={self.pcp_size}: the KV cache is sharded over the PCP "
+                f"ranks themselves, so dcp_size must be 1 (a full cache per rank) or pcp_size; {fix}, or dcp_size=1"
+            )
+        check_int("cp_interleave", self.cp_interleave, 1, self.block_size, why=" (at most block_size)")
+        if self.block_size % self.cp_interleave:
+            divisors = [d for d in range(1, self.block_size + 1) if self.block_size % d == 0]
+            raise CtxparError(
+                f"cp_interleave={self.cp_interleave} does not divide block_size={self.block_size}: a KV block "
+                f"must hold whole interleave runs; use one of {divisors}, or change block_size"
+            )

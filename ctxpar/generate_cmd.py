@@ -8,6 +8,7 @@ examples:
   ctxpar generate --chat "What is the capital of France?"
   ctxpar generate --prompt "Once upon a time" --max-tokens 64 --temperature 0.8 --seed 1
   ctxpar generate --model ./my-llama --pcp 2 --verbose
+  ctxpar generate --pcp 2 --dcp 2 --verbose     # KV cache sharded: twice the context per rank's memory
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--pcp", type=int, default=1, metavar="P", help="prefill context-parallel ranks (default: 1)")
     e.add_argument(
+        "--dcp",
+        type=int,
+        default=DEFAULTS.dcp_size,
+        metavar="D",
+        help="shard the KV cache over D ranks: 1 (default, a full cache per rank) or P (= --pcp)",
+    )
+    e.add_argument(
+        "--cp-interleave",
+        type=int,
+        default=DEFAULTS.cp_interleave,
+        metavar="I",
+        help=f"with --dcp: KV shards go round-robin in runs of I tokens; I divides --block-size "
+        f"(default: {DEFAULTS.cp_interleave})",
+    )
+    e.add_argument(
         "--pcp-min-tokens",
         type=int,
         default=DEFAULTS.pcp_min_tokens,
@@ -116,6 +132,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.kv_cache_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         pcp_size=args.pcp,
+        dcp_size=args.dcp,
+        cp_interleave=args.cp_interleave,
         pcp_min_tokens=args.pcp_min_tokens,
         num_threads=args.threads,
         master_addr=args.master_addr,
@@ -167,13 +185,20 @@ def _describe(llm, load_s: float) -> None:
     engine = llm.engine
     model, cfg = engine.loaded.model, engine.config
     per_tok = engine.kv_bytes_per_token_per_layer
+    D = cfg.dcp_size
+    tokens = engine.num_blocks * cfg.block_size * D  # every logical block spreads over the D ranks
     kv_mib = engine.num_blocks * cfg.block_size * per_tok * model.num_kv_layers / 2**20
+    sharding = (
+        f"sharded over {D} ranks (interleave {cfg.cp_interleave}): {per_tok * model.num_kv_layers / D:g} bytes "
+        f"per token per rank; {engine.num_blocks} blocks of {cfg.block_size * D} tokens ({cfg.block_size} per rank)"
+        if D > 1
+        else f"{per_tok * model.num_kv_layers} bytes per token; {engine.num_blocks} blocks of {cfg.block_size} tokens"
+    )
     lines = [
         f"model: {engine.loaded.name} ({type(model).__name__}), {model.num_kv_layers} layers, loaded in {load_s:.1f} s",
-        f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}",
-        f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer "
-        f"({per_tok * model.num_kv_layers} per token); {engine.num_blocks} blocks of {cfg.block_size} tokens "
-        f"= {engine.num_blocks * cfg.block_size} tokens, {kv_mib:.0f} MiB",
+        f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}, DCP ranks: {D}",
+        f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, {sharding} "
+        f"= {tokens} tokens in all, {kv_mib:.0f} MiB per rank",
     ]
     print("\n".join(lines), file=sys.stderr)
 

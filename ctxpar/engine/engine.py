@@ -62,9 +62,13 @@ class Engine:
             dtype,
             self.max_model_len,
             next(model.parameters()).device,
+            config.dcp_size,
         )
-        # Under DCP (issue 10) the logical block, the unit hashed for prefix caching, is block_size * D tokens.
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Under DCP a logical block (the unit allocated, counted and hashed for prefix
+        # caching) is block_size * D tokens; each rank stores block_size of them.
+        self.block_manager = BlockManager(
+            self.num_blocks, config.block_size * config.dcp_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.executor = start_executor(config, self.loaded, self.num_blocks)

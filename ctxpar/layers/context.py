@@ -9,9 +9,12 @@ attend" (DESIGN.md §4).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ctxpar.layers.dcp import DCPStep
 
 
 @dataclass
@@ -27,6 +30,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
     # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Decode context parallelism: the cache holds this rank's shard only, and the
+    # layers attend through ctxpar.layers.dcp (context_slots unused). None: a full cache.
+    dcp: DCPStep | None = None
 
     @property
     def num_rows(self) -> int:
@@ -44,13 +50,20 @@ def store_and_load_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int
     The context of a row includes the other ranks' chunks of this very step,
     which is why every rank gathers and writes before anyone attends.
     """
-    cache = ctx.kv_caches[layer_idx]
     if ctx.gather is not None:
         entries = ctx.gather(entries)  # (P*n, *E)
+    cache = store_kv(entries, ctx, layer_idx)
+    return [cache.index_select(0, slots) for slots in ctx.context_slots]
+
+
+def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    """Write the step's entries (already gathered, if the step gathers) that
+    this rank stores into layer ``layer_idx``'s cache; returns that cache."""
+    cache = ctx.kv_caches[layer_idx]
     if ctx.write_src is not None:
         entries = entries.index_select(0, ctx.write_src)
     cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
-    return [cache.index_select(0, slots) for slots in ctx.context_slots]
+    return cache
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import apply_rotary
 
@@ -110,7 +111,12 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved).squeeze(1)
-        contexts = store_and_load_kv(torch.cat([c_kv, k_pe], dim=-1), ctx, self.layer_idx)
+        entries = torch.cat([c_kv, k_pe], dim=-1)
+        if ctx.dcp is not None:  # latents sharded over the ranks: the absorbed path on every shard
+            out = sharded_attention(self._latent_query(q_nope, q_pe), entries, ctx, self.layer_idx,
+                                    self._attend_shard, self.v_head_dim)
+            return self.o_proj(out.reshape(n, h * self.v_head_dim))
+        contexts = store_and_load_kv(entries, ctx, self.layer_idx)
 
         out = x.new_zeros(n, h, self.v_head_dim)
         qsl = ctx.query_start_loc
@@ -140,12 +146,27 @@ class MLAttention(nn.Module):
             v = F.pad(v, (0, d - self.v_head_dim))
         return causal_attention(q, k, v.contiguous(), self.scale)[..., : self.v_head_dim]
 
+    def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """(L, h, nope), (L, h, rope) -> (L, h, r + rope): W_UK folded into the query."""
+        w_uk, _ = self._w_uk_uv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
+        return torch.cat([q_lat, q_pe], dim=-1)
+
+    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+        """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over latents
+        (m, r + rope) (see ctxpar.layers.dcp.Attend). W_UV is linear, so applying it before
+        the cross-rank combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
+        k = kv.unsqueeze(1)  # one KV head, key doubles as value
+        o, lse = attention_lse(q, k, k, self.scale, causal)
+        _, w_uv = self._w_uk_uv()
+        o = torch.bmm(o[..., : self.kv_lora_rank].transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2))
+        return o.transpose(0, 1), lse
+
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Attention in latent space: same result as _expanded, without up-projecting the context."""
         L, S, h = q_nope.shape[0], kv.shape[0], self.num_heads
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # (L, h, r + rope)
+        _, w_uv = self._w_uk_uv()
+        q = self._latent_query(q_nope, q_pe)  # (L, h, r + rope)
         k = kv.unsqueeze(1)  # (S, 1, r + rope): one KV head, key doubles as value
         if 1 < L < S:  # continued-prefill kernels on CPU take no GQA: expand the single head
             k = k.expand(S, h, k.shape[-1])

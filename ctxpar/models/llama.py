@@ -19,6 +19,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.linear import can_pack, linear, pack_weight
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
@@ -68,6 +69,9 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)  # one rope pass for Q and K: (n, h + kvh, hd)
         q, k = qk[:, :h], qk[:, h:]  # (n, h, hd), (n, kvh, hd)
         entries = torch.stack([k, v], dim=1)  # (n, 2, kvh, hd)
+        if ctx.dcp is not None:  # KV sharded over the ranks
+            out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd)
+            return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
         contexts = store_and_load_kv(entries, ctx, self.layer_idx)  # rows x (seq_len, 2, kvh, hd)
 
         out = x.new_empty(n, h, hd)  # (n, h, hd)
@@ -80,6 +84,10 @@ class LlamaAttention(nn.Module):
         if qsl[-1] < n:  # padding tokens: keep them finite, nobody reads them
             out[qsl[-1] :].zero_()
         return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
+
+    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+        """(out, lse) of queries (L, h, hd) over KV entries (m, 2, kvh, hd) (see ctxpar.layers.dcp.Attend)."""
+        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
 
 
 class LlamaMLP(nn.Module):

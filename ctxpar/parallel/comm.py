@@ -1,4 +1,4 @@
-"""The PCP process group: the three collectives context parallelism needs,
+"""The PCP process group: the collectives context parallelism needs,
 and the rendezvous that forms it.
 
 Two groups over the same ranks:
@@ -54,7 +54,7 @@ class PCPGroup:
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
-        # Data-group collectives made so far, by kind ("all_gather", "gather_to_first").
+        # Data-group collectives made so far, by kind ("all_gather", "all_to_all", "gather_to_first").
         self.num_collectives: Counter[str] = Counter()
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +63,15 @@ class PCPGroup:
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         _all_gather(out, x.contiguous(), group=self.data)
         self.num_collectives["all_gather"] += 1
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """(P, m, ...) on every rank -> (P, m, ...): row k of the result is rank k's row ``self.rank``."""
+        t0 = time.perf_counter()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.data)
+        self.num_collectives["all_to_all"] += 1
         self.comm_seconds += time.perf_counter() - t0
         return out
 

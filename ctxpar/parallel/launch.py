@@ -64,7 +64,8 @@ def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) 
     from ctxpar.worker.executor import DTYPES
 
     return ModelRunner(
-        model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens
+        model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens,
+        config.dcp_size, config.cp_interleave,
     )
 
 

@@ -36,9 +36,14 @@ def num_kv_blocks(
     dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
+    dcp_size: int = 1,
 ) -> int:
-    """Blocks that fit the budget; an error if one max-length request would not
-    fit, or if the cache would not fit in the device's memory.
+    """Blocks per rank that fit the budget; an error if one max-length request
+    would not fit, or if the cache would not fit in the device's memory.
+
+    Under DCP each rank stores block_size tokens of every logical block of
+    block_size * dcp_size tokens: the budget per rank is unchanged and the
+    cache holds dcp_size times the tokens.
 
     Runs before the block manager or the cache tensors exist, so an absurd size
     is refused at once instead of after (or while) allocating it.
@@ -57,12 +62,14 @@ def num_kv_blocks(
             f"block of {block_size} tokens), more than the {memory / 2**30:.1f} GiB of memory of {device.type}; "
             f"at most {memory // per_block} blocks fit: lower num_kv_blocks"
         )
-    needed = -(-max_model_len // block_size)
+    logical = block_size * dcp_size
+    needed = -(-max_model_len // logical)
     if blocks < needed:
+        sharded = f", each sharded over {dcp_size} ranks" if dcp_size > 1 else ""
         raise CtxparError(
-            f"the KV cache holds {blocks} blocks ({blocks * block_size} tokens), fewer than one request of "
-            f"max_model_len={max_model_len} needs ({needed} blocks of {per_block} bytes); "
-            "raise kv_cache_bytes / num_kv_blocks or lower max_model_len"
+            f"the KV cache holds {blocks} blocks ({blocks * logical} tokens), fewer than one request of "
+            f"max_model_len={max_model_len} needs ({needed} blocks of {logical} tokens{sharded}, "
+            f"{per_block} bytes per rank); raise kv_cache_bytes / num_kv_blocks or lower max_model_len"
         )
     return int(blocks)
 

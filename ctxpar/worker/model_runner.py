@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.dcp import DCPStep
 from ctxpar.models.base import CausalLM
+from ctxpar.parallel.dcp import DCPShard, local_slots
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.step_plan import StepPlan
@@ -35,8 +37,14 @@ class ModelRunner:
         dtype: torch.dtype,
         group=None,
         pcp_min_tokens: int = 0,
+        dcp_size: int = 1,
+        cp_interleave: int = 1,
     ) -> None:
-        """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank."""
+        """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank.
+
+        dcp_size: 1 (every rank holds the whole KV cache) or the group's size
+        (each holds the shard of ctxpar.parallel.dcp; block tables are then
+        of logical blocks of block_size * dcp_size tokens)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -44,6 +52,9 @@ class ModelRunner:
         self.rank = group.rank if group is not None else 0
         self.pcp_size = group.size if group is not None else 1
         self.pcp_min_tokens = pcp_min_tokens
+        if dcp_size not in (1, self.pcp_size):
+            raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
+        self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
         self.kv_caches = allocate_kv_caches(
             model.num_kv_layers, num_blocks * block_size, model.kv_entry_shape, dtype, device
         )
@@ -63,7 +74,6 @@ class ModelRunner:
         )
         split = self.pcp_size > 1 and not layout.is_all_replicated
         rows = layout.rank_rows(self.rank)
-        global_slots = self._global_slots(plan)  # (T,)
         to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
 
         # Which of the KV entries an attention layer holds get written, as a mask over exactly
@@ -74,35 +84,80 @@ class ModelRunner:
         else:
             # No gather: each rank writes its own (identical) copy of every token.
             writes, token_of = ~rows.is_padding, rows.token_idx
+        token_row, token_pos = self._token_rows_positions(plan)  # (T,) each
+        tables = self._padded_tables(plan)  # (R, max_blocks)
+        if self.shard is None:
+            global_slots = tables[token_row, token_pos // self.block_size] * self.block_size
+            global_slots += token_pos % self.block_size
+            dcp = None
+            context_slots = [
+                to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
+                for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
+            ]
+        else:
+            # Only the entries of the tokens this rank owns, each at its local slot.
+            local = self.shard.local_position(token_pos)
+            global_slots = tables[token_row, local // self.block_size] * self.block_size + local % self.block_size
+            writes = writes & (self.shard.owner(token_pos) == self.rank)[token_of]
+            dcp, context_slots = self._dcp_step(plan, layout, rows, to_dev), []
         write_src = np.flatnonzero(writes)
         ctx = ForwardContext(
             query_start_loc=rows.query_start_loc.tolist(),
             start_pos=rows.start_pos.tolist(),
             seq_lens=rows.seq_lens.tolist(),
-            context_slots=[
-                to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
-                for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
-            ],
+            context_slots=context_slots,
             write_src=None if writes.all() else to_dev(write_src),
             write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
             gather=self.group.all_gather if split else None,
+            dcp=dcp,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
         return self._logits_on_rank0(plan, layout, hidden, split)
 
-    def _global_slots(self, plan: StepPlan) -> np.ndarray:
-        """(T,) cache slot of every token scheduled this step, in global order."""
+    def _token_rows_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """(T,) row and absolute position of every token scheduled this step, in global order."""
         q = plan.num_scheduled_tokens.astype(np.int64)
         row = np.repeat(np.arange(plan.num_rows), q)  # (T,)
         qsl = np.concatenate(([0], np.cumsum(q)))
-        pos = plan.num_computed_tokens[row] + np.arange(plan.num_tokens) - qsl[row]
+        return row, plan.num_computed_tokens[row] + np.arange(plan.num_tokens) - qsl[row]
+
+    @staticmethod
+    def _padded_tables(plan: StepPlan) -> np.ndarray:
+        """(R, max_blocks) block tables, zero-padded."""
         width = max(len(b) for b in plan.block_tables)
-        tables = np.zeros((plan.num_rows, width), dtype=np.int64)  # (R, max_blocks)
+        tables = np.zeros((plan.num_rows, width), dtype=np.int64)
         for r, b in enumerate(plan.block_tables):
             tables[r, : len(b)] = b
-        return tables[row, pos // self.block_size] * self.block_size + pos % self.block_size
+        return tables
+
+    def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
+        """What the attention layers need under DCP (ctxpar/layers/dcp.py): the new keys of
+        my local rows, and my shard of every global row's context."""
+        c = plan.num_computed_tokens.astype(np.int64)
+        qsl = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens)))
+        # A split step's entries are gathered (global token t at hidden_restore_idx[t]); in a
+        # step of replicated rows every rank's local token j is global token j, and so is
+        # hidden_restore_idx[j].
+        new_keys = [
+            to_dev(layout.hidden_restore_idx[qsl[r] : qsl[r] + max(s + m - c[r], 0)])
+            for r, s, m in zip(rows.req_idx.tolist(), rows.start_pos.tolist(), rows.num_tokens.tolist())
+        ]
+        context_len = self.shard.local_len(c)
+        return DCPStep(
+            new_key_idx=new_keys,
+            has_context=bool(c.any()),
+            query_idx=to_dev(layout.hidden_restore_idx),
+            query_start_loc=qsl.tolist(),
+            shard_slots=[
+                to_dev(local_slots(t, np.arange(m), self.block_size)) for t, m in zip(plan.block_tables, context_len)
+            ],
+            send_idx=to_dev(
+                np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)
+            ).view(self.pcp_size, -1),
+            all_to_all=self.group.all_to_all,
+        )
 
     def _logits_on_rank0(
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool

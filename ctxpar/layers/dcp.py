@@ -1,0 +1,154 @@
+"""Attention over a KV cache sharded across the DCP ranks (DESIGN.md §6).
+
+Each rank stores only the KV entries it owns (ctxpar/parallel/dcp.py), so no
+rank can attend a row's cached context alone. A row's keys are its *context*
+(positions before this step, in the shards) and its *new* keys (this step's
+own tokens, which every rank has in this layer's entries: gathered in a split
+step, computed locally when every row is replicated). Per layer:
+
+1. new keys: each rank attends its local rows over their new keys, causally,
+   exactly as without DCP (the PCP layout balances this work) -> (out, lse);
+2. context (only in steps where some row has one: a decision from the plan):
+   every rank needs every query of the step, so a split step all-gathers the
+   queries in the same collective as the KV entries (pass-Q); each rank
+   attends all of them over its shard of each row's context, unmasked (every
+   query sees its whole context); one all-to-all then sends each rank the
+   partials of its own local tokens from every rank;
+3. combine exactly: ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``
+   over the context partials and the new-key part. A shard holding none of a
+   row's context sends lse = -inf, which weighs nothing (never NaN).
+
+Temporary memory is the step's queries and partials (of the order of
+max_num_batched_tokens tokens), never another rank's context. Every
+collective runs once per layer with shapes fixed by the plan, whatever a
+rank's shard holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ctxpar.layers.context import ForwardContext, store_kv
+
+# attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
+# causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
+Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DCPStep:
+    """What the sharded attention of one step needs, the same for every layer."""
+
+    # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
+    # row's new keys up to its last query, in position order: [step start, start_pos + len).
+    new_key_idx: list[torch.Tensor]
+    # Context, per GLOBAL row of the plan (every rank attends every token's queries).
+    has_context: bool  # some row has context: queries gathered, partials exchanged
+    query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
+    query_start_loc: list[int]  # (R+1,) global token range of each row
+    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
+    send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
+    all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp. q (L, H, D), k/v (m, Hk, D) with H a
+    multiple of Hk; causal: L == m and query i sees keys [0, i].
+
+    Returns out (L, H, Dv) and lse (L, H), both float32.
+    """
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
+    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+        return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+    rep = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(rep, 1).float(), vh.repeat_interleave(rep, 1).float()
+    s = (qh.float() @ kh.transpose(-1, -2)) * scale  # (1, H, L, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)  # (1, H, L)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ vh
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over disjoint key sets. outs (K, ..., D),
+    lses (K, ...) float32 -> (..., D), (...). Parts with lse -inf weigh
+    nothing; if all do, out is 0 and lse -inf (no NaN)."""
+    top = lses.amax(0)
+    top = torch.where(top.isfinite(), top, 0.0)
+    w = torch.exp(lses - top)  # (K, ...): exp(-inf) = 0
+    total = w.sum(0)
+    out = (outs * w.unsqueeze(-1)).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+    return out, top + torch.log(total)
+
+
+def sharded_attention(
+    q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, layer_idx: int, attend: Attend, out_dim: int
+) -> torch.Tensor:
+    """Write this rank's share of the layer's KV entries, attend over the
+    sharded cache and the step's new keys, and combine across ranks.
+
+    q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
+    returns (n, H, out_dim) attention outputs of the local tokens (0 on padding).
+    """
+    step = ctx.dcp
+    n, heads = q.shape[0], q.shape[1]
+    local_q, q_space = q, q
+    if ctx.gather is not None:  # split step: one all-gather carries the KV entries (and the queries)
+        e_shape, e_width = entries.shape[1:], entries[0].numel()
+        if step.has_context:
+            both = ctx.gather(torch.cat([entries.reshape(n, -1), q.reshape(n, -1).to(entries.dtype)], dim=1))
+            entries = both[:, :e_width].reshape(-1, *e_shape)
+            q_space = both[:, e_width:].reshape(-1, *q.shape[1:]).to(q.dtype)
+        else:
+            entries = ctx.gather(entries)
+    cache = store_kv(entries, ctx, layer_idx)
+    outs = torch.zeros(2, n, heads, out_dim, dtype=torch.float32, device=q.device)
+    lses = torch.full((2, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if step.has_context:
+        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, out_dim)
+    qsl = ctx.query_start_loc
+    for r, idx in enumerate(step.new_key_idx):
+        a, b = qsl[r], qsl[r + 1]
+        if b > a:
+            outs[1, a:b], lses[1, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
+    return merge_partials(outs, lses)[0].to(q.dtype)
+
+
+def _context_partials(
+    q_space: torch.Tensor, cache: torch.Tensor, step: DCPStep, attend: Attend, out_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's attention over my shard of its row's context, exchanged so
+    that each rank gets its local tokens' partials from every rank, merged:
+    (n, H, out_dim), (n, H)."""
+    qg = q_space.index_select(0, step.query_idx)  # (T, H, Dq): every token of the step
+    T, heads = qg.shape[0], qg.shape[1]
+    # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens.
+    partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=qg.device)
+    partial[:, :, out_dim] = float("-inf")
+    qsl = step.query_start_loc
+    for r, slots in enumerate(step.shard_slots):
+        if len(slots):  # an empty shard of this row computes nothing and sends lse -inf
+            kv = cache.index_select(0, slots).to(qg.dtype)
+            out, lse = attend(qg[qsl[r] : qsl[r + 1]], kv, False)
+            partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
+    send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
+    received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank
+    return merge_partials(received[..., :out_dim], received[..., out_dim])
+
+
+def _causal(q: torch.Tensor, kv: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries that are the last L of the m new keys, bottom-right causal: an
+    unmasked part over the earlier keys and a causal square, merged."""
+    L, m = q.shape[0], kv.shape[0]
+    if L == m:
+        return attend(q, kv, True)
+    early, square = attend(q, kv[: m - L], False), attend(q, kv[m - L :], True)
+    return merge_partials(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))
