@@ -167,15 +167,17 @@ def test_invalid_sizes_are_clear_errors(models):
         LLM(models["llama"], pcp_size=torch.cuda.device_count() + 1, device="cuda")
 
 
-def test_torchrun_rank0_drives_and_others_serve(models, tmp_path, one_rank):
-    """Under torchrun every process runs the same script; only rank 0 returns from LLM()."""
+@pytest.mark.parametrize("dcp", [1, 2], ids=["replicated-KV", "sharded-KV"])
+def test_torchrun_rank0_drives_and_others_serve(models, tmp_path, one_rank, dcp):
+    """Under torchrun every process runs the same script; only rank 0 returns
+    from LLM(). The same with the KV cache sharded over the two ranks."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from ctxpar import LLM, SamplingParams
         from test_pcp_engine import prompts, tokens, GREEDY
-        with LLM({models["llama"]!r}, pcp_size=2, pcp_min_tokens=0) as llm:
+        with LLM({models["llama"]!r}, pcp_size=2, dcp_size={dcp}, pcp_min_tokens=0) as llm:
             print("TOKENS", json.dumps(tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))))
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
