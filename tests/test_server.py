@@ -115,6 +115,25 @@ def test_n_choices_equal_llm_generate(server, llm):
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
 
 
+def test_best_of_echo_and_prompt_logprobs_equal_llm_generate(server, llm):
+    sp = SamplingParams(n=1, best_of=3, seed=5, max_tokens=5, temperature=1.0, prompt_logprobs=2)
+    ref = llm.generate([PROMPTS[3]], sp, use_tqdm=False)[0]
+    client = server.openai()
+    r = client.completions.create(model=NAME, prompt=PROMPTS[3], best_of=3, seed=5, max_tokens=5, temperature=1.0,
+                                  echo=True, extra_body={"prompt_logprobs": 2})
+    [c] = r.choices
+    assert c.text == PROMPTS[3] + ref.outputs[0].text  # echo: the prompt, then the best of the 3 samples
+    got = c.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for g, want in zip(got[1:], ref.prompt_logprobs[1:]):
+        assert {int(k): v["logprob"] for k, v in g.items()} == pytest.approx({k: v.logprob for k, v in want.items()})
+        assert {int(k): v["rank"] for k, v in g.items()} == {k: v.rank for k, v in want.items()}
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and all(len(d) == 1 for d in plp[1:])  # just the prompt's own token at each position
+
+
 def test_stop_and_logprobs_equal_llm_generate(server, llm):
     client = server.openai()
     ref = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0, logprobs=2), use_tqdm=False)
@@ -216,8 +235,11 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, ["temperature"]),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, ["presence_penalty", "[-2, 2]"]),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1.0}}, 400, ["logit_bias", "99999", "vocabulary"]),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, ["echo"]),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, ["best_of"]),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, ["echo", "prompt_logprobs"]),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, ["best_of", "stream"]),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "n": 4}, 400, ["best_of", "n=4"]),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs", "stream"]),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 50}, 400, ["prompt_logprobs", "50"]),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, ["frobnicate"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, ["max_tokens"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens"]),

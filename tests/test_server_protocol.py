@@ -12,7 +12,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 
 NON_NEUTRAL = {
-    "echo": True, "suffix": "end", "best_of": 2,
+    "suffix": "end",
     "tools": [{"type": "function"}], "tool_choice": "auto", "response_format": {"type": "json_object"},
 }
 BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}

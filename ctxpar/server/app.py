@@ -132,8 +132,13 @@ def build_app(state: ServerState) -> FastAPI:
         meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
 
         def choice(i: int, out, d: R.Delta, sample: int) -> dict:
-            c = {"index": i, "text": d.text, "logprobs": R.completion_logprobs(state.tokenizer, d),
+            text = d.text
+            if req.echo and d.text_offset == 0:  # the choice's first text: the prompt goes before it
+                text = (out.prompt if out.prompt is not None else state.tokenizer.decode(out.prompt_token_ids)) + text
+            c = {"index": i, "text": text, "logprobs": R.completion_logprobs(state.tokenizer, d),
                  **R.finish_fields(out, sample)}
+            if req.prompt_logprobs is not None:
+                c["prompt_logprobs"] = R.prompt_logprobs(out)
             if req.return_token_ids:
                 c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
             return c
@@ -172,7 +177,8 @@ def build_app(state: ServerState) -> FastAPI:
         choices = [choice(j, out, R.ChoiceCursor(j).advance(out), j, key="message") for j in range(len(out.outputs))]
         for c in choices:
             c["message"]["role"] = "assistant"
-        return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=_usage([out])))
+        extra = {"prompt_logprobs": R.prompt_logprobs(out)} if req.prompt_logprobs is not None else {}
+        return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=_usage([out]), **extra))
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -73,6 +73,7 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False  # vLLM extension
     spaces_between_special_tokens: bool = True  # vLLM extension
     n: int = 1  # choices per prompt; they share the prompt's KV blocks
+    prompt_logprobs: int | None = None  # vLLM extension: logprobs of every prompt token (not streamed)
 
     # Defined by OpenAI or vLLM, not implemented: field -> (neutral values, why it is refused otherwise)
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
@@ -84,6 +85,9 @@ class _Sampling(_Body):
                 raise ApiError(400, f"{name}={value!r} is not supported: {why}", param=name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs are returned only without streaming: set stream=false",
+                           param="prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +111,8 @@ class _Sampling(_Body):
             raise CtxparError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
         return SamplingParams(
             n=self.n,
+            best_of=getattr(self, "best_of", None),
+            prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -157,10 +163,17 @@ class CompletionRequest(_Sampling):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_Sampling.UNSUPPORTED,
-        "echo": ((False,), "the prompt is not returned; use return_token_ids for its token ids"),
         "suffix": ((None,), "no insertion (fill-in-the-middle) mode"),
-        "best_of": ((None, 1), "one completion per request"),
     }
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            # The best n are known only once all best_of samples have finished.
+            raise ApiError(400, f"best_of={self.best_of} > n={self.n} cannot stream: set stream=false", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (the prompt's would be needed): "
+                           "use prompt_logprobs for them", param="echo")
 
     def default_max_tokens(self, room: int) -> int:
         return 16  # OpenAI's default for completions

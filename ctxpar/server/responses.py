@@ -102,6 +102,14 @@ def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
     return {"content": content}
 
 
+def prompt_logprobs(out: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}}; the first is None."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if lp is None else {str(k): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                     for k, v in lp.items()} for lp in out.prompt_logprobs]
+
+
 def finish_fields(out: RequestOutput, sample: int = 0) -> dict:
     """finish_reason as OpenAI defines it ("stop", "length"; null while running) and vLLM's stop_reason."""
     c = out.outputs[sample]
