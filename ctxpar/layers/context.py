@@ -8,7 +8,7 @@ attend" (DESIGN.md §4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -27,10 +27,28 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
     # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Per-step values that every layer would otherwise rebuild (e.g. the decode batch's
+    # slot table, ctxpar/layers/paged_attention.py): filled by the first layer that needs them.
+    memo: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
         return len(self.start_pos)
+
+
+def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    """Write this step's KV-cache entries of one layer (all-gathered first
+    under PCP); returns the layer's cache (num_slots, *E).
+
+    entries: (n, *E) the KV-cache inputs of the local (padded) tokens.
+    """
+    cache = ctx.kv_caches[layer_idx]
+    if ctx.gather is not None:
+        entries = ctx.gather(entries)  # (P*n, *E)
+    if ctx.write_src is not None:
+        entries = entries.index_select(0, ctx.write_src)
+    cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
+    return cache
 
 
 def store_and_load_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> list[torch.Tensor]:
@@ -44,12 +62,7 @@ def store_and_load_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int
     The context of a row includes the other ranks' chunks of this very step,
     which is why every rank gathers and writes before anyone attends.
     """
-    cache = ctx.kv_caches[layer_idx]
-    if ctx.gather is not None:
-        entries = ctx.gather(entries)  # (P*n, *E)
-    if ctx.write_src is not None:
-        entries = entries.index_select(0, ctx.write_src)
-    cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
+    cache = store_kv(entries, ctx, layer_idx)
     return [cache.index_select(0, slots) for slots in ctx.context_slots]
 
 
