@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head if self.lm_head_packed is None else self.lm_head_packed).float()
 
     def pack_for_cpu(self) -> None:
-        """After loading: pre-pack the projection weights for oneDNN (fp32 CPU only; see layers/linear.py).
+        """After loading: pre-pack the projection weights for oneDNN (CPU, fp32 or native bf16; see layers/linear.py).
 
         The lm_head too: unpacked, it is a plain matmul over the largest weight
         (vocab x hidden) that runs ~2x slower at decode and ~4x at batch 16.
