@@ -36,3 +36,11 @@ def pack_weight(module: nn.Module, name: str) -> None:
     weight = getattr(module, name)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     setattr(module, name, nn.Parameter(packed, requires_grad=False))
+
+
+def packed_copy(weight: torch.Tensor) -> nn.Parameter | None:
+    """A oneDNN-packed copy of `weight` (the original stays, e.g. for a tied
+    embedding's lookup), or None where packing does not apply."""
+    if not can_pack(weight):
+        return None
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, store_kv
-from ctxpar.layers.linear import can_pack, linear, pack_weight
+from ctxpar.layers.linear import can_pack, linear, pack_weight, packed_copy
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
@@ -157,9 +157,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if not can_pack(self.embed_tokens):
             return
-        self.lm_head_packed = nn.Parameter(
-            torch.ops.mkldnn._reorder_linear_weight(self.lm_head.detach(), None), requires_grad=False
-        )
+        self.lm_head_packed = packed_copy(self.lm_head)
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)
