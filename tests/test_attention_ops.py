@@ -113,3 +113,37 @@ def test_blocked_causal_attention_matches_reference(shape, new, context, block_q
     want, want_lse = reference(q, k, v, D**-0.5)
     torch.testing.assert_close(out.transpose(0, 1).double(), want, **TOL)
     torch.testing.assert_close(lse.transpose(0, 1).double(), want_lse, **TOL)
+
+
+def test_step_of_mixed_rows_matches_per_row_attention() -> None:
+    """gqa_paged_attention over a step mixing short decodes (batched, in length
+    groups), a long decode and a prefill chunk with context (one by one), and a
+    padding token: every row as if it attended alone."""
+    from ctxpar.layers.context import ForwardContext
+    from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
+
+    g = torch.Generator().manual_seed(7)
+    Hk, H, D = 2, 6, 16
+    cache = torch.randn(4096, 2, Hk, D, generator=g)
+    perm = torch.randperm(4096, generator=g)
+    seq_lens = [5, 6, 90, 100, DECODE_BATCH_MAX_KEYS + 50, 40]  # last row: a prefill chunk of 8 after 32 cached
+    num_tokens = [1, 1, 1, 1, 1, 8]
+    qsl = [0]
+    for t in num_tokens:
+        qsl.append(qsl[-1] + t)
+    starts = torch.cumsum(torch.tensor([0] + seq_lens), 0)
+    slots = [perm[starts[r] : starts[r + 1]] for r in range(len(seq_lens))]
+    ctx = ForwardContext(
+        query_start_loc=qsl, start_pos=[s - t for s, t in zip(seq_lens, num_tokens)], seq_lens=seq_lens,
+        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+    )
+    n = qsl[-1] + 1  # one padding token
+    q = torch.randn(n, H, D, generator=g)
+    out = gqa_paged_attention(q, cache, ctx, 0.3)
+    dec = decode_batch(ctx)
+    assert dec.rows == {0, 1, 2, 3} and len(dec.groups) == 2  # long decode and prefill go one by one
+    for r in range(len(seq_lens)):
+        kv = cache[slots[r]]
+        want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], 0.3)
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
+    assert (out[qsl[-1] :] == 0).all()

@@ -63,13 +63,14 @@ def padded_slot_table(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, 
 def gather_paged_kv(cache: torch.Tensor, slot_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a paged GQA cache (num_slots, 2, Hk, D) at slots (B, S), as
     contiguous (B, Hk, S, D) each: one index_select over (slot, K/V head) rows,
-    so the batched GEMMs get unit-stride operands without a second copy."""
+    ordered K-or-V first so that each half is contiguous and the batched GEMMs
+    fold (B, Hk) into one batch dimension without another copy."""
     _, two, Hk, D = cache.shape
     B, S = slot_table.shape
-    heads = torch.arange(two * Hk, device=cache.device)
-    rows = (slot_table[:, None, :] * (two * Hk) + heads[None, :, None]).view(-1)  # (B * 2Hk * S,)
-    kv = cache.view(-1, D).index_select(0, rows).view(B, two, Hk, S, D)
-    return kv[:, 0], kv[:, 1]
+    heads = torch.arange(two * Hk, device=cache.device).view(two, 1, Hk, 1)
+    rows = (slot_table.view(1, B, 1, S) * (two * Hk) + heads).view(-1)  # (2 * B * Hk * S,)
+    kv = cache.view(-1, D).index_select(0, rows).view(two, B, Hk, S, D)
+    return kv[0], kv[1]
 
 
 def blocked_causal_attention(
