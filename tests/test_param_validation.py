@@ -109,7 +109,8 @@ def test_seed_limits_are_torchs(seed):
         (dict(num_threads=max_threads() + 1), ["num_threads", f"[1, {max_threads()}]", str(max_threads() + 1)]),
         (dict(num_threads=10**9), ["num_threads", str(10**9)]),
         (dict(dtype="float64"), ["dtype", "float32", "'float64'"]),
-        (dict(dtype=torch.float32), ["dtype", "torch.float32"]),
+        (dict(dtype=torch.float64), ["dtype", "torch.float64"]),
+        (dict(dtype="fp8"), ["dtype", "'half'", "'fp8'"]),
         (dict(device="tpu"), ["device", "'tpu'"]),
         (dict(master_port=0), ["master_port", "[1, 65535]", "0"]),
         (dict(master_port=65536), ["master_port", "65536"]),
@@ -143,3 +144,19 @@ def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():
     with pytest.raises(CtxparError) as e:
         EngineConfig(num_kv_blocks=most + 1)
     assert f"num_kv_blocks={most + 1}" in str(e.value) and f"at most {most} blocks" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "spelling, canonical",
+    [("float32", "float32"), ("float", "float32"), (torch.float32, "float32"), ("half", "float16"),
+     ("float16", "float16"), (torch.float16, "float16"), ("bfloat16", "bfloat16"), (torch.bfloat16, "bfloat16")],
+)
+def test_dtype_spellings(spelling, canonical):
+    assert EngineConfig(dtype=spelling).dtype == canonical
+
+
+def test_auto_dtype_is_bf16_only_with_native_bf16():
+    from ctxpar.dtypes import cpu_has_native_bf16
+
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert EngineConfig(dtype="auto", device="cpu").dtype == want

@@ -8,7 +8,7 @@ attend" (DESIGN.md §4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -33,27 +33,28 @@ class ForwardContext:
     # Decode context parallelism: the cache holds this rank's shard only, and the
     # layers attend through ctxpar.layers.dcp (context_slots unused). None: a full cache.
     dcp: DCPStep | None = None
+    # Per-step values that every layer would otherwise rebuild (e.g. the decode batch's
+    # slot table, ctxpar/layers/paged_attention.py): filled by the first layer that needs them.
+    memo: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
         return len(self.start_pos)
 
 
-def store_and_load_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> list[torch.Tensor]:
-    """Write this step's KV-cache entries of one layer, then read each local
-    row's whole context back from the cache.
+def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    """All-gather this step's KV-cache entries of one layer over the ranks (a
+    split step), then write them; returns the layer's cache (num_slots, *E).
 
     entries: (n, *E) the KV-cache inputs of the local (padded) tokens; E is the
     per-token entry shape of the layer (GQA: (2, kv_heads, head_dim); MLA:
-    (kv_lora_rank + rope_dim,)). Returns, per local row, (seq_len, *E).
-
-    The context of a row includes the other ranks' chunks of this very step,
-    which is why every rank gathers and writes before anyone attends.
+    (kv_lora_rank + rope_dim,)). The context of a row includes the other
+    ranks' chunks of this very step, which is why every rank gathers and
+    writes before anyone attends.
     """
     if ctx.gather is not None:
         entries = ctx.gather(entries)  # (P*n, *E)
-    cache = store_kv(entries, ctx, layer_idx)
-    return [cache.index_select(0, slots) for slots in ctx.context_slots]
+    return store_kv(entries, ctx, layer_idx)
 
 
 def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:

@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.context import ForwardContext, causal_attention, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
 from ctxpar.layers.rotary import apply_rotary
 
 ATTENTION_PATH = "auto"  # "auto" | "absorbed" | "expanded"
@@ -111,24 +112,29 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved).squeeze(1)
-        entries = torch.cat([c_kv, k_pe], dim=-1)
+        entries = torch.cat([c_kv, k_pe], dim=-1)  # (n, r + rope)
         if ctx.dcp is not None:  # latents sharded over the ranks: the absorbed path on every shard
-            out = sharded_attention(self._latent_query(q_nope, q_pe), entries, ctx, self.layer_idx,
+            out = sharded_attention(self._absorb_query(q_nope, q_pe), entries, ctx, self.layer_idx,
                                     self._attend_shard, self.v_head_dim)
             return self.o_proj(out.reshape(n, h * self.v_head_dim))
-        contexts = store_and_load_kv(entries, ctx, self.layer_idx)
+        cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, r + rope)
 
         out = x.new_zeros(n, h, self.v_head_dim)
+        dec = decode_batch(ctx) if ATTENTION_PATH != "expanded" else None
+        for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
+            q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
+            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale)
+            out.index_copy_(0, grp.tokens, self._unabsorb(o))
+        batched = dec.rows if dec is not None else set()
         qsl = ctx.query_start_loc
         for r in range(ctx.num_rows):
             a, b = qsl[r], qsl[r + 1]
-            if b == a:
+            if b == a or r in batched:
                 continue
-            path = ATTENTION_PATH
-            if path == "auto":
-                path = "absorbed" if b - a == 1 else "expanded"
-            attend = self._absorbed if path == "absorbed" else self._expanded
-            out[a:b] = attend(q_nope[a:b], q_pe[a:b], contexts[r].to(x.dtype))
+            absorbed = ATTENTION_PATH == "absorbed" or (ATTENTION_PATH == "auto" and b - a == 1)
+            attend = self._absorbed if absorbed else self._expanded
+            context = cache.index_select(0, ctx.context_slots[r]).to(x.dtype)
+            out[a:b] = attend(q_nope[a:b], q_pe[a:b], context)
         return self.o_proj(out.view(n, h * self.v_head_dim))
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -146,8 +152,8 @@ class MLAttention(nn.Module):
             v = F.pad(v, (0, d - self.v_head_dim))
         return causal_attention(q, k, v.contiguous(), self.scale)[..., : self.v_head_dim]
 
-    def _latent_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-        """(L, h, nope), (L, h, rope) -> (L, h, r + rope): W_UK folded into the query."""
+    def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """(L, h, nope), (L, h, rope) -> latent-space query (L, h, r + rope): q_nope through W_UK."""
         w_uk, _ = self._w_uk_uv()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
         return torch.cat([q_lat, q_pe], dim=-1)
@@ -158,17 +164,18 @@ class MLAttention(nn.Module):
         the cross-rank combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
         o, lse = attention_lse(q, k, k, self.scale, causal)
+        return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
+
+    def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
+        """Latent attention output (L, h, r) through W_UV -> (L, h, v)."""
         _, w_uv = self._w_uk_uv()
-        o = torch.bmm(o[..., : self.kv_lora_rank].transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2))
-        return o.transpose(0, 1), lse
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Attention in latent space: same result as _expanded, without up-projecting the context."""
         L, S, h = q_nope.shape[0], kv.shape[0], self.num_heads
-        _, w_uv = self._w_uk_uv()
-        q = self._latent_query(q_nope, q_pe)  # (L, h, r + rope)
+        q = self._absorb_query(q_nope, q_pe)  # (L, h, r + rope)
         k = kv.unsqueeze(1)  # (S, 1, r + rope): one KV head, key doubles as value
         if 1 < L < S:  # continued-prefill kernels on CPU take no GQA: expand the single head
             k = k.expand(S, h, k.shape[-1])
-        o = causal_attention(q, k, k, self.scale)[..., : self.kv_lora_rank]  # (L, h, r)
-        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (L, h, v)
+        return self._unabsorb(causal_attention(q, k, k, self.scale)[..., : self.kv_lora_rank])  # (L, h, v)

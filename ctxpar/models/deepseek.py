@@ -23,6 +23,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.linear import linear, packed_copy
 from ctxpar.layers.mla import MLAttention
 from ctxpar.layers.moe import GatedMLP, MoE, TopkRouter
 from ctxpar.layers.norm import RMSNorm
@@ -129,6 +130,7 @@ class _DeepseekForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim).to(device)
         self.kv_entry_shape = (config.kv_lora_rank + config.qk_rope_head_dim,)
         self.num_kv_layers = config.num_hidden_layers
+        self.lm_head_packed: nn.Parameter | None = None  # see pack_for_cpu
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -140,7 +142,14 @@ class _DeepseekForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_packed is not None:
+            return linear(hidden, self.lm_head_packed).float()
         return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> None:
+        """After loading: the lm_head through a oneDNN-packed copy, as for Llama
+        (an unpacked vocab x hidden matmul is ~2x slower per decode step)."""
+        self.lm_head_packed = packed_copy(self.lm_head.weight)
 
     # -- loading ---------------------------------------------------------------
     def _ignored(self, name: str) -> bool:

@@ -5,8 +5,9 @@ Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and SmolLM2
 RMSNorm, SwiGLU MLP, grouped-query attention. Projections are fused: one
 matmul for Q, K and V, one for gate and up. Attention goes through the paged
 KV cache of the ForwardContext (DESIGN.md §4): compute K/V of the local
-tokens, ``store_and_load_kv`` (all-gather, cache write, context read), then
-causal attention of each local row over its whole context.
+tokens, ``gather_and_store_kv`` (all-gather, cache write), then attention of the local
+rows over their whole contexts in the cache (ctxpar/layers/paged_attention.py:
+all one-query rows in one batched call, prefill rows one by one).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar.errors import CtxparError
-from ctxpar.layers.context import ForwardContext, causal_attention, store_and_load_kv
+from ctxpar.layers.context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
-from ctxpar.layers.linear import can_pack, linear, pack_weight
+from ctxpar.layers.linear import can_pack, linear, pack_weight, packed_copy
 from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -72,17 +74,8 @@ class LlamaAttention(nn.Module):
         if ctx.dcp is not None:  # KV sharded over the ranks
             out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd)
             return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
-        contexts = store_and_load_kv(entries, ctx, self.layer_idx)  # rows x (seq_len, 2, kvh, hd)
-
-        out = x.new_empty(n, h, hd)  # (n, h, hd)
-        qsl = ctx.query_start_loc
-        for r, kv in enumerate(contexts):
-            a, b = qsl[r], qsl[r + 1]
-            if a == b:
-                continue
-            out[a:b] = causal_attention(q[a:b], kv[:, 0], kv[:, 1], self.scale)
-        if qsl[-1] < n:  # padding tokens: keep them finite, nobody reads them
-            out[qsl[-1] :].zero_()
+        cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, 2, kvh, hd)
+        out = gqa_paged_attention(q, cache, ctx, self.scale)  # (n, h, hd); padding tokens: zeros
         return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
 
     def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
@@ -146,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_layers: int = config.num_hidden_layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
+        self.lm_head_packed: nn.Parameter | None = None  # oneDNN copy of lm_head, see pack_for_cpu
         self.rotary = RotaryEmbedding(config, attn.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -158,12 +152,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, hidden) -> (m, vocab) float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head if self.lm_head_packed is None else self.lm_head_packed).float()
 
     def pack_for_cpu(self) -> None:
-        """After loading: pre-pack the projection weights for oneDNN (fp32 CPU only; see layers/linear.py)."""
+        """After loading: pre-pack the projection weights for oneDNN (CPU, fp32 or native bf16; see layers/linear.py).
+
+        The lm_head too: unpacked, it is a plain matmul over the largest weight
+        (vocab x hidden) that runs ~2x slower at decode and ~4x at batch 16.
+        It is packed as a copy (113 MB more for SmolLM2): tied embeddings still
+        need the plain rows for the lookup, and ``lm_head`` stays the plain
+        parameter that was loaded.
+        """
         if not can_pack(self.embed_tokens):
             return
+        self.lm_head_packed = packed_copy(self.lm_head)
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)

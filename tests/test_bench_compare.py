@@ -1,0 +1,44 @@
+"""`ctxpar bench compare`: the workload script runs ctxpar end to end (vLLM is
+not installed here: it is a peer in its own venv), and bad setups are refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ctxpar.bench import compare, compare_workload
+from ctxpar.cli import main
+
+
+def test_workload_runs_ctxpar_and_reports_every_figure(tiny_model_dirs):
+    spec = {
+        "model": str(tiny_model_dirs["llama"]),
+        "max_model_len": 128,
+        "prompts": {"4": [1, 2, 3, 4], "40": list(range(5, 45))},
+        "ttft": [40],
+        "decode_after": [40, 4],
+        "decode_tokens": 3,
+        "batch_prompts": [[7, 8, 9], list(range(10, 30))],
+        "batch_max_tokens": 5,
+        "repeat": 1,
+    }
+    res = compare_workload.run("ctxpar", spec)
+    assert set(res["figures"]) == {"ttft_40", "decode_40", "decode_4", "batch"}
+    assert all(v > 0 for v in res["figures"].values())
+    assert [len(s) for s in res["tokens"]["batch"]] == [5, 5]
+    assert [len(s) for s in res["tokens"]["decode_40"]] == [4]
+
+
+def test_missing_peer_python_is_refused(capsys):
+    assert main(["bench", "compare", "--peer-python", "/nonexistent/python"]) == 2
+    assert "--peer-python /nonexistent/python does not exist" in capsys.readouterr().err
+
+
+def test_busy_machine_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(compare, "cpu_busy", lambda seconds=1.0: 0.9)
+    args = argparse.Namespace(max_busy=0.15, allow_busy=False)
+    with pytest.raises(Exception, match="90% busy.*--allow-busy"):
+        compare._wait_for_idle(args)
+    assert compare._wait_for_idle(argparse.Namespace(max_busy=0.15, allow_busy=True)) == 0.9
+    assert 0.0 <= compare.cpu_busy(0.05) <= 1.0
