@@ -21,11 +21,21 @@ ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("pla
                 ("serve", "--seed")}
 
 
-def typed_actions(bench: str) -> list[argparse.Action]:
-    """The bench's options that take a typed value (every one of them is numeric)."""
+def options(bench: str) -> list[argparse.Action]:
+    """The bench's options (flags), as its parser defines them."""
     parser = argparse.ArgumentParser()
     importlib.import_module(cli.BENCHMARKS[bench][0]).add_arguments(parser)
-    return [a for a in parser._actions if a.option_strings and a.type is not None]
+    return [a for a in parser._actions if a.option_strings]
+
+
+def typed_actions(bench: str) -> list[argparse.Action]:
+    """The bench's options that take a typed value (every one of them is numeric)."""
+    return [a for a in options(bench) if a.type is not None]
+
+
+def required_args(bench: str) -> list[str]:
+    """Values for the bench's required options, so that parsing reaches the option under test."""
+    return [x for a in options(bench) if a.required for x in (a.option_strings[0], "x")]
 
 
 def numeric_options(bench: str) -> list[tuple[str, int]]:
@@ -52,7 +62,7 @@ def test_every_bench_has_numeric_options_covered():
 @pytest.mark.parametrize("bench, option, value, count", BENCH_CASES)
 def test_bench_refuses_zero_and_negative(bench, option, value, count, capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", bench, option, *[value] * count])
+        cli.main(["bench", bench, *required_args(bench), option, *[value] * count])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {option}: must be an integer " in err

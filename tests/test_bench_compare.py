@@ -37,8 +37,8 @@ def test_missing_peer_python_is_refused(capsys):
 
 def test_busy_machine_is_refused_unless_allowed(monkeypatch):
     monkeypatch.setattr(compare, "cpu_busy", lambda seconds=1.0: 0.9)
-    args = argparse.Namespace(max_busy=0.15, allow_busy=False)
+    args = argparse.Namespace(max_busy=15, allow_busy=False)
     with pytest.raises(Exception, match="90% busy.*--allow-busy"):
         compare._wait_for_idle(args)
-    assert compare._wait_for_idle(argparse.Namespace(max_busy=0.15, allow_busy=True)) == 0.9
+    assert compare._wait_for_idle(argparse.Namespace(max_busy=15, allow_busy=True)) == 0.9
     assert 0.0 <= compare.cpu_busy(0.05) <= 1.0

@@ -33,4 +33,4 @@ def test_sharded_cache_chat_matches_transformers():
     assert n >= NEW_TOKENS * 2 // 3, n
     ref = torch.log_softmax(logits, -1)
     for k in range(n):
-        assert abs(got.logprobs[k][got.token_ids[k]] - ref[k, got.token_ids[k]].item()) < LOGPROB_TOL, k
+        assert abs(got.logprobs[k][got.token_ids[k]].logprob - ref[k, got.token_ids[k]].item()) < LOGPROB_TOL, k

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ctxpar.checks import positive_int
+from ctxpar.checks import int_arg, positive_int
 from ctxpar.errors import CtxparError
 
 PEER_ENV = {  # vLLM's CPU backend on this machine's two cores, as issue 9 measured it
@@ -48,7 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (each engine once per round)")
     p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
     p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens timed per decode figure")
-    p.add_argument("--max-busy", type=float, default=0.15, help="refuse to time while other processes use more than this share of the CPU")
+    p.add_argument(
+        "--max-busy", type=int_arg(1, 100), default=15, metavar="PCT",
+        help="refuse to time while other processes use more than PCT%% of the CPU (default: 15)",
+    )
     p.add_argument("--allow-busy", action="store_true", help="time anyway on a busy machine (figures are then noisy: the load is printed)")
 
 
@@ -112,9 +115,9 @@ def _run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
 
 def _wait_for_idle(args: argparse.Namespace) -> float:
     busy = cpu_busy()
-    if busy > args.max_busy and not args.allow_busy:
+    if busy > args.max_busy / 100 and not args.allow_busy:
         raise CtxparError(
-            f"the CPU is {busy:.0%} busy with other processes (limit --max-busy {args.max_busy:.0%}): "
+            f"the CPU is {busy:.0%} busy with other processes (limit --max-busy {args.max_busy}%): "
             "timings would measure them; wait for an idle machine, or pass --allow-busy to time anyway"
         )
     return busy

@@ -11,7 +11,13 @@ and costs, against the same ranks each holding a full replica (D = 1).
 (c) time to first token of a long prompt at P = 2, D = 2 against D = 1;
 (d) the combine's collective patterns on two gloo ranks, at the partials'
     shapes of a decode step and of a split prefill step: all-to-all (what
-    ctxpar uses), all-gather of (out, lse), all-gather of lse + all-reduce of out.
+    ctxpar uses), all-gather of (out, lse), all-gather of lse + all-reduce of out;
+(e) a split prefill step's two ways to reach a context spread over the
+    shards, per layer on two gloo ranks: pass-Q (what ctxpar does: the local
+    queries ride along the step's KV all-gather, then one all-to-all of the
+    partials) against gathering the context (each rank all-gathers every
+    shard of the row's cached context). Both then do the same attention
+    FLOPs, so the collectives decide.
 """
 
 from __future__ import annotations
@@ -76,8 +82,12 @@ def _ttft(llm, vocab: int, n: int, repeat: int, seed: int) -> float:
     return best
 
 
-def _patterns_rank(rank: int, port: int, shapes: list[tuple[str, int, int]], heads: int, dim: int, repeat: int):
-    """One of two ranks timing the three combine patterns; rank 0 prints."""
+def _patterns_rank(
+    rank: int, port: int, shapes: list[tuple[str, int, int]], contexts: list[int], chunk: int,
+    heads: int, kv_heads: int, dim: int, repeat: int,
+):
+    """One of two ranks timing the combine patterns (d) and the split step's
+    ways to the context (e); rank 0 prints."""
     from datetime import timedelta
 
     import torch
@@ -101,29 +111,51 @@ def _patterns_rank(rank: int, port: int, shapes: list[tuple[str, int, int]], hea
         gather(lse.new_empty(2 * T, heads), lse)
         dist.all_reduce(out)
 
+    def timed(pattern, *args) -> float:  # ms per call
+        pattern(*args)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            pattern(*args)
+        return (time.perf_counter() - t0) / repeat * 1e3
+
     for label, n, T in shapes:
-        times = []
-        for pattern in (a2a, ag, ag_ar):
-            pattern(n, T)  # warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                pattern(n, T)
-            times.append((time.perf_counter() - t0) / repeat * 1e3)
+        times = [timed(p, n, T) for p in (a2a, ag, ag_ar)]
         if rank == 0:
             print(f"{label:>26} | " + " | ".join(f"{t:>8.2f}" for t in times), flush=True)
+
+    n = chunk // 2  # local tokens of a split step
+    entry = 2 * kv_heads * dim  # one token's K and V
+
+    def pass_q(context: int) -> None:  # the queries' share of the KV all-gather, then the partials
+        q = torch.randn(n, heads * dim)
+        gather(q.new_empty(2 * n, heads * dim), q)
+        a2a(n, chunk)
+
+    def gather_context(context: int) -> None:  # every shard of the cached context to every rank
+        shard = torch.randn(context // 2, entry)
+        gather(shard.new_empty(context, entry), shard)
+
+    if rank == 0:
+        print(f"\n(e) split prefill of {chunk} new tokens after a cached context, ms per layer on 2 gloo ranks")
+        print(f"{'cached context':>14} | {'pass-Q':>8} | {'gather context':>14} | ratio")
+    for context in contexts:
+        a, b = timed(pass_q, context), timed(gather_context, context)
+        if rank == 0:
+            print(f"{context:>14} | {a:>8.2f} | {b:>14.2f} | {b / a:>5.1f}x", flush=True)
     dist.destroy_process_group()
 
 
-def _patterns(batches: list[int], chunk: int) -> None:
+def _patterns(batches: list[int], chunk: int, context: int) -> None:
     import torch.multiprocessing as mp
 
     from ctxpar.parallel.launch import free_port
 
-    # SmolLM2: 9 query heads of 64; a decode step's T = n = batch; a split step's n = T / 2.
+    # SmolLM2: 9 query heads and 3 KV heads of 64; a decode step's T = n = batch; a split step's n = T / 2.
     shapes = [(f"decode, batch {b}", b, b) for b in batches] + [(f"split prefill, {chunk} tokens", chunk // 2, chunk)]
+    contexts = sorted({c for c in (chunk, 2 * chunk, context - chunk) if c > 0})  # what a long prompt's chunks see
     print("\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce")
-    mp.spawn(_patterns_rank, args=(free_port(), shapes, 9, 64, 50), nprocs=2)
+    mp.spawn(_patterns_rank, args=(free_port(), shapes, contexts, chunk, 9, 3, 64, 20), nprocs=2)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -163,4 +195,4 @@ def run(args: argparse.Namespace) -> None:
     for name, (_, first) in rows.items():
         if first is not None:
             print(f"{name:>14} | {first:>7.2f} s | {first / base:>5.2f}x of P=2 D=1")
-    _patterns(args.batch, 2048)
+    _patterns(args.batch, 2048, args.context)
