@@ -75,3 +75,15 @@ def run_plans(model: str, plans: list[StepPlan], pcp_size: int, pcp_min_tokens: 
         return [executor.execute(plan).clone() for plan in plans]
     finally:
         executor.close()
+
+
+def four_families(tiny_model_dirs: dict, root) -> dict[str, str]:
+    """Tiny Llama and Qwen3 (GQA) and DeepSeek-V2 / V3 (MLA) model directories, by name."""
+    from conftest import save_tiny_model
+    from deepseek_configs import tiny_deepseek_configs
+
+    dirs = {name: str(tiny_model_dirs[name]) for name in ("llama", "qwen3")}
+    ds = tiny_deepseek_configs()
+    dirs["deepseek_v2"] = str(save_tiny_model(ds["v2_group_yarn"], root / "v2"))
+    dirs["deepseek_v3"] = str(save_tiny_model(ds["v3"], root / "v3"))
+    return dirs

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_model
 from dcp_harness import Job, run_groups, run_single, shard_slots
-from deepseek_configs import tiny_deepseek_configs
-from pcp_harness import BLOCK_SIZE, scripted_plans
+from pcp_harness import BLOCK_SIZE, four_families, scripted_plans
 from ctxpar.parallel.dcp import DCPShard
 
 MODELS = ("llama", "qwen3", "deepseek_v2", "deepseek_v3")
@@ -29,12 +27,7 @@ SIZES = [2, 3, 4]
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("dcp_models")
-    dirs = {name: str(tiny_model_dirs[name]) for name in ("llama", "qwen3")}
-    ds = tiny_deepseek_configs()
-    dirs["deepseek_v2"] = str(save_tiny_model(ds["v2_group_yarn"], root / "v2"))
-    dirs["deepseek_v3"] = str(save_tiny_model(ds["v3"], root / "v3"))
-    return dirs
+    return four_families(tiny_model_dirs, tmp_path_factory.mktemp("dcp_models"))
 
 
 @pytest.fixture(scope="module")

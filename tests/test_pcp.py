@@ -6,19 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepseek_configs import tiny_deepseek_configs
-from conftest import save_tiny_model
-from pcp_harness import run_plans, scripted_plans
+from pcp_harness import four_families, run_plans, scripted_plans
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("pcp_models")
-    dirs = {name: str(tiny_model_dirs[name]) for name in ("llama", "qwen3")}
-    ds = tiny_deepseek_configs()
-    dirs["deepseek_v2"] = str(save_tiny_model(ds["v2_group_yarn"], root / "v2"))
-    dirs["deepseek_v3"] = str(save_tiny_model(ds["v3"], root / "v3"))
-    return dirs
+    return four_families(tiny_model_dirs, tmp_path_factory.mktemp("pcp_models"))
 
 
 @pytest.fixture(scope="module")
