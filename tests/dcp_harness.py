@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
-from ctxpar.parallel.dcp import DCPShard, local_slots
+from ctxpar.parallel.dcp import DCPShard
+from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
 
 NUM_BLOCKS = BLOCKS_PER_REQUEST * 6
@@ -128,6 +129,6 @@ def shard_slots(plans: list[StepPlan], shard: DCPShard) -> tuple[np.ndarray, np.
     for table, length in computed_positions(plans).values():
         pos = np.arange(length)
         pos = pos[shard.owner(pos) == shard.rank]
-        mine.append(local_slots(table, shard.local_position(pos), BLOCK_SIZE))
+        mine.append(slots_of(table, shard.local_position(pos), BLOCK_SIZE))
         single.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
     return np.concatenate(mine), np.concatenate(single)

@@ -98,17 +98,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     c = S - L
     o_ctx, lse_ctx = flash(qh, kh[:, :, :c], vh[:, :, :c], 0.0, False, scale=scale)[:2]
     o_new, lse_new = flash(qh, kh[:, :, c:], vh[:, :, c:], 0.0, True, scale=scale)[:2]
-    out = merge_attention([o_ctx, o_new], [lse_ctx, lse_new])  # (1, H, L, D)
-    return out[0].transpose(0, 1)
+    out, _ = merge_attention(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]))  # (1, H, L, D)
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
-def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Combine attention over disjoint key sets: out = Σ_k exp(lse_k − M)·out_k / Σ_k exp(lse_k − M).
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over K disjoint key sets:
+    ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``.
 
-    outs: k x (..., L, D), lses: k x (..., L) natural-log sum of exp scores.
+    outs (K, ..., D), lses (K, ...) natural-log sums of exp scores -> out
+    (..., D) (in the promoted dtype of outs and lses), lse (...). A part with
+    lse -inf (no keys) weighs nothing; if all are, out is 0 and lse -inf (no NaN).
     """
-    lse = torch.stack(lses)  # (k, ..., L)
-    m = lse.amax(0)
-    w = torch.exp(lse - m)
-    w = w / w.sum(0)
-    return sum(o * w[i].unsqueeze(-1).to(o.dtype) for i, o in enumerate(outs))
+    top = lses.amax(0)
+    top = torch.where(top.isfinite(), top, 0.0)
+    w = torch.exp(lses - top)  # (K, ...): exp(-inf) = 0
+    total = w.sum(0)
+    out = (outs * w.unsqueeze(-1)).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+    return out, top + torch.log(total)

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ctxpar.layers.context import ForwardContext, store_kv
+from ctxpar.layers.context import ForwardContext, merge_attention, store_kv
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
 # causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
@@ -77,18 +77,6 @@ def attention_lse(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of attention over disjoint key sets. outs (K, ..., D),
-    lses (K, ...) float32 -> (..., D), (...). Parts with lse -inf weigh
-    nothing; if all do, out is 0 and lse -inf (no NaN)."""
-    top = lses.amax(0)
-    top = torch.where(top.isfinite(), top, 0.0)
-    w = torch.exp(lses - top)  # (K, ...): exp(-inf) = 0
-    total = w.sum(0)
-    out = (outs * w.unsqueeze(-1)).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
-    return out, top + torch.log(total)
-
-
 def sharded_attention(
     q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, layer_idx: int, attend: Attend, out_dim: int
 ) -> torch.Tensor:
@@ -119,7 +107,7 @@ def sharded_attention(
         a, b = qsl[r], qsl[r + 1]
         if b > a:
             outs[1, a:b], lses[1, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
-    return merge_partials(outs, lses)[0].to(q.dtype)
+    return merge_attention(outs, lses)[0].to(q.dtype)
 
 
 def _context_partials(
@@ -141,7 +129,7 @@ def _context_partials(
             partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank
-    return merge_partials(received[..., :out_dim], received[..., out_dim])
+    return merge_attention(received[..., :out_dim], received[..., out_dim])
 
 
 def _causal(q: torch.Tensor, kv: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,4 +139,4 @@ def _causal(q: torch.Tensor, kv: torch.Tensor, attend: Attend) -> tuple[torch.Te
     if L == m:
         return attend(q, kv, True)
     early, square = attend(q, kv[: m - L], False), attend(q, kv[m - L :], True)
-    return merge_partials(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))
+    return merge_attention(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))

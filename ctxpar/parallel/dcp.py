@@ -11,7 +11,8 @@ local tokens, ``(t // (D·I))·I + t % I``. A logical block of the block
 manager covers ``block_size · D`` positions and gives each rank exactly
 ``block_size`` local tokens (I divides block_size), which that rank stores in
 its own physical block of the same id. So local token j of a sequence sits in
-slot ``table[j // block_size] · block_size + j % block_size`` on its rank, and
+slot ``table[j // block_size] · block_size + j % block_size`` on its rank
+(``ctxpar.worker.kv_cache.slots_of(table, j, block_size)``), and
 a rank's shard of positions [0, L) is its local tokens [0, local_len(L)).
 
 Pure numpy, vectorised; every function broadcasts over arrays of positions.
@@ -45,8 +46,3 @@ class DCPShard:
         DI, I = self.size * self.interleave, self.interleave
         rounds, rest = np.divmod(seq_len, DI)
         return rounds * I + np.clip(rest - self.rank * I, 0, I)
-
-
-def local_slots(table: np.ndarray, local: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot, on its rank, of local token(s) ``local`` of a sequence with block table ``table``."""
-    return table[local // block_size] * block_size + local % block_size

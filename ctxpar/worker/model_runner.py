@@ -21,7 +21,7 @@ import torch
 from ctxpar.layers.context import ForwardContext
 from ctxpar.layers.dcp import DCPStep
 from ctxpar.models.base import CausalLM
-from ctxpar.parallel.dcp import DCPShard, local_slots
+from ctxpar.parallel.dcp import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.step_plan import StepPlan
@@ -85,19 +85,18 @@ class ModelRunner:
             # No gather: each rank writes its own (identical) copy of every token.
             writes, token_of = ~rows.is_padding, rows.token_idx
         token_row, token_pos = self._token_rows_positions(plan)  # (T,) each
+        # Where each token sits in its request's cache: its position, or under DCP
+        # its index among the tokens its owner stores (only the owner writes it).
+        where = token_pos if self.shard is None else self.shard.local_position(token_pos)
         tables = self._padded_tables(plan)  # (R, max_blocks)
+        global_slots = tables[token_row, where // self.block_size] * self.block_size + where % self.block_size
         if self.shard is None:
-            global_slots = tables[token_row, token_pos // self.block_size] * self.block_size
-            global_slots += token_pos % self.block_size
             dcp = None
             context_slots = [
                 to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
                 for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
             ]
         else:
-            # Only the entries of the tokens this rank owns, each at its local slot.
-            local = self.shard.local_position(token_pos)
-            global_slots = tables[token_row, local // self.block_size] * self.block_size + local % self.block_size
             writes = writes & (self.shard.owner(token_pos) == self.rank)[token_of]
             dcp, context_slots = self._dcp_step(plan, layout, rows, to_dev), []
         write_src = np.flatnonzero(writes)
@@ -151,7 +150,7 @@ class ModelRunner:
             query_idx=to_dev(layout.hidden_restore_idx),
             query_start_loc=qsl.tolist(),
             shard_slots=[
-                to_dev(local_slots(t, np.arange(m), self.block_size)) for t, m in zip(plan.block_tables, context_len)
+                to_dev(slots_of(t, np.arange(m), self.block_size)) for t, m in zip(plan.block_tables, context_len)
             ],
             send_idx=to_dev(
                 np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)
