@@ -182,3 +182,31 @@ def test_p2_fresh_10_token_prompt_balances_5_5() -> None:
             dict(req=[0], start=[3], num=[5], seq=[8], pos=[3, 4, 5, 6, 7]),
         ],
     )
+
+
+def test_p2_decodes_assigned_beside_a_split_prompt() -> None:
+    # The example of pcp.py's docstring. Row 0: a fresh 10-token prompt, flat tokens 0..9,
+    # chunks of 3, 3, 2, 2: [0,3) [3,6) [6,8) [8,10). Rows 1-3: decodes after 9, 7 and 3
+    # cached tokens (flat 10, 11, 12). The step splits a row, so its decodes are assigned:
+    # by falling seq_len (10, 8, 4) round-robin from rank 1: row 1 -> 1, row 2 -> 0, row 3 -> 1.
+    # Rank 0: row 2 (11), chunk 3 with context (8 9), chunk 0 at position 0 (0 1 2); 6 tokens.
+    # Rank 1: rows 1 and 3 (10, 12), chunks 1+2 as one row (3..7); 7 tokens. n = 7.
+    # Every real slot is written (each token has one copy); restore: slot of each token.
+    layout = plan_pcp_layout(
+        np.array([10, 1, 1, 1]), np.array([0, 9, 7, 3]), np.array([True, False, False, False]), 2, spread_min_rows=4
+    )
+    check(
+        layout,
+        gather=[11, 8, 9, 0, 1, 2, 0, 10, 12, 3, 4, 5, 6, 7],
+        write=[True] * 6 + [False] + [True] * 7,
+        restore=[3, 4, 5, 9, 10, 11, 12, 13, 1, 2, 7, 0, 8],
+        ranks=[
+            dict(req=[2, 0, 0], start=[7, 8, 0], num=[1, 2, 3], seq=[8, 10, 3], pos=[7, 8, 9, 0, 1, 2]),
+            dict(req=[1, 3, 0], start=[9, 3, 3], num=[1, 1, 5], seq=[10, 4, 8], pos=[9, 3, 3, 4, 5, 6, 7]),
+        ],
+    )
+    np.testing.assert_array_equal(layout.is_assigned, [False, True, True, True])
+    # Without a split row, three decodes are too few to spread at spread_min_rows=4...
+    assert plan_pcp_layout(np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=4).is_all_replicated
+    # ...and enough at 3.
+    assert plan_pcp_layout(np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=3).is_assigned.all()

@@ -2,7 +2,7 @@
 
 Batches mix decodes (1 token, not prefilling, cached context), fresh prefills,
 continued prefills (cached context), prefills shorter than 2P, rows with no
-tokens, and random ``replicate_below`` thresholds.
+tokens, and random ``replicate_below`` and ``spread_min_rows`` thresholds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Batch:
     pre: np.ndarray  # (R,) prefilling
     P: int
     replicate_below: int
+    spread_min_rows: int | None
 
     @property
     def qsl(self) -> np.ndarray:
@@ -37,8 +38,19 @@ class Batch:
     def split(self) -> np.ndarray:  # (R,) rows the spec says to cut into chunks
         return self.pre & (self.q > 0) & (self.q >= self.replicate_below)
 
+    @property
+    def assigned(self) -> np.ndarray:  # (R,) unsplit rows the spec says to give to one rank each
+        unsplit = ~self.split & (self.q > 0)
+        spread = self.spread_min_rows is not None and self.P > 1
+        spread = spread and (self.split.any() or unsplit.sum() >= self.spread_min_rows)
+        return unsplit & spread
+
+    @property
+    def replicated(self) -> np.ndarray:  # (R,)
+        return ~self.split & (self.q > 0) & ~self.assigned
+
     def plan(self) -> PCPLayout:
-        return plan_pcp_layout(self.q, self.c, self.pre, self.P, self.replicate_below)
+        return plan_pcp_layout(self.q, self.c, self.pre, self.P, self.replicate_below, self.spread_min_rows)
 
 
 @st.composite
@@ -57,7 +69,8 @@ def batches(draw: st.DrawFn) -> Batch:
         rows[0] = (1, 0, True)
     q, c, pre = (np.array(col) for col in zip(*rows))
     replicate_below = draw(st.sampled_from([0, 0, 1, 2 * P, 64]))
-    return Batch(q.astype(np.int64), c.astype(np.int64), pre.astype(bool), P, replicate_below)
+    spread_min_rows = draw(st.sampled_from([None, None, 0, 1, 4, 16]))
+    return Batch(q.astype(np.int64), c.astype(np.int64), pre.astype(bool), P, replicate_below, spread_min_rows)
 
 
 def all_rows(layout: PCPLayout) -> list[RankRows]:
@@ -92,7 +105,9 @@ def test_token_counts_and_padding(b: Batch) -> None:
         assert not rows.is_padding[:real].any()
         assert (rows.positions[real:] == 0).all() and (rows.token_idx[real:] == 0).all()
         assert rows.num_rows >= 1
-    assert layout.is_all_replicated == (not b.split.any())
+    assert layout.is_all_replicated == (not (b.split.any() or b.assigned.any()))
+    np.testing.assert_array_equal(layout.is_split, b.split)
+    np.testing.assert_array_equal(layout.is_assigned, b.assigned)
 
 
 @given(batches())
@@ -114,24 +129,47 @@ def test_rows_are_contiguous_and_absolute(b: Batch) -> None:
 
 @given(batches())
 def test_row_order(b: Batch) -> None:
-    """Replicated rows, then chunks with start_pos > 0, then at 0; each group by (request, position)."""
-    for rows in all_rows(b.plan()):
-        group = np.where(rows.is_replicated, 0, np.where(rows.start_pos > 0, 1, 2))
+    """Replicated, assigned, chunks with start_pos > 0, then at 0; each group by (request, position)."""
+    layout = b.plan()
+    for rows in all_rows(layout):
+        assigned = layout.is_assigned[rows.req_idx] & (rows.num_tokens > 0)
+        group = np.where(rows.is_replicated, 0, np.where(assigned, 1, np.where(rows.start_pos > 0, 2, 3)))
         assert (np.diff(group) >= 0).all()
-        for g in range(3):
+        for g in range(4):
             keys = list(zip(rows.req_idx[group == g], rows.start_pos[group == g]))
             assert keys == sorted(set(keys))
 
 
 @given(batches())
 def test_replicated_rows_on_every_rank(b: Batch) -> None:
-    replicated = np.flatnonzero(~b.split & (b.q > 0))
+    replicated = np.flatnonzero(b.replicated)
     for rows in all_rows(b.plan()):
         Rr = len(replicated)
         assert rows.is_replicated[:Rr].all() and not rows.is_replicated[Rr:].any()
         np.testing.assert_array_equal(rows.req_idx[:Rr], replicated)
         np.testing.assert_array_equal(rows.start_pos[:Rr], b.c[replicated])
         np.testing.assert_array_equal(rows.num_tokens[:Rr], b.q[replicated])
+
+
+@given(batches())
+def test_assigned_rows_on_one_rank_balanced(b: Batch) -> None:
+    """Each assigned row is one whole row on exactly one rank; per-rank assigned tokens differ
+    by at most the longest assigned row, assigned rows per rank by at most one, and rank 0
+    (which also computes the logits) never has more rows than another."""
+    layout = b.plan()
+    owner = np.full(len(b.q), -1)
+    tokens, count = np.zeros(b.P, dtype=np.int64), np.zeros(b.P, dtype=np.int64)
+    for rows in all_rows(layout):
+        for r, start, num in zip(rows.req_idx, rows.start_pos, rows.num_tokens):
+            if b.assigned[r] and num > 0:
+                assert owner[r] == -1 and start == b.c[r] and num == b.q[r]
+                owner[r] = rows.rank
+                tokens[rows.rank] += num
+                count[rows.rank] += 1
+    np.testing.assert_array_equal(owner >= 0, b.assigned)
+    if b.assigned.any():
+        assert tokens.max() - tokens.min() <= b.q[b.assigned].max()
+        assert count.max() - count.min() <= 1 and count[0] == count.min()
 
 
 @given(batches())
@@ -175,18 +213,26 @@ def test_attention_work_is_balanced(b: Batch) -> None:
     So spread <= c + 2q <= 2(c + q): two tokens at the row's last position,
     which is within one chunk's worth ((b+1)(c+q)) whenever chunks have b >= 1.
     The bound is tight (q = P+1, c = 0 reaches about 1.4q at P = 8).
+
+    Assigned rows are dealt out round-robin sorted by (tokens, context): within
+    a run of equal token counts their work w = q*c + q(q+1)/2 falls, so full laps
+    add at most w_max - w_min to any spread and the two partial laps at the run's
+    ends at most w_max each: 3 * w_max per distinct token count.
     """
     layout = b.plan()
     work = np.array([(rows.positions + 1)[~rows.is_padding].sum() for rows in all_rows(layout)])
     np.testing.assert_array_equal(work, layout.attention_work())
-    bound = (b.c + 2 * b.q)[b.split].sum()
+    q, c = b.q[b.assigned], b.c[b.assigned]
+    w = q * c + q * (q + 1) // 2
+    bound = (b.c + 2 * b.q)[b.split].sum() + sum(3 * w[q == t].max() for t in set(q.tolist()))
     assert work.max() - work.min() <= bound
     assert np.abs(work - work.mean()).max() <= bound
 
 
 @given(batches())
 def test_matches_the_loop_planner(b: Batch) -> None:
-    layout = b.plan()
+    """Without spreading (the loop planner only replicates unsplit rows)."""
+    layout = plan_pcp_layout(b.q, b.c, b.pre, b.P, b.replicate_below)
     loop = loop_plan(b.q, b.c, b.pre, b.P, b.replicate_below)
     np.testing.assert_array_equal(layout.padded_gather_idx, loop.padded_gather_idx)
     np.testing.assert_array_equal(layout.kv_write_mask, loop.kv_write_mask)
@@ -215,12 +261,15 @@ def test_arrays_are_read_only() -> None:
         ([4], [-3], [True], 2, 0, ">= 0"),
         ([4], [0], [True], 0, 0, "pcp_size"),
         ([4], [0], [True], 2, -1, "replicate_below"),
+        ([4], [0], [True], 2, (0, -1), "spread_min_rows"),
         ([0, 0], [5, 0], [True, False], 2, 0, "no tokens"),
     ],
 )
-def test_invalid_input_raises(q: list, c: list, pre: list, P: int, below: int, match: str) -> None:
+def test_invalid_input_raises(q: list, c: list, pre: list, P: int, below: int | tuple, match: str) -> None:
+    """``below``: replicate_below, or (replicate_below, spread_min_rows)."""
+    below, spread = below if isinstance(below, tuple) else (below, None)
     with pytest.raises(ValueError, match=match):
-        plan_pcp_layout(np.array(q), np.array(c), np.array(pre), P, below)
+        plan_pcp_layout(np.array(q), np.array(c), np.array(pre), P, below, spread)
 
 
 def test_rank_out_of_range() -> None:

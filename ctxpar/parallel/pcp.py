@@ -17,16 +17,27 @@ q = 10 tokens after c cached ones, P = 2 (chunks of 3, 3, 2, 2 tokens)::
     rank 1                  [ chunk 1   +   chunk 2 ]              1 row,  5 tokens
 
 Rows that are not split (decodes, and prefills shorter than ``replicate_below``)
-are replicated: every rank computes them, only rank 0's copy writes KV and
-provides the output. Each rank orders its rows: replicated rows, then chunks
-with context (start position > 0), then chunks starting at position 0; each
-group in global order (request, then position). Attention kernels want this.
+are, all of a step's together, either replicated or assigned, as
+ctxpar/parallel/pcp_spread.py decides from the step's rows. A replicated row
+is computed by every rank; only rank 0's copy writes KV and provides the
+output. An assigned row is computed by one rank and, like a chunk, gathered
+to the others. Each rank orders its rows: replicated or assigned rows, then
+chunks with context (start position > 0), then chunks starting at position 0;
+each group in global order (request, then position). Attention kernels want
+this.
 
 Every rank pads its tokens to n = max over ranks, so collectives have equal
-shapes. The "gathered space" has P*n slots, rank k's local token j at k*n + j::
+shapes. The "gathered space" has P*n slots, rank k's local token j at k*n + j.
+Example, P = 2: the prompt above (chunks c0..c3, c = 0) and decodes D0, D1,
+D2 of falling context length, dealt to ranks 1, 0, 1 (``w``: the slots
+``kv_write_mask`` writes; n = 7)::
 
-    gathered:  | rank 0: n slots      | rank 1: n slots      | ...
-               | tok tok tok pad pad  | tok tok tok tok tok  |
+    gathered:  | rank 0: n slots          | rank 1: n slots          |
+               | D1 c3 c3 c0 c0 c0 pad    | D0 D2 c1 c1 c1 c2 c2     |
+    writes:    | w  w  w  w  w  w         | w  w  w  w  w  w  w      |
+
+With the decodes replicated instead, each rank's slots would start with
+D0 D1 D2, written only on rank 0.
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+from ctxpar.parallel.pcp_inputs import validate_inputs
+from ctxpar.parallel.pcp_spread import assign_ranks, spreads
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,14 +82,15 @@ class PCPLayout:
 
     Index maps over the gathered space (P*n slots, rank k's token j at k*n + j):
     ``padded_gather_idx`` (global flat token at each slot, 0 on padding),
-    ``kv_write_mask`` (slot writes KV: split tokens, and replicated tokens on
-    rank 0 only, so each global token is written exactly once) and
+    ``kv_write_mask`` (slot writes KV: split and assigned tokens, and
+    replicated tokens on rank 0 only, so each global token is written exactly
+    once) and
     ``hidden_restore_idx`` (slot of the authoritative copy of each global token,
     so ``gathered[hidden_restore_idx]`` is in global order).
 
     Local rows live in one flat table (``row_*``): first the
-    ``num_replicated_rows`` replicated rows, shared by every rank, then the
-    chunk rows, rank-major and in local order. Rank k's rows are the replicated
+    ``num_replicated_rows`` replicated rows, shared by every rank, then each
+    rank's own (assigned and chunk) rows, rank-major and in local order. Rank k's rows are the replicated
     rows followed by ``row_*[rank_row_start[k]:rank_row_start[k+1]]``;
     ``rank_rows(k)`` assembles them with that rank's tokens.
     """
@@ -87,7 +102,8 @@ class PCPLayout:
     padded_gather_idx: np.ndarray  # (P*n,) int64
     kv_write_mask: np.ndarray  # (P*n,) bool
     hidden_restore_idx: np.ndarray  # (T,) int64
-    is_split: np.ndarray  # (R,) bool: row cut into chunks (else replicated, or no tokens)
+    is_split: np.ndarray  # (R,) bool: row cut into chunks
+    is_assigned: np.ndarray  # (R,) bool: row computed by one rank (neither: replicated, or no tokens)
     num_replicated_rows: int
     rank_row_start: np.ndarray  # (P+1,) int64, into the row table
     row_req_idx: np.ndarray  # (rows,) int64: global row
@@ -96,8 +112,8 @@ class PCPLayout:
 
     @property
     def is_all_replicated(self) -> bool:
-        """No row was split: the step needs no KV all-gather and no restore."""
-        return not self.is_split.any()
+        """No row was split or assigned: the step needs no KV all-gather and no restore."""
+        return not (self.is_split.any() or self.is_assigned.any())
 
     @cached_property
     def gathered_is_padding(self) -> np.ndarray:  # (P*n,) bool
@@ -155,21 +171,26 @@ def plan_pcp_layout(
     is_prefilling: np.ndarray,
     pcp_size: int,
     replicate_below: int = 0,
+    spread_min_rows: int | None = None,
 ) -> PCPLayout:
     """Lay out one step's R rows over ``pcp_size`` ranks with DualChunkSwap.
 
     Inputs are 1-D arrays of length R (int, int, bool). Rows with no scheduled
     tokens own nothing. Prefilling rows with at least ``replicate_below``
-    tokens are split; every other row is replicated. Raises ValueError on
-    invalid input.
+    tokens are split; the other rows are assigned to one rank each when
+    ``pcp_spread.spreads(..., spread_min_rows)`` says so (None: never), else
+    replicated. Raises ValueError on invalid input.
     """
-    q, c, prefilling = _validate(
-        num_scheduled_tokens, num_computed_tokens, is_prefilling, pcp_size, replicate_below
+    q, c, prefilling = validate_inputs(
+        num_scheduled_tokens, num_computed_tokens, is_prefilling, pcp_size, replicate_below, spread_min_rows
     )
     P = pcp_size
     qsl = _exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
     is_split = prefilling & (q >= max(replicate_below, 1))  # (R,)
-    rep_rows = (~is_split & (q > 0)).nonzero()[0]  # (Rr,)
+    unsplit = ~is_split & (q > 0)  # (R,)
+    spread = spreads(int(unsplit.sum()), bool(is_split.any()), P, spread_min_rows)
+    is_assigned = unsplit & spread
+    rep_rows, own_rows = (unsplit & ~spread).nonzero()[0], is_assigned.nonzero()[0]  # (Rr,), (A,)
     split_rows = is_split.nonzero()[0]  # (S,)
 
     # Chunk i of split row s spans [bounds[i, s], bounds[i+1, s]). Rank k owns chunk k ("head")
@@ -188,31 +209,39 @@ def plan_pcp_layout(
     keep = np.concatenate([(length > 0) & ~at_zero, (length > 0) & at_zero], axis=1)  # (P, 4S)
     rank_of, col = np.divmod(keep.ravel().nonzero()[0], max(keep.shape[1], 1))  # (rows_c,)
     col %= max(off.shape[1], 1)  # table column -> chunk column
-    ch_req, ch_off, ch_len = chunk_req[col], off[rank_of, col], length[rank_of, col]
+    # Each rank's own rows: its assigned rows, then its chunk rows. A stable sort by rank of
+    # [assigned (request order) | chunks (rank-major, local order)] lists them in local order.
+    own_rank = np.concatenate([assign_ranks(q[own_rows], c[own_rows] + q[own_rows], P), rank_of])
+    by_rank = own_rank.argsort(kind="stable")
+    zeros = np.zeros(len(own_rows), dtype=np.int64)
+    own_req, own_off, own_len = (
+        np.concatenate(pair)[by_rank]
+        for pair in ((own_rows, chunk_req[col]), (zeros, off[rank_of, col]), (q[own_rows], length[rank_of, col]))
+    )
 
-    # Row table: replicated rows (shared by all ranks), then chunk rows rank-major.
+    # Row table: replicated rows (shared by all ranks), then own rows rank-major.
     Rr = len(rep_rows)
-    row_req = np.concatenate([rep_rows, ch_req])  # (rows,)
-    row_off = np.concatenate([np.zeros(Rr, dtype=np.int64), ch_off])
-    row_len = np.concatenate([q[rep_rows], ch_len])
-    rank_row_start = Rr + _exclusive_cumsum(np.bincount(rank_of, minlength=P))  # (P+1,)
+    row_req = np.concatenate([rep_rows, own_req])  # (rows,)
+    row_off = np.concatenate([np.zeros(Rr, dtype=np.int64), own_off])
+    row_len = np.concatenate([q[rep_rows], own_len])
+    rank_row_start = Rr + _exclusive_cumsum(np.bincount(own_rank, minlength=P))  # (P+1,)
     T_rep = int(q[rep_rows].sum())
-    per_rank = T_rep + length.sum(axis=1)  # (P,)
+    per_rank = T_rep + np.bincount(own_rank[by_rank], weights=own_len, minlength=P).astype(np.int64)
     n = int(per_rank.max())
 
     # Every rank's local tokens: the replicated tokens (same slots on every rank), then its
-    # chunk tokens; the row table's tokens, in order, are exactly that.
-    tok = _ragged_arange(qsl[row_req] + row_off, row_len)  # (T_rep + T_split,)
+    # own tokens; the row table's tokens, in order, are exactly that.
+    tok = _ragged_arange(qsl[row_req] + row_off, row_len)  # (T_rep + T_own,)
     j = np.arange(n)
-    kv_write_mask = (j >= T_rep) & (j < per_rank[:, None])  # (P, n) chunk tokens...
-    split_slots = kv_write_mask.ravel().nonzero()[0]  # (T_split,)
+    kv_write_mask = (j >= T_rep) & (j < per_rank[:, None])  # (P, n) own tokens...
+    own_slots = kv_write_mask.ravel().nonzero()[0]  # (T_own,)
     kv_write_mask[0, :T_rep] = True  # ...and rank 0's copy of the replicated tokens
     padded_gather_idx = np.zeros((P, n), dtype=np.int64)
     padded_gather_idx[:, :T_rep] = tok[:T_rep]
-    padded_gather_idx.ravel()[split_slots] = tok[T_rep:]
+    padded_gather_idx.ravel()[own_slots] = tok[T_rep:]
     hidden_restore_idx = np.empty(int(qsl[-1]), dtype=np.int64)  # (T,) authoritative = written copy
     hidden_restore_idx[tok[:T_rep]] = j[:T_rep]
-    hidden_restore_idx[tok[T_rep:]] = split_slots
+    hidden_restore_idx[tok[T_rep:]] = own_slots
     return PCPLayout(
         pcp_size=P,
         num_tokens=int(qsl[-1]),
@@ -222,6 +251,7 @@ def plan_pcp_layout(
         kv_write_mask=_frozen(kv_write_mask.reshape(-1)),
         hidden_restore_idx=_frozen(hidden_restore_idx),
         is_split=_frozen(is_split),
+        is_assigned=_frozen(is_assigned),
         num_replicated_rows=Rr,
         rank_row_start=_frozen(rank_row_start),
         row_req_idx=_frozen(row_req),
@@ -247,35 +277,3 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     # The layout is shared by the whole step; a stray in-place edit would desynchronise ranks.
     a.setflags(write=False)
     return a
-
-
-def _validate(
-    num_scheduled_tokens: np.ndarray,
-    num_computed_tokens: np.ndarray,
-    is_prefilling: np.ndarray,
-    pcp_size: int,
-    replicate_below: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Check the inputs; return them as (int64, int64, bool) arrays."""
-    arrays = [np.asarray(a) for a in (num_scheduled_tokens, num_computed_tokens, is_prefilling)]
-    names = ("num_scheduled_tokens", "num_computed_tokens", "is_prefilling")
-    for name, a in zip(names, arrays):
-        if a.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    q, c, prefilling = arrays
-    if not len(q) == len(c) == len(prefilling):
-        raise ValueError(f"length mismatch: {', '.join(f'{k}={len(a)}' for k, a in zip(names, arrays))}")
-    if len(q) == 0:
-        raise ValueError("empty batch: need at least one row")
-    for name, a in zip(names, arrays):
-        if a.dtype.kind not in "biu":
-            raise ValueError(f"{name} must hold integers or bools, got dtype {a.dtype}")
-    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
-        raise ValueError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
-    if replicate_below < 0:
-        raise ValueError(f"replicate_below must be >= 0, got {replicate_below}")
-    if q.min() < 0 or c.min() < 0:
-        raise ValueError("num_scheduled_tokens and num_computed_tokens must be >= 0")
-    if not q.any():
-        raise ValueError("no tokens scheduled: every row has num_scheduled_tokens == 0")
-    return q.astype(np.int64, copy=False), c.astype(np.int64, copy=False), prefilling.astype(bool, copy=False)
