@@ -40,6 +40,9 @@ class EngineConfig:
     cp_interleave: int = CP_INTERLEAVE  # DCP shard granularity: position t lives on rank (t // I) % D
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
+    # Rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that
+    # split a row or have at least this many of them (docs/benchmarks.md); never under DCP.
+    pcp_spread_min_rows: int = 8
     seed: int = 0
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks
@@ -71,6 +74,7 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("pcp_size", self.pcp_size, 1)
         check_int("pcp_min_tokens", self.pcp_min_tokens, 0)
+        check_int("pcp_spread_min_rows", self.pcp_spread_min_rows, 0)
         self._check_dcp()
         check_int("seed", self.seed, 0, SEED_MAX)
         if self.max_logprobs != -1:

@@ -116,6 +116,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompts shorter than this are not split across ranks (default: {DEFAULTS.pcp_min_tokens})",
     )
+    e.add_argument(
+        "--pcp-spread-min-rows",
+        type=int,
+        default=DEFAULTS.pcp_spread_min_rows,
+        metavar="N",
+        help="rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that "
+        f"split a prompt or have at least N of them; not with --dcp (default: {DEFAULTS.pcp_spread_min_rows})",
+    )
     e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
     e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")
     e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
@@ -135,6 +143,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dcp_size=args.dcp,
         cp_interleave=args.cp_interleave,
         pcp_min_tokens=args.pcp_min_tokens,
+        pcp_spread_min_rows=args.pcp_spread_min_rows,
         num_threads=args.threads,
         master_addr=args.master_addr,
         master_port=args.master_port,

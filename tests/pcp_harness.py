@@ -61,13 +61,17 @@ def scripted_plans(vocab: int, seed: int = 0) -> list[StepPlan]:
     return plans
 
 
-def run_plans(model: str, plans: list[StepPlan], pcp_size: int, pcp_min_tokens: int = 0) -> list[torch.Tensor]:
-    """Run the plans on `pcp_size` real ranks; rank 0's logits of every step."""
+def run_plans(
+    model: str, plans: list[StepPlan], pcp_size: int, pcp_min_tokens: int = 0, **config_kwargs
+) -> list[torch.Tensor]:
+    """Run the plans on `pcp_size` real ranks; rank 0's logits of every step.
+    config_kwargs: more EngineConfig fields (e.g. pcp_spread_min_rows)."""
     from ctxpar.models.loader import load_model
     from ctxpar.worker.executor import start_executor
 
     config = EngineConfig(
-        model=model, block_size=BLOCK_SIZE, pcp_size=pcp_size, pcp_min_tokens=pcp_min_tokens, num_threads=1
+        model=model, block_size=BLOCK_SIZE, pcp_size=pcp_size, pcp_min_tokens=pcp_min_tokens, num_threads=1,
+        **config_kwargs,
     )
     loaded = load_model(model, torch.float32, torch.device("cpu"))
     executor = start_executor(config, loaded, num_blocks=BLOCKS_PER_REQUEST * 6)

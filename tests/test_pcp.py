@@ -30,13 +30,24 @@ def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 @pytest.mark.parametrize("pcp_size", [2, 3, 4])
 @pytest.mark.parametrize("model", ["llama", "qwen3", "deepseek_v2", "deepseek_v3"])
 def test_teacher_forced_logits_match_one_rank(model, pcp_size, model_dirs, single_rank_logits):
-    """Every step mixes decodes, fresh and continued prefills and prompts shorter than 2P."""
+    """Every step mixes decodes, fresh and continued prefills and prompts shorter than 2P;
+    every step splits a row, so its decodes are assigned, one rank each."""
     got = run_plans(model_dirs[model], scripted_plans(vocab=256), pcp_size)
     assert_same_logits(got, single_rank_logits[model])
 
 
 @pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
 def test_replicating_short_prefills_keeps_logits(model, model_dirs, single_rank_logits):
-    """pcp_min_tokens=25: rows below it are replicated, longer ones split, in the same steps."""
+    """pcp_min_tokens=25: rows below it are not split: assigned beside a split row, replicated
+    in steps 2 and 3, which split none and have fewer than pcp_spread_min_rows rows."""
     got = run_plans(model_dirs[model], scripted_plans(vocab=256), pcp_size=2, pcp_min_tokens=25)
+    assert_same_logits(got, single_rank_logits[model])
+
+
+@pytest.mark.parametrize("pcp_size", [2, 3])
+@pytest.mark.parametrize("model", ["llama", "qwen3", "deepseek_v2"])
+def test_spreading_steps_without_a_split_row_keeps_logits(model, pcp_size, model_dirs, single_rank_logits):
+    """pcp_min_tokens=25, pcp_spread_min_rows=0: the steps of decodes and short prompts only
+    (steps 2 and 3) assign their rows too, one rank each, gathering their KV and hidden states."""
+    got = run_plans(model_dirs[model], scripted_plans(vocab=256), pcp_size, pcp_min_tokens=25, pcp_spread_min_rows=0)
     assert_same_logits(got, single_rank_logits[model])

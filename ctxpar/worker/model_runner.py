@@ -39,12 +39,17 @@ class ModelRunner:
         pcp_min_tokens: int = 0,
         dcp_size: int = 1,
         cp_interleave: int = 1,
+        pcp_spread_min_rows: int | None = None,
     ) -> None:
         """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank.
 
         dcp_size: 1 (every rank holds the whole KV cache) or the group's size
         (each holds the shard of ctxpar.parallel.dcp; block tables are then
-        of logical blocks of block_size * dcp_size tokens)."""
+        of logical blocks of block_size * dcp_size tokens).
+
+        pcp_spread_min_rows: unsplit rows (decodes, short prompts) go to one
+        rank each in steps that split a row or have at least this many of
+        them (ctxpar/parallel/pcp_spread.py); None: always replicated."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -52,6 +57,8 @@ class ModelRunner:
         self.rank = group.rank if group is not None else 0
         self.pcp_size = group.size if group is not None else 1
         self.pcp_min_tokens = pcp_min_tokens
+        # Under DCP a decode's queries must be on every rank (each attends its own shard).
+        self.spread_min_rows = pcp_spread_min_rows if dcp_size == 1 else None
         if dcp_size not in (1, self.pcp_size):
             raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
         self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
@@ -71,14 +78,15 @@ class ModelRunner:
             plan.is_prefilling,
             self.pcp_size,
             replicate_below=self.pcp_min_tokens,
+            spread_min_rows=self.spread_min_rows,
         )
-        split = self.pcp_size > 1 and not layout.is_all_replicated
+        gathers = self.pcp_size > 1 and not layout.is_all_replicated  # some row split or assigned
         rows = layout.rank_rows(self.rank)
         to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
 
         # Which of the KV entries an attention layer holds get written, as a mask over exactly
         # those entries: the P*n gathered ones in a split step, the n local ones otherwise.
-        if split:
+        if gathers:
             # Every rank writes every token of the step (rank 0's copy of replicated rows).
             writes, token_of = layout.kv_write_mask, layout.padded_gather_idx
         else:
@@ -108,12 +116,12 @@ class ModelRunner:
             write_src=None if writes.all() else to_dev(write_src),
             write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
-            gather=self.group.all_gather if split else None,
+            gather=self.group.all_gather if gathers else None,
             dcp=dcp,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
-        return self._logits_on_rank0(plan, layout, hidden, split)
+        return self._logits_on_rank0(plan, layout, hidden, gathers)
 
     def _token_rows_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """(T,) row and absolute position of every token scheduled this step, in global order."""
@@ -159,13 +167,13 @@ class ModelRunner:
         )
 
     def _logits_on_rank0(
-        self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, split: bool
+        self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, gathers: bool
     ) -> torch.Tensor | None:
         # The sampled tokens, and every token of the rows that want prompt logprobs
         # (DESIGN §5's full restore, for those rows only), in global order.
         wanted = plan.logits_token_indices()  # (L,)
         where = layout.hidden_restore_idx[wanted]  # (L,) gathered position of the authoritative copy
-        if not split:
+        if not gathers:
             # Rank 0 holds every authoritative copy itself (gathered position == local index).
             if self.rank != 0:
                 return None
