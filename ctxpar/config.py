@@ -42,7 +42,7 @@ class EngineConfig:
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     # Rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that
     # split a row or have at least this many of them (docs/benchmarks.md); never under DCP.
-    pcp_spread_min_rows: int = 8
+    pcp_spread_min_rows: int = 64
     seed: int = 0
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks

@@ -1,6 +1,8 @@
 """Which steps communicate: a step with only replicated rows (decodes, prompts
-shorter than pcp_min_tokens) makes no data collective; a split step makes one
-KV all-gather per attention layer and one gather of the sampled hidden states.
+shorter than pcp_min_tokens, fewer than pcp_spread_min_rows of them) makes no
+data collective; a split step, or one whose unsplit rows are assigned to one
+rank each, makes one KV all-gather per attention layer and one gather of the
+sampled hidden states.
 
 Counted on rank 0's PCPGroup, which takes part in every collective.
 """
@@ -67,5 +69,20 @@ def test_a_split_step_gathers_once_per_layer_and_once_for_sampling(llm):
     counts, q, prefilling = step_collectives(llm)
     assert list(q) == [1, 60] and list(prefilling) == [False, True]
     assert counts == Counter(all_gather=layers, gather_to_first=1)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_step_of_enough_decodes_spreads_them(llm):
+    """pcp_spread_min_rows (default) short prompts, then as many decodes: each step assigns
+    its rows, one rank each, so it gathers like a split step."""
+    engine = llm.engine
+    layers, rows = engine.loaded.model.num_kv_layers, llm.engine.config.pcp_spread_min_rows
+    for i in range(rows):
+        engine.add_request(list(range(i, i + 20)), GREEDY)
+    for prefilling in (True, False):
+        counts, q, is_prefilling = step_collectives(llm)
+        assert len(q) == rows and (is_prefilling == prefilling).all() and (q < MIN_TOKENS).all()
+        assert counts == Counter(all_gather=layers, gather_to_first=1)
     while engine.has_unfinished_requests():
         engine.step()

@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads for both engines (default: all cores)",
     )
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
+    p.add_argument(
+        "--pcp", type=int_arg(1, max_threads()), default=1, metavar="P",
+        help="ctxpar's PCP ranks, each with threads / P torch threads (default: 1)",
+    )
+    p.add_argument(
+        "--pcp-spread-min-rows", type=nonnegative_int, metavar="N",
+        help="override ctxpar's pcp_spread_min_rows (with --pcp > 1)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
     p.add_argument(
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -148,14 +156,18 @@ def run(args: argparse.Namespace) -> None:
         )
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    with LLM(args.model, num_threads=threads, enable_prefix_caching=args.enable_prefix_caching) as llm:
+    spread = {} if args.pcp_spread_min_rows is None else dict(pcp_spread_min_rows=args.pcp_spread_min_rows)
+    with LLM(
+        args.model, pcp_size=args.pcp, num_threads=max(1, threads // args.pcp),
+        enable_prefix_caching=args.enable_prefix_caching, **spread,
+    ) as llm:
         engine = llm.engine
         prompts = make_prompts(
             engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed
         )
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         print(
-            f"model {engine.loaded.name}, {threads} threads, {len(prompts)} prompts of {min(map(len, prompts))}-"
+            f"model {engine.loaded.name}, {threads} threads over {args.pcp} rank(s), {len(prompts)} prompts of {min(map(len, prompts))}-"
             f"{max(map(len, prompts))} tokens (sum {sum(map(len, prompts))}), {args.output_len} output tokens each"
         )
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
