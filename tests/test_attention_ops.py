@@ -124,3 +124,90 @@ def test_step_of_mixed_rows_matches_per_row_attention() -> None:
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], 0.3)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
     assert (out[qsl[-1] :] == 0).all()
+
+
+def fragmented_free_list(num_blocks: int, max_piece: int, g: torch.Generator) -> list[int]:
+    """Block ids as a used pool hands them out: pieces of consecutive ids of
+    random sizes (long ones: runs to read in place), in random order, some descending."""
+    pieces, start = [], 0
+    while start < num_blocks:
+        size = int(torch.randint(1, max_piece + 1, (), generator=g))
+        piece = list(range(start, min(start + size, num_blocks)))
+        pieces.append(piece[::-1] if torch.rand((), generator=g) < 0.3 else piece)
+        start += size
+    return [b for i in torch.randperm(len(pieces), generator=g).tolist() for b in pieces[i]]
+
+
+def paged_step(seq_lens: list[int], num_tokens: list[int], block_size: int, max_piece: int, g: torch.Generator):
+    """A ForwardContext over a fragmented block pool, and the number of slots it uses."""
+    from ctxpar.layers.context import ForwardContext
+
+    free = fragmented_free_list(sum(-(-s // block_size) for s in seq_lens) + 4, max_piece, g)
+    qsl, slots = [0], []
+    for s, t in zip(seq_lens, num_tokens):
+        blocks = torch.tensor([free.pop(0) for _ in range(-(-s // block_size))])
+        pos = torch.arange(s)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        qsl.append(qsl[-1] + t)
+    ctx = ForwardContext(
+        query_start_loc=qsl, start_pos=[s - t for s, t in zip(seq_lens, num_tokens)], seq_lens=seq_lens,
+        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[],
+    )
+    return ctx, (len(free) + sum(len(s) for s in slots)) * block_size
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=shapes,
+    rows=st.lists(st.tuples(st.integers(1, 400), st.sampled_from([1, 1, 1, 3])), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 16]),
+    max_piece=st.sampled_from([1, 3, 40]),
+)
+def test_step_over_runs_and_gathers_matches_reference(shape, rows, block_size, max_piece) -> None:
+    """gqa_paged_attention where one-query rows' contexts lie partly in runs of
+    consecutive slots (read in place, ascending or descending blocks) and partly
+    scattered (gathered, batched), merged: every row as if it attended alone;
+    prefill rows and a padding token alongside."""
+    from ctxpar.layers.paged_attention import MIN_RUN, decode_batch, gqa_paged_attention
+
+    g = torch.Generator().manual_seed(shape["seed"])
+    Hk, H, D = shape["kv_heads"], shape["kv_heads"] * shape["group"], shape["head_dim"]
+    seq_lens = [max(s, t) for s, t in rows]
+    ctx, num_slots = paged_step(seq_lens, [t for _, t in rows], block_size, max_piece, g)
+    cache = torch.randn(num_slots, 2, Hk, D, generator=g)
+    qsl = ctx.query_start_loc
+    q = torch.randn(qsl[-1] + 1, H, D, generator=g)
+    out = gqa_paged_attention(q, cache, ctx, D**-0.5)
+    for r, sl in enumerate(ctx.context_slots):
+        kv = cache[sl]
+        want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], D**-0.5)
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
+    assert (out[qsl[-1] :] == 0).all()
+    dec = decode_batch(ctx)
+    for i, a, b in dec.runs if dec is not None else []:  # runs are long and lie in their row's context
+        assert b - a >= MIN_RUN and set(range(a, b)) <= set(ctx.context_slots[sorted(dec.rows)[i]].tolist())
+
+
+def test_contiguous_long_row_is_one_view_and_latent_decode_matches() -> None:
+    """A row on consecutive slots is one run, nothing gathered; MLA's latent
+    decode (one shared head, value a prefix of the key) over runs plus
+    gathered leftovers matches the reference."""
+    from ctxpar.layers.context import ForwardContext
+    from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    E, r, H = 24, 16, 4
+    slots = [torch.arange(10, 310), torch.cat([torch.arange(400, 600), torch.tensor([5, 700, 3])]), torch.arange(620, 650)]
+    ctx = ForwardContext(
+        query_start_loc=[0, 1, 2, 3], start_pos=[len(s) - 1 for s in slots], seq_lens=[len(s) for s in slots],
+        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[],
+    )
+    dec = decode_batch(ctx)
+    assert dec.runs == [(0, 10, 310), (1, 400, 600)] and dec.parts.shape == (2, 3)
+    cache = torch.randn(800, E, generator=g)
+    q = torch.randn(3, H, E, generator=g)
+    out = latent_decode_attention(q, cache, dec, r, 0.2)
+    for b, sl in enumerate(slots):
+        k = cache[sl][:, None]
+        want, _ = reference(q[b : b + 1], k, k[..., :r], 0.2)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
