@@ -17,10 +17,6 @@ owners share them. A block whose count drops to zero keeps its content and
 hash in the free pool; the pool hands out its least recently freed block
 first, and only then forgets ("evicts") that block's hash. Only full blocks
 whose KV is written are ever registered, so a shared block is never written.
-
-Contiguity. A growing table takes the block after its last one when that
-block is free and caches nothing, so a request's context tends to lie in runs
-of consecutive slots, which decode attention reads in place.
 """
 
 from __future__ import annotations
@@ -152,24 +148,11 @@ class BlockManager:
             table.append(block)
         self._num_registered.setdefault(owner, len(cached))
         for _ in range(self.blocks_for(num_tokens) - len(table)):
-            block = self._take_free(table[-1] + 1 if table else None)
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
             self._ref[block] = 1
             table.append(block)
         return table
-
-    def _take_free(self, adjacent: int | None) -> int:
-        """Take a block from the pool: ``adjacent`` (the block after the table's
-        last) if it is free and caches nothing, else the least recently freed
-        block, evicting its prefix. Adjacent blocks let decode attention read a
-        request's context in place as runs of consecutive slots
-        (ctxpar/layers/paged_attention.py); taking only uncached blocks out of
-        order keeps the eviction order (and the pool's size) unchanged."""
-        if adjacent is not None and adjacent in self._free and self._hash[adjacent] is None:
-            del self._free[adjacent]
-            return adjacent
-        block, _ = self._free.popitem(last=False)
-        self._evict(block)
-        return block
 
     def cache_blocks(self, owner: Hashable, hashes: Sequence[BlockHash], num_blocks: int) -> None:
         """Register the owner's first ``num_blocks`` blocks, whose chain is
