@@ -121,10 +121,10 @@ class MLAttention(nn.Module):
 
         out = x.new_zeros(n, h, self.v_head_dim)
         dec = decode_batch(ctx) if ATTENTION_PATH != "expanded" else None
-        if dec is not None:  # one-query rows together, in latent space
-            q_lat = self._absorb_query(q_nope.index_select(0, dec.tokens), q_pe.index_select(0, dec.tokens))
-            o = latent_decode_attention(q_lat, cache, dec, self.kv_lora_rank, self.scale)
-            out.index_copy_(0, dec.tokens, self._unabsorb(o))
+        for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
+            q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
+            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale)
+            out.index_copy_(0, grp.tokens, self._unabsorb(o))
         batched = dec.rows if dec is not None else set()
         qsl = ctx.query_start_loc
         for r in range(ctx.num_rows):
