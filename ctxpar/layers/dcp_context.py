@@ -23,7 +23,7 @@ differs between ranks would hang the group (vLLM bug #53573).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ import torch
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import merge_attention
 from ctxpar.parallel.dcp import DCPShard
+
+if TYPE_CHECKING:
+    from ctxpar.parallel.pcp import RankRows
 
 # Gather the context when the bytes it moves are below this times the bytes pass-Q
 # would move (its queries, and its partials unless some replicated row exchanges
@@ -83,7 +86,7 @@ def split_context(
     shard: DCPShard,
     is_split: np.ndarray,
     context_lens: np.ndarray,
-    rows,
+    rows: RankRows,
     shard_slots: list[np.ndarray],
     policy: GatherPolicy,
     to_dev: Callable[[np.ndarray], torch.Tensor],
@@ -93,7 +96,9 @@ def split_context(
 
     is_split, context_lens: (R,) per global row (the PCP layout, the plan);
     rows: this rank's ctxpar.parallel.pcp.RankRows; shard_slots: R x my
-    shard's cache slots of each row's context, in local order.
+    shard's cache slots of each row's context, in local order. Built on the
+    host every such step, whichever path the layers then take: numpy over the
+    context positions, small next to attending them.
     """
     split = np.flatnonzero(is_split & (context_lens > 0))
     if len(split) == 0:
@@ -140,6 +145,7 @@ def plan_rounds(
 
 
 def _round(shard: DCPShard, pieces: list, to_dev) -> ContextRound:
+    """One round of (start, end, my shard's slots of the row, my query tokens) pieces."""
     layouts = [shard.range_layout(a, b) for a, b, _, _ in pieces]
     widths = [int(counts.max()) for counts, _, _, _ in layouts]
     m, offsets, k = sum(widths), np.cumsum([0] + widths), shard.rank
@@ -153,29 +159,38 @@ def _round(shard: DCPShard, pieces: list, to_dev) -> ContextRound:
     return ContextRound(to_dev(np.concatenate(send)), to_dev(np.concatenate(order)), out)
 
 
+def moved_bytes(
+    context_tokens: int, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
+) -> tuple[float, float]:
+    """Bytes each rank receives to reach the split rows' context, (gather, pass-Q):
+
+    - gather: the other ranks' shards of the contexts, (P-1)/P·C·E;
+    - pass-Q: the other ranks' queries, (P-1)·n·H·Dq, and their partials,
+      (P-1)·n·H·(Dv+1) floats (not counted when ``exchange_anyway``: a
+      replicated row with context exchanges partials whatever the split rows do).
+
+    q (n, H, Dq) and entries (n, *E) are the local ones: n is padded to the
+    same value on every rank, so every rank computes the same bytes.
+    """
+    n, others = q.shape[0], ranks - 1
+    queries = others * n * q[0].numel() * entries.element_size()
+    partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
+    context = others / ranks * context_tokens * entries[0].numel() * entries.element_size()
+    return context, queries + partials
+
+
 def gathers_context(
     split: SplitContext | None, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
 ) -> bool:
-    """Whether this step's split rows gather their context (else pass-Q), from
-    what each path moves to every rank, in bytes:
-
-    - pass-Q: the other ranks' queries, (P-1)·n·H·Dq, and their partials,
-      (P-1)·n·H·(Dv+1) floats (not saved when ``exchange_anyway``: a replicated
-      row with context exchanges partials whatever the split rows do);
-    - gather: the other ranks' shards of the contexts, (P-1)/P·C·E.
-
-    q (n, H, Dq) and entries (n, *E) are the local ones: n is padded to the
-    same value on every rank, so every rank decides alike.
-    """
+    """Whether this step's split rows gather their context (else pass-Q): the
+    policy's forced path, or under "auto" the cheaper by ``moved_bytes``
+    (gather when its bytes are below GATHER_COST_RATIO times pass-Q's)."""
     if split is None:
         return False
     if split.policy.path != "auto":
         return split.policy.path == "gather"
-    n, others = q.shape[0], ranks - 1
-    queries = others * n * q[0].numel() * entries.element_size()
-    partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
-    context = others / ranks * split.context_tokens * entries[0].numel() * entries.element_size()
-    return context < GATHER_COST_RATIO * (queries + partials)
+    gather, pass_q = moved_bytes(split.context_tokens, q, entries, out_dim, ranks, exchange_anyway)
+    return gather < GATHER_COST_RATIO * pass_q
 
 
 def gathered_context_attention(
