@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 # Gather the context when the bytes it moves are below this times the bytes pass-Q
 # would move (its queries, and its partials unless some replicated row exchanges
-# partials anyway). Both collectives moved bytes at about the same rate on gloo:
-# ctxpar bench dcp, part (e), docs/benchmarks.md ("Decode context parallelism").
+# partials anyway). Timed alone on two gloo ranks, the paths broke even at a bytes
+# ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
 GATHER_COST_RATIO = 1.0
 WORKSPACE_TOKENS = 2048  # context positions gathered per round: the default max_num_batched_tokens
 PATHS = ("auto", "gather", "pass_q")
