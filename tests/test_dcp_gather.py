@@ -18,6 +18,7 @@ import torch
 
 from dcp_harness import Job, run_groups, run_single
 from pcp_harness import four_families, scripted_plans
+from ctxpar.errors import CtxparError
 from ctxpar.layers.dcp_context import GatherPolicy, SplitContext, gathers_context
 
 WORKSPACE = 16
@@ -109,3 +110,14 @@ def test_rule_at_smollm2_shapes_matches_the_measured_crossover():
     # With decodes in the step the partials travel anyway: only the queries are saved.
     assert picks_gather(2048, True) and not picks_gather(4096, True)
     assert not gathers_context(None, q, entries, 64, 2, False)  # no split row has context
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [(dict(path="gather_all"), ["'gather_all'", "'pass_q'"]), (dict(workspace_tokens=0), ["workspace_tokens", ">= 1"])],
+)
+def test_bad_policy_is_refused(kwargs, words):
+    with pytest.raises(CtxparError) as e:
+        GatherPolicy(**kwargs)
+    for w in words:
+        assert w in str(e.value)

@@ -96,6 +96,8 @@ def sharded_attention(
     n, heads = q.shape[0], q.shape[1]
     gather_context = gathers_context(split, q, entries, out_dim, len(step.send_idx), step.replicated_context)
     pass_q = split is not None and not gather_context  # the split rows' queries travel
+    # Without pass-Q only rows with queries on every rank are attended shard by shard, and
+    # such a token's index in the query space (query_idx) is its local index on every rank.
     local_q, q_space = q, q
     if ctx.gather is not None:  # split step: one all-gather carries the KV entries (and the queries)
         e_shape, e_width = entries.shape[1:], entries[0].numel()
