@@ -2,7 +2,8 @@
 rank computed: rank 0's logits and each rank's KV cache.
 
 One set of processes forms groups of several sizes in turn, and each group
-runs many jobs (model, cp_interleave, pcp_min_tokens) one after the other, each with a fresh ModelRunner (and KV cache)
+runs many jobs (model, cp_interleave, pcp_min_tokens, how split rows reach
+their context) one after the other, each with a fresh ModelRunner (and KV cache)
 over the same process group and the same loaded models: starting processes
 and loading models is what costs time on a small machine.
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
+from ctxpar.layers.dcp_context import GatherPolicy
 from ctxpar.parallel.dcp import DCPShard
 from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
@@ -34,12 +36,15 @@ class Job:
     dcp_size: int = 1  # run_groups sets it to each group's size
     cp_interleave: int = 1
     pcp_min_tokens: int = 0
+    # Split rows with cached context: pass-Q unless a test asks for the other path or the rule.
+    context_gather: GatherPolicy = GatherPolicy("pass_q")
 
 
 @dataclass
 class Result:
     logits: list[torch.Tensor]  # rank 0's, per step
     caches: list[list[torch.Tensor]]  # per rank, per layer
+    collectives: list[dict[str, int]]  # rank 0's data-group collectives of each step, by kind
 
 
 @functools.cache
@@ -54,14 +59,14 @@ def _runner(model_dir: str, group, job: Job):
 
     return ModelRunner(
         _model(model_dir), NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"), torch.float32, group,
-        job.pcp_min_tokens, job.dcp_size, job.cp_interleave,
+        job.pcp_min_tokens, job.dcp_size, job.cp_interleave, job.context_gather,
     )
 
 
 def run_single(model_dir: str, plans: list[StepPlan]) -> Result:
     """The reference: one rank in this process."""
     runner = _runner(model_dir, None, Job(model_dir, 1))
-    return Result([runner.execute(p).clone() for p in plans], [runner.kv_caches])
+    return Result([runner.execute(p).clone() for p in plans], [runner.kv_caches], [])
 
 
 def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: list[StepPlan], out: str) -> None:
@@ -78,8 +83,13 @@ def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: l
         try:
             for j, job in enumerate(jobs):
                 runner = _runner(job.model, group, replace(job, dcp_size=size))
-                logits = [runner.execute(p) for p in plans]
-                torch.save({"logits": logits, "caches": runner.kv_caches}, os.path.join(out, f"{size}.{j}.{rank}.pt"))
+                logits, collectives = [], []
+                for p in plans:
+                    before = group.num_collectives.copy()
+                    logits.append(runner.execute(p))
+                    collectives.append(dict(group.num_collectives - before))
+                saved = {"logits": logits, "caches": runner.kv_caches, "collectives": collectives}
+                torch.save(saved, os.path.join(out, f"{size}.{j}.{rank}.pt"))
         finally:
             group.close()
 
@@ -107,7 +117,7 @@ def run_groups(sizes: list[int], jobs: list[Job], plans: list[StepPlan], out_dir
         results[size] = []
         for j in range(len(jobs)):
             saved = [torch.load(out_dir / f"{size}.{j}.{r}.pt") for r in range(size)]
-            results[size].append(Result(saved[0]["logits"], [s["caches"] for s in saved]))
+            results[size].append(Result(saved[0]["logits"], [s["caches"] for s in saved], saved[0]["collectives"]))
     return results
 
 

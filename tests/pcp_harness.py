@@ -23,19 +23,25 @@ def _blocks(req: int) -> np.ndarray:
     return np.random.default_rng(req).permutation(ids)  # non-contiguous, like a real allocator's
 
 
-def scripted_plans(vocab: int, seed: int = 0) -> list[StepPlan]:
-    """Five steps over requests 0..5; (req, num_tokens, prompt_len) per row."""
+# The default script: five steps over requests 0..5, (req, num_tokens) per row, and each request's prompt length.
+PROMPT_LEN = {0: 37, 1: 5, 2: 60, 3: 19, 4: 3, 5: 50}
+STEPS = [
+    [(0, 37), (1, 5), (2, 24)],  # two fresh prefills (one shorter than 2P) + a first chunk
+    [(0, 1), (1, 1), (2, 36), (3, 19)],  # decodes + a continued chunk + a fresh prefill
+    [(3, 1), (0, 1), (2, 1), (4, 3), (1, 1)],  # decodes, a 3-token prompt
+    [(5, 20), (4, 1), (0, 1)],  # a first chunk with decodes
+    [(5, 30), (3, 1), (2, 1)],  # the rest of it
+]
+
+
+def scripted_plans(
+    vocab: int, seed: int = 0, prompt_len: dict[int, int] = PROMPT_LEN, steps: list[list[tuple[int, int]]] = STEPS
+) -> list[StepPlan]:
+    """One StepPlan per step of ``steps`` (rows of (request, tokens computed), in
+    order); a request computes its prompt (``prompt_len``) and then decodes."""
     rng = np.random.default_rng(seed)
-    prompt_len = {0: 37, 1: 5, 2: 60, 3: 19, 4: 3, 5: 50}
     tokens = {r: rng.integers(0, vocab, size=n + 8).tolist() for r, n in prompt_len.items()}
     computed = {r: 0 for r in prompt_len}
-    steps = [
-        [(0, 37), (1, 5), (2, 24)],  # two fresh prefills (one shorter than 2P) + a first chunk
-        [(0, 1), (1, 1), (2, 36), (3, 19)],  # decodes + a continued chunk + a fresh prefill
-        [(3, 1), (0, 1), (2, 1), (4, 3), (1, 1)],  # decodes, a 3-token prompt
-        [(5, 20), (4, 1), (0, 1)],  # a first chunk with decodes
-        [(5, 30), (3, 1), (2, 1)],  # the rest of it
-    ]
     plans = []
     for rows in steps:
         ids, q, c, pre, logits, tables = [], [], [], [], [], []

@@ -124,3 +124,54 @@ def test_step_of_mixed_rows_matches_per_row_attention() -> None:
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], 0.3)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
     assert (out[qsl[-1] :] == 0).all()
+
+
+def fragmented_free_list(num_blocks: int, max_piece: int, g: torch.Generator) -> list[int]:
+    """Block ids as a used pool hands them out: pieces of consecutive ids of
+    random sizes, in random order, some descending (a freed table's order)."""
+    pieces, start = [], 0
+    while start < num_blocks:
+        size = int(torch.randint(1, max_piece + 1, (), generator=g))
+        piece = list(range(start, min(start + size, num_blocks)))
+        pieces.append(piece[::-1] if torch.rand((), generator=g) < 0.3 else piece)
+        start += size
+    return [b for i in torch.randperm(len(pieces), generator=g).tolist() for b in pieces[i]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=shapes,
+    rows=st.lists(st.tuples(st.integers(1, 300), st.sampled_from([1, 1, 1, 3])), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 4, 16]),
+    max_piece=st.sampled_from([1, 3, 40]),
+)
+def test_step_over_fragmented_or_contiguous_pool_matches_reference(shape, rows, block_size, max_piece) -> None:
+    """gqa_paged_attention over a step of decodes (short ones batched, long
+    ones one by one), prefill chunks and a padding token, on block tables
+    from a pool that is contiguous, fragmented or in between: every row as
+    if it attended alone."""
+    from ctxpar.layers.context import ForwardContext
+    from ctxpar.layers.paged_attention import gqa_paged_attention
+
+    g = torch.Generator().manual_seed(shape["seed"])
+    Hk, H, D = shape["kv_heads"], shape["kv_heads"] * shape["group"], shape["head_dim"]
+    seq_lens, num_tokens = [max(s, t) for s, t in rows], [t for _, t in rows]
+    free = fragmented_free_list(sum(-(-s // block_size) for s in seq_lens) + 4, max_piece, g)
+    cache = torch.randn(len(free) * block_size, 2, Hk, D, generator=g)
+    qsl, slots = [0], []
+    for s, t in zip(seq_lens, num_tokens):
+        blocks = torch.tensor([free.pop(0) for _ in range(-(-s // block_size))])
+        pos = torch.arange(s)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        qsl.append(qsl[-1] + t)
+    ctx = ForwardContext(
+        query_start_loc=qsl, start_pos=[s - t for s, t in zip(seq_lens, num_tokens)], seq_lens=seq_lens,
+        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+    )
+    q = torch.randn(qsl[-1] + 1, H, D, generator=g)
+    out = gqa_paged_attention(q, cache, ctx, D**-0.5)
+    for r, sl in enumerate(slots):
+        kv = cache[sl]
+        want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], D**-0.5)
+        torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
+    assert (out[qsl[-1] :] == 0).all()

@@ -6,7 +6,9 @@ The script (pcp_harness.scripted_plans) mixes decodes, fresh prefills,
 continued chunks and prompts of 3 and 5 tokens, shorter than D·I for the
 larger interleaves (some ranks' shards of them are empty). pcp_min_tokens=25
 replicates its short prompts instead of splitting them (multi-token rows with
-queries on every rank).
+queries on every rank). Split rows with cached context take the pass-Q path
+here (dcp_harness.Job's default); tests/test_dcp_gather.py covers gathering
+the context instead, and the rule that picks between them.
 """
 
 from __future__ import annotations

@@ -8,20 +8,24 @@ step, computed locally when every row is replicated). Per layer:
 
 1. new keys: each rank attends its local rows over their new keys, causally,
    exactly as without DCP (the PCP layout balances this work) -> (out, lse);
-2. context (only in steps where some row has one: a decision from the plan):
-   every rank needs every query of the step, so a split step all-gathers the
-   queries in the same collective as the KV entries (pass-Q); each rank
-   attends all of them over its shard of each row's context, unmasked (every
-   query sees its whole context); one all-to-all then sends each rank the
-   partials of its own local tokens from every rank;
-3. combine exactly: ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``
-   over the context partials and the new-key part. A shard holding none of a
-   row's context sends lse = -inf, which weighs nothing (never NaN).
+2. context, shard by shard (rows with queries on every rank, and split rows
+   on the pass-Q path): each rank attends the rows' queries over its shard of
+   their context, unmasked (every query sees its whole context); one
+   all-to-all then sends each rank the partials of its own local tokens from
+   every rank. Split rows' queries reach every rank in the same all-gather
+   as the KV entries (pass-Q);
+3. context, gathered (split rows on the other path, ctxpar/layers/dcp_context.py):
+   each rank all-gathers the rows' context from the shards in bounded rounds
+   and attends its own queries over it locally;
+4. combine exactly: ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``
+   over the parts. A shard holding none of a row's context sends lse = -inf,
+   which weighs nothing (never NaN).
 
-Temporary memory is the step's queries and partials (of the order of
-max_num_batched_tokens tokens), never another rank's context. Every
-collective runs once per layer with shapes fixed by the plan, whatever a
-rank's shard holds.
+Which path the split rows take is decided per step from shapes every rank has
+(``gathers_context``). Temporary memory is the step's queries and partials, or
+one round of gathered context, of the order of max_num_batched_tokens tokens.
+Every collective runs once per layer (per round) with shapes fixed by the
+plan, whatever a rank's shard holds.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Callable
 import torch
 
 from ctxpar.layers.context import ForwardContext, merge_attention, store_kv
+from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, gathers_context
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
 # causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
@@ -45,8 +50,9 @@ class DCPStep:
     # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
     # row's new keys up to its last query, in position order: [step start, start_pos + len).
     new_key_idx: list[torch.Tensor]
-    # Context, per GLOBAL row of the plan (every rank attends every token's queries).
-    has_context: bool  # some row has context: queries gathered, partials exchanged
+    # Context, per GLOBAL row of the plan.
+    replicated_context: bool  # some row with queries on every rank has context: partials exchanged
+    split_context: SplitContext | None  # the split rows with context (a split step), and how to gather it
     query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
     query_start_loc: list[int]  # (R+1,) global token range of each row
     shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
@@ -86,46 +92,53 @@ def sharded_attention(
     q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
     returns (n, H, out_dim) attention outputs of the local tokens (0 on padding).
     """
-    step = ctx.dcp
+    step, split = ctx.dcp, ctx.dcp.split_context
     n, heads = q.shape[0], q.shape[1]
+    gather_context = gathers_context(split, q, entries, out_dim, len(step.send_idx), step.replicated_context)
+    pass_q = split is not None and not gather_context  # the split rows' queries travel
+    # Without pass-Q only rows with queries on every rank are attended shard by shard, and
+    # such a token's index in the query space (query_idx) is its local index on every rank.
     local_q, q_space = q, q
     if ctx.gather is not None:  # split step: one all-gather carries the KV entries (and the queries)
         e_shape, e_width = entries.shape[1:], entries[0].numel()
-        if step.has_context:
+        if pass_q:
             both = ctx.gather(torch.cat([entries.reshape(n, -1), q.reshape(n, -1).to(entries.dtype)], dim=1))
             entries = both[:, :e_width].reshape(-1, *e_shape)
             q_space = both[:, e_width:].reshape(-1, *q.shape[1:]).to(q.dtype)
         else:
             entries = ctx.gather(entries)
     cache = store_kv(entries, ctx, layer_idx)
-    outs = torch.zeros(2, n, heads, out_dim, dtype=torch.float32, device=q.device)
-    lses = torch.full((2, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if step.has_context:
-        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, out_dim)
+    # Parts: context shard by shard (exchanged), gathered context, new keys.
+    outs = torch.zeros(3, n, heads, out_dim, dtype=torch.float32, device=q.device)
+    lses = torch.full((3, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if step.replicated_context or pass_q:
+        skip = split.rows if gather_context else frozenset()
+        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, out_dim, skip)
+    if gather_context:
+        outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim)
     qsl = ctx.query_start_loc
     for r, idx in enumerate(step.new_key_idx):
         a, b = qsl[r], qsl[r + 1]
         if b > a:
-            outs[1, a:b], lses[1, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
+            outs[2, a:b], lses[2, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
     return merge_attention(outs, lses)[0].to(q.dtype)
 
 
 def _context_partials(
-    q_space: torch.Tensor, cache: torch.Tensor, step: DCPStep, attend: Attend, out_dim: int
+    q_space: torch.Tensor, cache: torch.Tensor, step: DCPStep, attend: Attend, out_dim: int, skip: frozenset[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token's attention over my shard of its row's context, exchanged so
-    that each rank gets its local tokens' partials from every rank, merged:
-    (n, H, out_dim), (n, H)."""
-    qg = q_space.index_select(0, step.query_idx)  # (T, H, Dq): every token of the step
-    T, heads = qg.shape[0], qg.shape[1]
+    """Every token's attention over my shard of its row's context (but the
+    ``skip`` rows': their context is gathered), exchanged so that each rank
+    gets its local tokens' partials from every rank, merged: (n, H, out_dim), (n, H)."""
+    T, heads = len(step.query_idx), q_space.shape[1]
     # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens.
-    partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=qg.device)
+    partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q_space.device)
     partial[:, :, out_dim] = float("-inf")
     qsl = step.query_start_loc
     for r, slots in enumerate(step.shard_slots):
-        if len(slots):  # an empty shard of this row computes nothing and sends lse -inf
-            kv = cache.index_select(0, slots).to(qg.dtype)
-            out, lse = attend(qg[qsl[r] : qsl[r + 1]], kv, False)
+        if len(slots) and r not in skip:  # an empty shard of this row computes nothing and sends lse -inf
+            kv = cache.index_select(0, slots).to(q_space.dtype)
+            out, lse = attend(q_space.index_select(0, step.query_idx[qsl[r] : qsl[r + 1]]), kv, False)
             partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank

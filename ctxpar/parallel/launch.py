@@ -65,7 +65,7 @@ def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) 
 
     return ModelRunner(
         model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens,
-        config.dcp_size, config.cp_interleave, config.pcp_spread_min_rows,
+        config.dcp_size, config.cp_interleave, pcp_spread_min_rows=config.pcp_spread_min_rows,
     )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ctxpar.layers.context import ForwardContext
 from ctxpar.layers.dcp import DCPStep
+from ctxpar.layers.dcp_context import GatherPolicy, split_context
 from ctxpar.models.base import CausalLM
 from ctxpar.parallel.dcp import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
@@ -39,13 +40,15 @@ class ModelRunner:
         pcp_min_tokens: int = 0,
         dcp_size: int = 1,
         cp_interleave: int = 1,
+        context_gather: GatherPolicy = GatherPolicy(),
         pcp_spread_min_rows: int | None = None,
     ) -> None:
         """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank.
 
         dcp_size: 1 (every rank holds the whole KV cache) or the group's size
         (each holds the shard of ctxpar.parallel.dcp; block tables are then
-        of logical blocks of block_size * dcp_size tokens).
+        of logical blocks of block_size * dcp_size tokens). context_gather: how
+        split prefill rows reach a context sharded by DCP (ctxpar/layers/dcp_context.py).
 
         pcp_spread_min_rows: unsplit rows (decodes, short prompts) go to one
         rank each in steps that split a row or have at least this many of
@@ -62,6 +65,7 @@ class ModelRunner:
         if dcp_size not in (1, self.pcp_size):
             raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
         self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
+        self.context_gather = context_gather
         self.kv_caches = allocate_kv_caches(
             model.num_kv_layers, num_blocks * block_size, model.kv_entry_shape, dtype, device
         )
@@ -151,15 +155,14 @@ class ModelRunner:
             to_dev(layout.hidden_restore_idx[qsl[r] : qsl[r] + max(s + m - c[r], 0)])
             for r, s, m in zip(rows.req_idx.tolist(), rows.start_pos.tolist(), rows.num_tokens.tolist())
         ]
-        context_len = self.shard.local_len(c)
+        shard_slots = [slots_of(t, np.arange(m), self.block_size) for t, m in zip(plan.block_tables, self.shard.local_len(c))]
         return DCPStep(
             new_key_idx=new_keys,
-            has_context=bool(c.any()),
+            replicated_context=bool((c[~layout.is_split] > 0).any()),
+            split_context=split_context(self.shard, layout.is_split, c, rows, shard_slots, self.context_gather, to_dev),
             query_idx=to_dev(layout.hidden_restore_idx),
             query_start_loc=qsl.tolist(),
-            shard_slots=[
-                to_dev(slots_of(t, np.arange(m), self.block_size)) for t, m in zip(plan.block_tables, context_len)
-            ],
+            shard_slots=[to_dev(s) for s in shard_slots],
             send_idx=to_dev(
                 np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)
             ).view(self.pcp_size, -1),

@@ -1,0 +1,215 @@
+"""Split prefill rows under DCP: gather their cached context from the shards.
+
+A row split by PCP has its queries spread over the ranks and its cached
+context spread over the shards. ctxpar reaches that context one of two ways
+(ctxpar/layers/dcp.py runs both):
+
+- **pass-Q**: the queries travel (in the step's KV all-gather), every rank
+  attends all of them over its shard, and one all-to-all returns each rank its
+  tokens' partials. Moves the step's queries and partials, whatever the context.
+- **gather the context** (here, vLLM's way): every rank all-gathers the row's
+  context entries from the shards, in rounds of at most ``workspace_tokens``
+  positions (never a whole long context on every rank at once), de-interleaves
+  them into position order and attends its own queries over them locally,
+  merging the rounds exactly by log-sum-exp. Moves the context, whatever the
+  number of queries.
+
+The choice is made per step by ``gathers_context`` from what each path moves,
+with shapes every rank has (the plan's context lengths, the padded step size,
+the model's head shapes), never a rank's own shard length: a branch that
+differs between ranks would hang the group (vLLM bug #53573).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from ctxpar.errors import CtxparError
+from ctxpar.layers.context import merge_attention
+from ctxpar.parallel.dcp import DCPShard
+
+if TYPE_CHECKING:
+    from ctxpar.parallel.pcp import RankRows
+
+# Gather the context when the bytes it moves are below this times the bytes pass-Q
+# would move (its queries, and its partials unless some replicated row exchanges
+# partials anyway). Timed alone on two gloo ranks, the paths broke even at a bytes
+# ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
+GATHER_COST_RATIO = 1.0
+WORKSPACE_TOKENS = 2048  # context positions gathered per round: the default max_num_batched_tokens
+PATHS = ("auto", "gather", "pass_q")
+
+
+@dataclass(frozen=True)
+class GatherPolicy:
+    """How split prefill rows with cached context reach it under DCP.
+
+    path: "auto" (the cost rule of ``gathers_context``), or "gather" / "pass_q"
+    to force one (tests and benchmarks compare them). workspace_tokens: context
+    positions all-gathered per round, which bounds the temporary memory.
+    """
+
+    path: str = "auto"
+    workspace_tokens: int = WORKSPACE_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise CtxparError(f"context path must be one of {list(PATHS)}, got {self.path!r}")
+        if not isinstance(self.workspace_tokens, int) or self.workspace_tokens < 1:
+            raise CtxparError(f"workspace_tokens must be an integer >= 1, got {self.workspace_tokens!r}")
+
+
+@dataclass
+class ContextRound:
+    """One all-gather of context entries, the same on every rank but for its slots."""
+
+    send_slots: torch.Tensor  # (m,) int64: my cache slots to send, every piece padded to its widest rank
+    order: torch.Tensor  # (S,) int64: the gathered (D*m) entries' rows in position order, piece after piece
+    pieces: list[tuple[int, int, torch.Tensor]]  # [start, end) of a row's piece in order, its local query tokens
+
+
+@dataclass
+class SplitContext:
+    """The split rows with cached context of one step."""
+
+    rows: frozenset[int]  # their global rows (pass-Q attends them shard by shard)
+    context_tokens: int  # their context positions, in all
+    rounds: list[ContextRound]  # how to gather it
+    policy: GatherPolicy
+
+
+def split_context(
+    shard: DCPShard,
+    is_split: np.ndarray,
+    context_lens: np.ndarray,
+    rows: RankRows,
+    shard_slots: list[np.ndarray],
+    policy: GatherPolicy,
+    to_dev: Callable[[np.ndarray], torch.Tensor],
+) -> SplitContext | None:
+    """The step's split rows with cached context and their rounds of context
+    gathering, or None if it has none.
+
+    is_split, context_lens: (R,) per global row (the PCP layout, the plan);
+    rows: this rank's ctxpar.parallel.pcp.RankRows; shard_slots: R x my
+    shard's cache slots of each row's context, in local order. Built on the
+    host every such step, whichever path the layers then take: numpy over the
+    context positions, small next to attending them.
+    """
+    split = np.flatnonzero(is_split & (context_lens > 0))
+    if len(split) == 0:
+        return None
+    # My local tokens of each such row (its one or two chunks on this rank; none if it is short).
+    token_req = np.repeat(rows.req_idx, rows.num_tokens)
+    token_split = ~np.repeat(rows.is_replicated, rows.num_tokens)
+    pieces = [(int(context_lens[r]), shard_slots[r], np.flatnonzero(token_split & (token_req == r))) for r in split]
+    return SplitContext(
+        rows=frozenset(split.tolist()),
+        context_tokens=int(context_lens[split].sum()),
+        rounds=plan_rounds(shard, pieces, policy.workspace_tokens, to_dev),
+        policy=policy,
+    )
+
+
+def plan_rounds(
+    shard: DCPShard,
+    rows: list[tuple[int, np.ndarray, np.ndarray]],
+    workspace: int,
+    to_dev: Callable[[np.ndarray], torch.Tensor],
+) -> list[ContextRound]:
+    """Cut the rows' contexts into rounds of at most ``workspace`` positions.
+
+    rows: per split row with context, (context length c, my shard's cache slots
+    of positions [0, c) in local order, my local query tokens of the row).
+    Every rank derives the same rounds and piece widths from the context
+    lengths alone; only the slots it sends are its own.
+    """
+    rounds, pieces, room = [], [], workspace
+    for c, slots, tokens in rows:
+        start = 0
+        while start < c:
+            end = min(c, start + room)
+            pieces.append((start, end, slots, tokens))
+            room -= end - start
+            start = end
+            if room == 0:
+                rounds.append(_round(shard, pieces, to_dev))
+                pieces, room = [], workspace
+    if pieces:
+        rounds.append(_round(shard, pieces, to_dev))
+    return rounds
+
+
+def _round(shard: DCPShard, pieces: list, to_dev) -> ContextRound:
+    """One round of (start, end, my shard's slots of the row, my query tokens) pieces."""
+    layouts = [shard.range_layout(a, b) for a, b, _, _ in pieces]
+    widths = [int(counts.max()) for counts, _, _, _ in layouts]
+    m, offsets, k = sum(widths), np.cumsum([0] + widths), shard.rank
+    send, order, out, at = [], [], [], 0
+    for (a, b, slots, tokens), (counts, first, owner, index), w, off in zip(pieces, layouts, widths, offsets):
+        mine = slots[first[k] : first[k] + counts[k]]
+        send.append(np.concatenate([mine, np.zeros(w - len(mine), dtype=np.int64)]))  # padding reads slot 0
+        order.append(owner * m + off + index)
+        out.append((at, at + b - a, to_dev(tokens)))
+        at += b - a
+    return ContextRound(to_dev(np.concatenate(send)), to_dev(np.concatenate(order)), out)
+
+
+def moved_bytes(
+    context_tokens: int, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
+) -> tuple[float, float]:
+    """Bytes each rank receives to reach the split rows' context, (gather, pass-Q):
+
+    - gather: the other ranks' shards of the contexts, (P-1)/P·C·E;
+    - pass-Q: the other ranks' queries, (P-1)·n·H·Dq, and their partials,
+      (P-1)·n·H·(Dv+1) floats (not counted when ``exchange_anyway``: a
+      replicated row with context exchanges partials whatever the split rows do).
+
+    q (n, H, Dq) and entries (n, *E) are the local ones: n is padded to the
+    same value on every rank, so every rank computes the same bytes.
+    """
+    n, others = q.shape[0], ranks - 1
+    queries = others * n * q[0].numel() * entries.element_size()
+    partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
+    context = others / ranks * context_tokens * entries[0].numel() * entries.element_size()
+    return context, queries + partials
+
+
+def gathers_context(
+    split: SplitContext | None, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
+) -> bool:
+    """Whether this step's split rows gather their context (else pass-Q): the
+    policy's forced path, or under "auto" the cheaper by ``moved_bytes``
+    (gather when its bytes are below GATHER_COST_RATIO times pass-Q's)."""
+    if split is None:
+        return False
+    if split.policy.path != "auto":
+        return split.policy.path == "gather"
+    gather, pass_q = moved_bytes(split.context_tokens, q, entries, out_dim, ranks, exchange_anyway)
+    return gather < GATHER_COST_RATIO * pass_q
+
+
+def gathered_context_attention(
+    q: torch.Tensor, cache: torch.Tensor, split: SplitContext, gather, attend, out_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """My local queries of the split rows over their whole gathered context,
+    unmasked (every query sees all of its context): out (n, H, out_dim), lse
+    (n, H); other tokens get out 0 and lse -inf.
+
+    gather: the group's all-gather; attend: ctxpar.layers.dcp.Attend.
+    """
+    n, heads = q.shape[0], q.shape[1]
+    out = torch.zeros(n, heads, out_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for rnd in split.rounds:  # every rank runs every round: its collective is global
+        kv = gather(cache.index_select(0, rnd.send_slots)).index_select(0, rnd.order).to(q.dtype)
+        for a, b, tokens in rnd.pieces:
+            if len(tokens):
+                o, l = attend(q.index_select(0, tokens), kv[a:b], False)
+                merged = merge_attention(torch.stack([out[tokens], o]), torch.stack([lse[tokens], l]))
+                out[tokens], lse[tokens] = merged
+    return out, lse
