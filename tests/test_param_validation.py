@@ -105,6 +105,8 @@ def test_seed_limits_are_torchs(seed):
         (dict(pcp_size="2"), ["pcp_size", "'2'"]),
         (dict(pcp_min_tokens=-1), ["pcp_min_tokens", ">= 0", "-1"]),
         (dict(pcp_min_tokens=False), ["pcp_min_tokens", "False"]),
+        (dict(pcp_spread_min_rows=-1), ["pcp_spread_min_rows", ">= 0", "-1"]),
+        (dict(pcp_spread_min_rows=None), ["pcp_spread_min_rows", "None"]),
         (dict(num_threads=0), ["num_threads", "0"]),
         (dict(num_threads=max_threads() + 1), ["num_threads", f"[1, {max_threads()}]", str(max_threads() + 1)]),
         (dict(num_threads=10**9), ["num_threads", str(10**9)]),
