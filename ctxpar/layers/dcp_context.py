@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # partials anyway). Timed alone on two gloo ranks, the paths broke even at a bytes
 # ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
 GATHER_COST_RATIO = 1.0
-WORKSPACE_TOKENS = 2048  # context positions gathered per round: the default max_num_batched_tokens
+WORKSPACE_TOKENS = 2048  # context positions gathered per round (the engine passes max_num_batched_tokens)
 PATHS = ("auto", "gather", "pass_q")
 
 

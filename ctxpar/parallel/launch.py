@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
 from ctxpar.errors import RankFailure
+from ctxpar.layers.dcp_context import GatherPolicy
 from ctxpar.parallel import startup
 from ctxpar.parallel.preflight import check_launch
 from ctxpar.parallel.comm import (
@@ -65,7 +66,10 @@ def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) 
 
     return ModelRunner(
         model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens,
-        config.dcp_size, config.cp_interleave, pcp_spread_min_rows=config.pcp_spread_min_rows,
+        config.dcp_size, config.cp_interleave,
+        # Split rows gather their sharded context in rounds of one step's token budget.
+        GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
+        pcp_spread_min_rows=config.pcp_spread_min_rows,
     )
 
 
