@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ctxpar.checks import check_int
+from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
 
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replicate-below", type=int, default=0, metavar="N",
         help="replicate prompts computing fewer than N tokens instead of splitting them",
+    )
+    parser.add_argument(
+        "--spread-min-rows", type=int, default=EngineConfig.pcp_spread_min_rows, metavar="N",
+        help="give unsplit rows (decodes, short prompts) to one rank each in steps that split a prompt or "
+        f"have at least N of them, as the engine does (default: {EngineConfig.pcp_spread_min_rows})",
     )
     parser.add_argument("--png", metavar="FILE", help="also draw the layout to this PNG file (needs matplotlib)")
 
@@ -73,6 +79,7 @@ def build_batch(args: argparse.Namespace) -> Batch:
     check_int("--decode-context", args.decode_context, 1, MAX_POSITION)
     check_int("--pcp", args.pcp, 1, MAX_PCP)
     check_int("--replicate-below", args.replicate_below, 0, MAX_POSITION)
+    check_int("--spread-min-rows", args.spread_min_rows, 0)
     if len(args.prompt_lens) + args.decodes == 0:
         raise CtxparError("nothing to plan: give --prompt-lens and/or --decodes")
     # The layout holds int64 index maps over every rank's local tokens: split
@@ -103,9 +110,10 @@ def build_batch(args: argparse.Namespace) -> Batch:
 
 
 def row_label(batch: Batch, layout: PCPLayout, req: int, start_pos: int, num_tokens: int) -> str:
-    """e.g. 'prompt 1  chunk 3', 'prompt 0  chunks 1-2' (rank P-1's merged row), 'decode 0  replicated'."""
+    """e.g. 'prompt 1  chunk 3', 'prompt 0  chunks 1-2' (rank P-1's merged row),
+    'decode 0  replicated', 'decode 1  assigned'."""
     if not layout.is_split[req]:
-        return f"{batch.name(req)}  replicated"
+        return f"{batch.name(req)}  " + ("assigned" if layout.is_assigned[req] else "replicated")
     P = layout.pcp_size
     bounds = chunk_offsets(int(batch.scheduled[req]), P, np.arange(2 * P + 1))
     offset = start_pos - int(batch.computed[req])
@@ -213,7 +221,7 @@ def run(args: argparse.Namespace) -> None:
     batch = build_batch(args)
     check_png_path(args)
     layout = plan_pcp_layout(
-        batch.scheduled, batch.computed, batch.prefilling, args.pcp, args.replicate_below
+        batch.scheduled, batch.computed, batch.prefilling, args.pcp, args.replicate_below, args.spread_min_rows
     )
     print(render_text(batch, layout))
     if args.png:

@@ -15,10 +15,10 @@ import pytest
 from ctxpar import cli
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
-# prompt, 0 is a seed like any other.
+# prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows.
 ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("planner", "--seed"),
                 ("ttft", "--pcp-min-tokens"), ("prefix", "--requests"), ("prefix", "--seed"),
-                ("serve", "--seed")}
+                ("serve", "--seed"), ("throughput", "--pcp-spread-min-rows")}
 
 
 def options(bench: str) -> list[argparse.Action]:

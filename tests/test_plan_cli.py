@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,11 +32,21 @@ def test_mixed_batch_four_ranks(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--prompt-lens", "8000", "3000", "--cached", "0", "1000", "--decodes", "4", "--pcp", "4"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    # 8000 + 2000 prompt tokens split 2500 per rank, plus the 4 replicated decodes.
+    # 8000 + 2000 prompt tokens split 2500 per rank; the step splits, so (as in the
+    # engine) the 4 decodes go to one rank each instead of every rank.
     assert "10004 tokens this step" in out
     for k in range(4):
-        assert f"rank {k}: 2504 tokens" in out
-    assert out.count("replicated") == 4 * 4
+        assert f"rank {k}: 2501 tokens" in out
+    assert out.count("assigned") == 4 and "replicated" not in out
+
+
+def test_decodes_alone_replicate_below_spread_min_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    # No split prompt: 3 decodes stay replicated below --spread-min-rows, and are assigned from it.
+    assert cli.main(["plan", "--decodes", "3", "--pcp", "2"]) == 0
+    assert capsys.readouterr().out.count("replicated") == 3 * 2
+    assert cli.main(["plan", "--decodes", "3", "--pcp", "2", "--spread-min-rows", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assigned") == 3 and "replicated" not in out
 
 
 def test_png_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,6 +65,7 @@ def test_png_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         ["--prompt-lens", "10", "--cached", "10"],
         ["--prompt-lens", "10", "--pcp", "0"],
         ["--prompt-lens", "10", "--replicate-below", "-1"],
+        ["--prompt-lens", "10", "--spread-min-rows", "-1"],
         ["--decodes", "0"],
     ],
 )
@@ -76,3 +88,13 @@ def test_bench_planner_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "planner", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "speed-up" in out and "DualChunkSwap" in out
+
+
+def test_output_piped_into_head_ends_quietly() -> None:
+    # `ctxpar plan ... | head -1`: the pipe closes early; no traceback, exit 141 (SIGPIPE's).
+    proc = subprocess.run(
+        f"{sys.executable} -m ctxpar.cli plan --prompt-lens 3000 --decodes 400 --pcp 4 | head -1; exit ${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True,
+    )
+    assert proc.stdout.startswith("PCP layout over 4 rank(s)")
+    assert "Traceback" not in proc.stderr and proc.returncode == 141
