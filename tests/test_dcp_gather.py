@@ -19,7 +19,7 @@ import torch
 from dcp_harness import Job, run_groups, run_single
 from pcp_harness import four_families, scripted_plans
 from ctxpar.errors import CtxparError
-from ctxpar.layers.dcp_context import GatherPolicy, SplitContext, gathers_context
+from ctxpar.layers.dcp_context import GatherPolicy, gathers_context
 
 WORKSPACE = 16
 PROMPT_LEN = {0: 130, 1: 10, 2: 30, 3: 60}
@@ -102,14 +102,12 @@ def test_rule_at_smollm2_shapes_matches_the_measured_crossover():
     pass-Q faster at 8K (docs/benchmarks.md); the rule's crossover is ~6.2K."""
     q, entries = torch.empty(1024, 9, 64), torch.empty(1024, 2, 3, 64)
 
-    def picks_gather(context: int, exchange_anyway: bool = False) -> bool:
-        split = SplitContext(frozenset({0}), context, [], GatherPolicy())
-        return gathers_context(split, q, entries, 64, 2, exchange_anyway)
+    def gathers(context: int, exchange_anyway: bool = False) -> bool:
+        return gathers_context(GatherPolicy(), context, q, entries, 64, 2, exchange_anyway)
 
-    assert picks_gather(2048) and picks_gather(4096) and not picks_gather(8192)
+    assert gathers(2048) and gathers(4096) and not gathers(8192)
     # With decodes in the step the partials travel anyway: only the queries are saved.
-    assert picks_gather(2048, True) and not picks_gather(4096, True)
-    assert not gathers_context(None, q, entries, 64, 2, False)  # no split row has context
+    assert gathers(2048, True) and not gathers(4096, True)
 
 
 @pytest.mark.parametrize(

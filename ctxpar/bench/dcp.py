@@ -95,7 +95,7 @@ def _patterns_rank(
     import torch
     import torch.distributed as dist
 
-    from ctxpar.layers.dcp_context import GatherPolicy, SplitContext, gathers_context, moved_bytes
+    from ctxpar.layers.dcp_context import GatherPolicy, gathers_context, moved_bytes
     from ctxpar.models.loader import load_model
     from ctxpar.parallel.comm import PCPGroup
 
@@ -136,8 +136,7 @@ def _patterns_rank(
     def rule(new: int, context: int) -> tuple[float, bool]:  # bytes gather / pass-Q, and the rule's pick
         q, entries = torch.empty(new // 2, heads, dim), torch.empty(new // 2, *entry_shape)
         got, passed = moved_bytes(context, q, entries, dim, 2, False)
-        split = SplitContext(frozenset({0}), context, [], GatherPolicy())
-        return got / passed, gathers_context(split, q, entries, dim, 2, False)
+        return got / passed, gathers_context(GatherPolicy(), context, q, entries, dim, 2, False)
 
     n = chunk // 2  # local tokens of a split step
 

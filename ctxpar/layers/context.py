@@ -95,11 +95,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         )
         return out[0].transpose(0, 1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    c = S - L
-    o_ctx, lse_ctx = flash(qh, kh[:, :, :c], vh[:, :, :c], 0.0, False, scale=scale)[:2]
-    o_new, lse_new = flash(qh, kh[:, :, c:], vh[:, :, c:], 0.0, True, scale=scale)[:2]
-    out, _ = merge_attention(torch.stack([o_ctx, o_new]), torch.stack([lse_ctx, lse_new]))  # (1, H, L, D)
+    out, _ = bottom_right_causal(  # (1, H, L, D)
+        L, S, lambda keys, causal: flash(qh, kh[:, :, keys], vh[:, :, keys], 0.0, causal, scale=scale)[:2]
+    )
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def bottom_right_causal(
+    L: int, S: int, attend: Callable[[slice, bool], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries that are the last L of S keys, aligned
+    bottom-right, from ``attend(keys, causal) -> (out, lse)`` over a slice of
+    the keys whose ``causal`` aligns top-left: an unmasked part over the first
+    S - L keys and a causal square over the last L, merged exactly."""
+    if L == S:
+        return attend(slice(0, S), True)
+    early, square = attend(slice(0, S - L), False), attend(slice(S - L, S), True)
+    return merge_attention(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))
 
 
 def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

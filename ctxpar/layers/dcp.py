@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from ctxpar.layers.context import ForwardContext, merge_attention, store_kv
+from ctxpar.layers.context import ForwardContext, bottom_right_causal, merge_attention, store_kv
 from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, gathers_context
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
@@ -94,7 +94,9 @@ def sharded_attention(
     """
     step, split = ctx.dcp, ctx.dcp.split_context
     n, heads = q.shape[0], q.shape[1]
-    gather_context = gathers_context(split, q, entries, out_dim, len(step.send_idx), step.replicated_context)
+    gather_context = split is not None and gathers_context(
+        split.policy, split.context_tokens, q, entries, out_dim, len(step.send_idx), step.replicated_context
+    )
     pass_q = split is not None and not gather_context  # the split rows' queries travel
     # Without pass-Q only rows with queries on every rank are attended shard by shard, and
     # such a token's index in the query space (query_idx) is its local index on every rank.
@@ -120,7 +122,10 @@ def sharded_attention(
     for r, idx in enumerate(step.new_key_idx):
         a, b = qsl[r], qsl[r + 1]
         if b > a:
-            outs[2, a:b], lses[2, a:b] = _causal(local_q[a:b], entries.index_select(0, idx), attend)
+            q_row, kv = local_q[a:b], entries.index_select(0, idx)  # the row's queries are its last new keys
+            outs[2, a:b], lses[2, a:b] = bottom_right_causal(
+                b - a, len(idx), lambda keys, causal: attend(q_row, kv[keys], causal)
+            )
     return merge_attention(outs, lses)[0].to(q.dtype)
 
 
@@ -144,12 +149,3 @@ def _context_partials(
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank
     return merge_attention(received[..., :out_dim], received[..., out_dim])
 
-
-def _causal(q: torch.Tensor, kv: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries that are the last L of the m new keys, bottom-right causal: an
-    unmasked part over the earlier keys and a causal square, merged."""
-    L, m = q.shape[0], kv.shape[0]
-    if L == m:
-        return attend(q, kv, True)
-    early, square = attend(q, kv[: m - L], False), attend(q, kv[m - L :], True)
-    return merge_attention(torch.stack([early[0], square[0]]), torch.stack([early[1], square[1]]))

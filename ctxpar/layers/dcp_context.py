@@ -23,6 +23,7 @@ differs between ranks would hang the group (vLLM bug #53573).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -78,8 +79,16 @@ class SplitContext:
 
     rows: frozenset[int]  # their global rows (pass-Q attends them shard by shard)
     context_tokens: int  # their context positions, in all
-    rounds: list[ContextRound]  # how to gather it
     policy: GatherPolicy
+    shard: DCPShard
+    pieces: list[tuple[int, np.ndarray, np.ndarray]]  # per row: context length, my shard's slots, my query tokens
+    to_dev: Callable[[np.ndarray], torch.Tensor]
+
+    @cached_property
+    def rounds(self) -> list[ContextRound]:
+        """How to gather the context: planned on first use, so a step whose
+        layers take pass-Q never plans it (then once for all layers)."""
+        return plan_rounds(self.shard, self.pieces, self.policy.workspace_tokens, self.to_dev)
 
 
 def split_context(
@@ -96,9 +105,8 @@ def split_context(
 
     is_split, context_lens: (R,) per global row (the PCP layout, the plan);
     rows: this rank's ctxpar.parallel.pcp.RankRows; shard_slots: R x my
-    shard's cache slots of each row's context, in local order. Built on the
-    host every such step, whichever path the layers then take: numpy over the
-    context positions, small next to attending them.
+    shard's cache slots of each row's context, in local order. The rounds
+    themselves are planned only if a layer gathers (``SplitContext.rounds``).
     """
     split = np.flatnonzero(is_split & (context_lens > 0))
     if len(split) == 0:
@@ -107,12 +115,7 @@ def split_context(
     token_req = np.repeat(rows.req_idx, rows.num_tokens)
     token_split = ~np.repeat(rows.is_replicated, rows.num_tokens)
     pieces = [(int(context_lens[r]), shard_slots[r], np.flatnonzero(token_split & (token_req == r))) for r in split]
-    return SplitContext(
-        rows=frozenset(split.tolist()),
-        context_tokens=int(context_lens[split].sum()),
-        rounds=plan_rounds(shard, pieces, policy.workspace_tokens, to_dev),
-        policy=policy,
-    )
+    return SplitContext(frozenset(split.tolist()), int(context_lens[split].sum()), policy, shard, pieces, to_dev)
 
 
 def plan_rounds(
@@ -180,16 +183,20 @@ def moved_bytes(
 
 
 def gathers_context(
-    split: SplitContext | None, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
+    policy: GatherPolicy,
+    context_tokens: int,
+    q: torch.Tensor,
+    entries: torch.Tensor,
+    out_dim: int,
+    ranks: int,
+    exchange_anyway: bool,
 ) -> bool:
-    """Whether this step's split rows gather their context (else pass-Q): the
-    policy's forced path, or under "auto" the cheaper by ``moved_bytes``
-    (gather when its bytes are below GATHER_COST_RATIO times pass-Q's)."""
-    if split is None:
-        return False
-    if split.policy.path != "auto":
-        return split.policy.path == "gather"
-    gather, pass_q = moved_bytes(split.context_tokens, q, entries, out_dim, ranks, exchange_anyway)
+    """Whether a step's split rows with ``context_tokens`` of cached context
+    gather it (else pass-Q): the policy's forced path, or under "auto" gather
+    when its bytes are below GATHER_COST_RATIO times pass-Q's (``moved_bytes``)."""
+    if policy.path != "auto":
+        return policy.path == "gather"
+    gather, pass_q = moved_bytes(context_tokens, q, entries, out_dim, ranks, exchange_anyway)
     return gather < GATHER_COST_RATIO * pass_q
 
 
