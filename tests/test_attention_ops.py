@@ -5,6 +5,7 @@ lengths, GQA ratios and paged slot layouts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,7 +61,7 @@ def test_batched_paged_decode_matches_per_row_reference(shape, lengths, block_si
     q = torch.randn(len(lengths), H, D, generator=g)
     scale = D**-0.5
 
-    table, lens = padded_slot_table(slots)
+    table, lens = padded_slot_table(torch.cat(slots), torch.cumsum(torch.tensor([0] + lengths), 0))
     k, v = gather_paged_kv(cache, table)
     out, lse = decode_attention(q, k, v, lens, scale)
     for b, sl in enumerate(slots):
@@ -92,10 +93,13 @@ def test_latent_decode_single_shared_head_with_narrower_value() -> None:
         torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
 
 
-def test_step_of_mixed_rows_matches_per_row_attention() -> None:
-    """gqa_paged_attention over a step mixing short decodes (batched, in length
-    groups), a long decode and a prefill chunk with context (one by one), and a
-    padding token: every row as if it attended alone."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gqa_paged_attention over a step mixing short decodes, a long decode, a
+    prefill chunk with context and a padding token: every row as if it attended
+    alone. The compiled kernel takes every decode in one call; the PyTorch path
+    batches the short ones in length groups and attends the rest one by one."""
+    monkeypatch.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
     from ctxpar.layers.context import ForwardContext
     from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
 
@@ -117,8 +121,11 @@ def test_step_of_mixed_rows_matches_per_row_attention() -> None:
     n = qsl[-1] + 1  # one padding token
     q = torch.randn(n, H, D, generator=g)
     out = gqa_paged_attention(q, cache, ctx, 0.3)
-    dec = decode_batch(ctx)
-    assert dec.rows == {0, 1, 2, 3} and len(dec.groups) == 2  # long decode and prefill go one by one
+    dec = decode_batch(ctx, kernel)
+    if kernel:  # every decode, long or short, in one call; the prefill chunk one by one
+        assert dec.rows == {0, 1, 2, 3, 4} and len(dec.groups) == 1
+    else:  # long decode and prefill go one by one
+        assert dec.rows == {0, 1, 2, 3} and len(dec.groups) == 2
     for r in range(len(seq_lens)):
         kv = cache[slots[r]]
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], 0.3)
@@ -145,11 +152,14 @@ def fragmented_free_list(num_blocks: int, max_piece: int, g: torch.Generator) ->
     block_size=st.sampled_from([1, 4, 16]),
     max_piece=st.sampled_from([1, 3, 40]),
 )
-def test_step_over_fragmented_or_contiguous_pool_matches_reference(shape, rows, block_size, max_piece) -> None:
-    """gqa_paged_attention over a step of decodes (short ones batched, long
-    ones one by one), prefill chunks and a padding token, on block tables
-    from a pool that is contiguous, fragmented or in between: every row as
-    if it attended alone."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_step_over_fragmented_or_contiguous_pool_matches_reference(
+    kernel: bool, shape, rows, block_size, max_piece
+) -> None:
+    """gqa_paged_attention over a step of decodes, prefill chunks and a padding
+    token, on block tables from a pool that is contiguous, fragmented or in
+    between, with the compiled kernel and on the PyTorch path: every row as if
+    it attended alone."""
     from ctxpar.layers.context import ForwardContext
     from ctxpar.layers.paged_attention import gqa_paged_attention
 
@@ -169,7 +179,9 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(shape, rows, 
         context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
     )
     q = torch.randn(qsl[-1] + 1, H, D, generator=g)
-    out = gqa_paged_attention(q, cache, ctx, D**-0.5)
+    with pytest.MonkeyPatch.context() as mp:  # hypothesis reruns the body: no function-scoped fixture
+        mp.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
+        out = gqa_paged_attention(q, cache, ctx, D**-0.5)
     for r, sl in enumerate(slots):
         kv = cache[sl]
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], D**-0.5)

@@ -43,17 +43,15 @@ def decode_attention(
     return out.view(B, H, v.shape[-1]), lse.view(B, H)
 
 
-def padded_slot_table(context_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows' cache slots as one (B, S_max) table; a short row repeats its last
-    slot (a real, written entry, so padding reads finite values that the mask
-    then drops). Returns the table and the lengths (B,)."""
-    device = context_slots[0].device
-    lengths = torch.tensor([len(s) for s in context_slots], dtype=torch.int64, device=device)
-    flat = torch.cat(context_slots)
-    starts = torch.cumsum(lengths, 0) - lengths
-    cols = torch.arange(int(lengths.max()), device=device)
-    idx = starts[:, None] + torch.minimum(cols[None, :], lengths[:, None] - 1)
-    return flat[idx], lengths
+def padded_slot_table(slots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' cache slots, back to back in ``slots`` (row b's at
+    [starts[b], starts[b+1])), as one (B, S_max) table; a short row repeats its
+    last slot (a real, written entry, so padding reads finite values that the
+    mask then drops). Returns the table and the lengths (B,). Every row has a slot."""
+    lengths = starts[1:] - starts[:-1]
+    cols = torch.arange(int(lengths.max()), device=slots.device)
+    idx = starts[:-1, None] + torch.minimum(cols[None, :], lengths[:, None] - 1)
+    return slots[idx], lengths
 
 
 def gather_paged_kv(cache: torch.Tensor, slot_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

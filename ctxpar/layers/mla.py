@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ctxpar import kernels
 from ctxpar.layers.context import ForwardContext, causal_attention, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.norm import RMSNorm
@@ -120,10 +121,11 @@ class MLAttention(nn.Module):
         cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, r + rope)
 
         out = x.new_zeros(n, h, self.v_head_dim)
-        dec = decode_batch(ctx) if ATTENTION_PATH != "expanded" else None
+        kernel = kernels.usable(cache, cache.shape[-1], self.kv_lora_rank)
+        dec = decode_batch(ctx, kernel) if ATTENTION_PATH != "expanded" else None
         for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
-            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale)
+            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel)
             out.index_copy_(0, grp.tokens, self._unabsorb(o))
         batched = dec.rows if dec is not None else set()
         qsl = ctx.query_start_loc

@@ -1,14 +1,16 @@
 """Attention of a step's local rows over the paged KV cache, dispatched by row kind.
 
-- Short one-query rows (decodes, and one-token prompt suffixes, of at most
-  ``DECODE_BATCH_MAX_KEYS`` keys) run together in batched ``decode_attention``
-  calls: their contexts are read out of the cache by one gather per call into
-  the layout the GEMMs want, instead of one copy and one kernel call per row
-  per layer. Rows of similar context length share
-  a call (sorted by length, a group closes before padding would exceed
-  ``MAX_PADDING`` of its keys): decode is memory-bound, and reading padding
-  costs as much as reading keys.
-- Other rows (prefill chunks, long decodes) attend one by one with
+- One-query rows (decodes, one-token prompt suffixes) run together:
+  - on the CPU, all of them in one call of the compiled kernel
+    (ctxpar/kernels), which reads each key and value once, in place;
+  - elsewhere (a GPU, or ``CTXPAR_KERNELS=0``, or no compiler) those of at most
+    ``DECODE_BATCH_MAX_KEYS`` keys in batched ``decode_attention`` calls: their
+    contexts are read out of the cache by one gather per call into the layout
+    the GEMMs want. Rows of similar context length share a call (sorted by
+    length, a group closes before padding would exceed ``MAX_PADDING`` of its
+    keys): decode is memory-bound, and reading padding costs as much as
+    reading keys.
+- Other rows (prefill chunks, and there long decodes) attend one by one with
   ``causal_attention``: each is a large computation or a large gather.
 
 The index tensors of the decode batch are the same for every layer of a step,
@@ -18,32 +20,44 @@ so they are built once and kept in ``ForwardContext.memo``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from ctxpar import kernels
 from ctxpar.layers.attention_ops import decode_attention, gather_paged_kv, padded_slot_table
 from ctxpar.layers.context import ForwardContext, causal_attention
 
 
 MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real keys
-# Longer one-query rows attend one by one: there the gather dominates, and one
-# index_select of whole slots per row (then PyTorch's kernel) beats the batched
-# call's gather of per-head rows. Measured per 30-layer step, SmolLM2 shapes,
-# 1 thread: 16 rows of 80 keys 17 vs 24 ms (batched wins), 64 rows of 40-150
-# keys 112 vs 113 ms, 16 rows of 256 keys 68 vs 52 ms, 1 row of 2048 29 vs 31 ms.
+# Without the kernel, longer one-query rows attend one by one: there the gather
+# dominates, and one index_select of whole slots per row (then PyTorch's kernel)
+# beats the batched call's gather of per-head rows. Measured per 30-layer step,
+# SmolLM2 shapes, 1 thread: 16 rows of 80 keys 17 vs 24 ms (batched wins), 64
+# rows of 40-150 keys 112 vs 113 ms, 16 rows of 256 keys 68 vs 52 ms, 1 row of
+# 2048 29 vs 31 ms.
 DECODE_BATCH_MAX_KEYS = 128
 
 
 @dataclass
 class DecodeGroup:
+    """One-query rows attended in one call."""
+
     tokens: torch.Tensor  # (B,) int64 local token index of each row's query
-    slot_table: torch.Tensor  # (B, S_max) int64 cache slots, short rows padded with their last slot
-    lengths: torch.Tensor | None  # (B,) keys per row; None when every row has S_max
+    slots: torch.Tensor  # (N,) int64 the rows' cache slots back to back
+    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
+
+    @cached_property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, S_max) slot table, short rows padded with their last slot, and the
+        keys per row (None when every row has S_max): the PyTorch path's input."""
+        table, lengths = padded_slot_table(self.slots, self.starts)
+        return table, lengths if bool((lengths != table.shape[1]).any()) else None
 
 
 @dataclass
 class DecodeBatch:
-    rows: set[int]  # local row numbers of all one-query rows
+    rows: set[int]  # local row numbers of the one-query rows in groups
     groups: list[DecodeGroup]
 
 
@@ -62,38 +76,50 @@ def _group_by_length(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def decode_batch(ctx: ForwardContext) -> DecodeBatch | None:
-    """The step's one-query rows of at most DECODE_BATCH_MAX_KEYS keys in length
-    groups, or None if it has none (memoised per step)."""
-    if "decode" not in ctx.memo:
+def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
+    """The step's one-query rows in groups, or None if it has none (memoised per
+    step): with the ``kernel``, all of them in one group; without, those of at
+    most DECODE_BATCH_MAX_KEYS keys, in length groups."""
+    key = "decode_kernel" if kernel else "decode"
+    if key not in ctx.memo:
         qsl = ctx.query_start_loc
-        rows = [r for r in range(ctx.num_rows) if qsl[r + 1] - qsl[r] == 1 and ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS]
+        rows = [
+            r for r in range(ctx.num_rows)
+            if qsl[r + 1] - qsl[r] == 1 and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
+        ]
         batch = None
         if rows:
             device = ctx.context_slots[rows[0]].device
             groups = []
-            for members in _group_by_length([ctx.seq_lens[r] for r in rows]):
+            for members in [list(range(len(rows)))] if kernel else _group_by_length([ctx.seq_lens[r] for r in rows]):
                 rs = [rows[i] for i in members]
-                table, lengths = padded_slot_table([ctx.context_slots[r] for r in rs])
-                ragged = bool((lengths != table.shape[1]).any())
+                lengths = torch.tensor([0] + [len(ctx.context_slots[r]) for r in rs], dtype=torch.int64)
                 tokens = torch.tensor([qsl[r] for r in rs], dtype=torch.int64, device=device)
-                groups.append(DecodeGroup(tokens, table, lengths if ragged else None))
+                slots = torch.cat([ctx.context_slots[r] for r in rs])
+                groups.append(DecodeGroup(tokens, slots, torch.cumsum(lengths, 0).to(device)))
             batch = DecodeBatch(set(rows), groups)
-        ctx.memo["decode"] = batch
-    return ctx.memo["decode"]
+        ctx.memo[key] = batch
+    return ctx.memo[key]
 
 
 def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
     """q (n, H, D) of the local tokens, cache (num_slots, 2, Hk, D) already
     holding this step's entries -> attention output (n, H, D); padding tokens
     (after the last row) get zeros."""
-    n = q.shape[0]
-    out = q.new_zeros(n, q.shape[1], q.shape[2])
-    dec = decode_batch(ctx)
+    n, _, D = q.shape
+    Hk = cache.shape[2]
+    out = q.new_zeros(n, q.shape[1], D)
+    kernel = kernels.usable(cache, D)
+    dec = decode_batch(ctx, kernel)
     for grp in dec.groups if dec is not None else []:
-        k, v = gather_paged_kv(cache, grp.slot_table)  # (B, Hk, S, D) each
-        o, _ = decode_attention(q.index_select(0, grp.tokens), k, v, grp.lengths, scale)
-        out.index_copy_(0, grp.tokens, o)
+        q_rows = q.index_select(0, grp.tokens)
+        if kernel:  # K and V of slot s at s*2*Hk*D + h*D and Hk*D further on
+            o, _ = kernels.paged_decode(q_rows, cache, grp.slots, grp.starts, Hk, D, (2 * Hk * D, D, Hk * D), scale)
+        else:
+            table, lengths = grp.padded
+            k, v = gather_paged_kv(cache, table)  # (B, Hk, S, D) each
+            o, _ = decode_attention(q_rows, k, v, lengths, scale)
+        out.index_copy_(0, grp.tokens, o.to(out.dtype))
     qsl = ctx.query_start_loc
     single = dec.rows if dec is not None else set()
     for r in range(ctx.num_rows):
@@ -106,12 +132,18 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
 
 
 def latent_decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, grp: DecodeGroup, value_dim: int, scale: float
+    q: torch.Tensor, cache: torch.Tensor, grp: DecodeGroup, value_dim: int, scale: float, kernel: bool
 ) -> torch.Tensor:
     """MLA decode in latent space for a group of one-query rows: q (B, H, E)
     against cached entries (num_slots, E) that serve as the single shared key,
-    whose first value_dim values are the value. Returns (B, H, value_dim)."""
-    B, S = grp.slot_table.shape
-    k = cache.index_select(0, grp.slot_table.view(-1)).view(B, 1, S, cache.shape[-1]).to(q.dtype)
-    out, _ = decode_attention(q, k, k[..., :value_dim], grp.lengths, scale)
+    whose first value_dim values are the value. Returns (B, H, value_dim).
+    kernel: ``kernels.usable`` for this cache and these widths."""
+    E = cache.shape[-1]
+    if kernel:
+        out, _ = kernels.paged_decode(q, cache, grp.slots, grp.starts, 1, value_dim, (E, 0, 0), scale)
+        return out.to(q.dtype)
+    table, lengths = grp.padded
+    B, S = table.shape
+    k = cache.index_select(0, table.view(-1)).view(B, 1, S, E).to(q.dtype)
+    out, _ = decode_attention(q, k, k[..., :value_dim], lengths, scale)
     return out

@@ -1,0 +1,236 @@
+// One-query attention of many rows over a paged cache, read in place.
+//
+// Built on first use by ctxpar/kernels/__init__.py (g++ -O3 -march=native
+// -fopenmp, no PyTorch headers) and called through ctypes with raw pointers.
+// It replaces, for decode rows, the PyTorch path of gathering each row's
+// context out of the cache and then calling a kernel: here each key and value
+// is read once, straight from its cache slot.
+//
+// Inner loops work on eight floats at a time (GCC's vector extension, so one
+// AVX register, or two SSE ones, without tying the source to an instruction
+// set): eight keys' dot products reduce together, exp is a polynomial, and a
+// value block's accumulators stay in registers over the keys.
+//
+// Work is cut into tasks of (row, KV head, run of at most CHUNK keys) so that
+// one long row still keeps every thread busy; each task leaves a partial
+// (out, lse) and a second pass merges a row's runs exactly by log-sum-exp.
+//
+// The cache is addressed by strides, so one kernel serves
+//   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
+//   MLA  (num_slots, E) latents: slot_stride E, head_stride 0, v_offset 0
+//        (Hk = 1; the value is the first Dv entries of the key)
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 256;  // keys per task (a multiple of 8)
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
+  uint32_t bits[8];
+  for (int i = 0; i < 8; ++i) bits[i] = uint32_t(p[i]) << 16;
+  v8 v;
+  std::memcpy(&v, bits, sizeof v);
+  return v;
+}
+
+inline v8 splat(float x) { return v8{} + x; }
+
+// Eight vectors -> one vector of their horizontal sums (a transposing add tree).
+inline v8 reduce8(const v8* a) {
+  v8 t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, a degree-5
+// polynomial after range reduction, relative error ~1e-7; exactly 0 below -87
+// (where float32's exp underflows), so also for x = -inf.
+inline v8 exp8(v8 x) {
+  const v8 lowest = splat(-87.0f);
+  const auto underflow = x < lowest;
+  x = underflow ? lowest : x;  // keeps 2^n a normal float
+  const v8i biased = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, v8i);  // floor(.. + 0.5) + 128
+  const v8 n = __builtin_convertvector(biased, v8) - 128.0f;
+  const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8i bits = (biased - 1) << 23;  // 2^n: exponent n + 127
+  v8 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return underflow ? v8{} : (p * r * r + r + 1.0f) * two_n;
+}
+
+// One query head (dim floats, scaled) against eight keys -> their eight scores.
+template <typename T>
+inline v8 dot8(const float* q, const T* const* k, int64_t dim) {
+  v8 acc[8] = {};
+  for (int64_t c = 0; c < dim; c += 8) {
+    const v8 qc = load8(q + c);
+    for (int i = 0; i < 8; ++i) acc[i] += qc * load8(k[i] + c);
+  }
+  return reduce8(acc);
+}
+
+// out[0, 8W) = sum_s p[s] * v[s][c, c + 8W), the W accumulators in registers.
+template <int W, typename T>
+inline void weighted_values(const float* p, const T* const* v, int64_t n, int64_t c, float* out) {
+  v8 acc[W] = {};
+  for (int64_t s = 0; s < n; ++s) {
+    const v8 ps = splat(p[s]);
+    for (int i = 0; i < W; ++i) acc[i] += ps * load8(v[s] + c + 8 * i);
+  }
+  std::memcpy(out, acc, sizeof acc);
+}
+
+template <typename T>
+void weighted_values_any(const float* p, const T* const* v, int64_t n, int64_t c, int64_t width, float* out) {
+  switch (width / 8) {  // width: a multiple of 8, at most 64
+    case 1: return weighted_values<1>(p, v, n, c, out);
+    case 2: return weighted_values<2>(p, v, n, c, out);
+    case 3: return weighted_values<3>(p, v, n, c, out);
+    case 4: return weighted_values<4>(p, v, n, c, out);
+    case 5: return weighted_values<5>(p, v, n, c, out);
+    case 6: return weighted_values<6>(p, v, n, c, out);
+    case 7: return weighted_values<7>(p, v, n, c, out);
+    default: return weighted_values<8>(p, v, n, c, out);
+  }
+}
+
+struct Task {
+  int64_t row, head, first, last;  // keys [first, last) of the row's slots
+};
+
+template <typename T>
+void attend(const float* q, const T* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
+            int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
+            int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
+  const int64_t g = heads / kv_heads;  // query heads per KV head
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(rows * kv_heads + 1);
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      first_task[b * kv_heads + h] = int64_t(tasks.size());
+      for (int64_t s = starts[b]; s < starts[b + 1]; s += CHUNK)
+        tasks.push_back({b, h, s, std::min(s + CHUNK, starts[b + 1])});
+    }
+  first_task[rows * kv_heads] = int64_t(tasks.size());
+  const int64_t n_tasks = int64_t(tasks.size());
+  std::vector<float> part_out(n_tasks * g * value_dim), part_lse(n_tasks * g);
+
+#pragma omp parallel
+  {
+    std::vector<float> qs(g * dim), scores(g * CHUNK);
+    std::vector<const T*> keys(CHUNK), values(CHUNK);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tasks; ++t) {
+      const Task& task = tasks[t];
+      const int64_t n = task.last - task.first, n8 = (n + 7) / 8 * 8;
+      const float* qt = q + (task.row * heads + task.head * g) * dim;
+      for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * scale;
+      for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
+        const T* slot = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
+        keys[s] = slot;
+        values[s] = slot + v_offset;
+      }
+      float* o = part_out.data() + t * g * value_dim;
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = scores.data() + j * CHUNK;
+        for (int64_t s = 0; s < n8; s += 8) {
+          const v8 sc = dot8(qs.data() + j * dim, keys.data() + s, dim);
+          std::memcpy(sj + s, &sc, sizeof sc);
+        }
+        for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
+        v8 top8 = load8(sj);
+        for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
+        float top = top8[0];
+        for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
+        v8 total8 = {};
+        for (int64_t s = 0; s < n8; s += 8) {
+          const v8 e = exp8(load8(sj + s) - top);
+          std::memcpy(sj + s, &e, sizeof e);
+          total8 += e;
+        }
+        const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
+                            ((total8[2] + total8[6]) + (total8[3] + total8[7]));
+        part_lse[t * g + j] = top + std::log(total);
+        float* oj = o + j * value_dim;
+        for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
+          weighted_values_any(sj, values.data(), n, c, std::min<int64_t>(64, value_dim - c), oj + c);
+        for (int64_t i = 0; i < value_dim; ++i) oj[i] /= total;
+      }
+    }
+
+    // Merge each (row, KV head)'s runs: out = sum_c exp(lse_c - L) out_c, L = logsumexp_c lse_c.
+#pragma omp for
+    for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
+      const int64_t b = bh / kv_heads, h = bh % kv_heads, t0 = first_task[bh], t1 = first_task[bh + 1];
+      for (int64_t j = 0; j < g; ++j) {
+        float* o = out + ((b * heads + h * g + j) * value_dim);
+        float* l = lse + b * heads + h * g + j;
+        std::fill(o, o + value_dim, 0.0f);
+        if (t0 == t1) {  // a row without keys: out 0, lse -inf, as the PyTorch path
+          *l = -INFINITY;
+          continue;
+        }
+        float top = part_lse[t0 * g + j];
+        for (int64_t t = t0 + 1; t < t1; ++t) top = std::max(top, part_lse[t * g + j]);
+        float total = 0.0f;
+        for (int64_t t = t0; t < t1; ++t) total += std::exp(part_lse[t * g + j] - top);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float w = std::exp(part_lse[t * g + j] - top) / total;
+          const float* src = part_out.data() + (t * g + j) * value_dim;
+          for (int64_t d = 0; d < value_dim; ++d) o[d] += w * src[d];
+        }
+        *l = top + std::log(total);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q (rows, heads, dim) float32; slots: the rows' cache slots back to back,
+// row b's at [starts[b], starts[b+1]); out (rows, heads, value_dim) and lse
+// (rows, heads) float32. Query head i uses KV head i / (heads / kv_heads).
+void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
+                      int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
+         out, lse);
+}
+
+// The same over a bfloat16 cache (q, out and lse stay float32).
+void paged_decode_bf16(const float* q, const uint16_t* cache, const int64_t* slots, const int64_t* starts,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
+                       int64_t slot_stride, int64_t head_stride, int64_t v_offset, float scale, float* out,
+                       float* lse) {
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
+         out, lse);
+}
+}

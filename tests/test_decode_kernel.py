@@ -1,0 +1,139 @@
+"""The compiled decode kernel (ctxpar/kernels) against the straightforward
+path: explicit scores and a softmax per row in float64 (fp32 tolerance 1e-5),
+over random shapes, GQA ratios, MLA's shared latent key, context lengths that
+span several of the kernel's key runs, paged slot layouts and empty rows; and
+how it is built, found and turned off."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar import kernels
+from test_attention_ops import TOL, reference
+
+
+def paged(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows' slots in blocks handed out in a random order, back to back, their
+    starts, and the number of slots the cache needs."""
+    num_blocks = sum(-(-s // block_size) for s in lengths) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    slots = []
+    for s in lengths:
+        blocks = torch.tensor([free.pop() for _ in range(-(-s // block_size))], dtype=torch.int64)
+        pos = torch.arange(s)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    starts = torch.cumsum(torch.tensor([0] + lengths), 0)
+    return torch.cat(slots).long(), starts, num_blocks * block_size
+
+
+def test_kernel_builds_here() -> None:
+    """This machine (and CI's) has g++: the kernel must build, or every other
+    test here would only check the PyTorch path."""
+    assert kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4, 7]),
+    head_dim=st.sampled_from([8, 16, 24, 64, 72]),
+    lengths=st.lists(st.integers(0, 700), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 5, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D = kv_heads, kv_heads * group, head_dim
+    slots, starts, num_slots = paged(lengths, block_size, g)
+    cache = torch.randn(num_slots, 2, Hk, D, generator=g)
+    q = torch.randn(len(lengths), H, D, generator=g)
+    out, lse = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), D**-0.5)
+    for b, n in enumerate(lengths):
+        if n == 0:  # no keys (an empty DCP shard): out 0 and lse -inf, so a merge ignores it
+            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
+            continue
+        kv = cache[slots[starts[b] : starts[b + 1]]]
+        want, want_lse = reference(q[b : b + 1], kv[:, 0], kv[:, 1], D**-0.5)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    heads=st.sampled_from([1, 4, 16]),
+    widths=st.sampled_from([(40, 32), (16, 8), (576, 512)]),
+    lengths=st.lists(st.integers(1, 600), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_mla_latent_rows_match_reference(heads, widths, lengths, seed) -> None:
+    """MLA's absorbed decode: one latent per slot is the key of every head, and
+    its first value_dim entries are the value."""
+    g = torch.Generator().manual_seed(seed)
+    E, r = widths
+    slots, starts, num_slots = paged(lengths, 16, g)
+    cache = torch.randn(num_slots, E, generator=g)
+    q = torch.randn(len(lengths), heads, E, generator=g)
+    out, lse = kernels.paged_decode(q, cache, slots, starts, 1, r, (E, 0, 0), 0.1)
+    for b in range(len(lengths)):
+        k = cache[slots[starts[b] : starts[b + 1]]][:, None]  # (S, 1, E)
+        want, want_lse = reference(q[b : b + 1], k, k[..., :r], 0.1)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+def test_bf16_cache_matches_reference_on_its_values() -> None:
+    """A bfloat16 cache is widened exactly to float32 in the kernel: the result
+    equals float64 attention over the same (rounded) values."""
+    g = torch.Generator().manual_seed(3)
+    Hk, H, D, lengths = 3, 9, 64, [1, 300, 1000]
+    slots, starts, num_slots = paged(lengths, 16, g)
+    cache = torch.randn(num_slots, 2, Hk, D, generator=g).bfloat16()
+    q = torch.randn(len(lengths), H, D, generator=g).bfloat16()
+    out, _ = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), 0.125)
+    for b in range(len(lengths)):
+        kv = cache[slots[starts[b] : starts[b + 1]]]
+        want, _ = reference(q[b : b + 1], kv[:, 0], kv[:, 1], 0.125)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+
+
+def test_usable_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = torch.zeros(8, 2, 2, 16)
+    assert kernels.usable(cache, 16)
+    assert not kernels.usable(cache, 12)  # not a multiple of the kernel's 8-float vectors
+    assert not kernels.usable(cache.half(), 16)  # float32 and bfloat16 only
+    assert not kernels.usable(cache.transpose(0, 1), 16)  # strides assume a contiguous cache
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    assert not kernels.usable(cache, 16)
+
+
+def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path))
+    kernels._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C.. compiler"):
+            assert not kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+    finally:
+        kernels._library.cache_clear()
+
+
+def test_fresh_cache_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A fresh cache directory gets one library, reused by the next load."""
+    monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path))
+    kernels._library.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels._library() is not None
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        mtime = built[0].stat().st_mtime_ns
+        kernels._library.cache_clear()
+        assert kernels._library() is not None and built[0].stat().st_mtime_ns == mtime
+    finally:
+        kernels._library.cache_clear()
