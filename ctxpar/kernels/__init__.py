@@ -31,9 +31,15 @@ import torch
 from ctxpar.models.gguf import cache_root
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))  # built together into one library
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ARGS = [_ptr, _ptr, _ptr, _ptr] + [_i64] * 8 + [_f32, _ptr, _ptr]
+SIGNATURES = {  # name: (argument types, result type)
+    "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
+    "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
+    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 9 + [_f32, _ptr, _ptr], None),
+    "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
+}
 
 
 def enabled() -> bool:
@@ -55,28 +61,29 @@ def _library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        warnings.warn(f"ctxpar: no C++ compiler ({compiler}: {e}); decode attention runs on the slower PyTorch path. "
+        warnings.warn(f"ctxpar: no C++ compiler ({compiler}: {e}); attention runs on the slower PyTorch path. "
                       "Install g++ (or set CXX) to build ctxpar's kernels.")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"paged_decode-{key}.so"
+    texts = [f.read_text() for f in sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"ctxpar_kernels-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build under a temporary name, then rename: ranks that start together may
         # build at once, and none may load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        build = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
-            warnings.warn(f"ctxpar: building {SOURCE.name} failed; decode attention runs on the slower PyTorch "
+            warnings.warn(f"ctxpar: building the kernels in {HERE} failed; attention runs on the slower PyTorch "
                           f"path:\n{build.stderr[-2000:]}")
             return None
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        getattr(lib, name).argtypes = _ARGS
-        getattr(lib, name).restype = None
+    for name, (args, result) in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = result
     return lib
 
 
@@ -121,4 +128,34 @@ def paged_decode(
     kernel = _library().paged_decode_f32 if cache.dtype == torch.float32 else _library().paged_decode_bf16
     kernel(q.data_ptr(), cache.data_ptr(), slots.data_ptr(), starts.data_ptr(), rows, heads, kv_heads, dim,
            value_dim, *strides, scale, out.data_ptr(), lse.data_ptr())
+    return out, lse
+
+
+def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``prefill_attention`` takes these: float32 CPU tensors whose
+    heads are contiguous rows, widths the kernel's vectors divide, kernels on."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
+        and enabled()
+        and _library() is not None
+        and bool(_library().prefill_attention_supports(q.shape[-1], v.shape[-1]))
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of L queries that are the last L of S keys (bottom-right
+    aligned), grouped-query heads: q (L, H, D), k (S, Hk, D), v (S, Hk, Dv), all
+    ``prefill_usable`` (views with strided tokens are fine). Returns out
+    (L, H, Dv) and lse (L, H), float32."""
+    (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
+    out = torch.empty(L, H, Dv, dtype=torch.float32)
+    lse = torch.empty(L, H, dtype=torch.float32)
+    _library().prefill_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), L, S, H, Hk, D, Dv, q.stride(0), k.stride(0), v.stride(0),
+        scale, out.data_ptr(), lse.data_ptr(),
+    )
     return out, lse

@@ -6,10 +6,9 @@
 // context out of the cache and then calling a kernel: here each key and value
 // is read once, straight from its cache slot.
 //
-// Inner loops work on eight floats at a time (GCC's vector extension, so one
-// AVX register, or two SSE ones, without tying the source to an instruction
-// set): eight keys' dot products reduce together, exp is a polynomial, and a
-// value block's accumulators stay in registers over the keys.
+// Inner loops work on eight floats at a time (vec.h): eight keys' dot products
+// reduce together, exp is a polynomial, and a value block's accumulators stay
+// in registers over the keys.
 //
 // Work is cut into tasks of (row, KV head, run of at most CHUNK keys) so that
 // one long row still keeps every thread busy; each task leaves a partial
@@ -26,28 +25,11 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t CHUNK = 256;  // keys per task (a multiple of 8)
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
-  uint32_t bits[8];
-  for (int i = 0; i < 8; ++i) bits[i] = uint32_t(p[i]) << 16;
-  v8 v;
-  std::memcpy(&v, bits, sizeof v);
-  return v;
-}
-
-inline v8 splat(float x) { return v8{} + x; }
 
 // Eight vectors -> one vector of their horizontal sums (a transposing add tree).
 inline v8 reduce8(const v8* a) {
@@ -60,28 +42,6 @@ inline v8 reduce8(const v8* a) {
            __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, a degree-5
-// polynomial after range reduction, relative error ~1e-7; exactly 0 below -87
-// (where float32's exp underflows), so also for x = -inf.
-inline v8 exp8(v8 x) {
-  const v8 lowest = splat(-87.0f);
-  const auto underflow = x < lowest;
-  x = underflow ? lowest : x;  // keeps 2^n a normal float
-  const v8i biased = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, v8i);  // floor(.. + 0.5) + 128
-  const v8 n = __builtin_convertvector(biased, v8) - 128.0f;
-  const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v8i bits = (biased - 1) << 23;  // 2^n: exponent n + 127
-  v8 two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return underflow ? v8{} : (p * r * r + r + 1.0f) * two_n;
 }
 
 // One query head (dim floats, scaled) against eight keys -> their eight scores.
@@ -100,7 +60,7 @@ template <int W, typename T>
 inline void weighted_values(const float* p, const T* const* v, int64_t n, int64_t c, float* out) {
   v8 acc[W] = {};
   for (int64_t s = 0; s < n; ++s) {
-    const v8 ps = splat(p[s]);
+    const float ps = p[s];  // broadcast by the vector product
     for (int i = 0; i < W; ++i) acc[i] += ps * load8(v[s] + c + 8 * i);
   }
   std::memcpy(out, acc, sizeof acc);
@@ -170,7 +130,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
         for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
         v8 total8 = {};
         for (int64_t s = 0; s < n8; s += 8) {
-          const v8 e = exp8(load8(sj + s) - top);
+          const v8 e = exp_nonpositive<v8, v8i>(load8(sj + s) - top);
           std::memcpy(sj + s, &e, sizeof e);
           total8 += e;
         }

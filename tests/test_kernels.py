@@ -1,8 +1,12 @@
-"""The compiled decode kernel (ctxpar/kernels) against the straightforward
-path: explicit scores and a softmax per row in float64 (fp32 tolerance 1e-5),
-over random shapes, GQA ratios, MLA's shared latent key, context lengths that
-span several of the kernel's key runs, paged slot layouts and empty rows; and
-how it is built, found and turned off."""
+"""The compiled CPU kernels (ctxpar/kernels) against the straightforward path:
+explicit scores, an explicit bottom-right causal mask and a softmax per row in
+float64 (fp32 tolerance 1e-5).
+
+- decode: random shapes, GQA ratios, MLA's shared latent key, context lengths
+  that span several of the kernel's key runs, paged slot layouts, empty rows;
+- prefill: random chunk and context lengths (ragged last blocks, chunks after
+  a long context), GQA ratios, head widths, strided views as the layers pass;
+- how they are built, found and turned off."""
 
 from __future__ import annotations
 
@@ -86,6 +90,49 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed) -> None:
         torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    chunk=st.integers(1, 200),
+    context=st.sampled_from([0, 0, 1, 63, 64, 65, 300]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, seed) -> None:
+    """A chunk of L queries after `context` cached keys: query i sees keys up to
+    context + i. K and V are the halves of a (S, 2, Hk, D) gather and q a view
+    of a fused projection, as gqa_paged_attention passes them."""
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D, L = kv_heads, kv_heads * group, head_dim, chunk
+    S = context + L
+    qkv = torch.randn(L, H + 2 * Hk, D, generator=g)
+    q, kv = qkv[:, :H], torch.randn(S, 2, Hk, D, generator=g)
+    assert kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+    out, lse = kernels.prefill_attention(q, kv[:, 0], kv[:, 1], D**-0.5)
+    want, want_lse = reference(q, kv[:, 0], kv[:, 1], D**-0.5)
+    torch.testing.assert_close(out.double(), want, **TOL)
+    torch.testing.assert_close(lse.double(), want_lse, **TOL)
+
+
+def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """causal_attention's CPU fp32 rows of >= KERNEL_MIN_QUERIES queries run in
+    the kernel (equal to PyTorch's path), shorter ones in PyTorch's."""
+    from ctxpar.layers.context import KERNEL_MIN_QUERIES, causal_attention
+
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    for L, S in [(KERNEL_MIN_QUERIES - 1, 300), (KERNEL_MIN_QUERIES, 300), (KERNEL_MIN_QUERIES + 200, 400)]:
+        q, kv = torch.randn(L, 9, 64, generator=g), torch.randn(S, 2, 3, 64, generator=g)
+        out = causal_attention(q, kv[:, 0], kv[:, 1], 0.125)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CTXPAR_KERNELS", "0")
+            torch.testing.assert_close(out, causal_attention(q, kv[:, 0], kv[:, 1], 0.125), **TOL)
+    assert len(calls) == 2
+
+
 def test_bf16_cache_matches_reference_on_its_values() -> None:
     """A bfloat16 cache is widened exactly to float32 in the kernel: the result
     equals float64 attention over the same (rounded) values."""
@@ -101,14 +148,18 @@ def test_bf16_cache_matches_reference_on_its_values() -> None:
         torch.testing.assert_close(out[b].double(), want[0], **TOL)
 
 
-def test_usable_only_where_the_kernel_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_usable_only_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kv = torch.zeros(4, 4, 64), torch.zeros(8, 2, 2, 64)
+    assert kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+    assert not kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16())  # fp32 only
+    assert not kernels.prefill_usable(q.transpose(1, 2), kv[:, 0], kv[:, 1])  # a head's row must be contiguous
     cache = torch.zeros(8, 2, 2, 16)
     assert kernels.usable(cache, 16)
     assert not kernels.usable(cache, 12)  # not a multiple of the kernel's 8-float vectors
     assert not kernels.usable(cache.half(), 16)  # float32 and bfloat16 only
     assert not kernels.usable(cache.transpose(0, 1), 16)  # strides assume a contiguous cache
     monkeypatch.setenv("CTXPAR_KERNELS", "0")
-    assert not kernels.usable(cache, 16)
+    assert not kernels.usable(cache, 16) and not kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
 
 
 def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
