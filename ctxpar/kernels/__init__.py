@@ -1,9 +1,10 @@
 """Compiled CPU kernels, built on first use.
 
-A kernel is a C++ file next to this one that includes no PyTorch header, so
-``g++ -O3 -march=native -fopenmp`` builds it in about a second (a PyTorch
-extension takes a minute). The library lands in ``<cache>/kernels`` under a
-name that hashes the source, the flags, the compiler and the CPU's flags (a
+The kernels are the C++ files next to this one (decode and prefill
+attention); they include no PyTorch header, so ``g++ -O3 -march=native
+-fopenmp`` builds them into one library in a few seconds (a PyTorch extension
+takes a minute). The library lands in ``<cache>/kernels`` under a name that
+hashes the sources, the flags, the compiler and the CPU's flags (a
 cache shared between machines never serves one CPU's build to another), and
 is called through ctypes with the tensors' data pointers. Its OpenMP threads
 are PyTorch's own: both load the same ``libgomp.so.1``, so
