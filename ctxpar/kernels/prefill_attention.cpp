@@ -41,34 +41,20 @@ constexpr int64_t TILE = 4 * W;  // columns of a tile
 constexpr int64_t BK = 64;  // keys per block (a multiple of TILE)
 constexpr int64_t BQ = 32;  // queries per task
 
-// c[r][0, TILE) += sum_d a[r][d] * b[d][0, TILE) for r < ROWS: a row-major with
-// stride lda, b row-major with stride ldb, c row-major with stride ldc.
-inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+// c[r][0, TILE) = (c[r][0, TILE) if accumulate) + sum_d a[r][d] * b(d)[0, TILE)
+// for r < ROWS: a and c row-major with strides lda and ldc, b(d) the address of
+// row d of the right operand (K^T rows, or V rows where they lie in memory).
+template <typename Rows>
+inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, bool accumulate, float* c,
                          int64_t ldc) {
-  vec acc[ROWS][4];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W);
+  vec acc[ROWS][4] = {};
+  if (accumulate)
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W);
   for (int64_t d = 0; d < depth; ++d) {
+    const float* bd_row = b(d);
     vec bd[4];
-    for (int i = 0; i < 4; ++i) bd[i] = loadv<vec>(b + d * ldb + i * W);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const float ar = a[r * lda + d];  // broadcast by the vector product
-      for (int i = 0; i < 4; ++i) acc[r][i] += ar * bd[i];
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int i = 0; i < 4; ++i) storev(c + r * ldc + i * W, acc[r][i]);
-}
-
-// The same with b given as rows of pointers (V rows read where they lie).
-inline void tile_product_rows(const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth,
-                              float* c, int64_t ldc) {
-  vec acc[ROWS][4];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W);
-  for (int64_t d = 0; d < depth; ++d) {
-    vec bd[4];
-    for (int i = 0; i < 4; ++i) bd[i] = loadv<vec>(b[d] + col + i * W);
+    for (int i = 0; i < 4; ++i) bd[i] = loadv<vec>(bd_row + i * W);
     for (int64_t r = 0; r < ROWS; ++r) {
       const float ar = a[r * lda + d];  // broadcast by the vector product
       for (int i = 0; i < 4; ++i) acc[r][i] += ar * bd[i];
@@ -92,7 +78,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
                            int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
                            int64_t v_stride, float scale, float* out, float* lse) {
   const int64_t g = heads / kv_heads, offset = S - L;
-  const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS);
+  const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
   // K^T per KV head, zero-padded to whole blocks: (kv_heads, dim, S_pad).
   std::vector<float> kt(kv_heads * dim * S_pad, 0.0f);
   const int64_t q_blocks = (L + BQ - 1) / BQ;
@@ -105,7 +91,9 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
         for (int64_t s = s0; s < std::min(S, s0 + BK); ++s)
           for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
 
-    std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim), top(M), total(M);
+    // Per-row state, padded to whole vectors (the extra rows' block maxima stay 0: finite).
+    std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim);
+    std::vector<float> top(M_vec), total(M_vec), rescale(M_vec), block_top(M_vec, 0.0f);
     std::vector<const float*> v_rows(BK);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -120,47 +108,51 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(total.begin(), total.end(), 0.0f);
+        const float* kt_h = kt.data() + h * dim * S_pad;
         const int64_t last_pos = offset + i0 + n - 1;  // the block's last query sees keys up to here
         for (int64_t s0 = 0; s0 <= last_pos; s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
-          std::fill(scores.begin(), scores.end(), 0.0f);
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
-              tile_product(qb.data() + m * dim, dim, kt.data() + h * dim * S_pad + s0 + c, S_pad, dim,
-                           scores.data() + m * BK + c, BK);
-          for (int64_t m = 0; m < M; ++m) {
+              tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_h + d * S_pad + s0 + c; }, dim,
+                           false, scores.data() + m * BK + c, BK);
+          // Online softmax. Every row sees key 0, so after the first block its
+          // running max is finite and no rescale below is exp(-inf - -inf).
+          for (int64_t m = 0; m < M; ++m) {  // mask the future (and padding keys), row maxima
             float* row = scores.data() + m * BK;
-            // Keys this row may see in the block: up to its position, and only real keys.
             const int64_t seen = std::min(keys, std::max<int64_t>(0, offset + i0 + m / g - s0 + 1));
             for (int64_t s = seen; s < BK; ++s) row[s] = -INFINITY;
             vec tops = loadv<vec>(row);
             for (int64_t s = W; s < BK; s += W) tops = tops < loadv<vec>(row + s) ? loadv<vec>(row + s) : tops;
-            float block_top = tops[0];
-            for (int64_t i = 1; i < W; ++i) block_top = std::max(block_top, tops[i]);
-            const float new_top = std::max(top[m], block_top);
-            if (new_top == -INFINITY) {  // nothing seen yet (padding rows): weights stay 0
-              for (int64_t s = 0; s < BK; ++s) row[s] = 0.0f;
-              continue;
-            }
-            const float rescale = std::exp(top[m] - new_top);  // exp(-inf) = 0 on the first block
+            float t = tops[0];
+            for (int64_t i = 1; i < W; ++i) t = std::max(t, tops[i]);
+            block_top[m] = t;
+          }
+          for (int64_t m = 0; m < M_vec; m += W) {  // new maxima and rescales, W rows at a time
+            const vec old_top = loadv<vec>(top.data() + m), bt = loadv<vec>(block_top.data() + m);
+            const vec new_top = old_top < bt ? bt : old_top;
+            storev(rescale.data() + m, exp_nonpositive<vec, veci>(old_top - new_top));  // 0 on the first block
+            storev(top.data() + m, new_top);
+          }
+          for (int64_t m = 0; m < M; ++m) {  // p = exp(score - max), row sums, O rescaled
+            float* row = scores.data() + m * BK;
             vec sum = {};
             for (int64_t s = 0; s < BK; s += W) {
-              const vec p = exp_nonpositive<vec, veci>(loadv<vec>(row + s) - new_top);
+              const vec p = exp_nonpositive<vec, veci>(loadv<vec>(row + s) - top[m]);
               storev(row + s, p);
               sum += p;
             }
             float block_total = 0.0f;
             for (int64_t i = 0; i < W; ++i) block_total += sum[i];
-            total[m] = total[m] * rescale + block_total;
-            top[m] = new_top;
-            if (rescale != 1.0f)
-              for (int64_t d = 0; d < value_dim; ++d) o[m * value_dim + d] *= rescale;
+            total[m] = total[m] * rescale[m] + block_total;
+            float* om = o.data() + m * value_dim;
+            for (int64_t d = 0; d < value_dim; d += W) storev(om + d, loadv<vec>(om + d) * rescale[m]);
           }
           for (int64_t s = 0; s < keys; ++s) v_rows[s] = v + (s0 + s) * v_stride + h * value_dim;
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < value_dim; c += TILE)
-              tile_product_rows(scores.data() + m * BK, BK, v_rows.data(), c, keys, o.data() + m * value_dim + c,
-                                value_dim);
+              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys, true,
+                           o.data() + m * value_dim + c, value_dim);
         }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
