@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar import kernels
@@ -41,7 +41,21 @@ def test_kernel_builds_here() -> None:
     assert kernels.usable(torch.zeros(4, 2, 1, 8), 8)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.fixture(params=["native", "haswell"])
+def march(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernels built for this CPU, and for an AVX2-only one (the code path of
+    CPUs without AVX-512: 8-float vectors, smaller tiles), which this CPU runs too."""
+    if request.param != "native":
+        if "avx2" not in kernels._cpu_flags().split():
+            pytest.fail("this CPU cannot run an AVX2 build")
+        lib = kernels._library(request.param)
+        # Built without AVX-512: vectors of 8, so a 32-wide value is whole tiles of 4 vectors.
+        assert lib is not None and lib.prefill_attention_supports(8, 32)
+        monkeypatch.setattr(kernels, "_library", lambda march="native": lib)
+    return request.param
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 3, 4, 7]),
@@ -50,7 +64,7 @@ def test_kernel_builds_here() -> None:
     block_size=st.sampled_from([1, 5, 16]),
     seed=st.integers(0, 2**16),
 )
-def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size, seed) -> None:
+def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size, seed, march) -> None:
     g = torch.Generator().manual_seed(seed)
     Hk, H, D = kv_heads, kv_heads * group, head_dim
     slots, starts, num_slots = paged(lengths, block_size, g)
@@ -67,14 +81,14 @@ def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size
         torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     heads=st.sampled_from([1, 4, 16]),
     widths=st.sampled_from([(40, 32), (16, 8), (576, 512)]),
     lengths=st.lists(st.integers(1, 600), min_size=1, max_size=3),
     seed=st.integers(0, 2**16),
 )
-def test_mla_latent_rows_match_reference(heads, widths, lengths, seed) -> None:
+def test_mla_latent_rows_match_reference(heads, widths, lengths, seed, march) -> None:
     """MLA's absorbed decode: one latent per slot is the key of every head, and
     its first value_dim entries are the value."""
     g = torch.Generator().manual_seed(seed)
@@ -90,7 +104,7 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed) -> None:
         torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 3, 4]),
@@ -99,7 +113,7 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed) -> None:
     context=st.sampled_from([0, 0, 1, 63, 64, 65, 300]),
     seed=st.integers(0, 2**16),
 )
-def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, seed) -> None:
+def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, seed, march) -> None:
     """A chunk of L queries after `context` cached keys: query i sees keys up to
     context + i. K and V are the halves of a (S, 2, Hk, D) gather and q a view
     of a fused projection, as gqa_paged_attention passes them."""
@@ -133,7 +147,7 @@ def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: 
     assert len(calls) == 2
 
 
-def test_bf16_cache_matches_reference_on_its_values() -> None:
+def test_bf16_cache_matches_reference_on_its_values(march: str) -> None:
     """A bfloat16 cache is widened exactly to float32 in the kernel: the result
     equals float64 attention over the same (rounded) values."""
     g = torch.Generator().manual_seed(3)

@@ -31,7 +31,7 @@ import torch
 
 from ctxpar.models.gguf import cache_root
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))  # built together into one library
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -56,8 +56,11 @@ def _cpu_flags() -> str:
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernel library, building it if needed; None if it cannot be built."""
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    """The built kernel library, building it if needed; None if it cannot be built.
+    march: the target CPU (``native``: this one; the tests also build an AVX2-only
+    ``haswell`` library to check the code path of CPUs without AVX-512)."""
+    flags = [*FLAGS, f"-march={march}"]
     compiler = os.environ.get("CXX", "g++")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
@@ -66,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
                       "Install g++ (or set CXX) to build ctxpar's kernels.")
         return None
     texts = [f.read_text() for f in sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"ctxpar_kernels-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,7 @@ def _library() -> ctypes.CDLL | None:
         # build at once, and none may load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        build = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        build = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
             warnings.warn(f"ctxpar: building the kernels in {HERE} failed; attention runs on the slower PyTorch "
