@@ -1,0 +1,98 @@
+"""Time ctxpar's compiled attention kernels against the PyTorch path they replace.
+
+Both sides run through the layer entry points the model calls
+(``gqa_paged_attention`` for decode rows over a paged cache,
+``causal_attention`` for prefill chunks), once with the kernels and once with
+``CTXPAR_KERNELS=0``, at SmolLM2's shapes (9 query and 3 KV heads of 64,
+fp32): so the baseline is exactly what ctxpar runs without them (batched
+GEMMs over gathered contexts, or PyTorch's flash kernel). Prints the best time
+of each, the ratio, and the largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from ctxpar import kernels
+from ctxpar.bench.machine import describe_machine
+from ctxpar.checks import positive_int
+from ctxpar.errors import CtxparError
+from ctxpar.layers.context import ForwardContext, causal_attention
+from ctxpar.layers.paged_attention import gqa_paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+DECODE_CASES = ((1, 2048), (16, 16), (16, 100), (16, 1000), (64, 500))  # (rows, keys each)
+PREFILL_CASES = ((64, 0), (128, 0), (512, 1536), (2048, 0), (2048, 4096))  # (chunk, cached context)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeat", type=positive_int, default=5, help="timed calls per case and path (best kept)")
+
+
+def _best(fn: Callable[[], torch.Tensor], kernel: bool, repeat: int) -> tuple[float, torch.Tensor]:
+    """Best seconds of `repeat` calls with the kernels on or off, and the output."""
+    os.environ["CTXPAR_KERNELS"] = "1" if kernel else "0"
+    out, best = fn(), float("inf")  # the first call warms up
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _compare(label: str, fn: Callable[[], torch.Tensor], repeat: int) -> None:
+    t_kernel, out = _best(fn, True, repeat)
+    t_torch, want = _best(fn, False, repeat)
+    diff = (out - want).abs().max().item()
+    print(f"{label:>32} | {t_kernel * 1e3:9.3f} | {t_torch * 1e3:9.3f} | {t_kernel / t_torch:6.2f}x | {diff:.1e}")
+
+
+def _decode_step(rows: int, keys: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+    """One layer's attention of `rows` one-query rows with `keys` keys each, their
+    blocks scattered over the cache like a used pool's."""
+    blocks_per_row = -(-keys // BLOCK)
+    num_blocks = rows * blocks_per_row
+    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, DIM, generator=g)
+    order = torch.randperm(num_blocks, generator=g).view(rows, blocks_per_row)
+    pos = torch.arange(keys)
+    slots = [order[r][pos // BLOCK] * BLOCK + pos % BLOCK for r in range(rows)]
+    q = torch.randn(rows, HEADS, DIM, generator=g)
+
+    def step() -> torch.Tensor:
+        ctx = ForwardContext(  # a fresh one per call: nothing memoised from the other path
+            query_start_loc=list(range(rows + 1)), start_pos=[keys - 1] * rows, seq_lens=[keys] * rows,
+            context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+        )
+        return gqa_paged_attention(q, cache, ctx, DIM**-0.5)
+
+    return step
+
+
+def run(args: argparse.Namespace) -> None:
+    if not kernels.usable(torch.zeros(1, 2, 1, 8), 8):
+        raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
+                          "nothing to compare; unset CTXPAR_KERNELS or install g++")
+    print(describe_machine())
+    print(f"{torch.get_num_threads()} threads; one layer's attention, {HEADS}/{KV_HEADS} heads of {DIM}, fp32")
+    g = torch.Generator().manual_seed(0)
+    saved = os.environ.get("CTXPAR_KERNELS")
+    try:
+        print(f"{'decode: rows x keys':>32} | kernel ms | torch ms |  ratio | max |diff|")
+        for rows, keys in DECODE_CASES:
+            _compare(f"{rows} x {keys}", _decode_step(rows, keys, g), args.repeat)
+        print(f"{'prefill: chunk after context':>32} | kernel ms | torch ms |  ratio | max |diff|")
+        for chunk, context in PREFILL_CASES:
+            q = torch.randn(chunk, HEADS, DIM, generator=g)
+            kv = torch.randn(context + chunk, 2, KV_HEADS, DIM, generator=g)
+            _compare(f"{chunk} after {context}", lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5),
+                     args.repeat)
+    finally:
+        if saved is None:
+            os.environ.pop("CTXPAR_KERNELS", None)
+        else:
+            os.environ["CTXPAR_KERNELS"] = saved
