@@ -106,7 +106,10 @@ def _model_dir(model: str | None) -> tuple[str, int]:
 
 def _run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
     script = Path(__file__).with_name("compare_workload.py")
-    proc = subprocess.run([python, str(script), engine, spec_file], env=env, capture_output=True, text=True)
+    # -I: the script's directory is not put on sys.path, or its sibling modules
+    # (ctxpar/bench/kernels.py, ...) would shadow packages of the same name that
+    # the peer imports ("kernels", which transformers probes for).
+    proc = subprocess.run([python, "-I", str(script), engine, spec_file], env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("COMPARE_RESULT "):
             return json.loads(line[len("COMPARE_RESULT ") :])
