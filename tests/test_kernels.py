@@ -10,6 +10,7 @@ float64 (fp32 tolerance 1e-5).
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import pytest
@@ -108,7 +109,7 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed, march) ->
 @given(
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([64, 128]),
+    head_dim=st.sampled_from([64, 128, 192]),  # 192: MLA's expanded prefill (nope 128 + rope 64)
     chunk=st.integers(1, 200),
     context=st.sampled_from([0, 0, 1, 63, 64, 65, 300]),
     seed=st.integers(0, 2**16),
@@ -216,3 +217,20 @@ def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixt
     for _, kernel_ms, torch_ms, ratio, diff in rows:
         assert float(kernel_ms) > 0 and float(torch_ms) > 0 and ratio.strip().endswith("x")
         assert float(diff) < 1e-5
+
+
+def test_unwritable_cache_builds_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A cache that cannot be written (here: under a regular file) is no failure:
+    the library goes to a directory of this user's under the temporary one."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CTXPAR_CACHE", str(blocker / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    kernels._library.cache_clear()
+    try:
+        assert kernels._library() is not None
+        assert [p.suffix for p in (tmp_path / "tmp").glob("ctxpar-kernels-*/*")] == [".so"]
+    finally:
+        kernels._library.cache_clear()

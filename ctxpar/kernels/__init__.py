@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ctxpar.errors import CtxparError
 from ctxpar.models.gguf import cache_root
 
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -55,6 +56,20 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def _build_dir() -> Path:
+    """``<cache>/kernels``, or a directory of this user's under the system's
+    temporary one if the cache cannot be written (a read-only home)."""
+    for path in (cache_root() / "kernels", Path(tempfile.gettempdir()) / f"ctxpar-kernels-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise CtxparError(f"cannot write ctxpar's kernels to {cache_root() / 'kernels'} nor to the temporary "
+                      "directory; set CTXPAR_CACHE to a writable directory")
+
+
 @cache
 def _library(march: str = "native") -> ctypes.CDLL | None:
     """The built kernel library, building it if needed; None if it cannot be built.
@@ -70,9 +85,8 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         return None
     texts = [f.read_text() for f in sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))]
     key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"ctxpar_kernels-{key}.so"
+    path = _build_dir() / f"ctxpar_kernels-{key}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Build under a temporary name, then rename: ranks that start together may
         # build at once, and none may load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
