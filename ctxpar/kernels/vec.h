@@ -35,8 +35,6 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
   return v;
 }
 
-inline v8 splat(float x) { return v8{} + x; }
-
 // exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, a degree-5
 // polynomial after range reduction, relative error ~1e-7; exactly 0 below -87
 // (where float32's exp underflows), so also for x = -inf.
