@@ -85,3 +85,17 @@ def test_union_of_shards_is_the_one_rank_cache(group_results, single, plans, mod
             untouched = np.ones(len(cache), dtype=bool)
             untouched[mine] = False
             assert not cache[torch.from_numpy(untouched)].any(), f"rank {rank} layer {layer}: stray writes"
+
+
+def test_pytorch_path_without_kernels_matches_one_rank(model_dirs, plans, single, tmp_path, monkeypatch):
+    """CTXPAR_KERNELS=0 (the path on a GPU, or without a C++ compiler): decode
+    rows attend their shards one by one instead of in the compiled kernel; the
+    logits still equal one rank's. The ranks inherit the variable at spawn."""
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    models = ("llama", "deepseek_v3")
+    results = run_groups([2], [Job(model_dirs[m]) for m in models], plans, tmp_path)[2]
+    for model, res in zip(models, results):
+        want = single[model].logits
+        assert len(res.logits) == len(want)
+        for step, (g, w) in enumerate(zip(res.logits, want)):
+            torch.testing.assert_close(g, w, atol=1e-5 * w.abs().max().item(), rtol=0, msg=lambda m: f"step {step}: {m}")

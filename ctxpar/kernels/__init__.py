@@ -149,6 +149,25 @@ def paged_decode(
     return out, lse
 
 
+def gqa_paged_decode(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode`` over a GQA cache (num_slots, 2, Hk, D): K and V of slot s
+    at s*2*Hk*D + h*D and Hk*D further on. Returns out (B, H, D), lse (B, H)."""
+    Hk, D = cache.shape[2], cache.shape[3]
+    return paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), scale)
+
+
+def latent_paged_decode(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, value_dim: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode`` over MLA latents (num_slots, E): one key per slot shared
+    by every head, whose first value_dim entries are the value. Returns out
+    (B, H, value_dim), lse (B, H)."""
+    E = cache.shape[-1]
+    return paged_decode(q, cache, slots, starts, 1, value_dim, (E, 0, 0), scale)
+
+
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``prefill_attention`` takes these: float32 CPU tensors whose
     heads are contiguous rows, widths the kernel's vectors divide, kernels on."""

@@ -41,6 +41,11 @@ from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
 # causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
 Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+# decode(q (B, H, Dq), cache, slots (N,), starts (B + 1,)) -> (out (B, H, Do), lse (B, H))
+# float32: one query per row over the cache slots slots[starts[b]:starts[b + 1]] (none:
+# out 0, lse -inf), all rows in one call of the compiled kernel; or None where the kernel
+# cannot serve this cache (then each row goes through `attend`).
+Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass
@@ -84,13 +89,21 @@ def attention_lse(
 
 
 def sharded_attention(
-    q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, layer_idx: int, attend: Attend, out_dim: int
+    q: torch.Tensor,
+    entries: torch.Tensor,
+    ctx: ForwardContext,
+    layer_idx: int,
+    attend: Attend,
+    out_dim: int,
+    decode: Decode,
 ) -> torch.Tensor:
     """Write this rank's share of the layer's KV entries, attend over the
     sharded cache and the step's new keys, and combine across ranks.
 
     q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
-    returns (n, H, out_dim) attention outputs of the local tokens (0 on padding).
+    attend, decode: the model's attention over keys, and over the shards of
+    one-query rows; returns (n, H, out_dim) attention outputs of the local
+    tokens (0 on padding).
     """
     step, split = ctx.dcp, ctx.dcp.split_context
     n, heads = q.shape[0], q.shape[1]
@@ -115,7 +128,7 @@ def sharded_attention(
     lses = torch.full((3, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if step.replicated_context or pass_q:
         skip = split.rows if gather_context else frozenset()
-        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, out_dim, skip)
+        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, decode, out_dim, skip)
     if gather_context:
         outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim)
     qsl = ctx.query_start_loc
@@ -130,18 +143,35 @@ def sharded_attention(
 
 
 def _context_partials(
-    q_space: torch.Tensor, cache: torch.Tensor, step: DCPStep, attend: Attend, out_dim: int, skip: frozenset[int]
+    q_space: torch.Tensor,
+    cache: torch.Tensor,
+    step: DCPStep,
+    attend: Attend,
+    decode: Decode,
+    out_dim: int,
+    skip: frozenset[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's attention over my shard of its row's context (but the
     ``skip`` rows': their context is gathered), exchanged so that each rank
-    gets its local tokens' partials from every rank, merged: (n, H, out_dim), (n, H)."""
+    gets its local tokens' partials from every rank, merged: (n, H, out_dim), (n, H).
+    One-query rows (decodes) go through ``decode`` together, the others row by row."""
     T, heads = len(step.query_idx), q_space.shape[1]
     # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens.
     partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q_space.device)
     partial[:, :, out_dim] = float("-inf")
     qsl = step.query_start_loc
+    single = [r for r in range(len(step.shard_slots)) if qsl[r + 1] - qsl[r] == 1 and r not in skip]
+    done: set[int] = set()
+    if single:
+        lengths = torch.tensor([0] + [len(step.shard_slots[r]) for r in single])
+        tokens = torch.tensor([qsl[r] for r in single], device=q_space.device)  # their rows of `partial`
+        slots = torch.cat([step.shard_slots[r] for r in single])
+        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, slots, lengths.cumsum(0).to(slots.device))
+        if res is not None:
+            partial[tokens, :, :out_dim], partial[tokens, :, out_dim] = res
+            done = set(single)
     for r, slots in enumerate(step.shard_slots):
-        if len(slots) and r not in skip:  # an empty shard of this row computes nothing and sends lse -inf
+        if len(slots) and r not in skip and r not in done:  # an empty shard: nothing computed, lse -inf sent
             kv = cache.index_select(0, slots).to(q_space.dtype)
             out, lse = attend(q_space.index_select(0, step.query_idx[qsl[r] : qsl[r + 1]]), kv, False)
             partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse

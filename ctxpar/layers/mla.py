@@ -116,7 +116,7 @@ class MLAttention(nn.Module):
         entries = torch.cat([c_kv, k_pe], dim=-1)  # (n, r + rope)
         if ctx.dcp is not None:  # latents sharded over the ranks: the absorbed path on every shard
             out = sharded_attention(self._absorb_query(q_nope, q_pe), entries, ctx, self.layer_idx,
-                                    self._attend_shard, self.v_head_dim)
+                                    self._attend_shard, self.v_head_dim, self._decode_shard)
             return self.o_proj(out.reshape(n, h * self.v_head_dim))
         cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, r + rope)
 
@@ -167,6 +167,14 @@ class MLAttention(nn.Module):
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
         o, lse = attention_lse(q, k, k, self.scale, causal)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
+
+    def _decode_shard(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
+        """One-query latent rows over their shards in the compiled kernel, then W_UV, as
+        ``_attend_shard`` (see ctxpar.layers.dcp.Decode)."""
+        if not kernels.usable(cache, cache.shape[-1], self.kv_lora_rank):
+            return None
+        o, lse = kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale)
+        return self._unabsorb(o.to(q.dtype)), lse
 
     def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
         """Latent attention output (L, h, r) through W_UV -> (L, h, v)."""

@@ -107,14 +107,13 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     holding this step's entries -> attention output (n, H, D); padding tokens
     (after the last row) get zeros."""
     n, _, D = q.shape
-    Hk = cache.shape[2]
     out = q.new_zeros(n, q.shape[1], D)
     kernel = kernels.usable(cache, D)
     dec = decode_batch(ctx, kernel)
     for grp in dec.groups if dec is not None else []:
         q_rows = q.index_select(0, grp.tokens)
-        if kernel:  # K and V of slot s at s*2*Hk*D + h*D and Hk*D further on
-            o, _ = kernels.paged_decode(q_rows, cache, grp.slots, grp.starts, Hk, D, (2 * Hk * D, D, Hk * D), scale)
+        if kernel:
+            o, _ = kernels.gqa_paged_decode(q_rows, cache, grp.slots, grp.starts, scale)
         else:
             table, lengths = grp.padded
             k, v = gather_paged_kv(cache, table)  # (B, Hk, S, D) each
@@ -138,12 +137,11 @@ def latent_decode_attention(
     against cached entries (num_slots, E) that serve as the single shared key,
     whose first value_dim values are the value. Returns (B, H, value_dim).
     kernel: ``kernels.usable`` for this cache and these widths."""
-    E = cache.shape[-1]
     if kernel:
-        out, _ = kernels.paged_decode(q, cache, grp.slots, grp.starts, 1, value_dim, (E, 0, 0), scale)
+        out, _ = kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale)
         return out.to(q.dtype)
     table, lengths = grp.padded
     B, S = table.shape
-    k = cache.index_select(0, table.view(-1)).view(B, 1, S, E).to(q.dtype)
+    k = cache.index_select(0, table.view(-1)).view(B, 1, S, cache.shape[-1]).to(q.dtype)
     out, _ = decode_attention(q, k, k[..., :value_dim], lengths, scale)
     return out

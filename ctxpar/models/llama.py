@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ctxpar import kernels
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
@@ -72,7 +73,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]  # (n, h, hd), (n, kvh, hd)
         entries = torch.stack([k, v], dim=1)  # (n, 2, kvh, hd)
         if ctx.dcp is not None:  # KV sharded over the ranks
-            out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd)
+            out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd, self._decode_shard)
             return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
         cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, 2, kvh, hd)
         out = gqa_paged_attention(q, cache, ctx, self.scale)  # (n, h, hd); padding tokens: zeros
@@ -81,6 +82,12 @@ class LlamaAttention(nn.Module):
     def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
         """(out, lse) of queries (L, h, hd) over KV entries (m, 2, kvh, hd) (see ctxpar.layers.dcp.Attend)."""
         return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
+
+    def _decode_shard(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
+        """One-query rows over their shards in the compiled kernel (see ctxpar.layers.dcp.Decode)."""
+        if not kernels.usable(cache, self.head_dim):
+            return None
+        return kernels.gqa_paged_decode(q, cache, slots, starts, self.scale)
 
 
 class LlamaMLP(nn.Module):
