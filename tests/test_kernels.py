@@ -130,6 +130,25 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, se
     torch.testing.assert_close(lse.double(), want_lse, **TOL)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    group=st.sampled_from([1, 3]),
+    queries=st.integers(1, 150),
+    keys=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_unmasked_prefill_matches_reference(group, queries, keys, seed, march) -> None:
+    """causal=False (DCP's context shards): every query sees every key, with
+    more queries than keys or fewer."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(queries, 2 * group, 64, generator=g), torch.randn(keys, 2, 2, 64, generator=g)
+    out, lse = kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, causal=False)
+    for i in range(queries):  # a single query that is the last key's position sees them all
+        want, want_lse = reference(q[i : i + 1], kv[:, 0], kv[:, 1], 0.125)
+        torch.testing.assert_close(out[i].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[i].double(), want_lse[0], **TOL)
+
+
 def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """causal_attention's CPU fp32 rows of >= KERNEL_MIN_QUERIES queries run in
     the kernel (equal to PyTorch's path), shorter ones in PyTorch's."""
@@ -234,3 +253,28 @@ def test_unwritable_cache_builds_in_the_temporary_directory(monkeypatch: pytest.
         assert [p.suffix for p in (tmp_path / "tmp").glob("ctxpar-kernels-*/*")] == [".so"]
     finally:
         kernels._library.cache_clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's attention_lse (new keys causally, context shards unmasked) runs rows
+    of >= KERNEL_MIN_QUERIES queries in the prefill kernel: out and lse equal
+    PyTorch's path (CTXPAR_KERNELS=0) for GQA K/V and for MLA-like latents."""
+    from ctxpar.layers.context import KERNEL_MIN_QUERIES
+    from ctxpar.layers.dcp import attention_lse
+
+    g = torch.Generator().manual_seed(11)
+    L = KERNEL_MIN_QUERIES + 30
+    m = L if causal else 300
+    kv, lat = torch.randn(m, 2, 3, 64, generator=g), torch.randn(m, 1, 128, generator=g)
+    real, calls = kernels.prefill_attention, []
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    for q, k, v in [(torch.randn(L, 9, 64, generator=g), kv[:, 0], kv[:, 1]), (torch.randn(L, 4, 128, generator=g), lat, lat)]:
+        calls.clear()
+        out, lse = attention_lse(q, k, v, 0.125, causal)
+        monkeypatch.setenv("CTXPAR_KERNELS", "0")
+        want, want_lse = attention_lse(q, k, v, 0.125, causal)
+        monkeypatch.delenv("CTXPAR_KERNELS")
+        assert calls == [1]
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(lse, want_lse, **TOL)

@@ -39,7 +39,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {  # name: (argument types, result type)
     "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
     "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
-    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 9 + [_f32, _ptr, _ptr], None),
+    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
 }
 
@@ -182,17 +182,18 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of L queries that are the last L of S keys (bottom-right
-    aligned), grouped-query heads: q (L, H, D), k (S, Hk, D), v (S, Hk, Dv), all
-    ``prefill_usable`` (views with strided tokens are fine). Returns out
-    (L, H, Dv) and lse (L, H), float32."""
+    """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
+    k (S, Hk, D), v (S, Hk, Dv), all ``prefill_usable`` (views with strided
+    tokens are fine). causal: the queries are the last L of the S keys
+    (bottom-right aligned, L <= S); else every query sees every key. Returns
+    out (L, H, Dv) and lse (L, H), float32."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
     out = torch.empty(L, H, Dv, dtype=torch.float32)
     lse = torch.empty(L, H, dtype=torch.float32)
     _library().prefill_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), L, S, H, Hk, D, Dv, q.stride(0), k.stride(0), v.stride(0),
-        scale, out.data_ptr(), lse.data_ptr(),
+        int(causal), scale, out.data_ptr(), lse.data_ptr(),
     )
     return out, lse

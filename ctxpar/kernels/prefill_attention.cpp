@@ -1,6 +1,6 @@
 // Causal attention of a prefill chunk: L queries that are the last L of S
-// keys (query i at position S - L + i sees keys 0 .. S - L + i), grouped-query
-// heads, fp32. Flash attention's blocking, with register-tiled inner products:
+// keys (query i at position S - L + i sees keys 0 .. S - L + i), or unmasked
+// (every query sees every key: DCP's context shards), grouped-query heads, fp32. Flash attention's blocking, with register-tiled inner products:
 //
 //   for each (KV head h, block of BQ queries)            <- one task
 //     Q block: BQ queries x g heads = M rows, scaled      (packed, M x D)
@@ -71,13 +71,15 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 extern "C" {
 
 // q (L, H, D) with q_stride floats between tokens; k, v: key/value s of KV
-// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; out
-// (L, H, Dv) contiguous; lse (L, H) or null. D and Dv multiples of the
-// vector width W (Dv of 4W).
+// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; causal:
+// query i sees keys up to S - L + i (L <= S), else every key; out (L, H, Dv)
+// contiguous; lse (L, H) or null. D and Dv multiples of the vector width W
+// (Dv of 4W).
 void prefill_attention_f32(const float* q, const float* k, const float* v, int64_t L, int64_t S, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
-                           int64_t v_stride, float scale, float* out, float* lse) {
-  const int64_t g = heads / kv_heads, offset = S - L;
+                           int64_t v_stride, int64_t causal, float scale, float* out, float* lse) {
+  // Query i sees keys up to offset + i: bottom-right causal, or every key.
+  const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
   // K^T per KV head, zero-padded to whole blocks: (kv_heads, dim, S_pad).
   std::vector<float> kt(kv_heads * dim * S_pad, 0.0f);
@@ -110,7 +112,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
         std::fill(total.begin(), total.end(), 0.0f);
         const float* kt_h = kt.data() + h * dim * S_pad;
         const int64_t last_pos = offset + i0 + n - 1;  // the block's last query sees keys up to here
-        for (int64_t s0 = 0; s0 <= last_pos; s0 += BK) {
+        for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
