@@ -83,7 +83,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         warnings.warn(f"ctxpar: no C++ compiler ({compiler}: {e}); attention runs on the slower PyTorch path. "
                       "Install g++ (or set CXX) to build ctxpar's kernels.")
         return None
-    texts = [f.read_text() for f in sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))]
+    texts = [f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]]
     key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
     path = _build_dir() / f"ctxpar_kernels-{key}.so"
     if not path.exists():

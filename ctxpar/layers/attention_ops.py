@@ -43,6 +43,14 @@ def decode_attention(
     return out.view(B, H, v.shape[-1]), lse.view(B, H)
 
 
+def concat_slots(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' cache slots back to back, and where each row's start: (N,) and
+    (B + 1,) int64, row b's at [starts[b], starts[b+1]) (the compiled kernels'
+    and ``padded_slot_table``'s input)."""
+    lengths = torch.tensor([0] + [len(s) for s in rows], dtype=torch.int64)
+    return torch.cat(rows), torch.cumsum(lengths, 0).to(rows[0].device)
+
+
 def padded_slot_table(slots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows' cache slots, back to back in ``slots`` (row b's at
     [starts[b], starts[b+1])), as one (B, S_max) table; a short row repeats its

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from ctxpar import kernels
+from ctxpar.layers.attention_ops import concat_slots
 from ctxpar.layers.context import KERNEL_MIN_QUERIES, ForwardContext, bottom_right_causal, merge_attention, store_kv
 from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, gathers_context
 
@@ -131,7 +132,7 @@ def sharded_attention(
     lses = torch.full((3, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if step.replicated_context or pass_q:
         skip = split.rows if gather_context else frozenset()
-        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, decode, out_dim, skip)
+        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, decode, out_dim, skip, ctx.memo)
     if gather_context:
         outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim)
     qsl = ctx.query_start_loc
@@ -153,6 +154,7 @@ def _context_partials(
     decode: Decode,
     out_dim: int,
     skip: frozenset[int],
+    memo: dict,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's attention over my shard of its row's context (but the
     ``skip`` rows': their context is gathered), exchanged so that each rank
@@ -163,16 +165,14 @@ def _context_partials(
     partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q_space.device)
     partial[:, :, out_dim] = float("-inf")
     qsl = step.query_start_loc
-    single = [r for r in range(len(step.shard_slots)) if qsl[r + 1] - qsl[r] == 1 and r not in skip]
     done: set[int] = set()
-    if single:
-        lengths = torch.tensor([0] + [len(step.shard_slots[r]) for r in single])
-        tokens = torch.tensor([qsl[r] for r in single], device=q_space.device)  # their rows of `partial`
-        slots = torch.cat([step.shard_slots[r] for r in single])
-        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, slots, lengths.cumsum(0).to(slots.device))
+    single = _one_query_rows(step, skip, memo)
+    if single is not None:
+        rows, tokens, slots, starts = single
+        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, slots, starts)
         if res is not None:
             partial[tokens, :, :out_dim], partial[tokens, :, out_dim] = res
-            done = set(single)
+            done = set(rows)
     for r, slots in enumerate(step.shard_slots):
         if len(slots) and r not in skip and r not in done:  # an empty shard: nothing computed, lse -inf sent
             kv = cache.index_select(0, slots).to(q_space.dtype)
@@ -182,3 +182,19 @@ def _context_partials(
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank
     return merge_attention(received[..., :out_dim], received[..., out_dim])
 
+
+def _one_query_rows(
+    step: DCPStep, skip: frozenset[int], memo: dict
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The step's one-query rows but ``skip``'s, for ``decode``: the rows, their
+    tokens (rows of the partials), their shards' slots back to back and where
+    each starts; None if there are none. The same in every layer: memoised."""
+    key = ("dcp_one_query_rows", skip)
+    if key not in memo:
+        qsl = step.query_start_loc
+        rows = [r for r in range(len(step.shard_slots)) if qsl[r + 1] - qsl[r] == 1 and r not in skip]
+        memo[key] = None
+        if rows:
+            tokens = torch.tensor([qsl[r] for r in rows], device=step.query_idx.device)
+            memo[key] = (rows, tokens, *concat_slots([step.shard_slots[r] for r in rows]))
+    return memo[key]

@@ -25,7 +25,7 @@ from functools import cached_property
 import torch
 
 from ctxpar import kernels
-from ctxpar.layers.attention_ops import decode_attention, gather_paged_kv, padded_slot_table
+from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv, padded_slot_table
 from ctxpar.layers.context import ForwardContext, causal_attention
 
 
@@ -93,10 +93,8 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
             groups = []
             for members in [list(range(len(rows)))] if kernel else _group_by_length([ctx.seq_lens[r] for r in rows]):
                 rs = [rows[i] for i in members]
-                lengths = torch.tensor([0] + [len(ctx.context_slots[r]) for r in rs], dtype=torch.int64)
                 tokens = torch.tensor([qsl[r] for r in rs], dtype=torch.int64, device=device)
-                slots = torch.cat([ctx.context_slots[r] for r in rs])
-                groups.append(DecodeGroup(tokens, slots, torch.cumsum(lengths, 0).to(device)))
+                groups.append(DecodeGroup(tokens, *concat_slots([ctx.context_slots[r] for r in rs])))
             batch = DecodeBatch(set(rows), groups)
         ctx.memo[key] = batch
     return ctx.memo[key]
