@@ -41,16 +41,16 @@ constexpr int64_t TILE = 4 * W;  // columns of a tile
 constexpr int64_t BK = 64;  // keys per block (a multiple of TILE)
 constexpr int64_t BQ = 32;  // queries per task
 
-// c[r][0, TILE) = (c[r][0, TILE) if accumulate) + sum_d a[r][d] * b(d)[0, TILE)
+// c[r][0, TILE) = (c[r][0, TILE) * keep[r] if keep) + sum_d a[r][d] * b(d)[0, TILE)
 // for r < ROWS: a and c row-major with strides lda and ldc, b(d) the address of
 // row d of the right operand (K^T rows, or V rows where they lie in memory).
 template <typename Rows>
-inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, bool accumulate, float* c,
+inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, const float* keep, float* c,
                          int64_t ldc) {
   vec acc[ROWS][4] = {};
-  if (accumulate)
+  if (keep)
     for (int64_t r = 0; r < ROWS; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W);
+      for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W) * keep[r];
   for (int64_t d = 0; d < depth; ++d) {
     const float* bd_row = b(d);
     vec bd[4];
@@ -95,7 +95,8 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
 
     // Per-row state, padded to whole vectors (the extra rows' block maxima stay 0: finite).
     std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim);
-    std::vector<float> top(M_vec), total(M_vec), rescale(M_vec), block_top(M_vec, 0.0f);
+    // Row sums stay W partial sums per row until the end (no horizontal add per block).
+    std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
     std::vector<const float*> v_rows(BK);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -109,7 +110,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
               qb[(i * g + j) * dim + d] = q[(i0 + i) * q_stride + (h * g + j) * dim + d] * scale;
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
-        std::fill(total.begin(), total.end(), 0.0f);
+        std::fill(totals.begin(), totals.end(), 0.0f);
         const float* kt_h = kt.data() + h * dim * S_pad;
         const int64_t last_pos = offset + i0 + n - 1;  // the block's last query sees keys up to here
         for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
@@ -117,7 +118,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
               tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_h + d * S_pad + s0 + c; }, dim,
-                           false, scores.data() + m * BK + c, BK);
+                           nullptr, scores.data() + m * BK + c, BK);
           // Online softmax. Every row sees key 0, so after the first block its
           // running max is finite and no rescale below is exp(-inf - -inf).
           for (int64_t m = 0; m < M; ++m) {  // mask the future (and padding keys), row maxima
@@ -126,9 +127,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
             for (int64_t s = seen; s < BK; ++s) row[s] = -INFINITY;
             vec tops = loadv<vec>(row);
             for (int64_t s = W; s < BK; s += W) tops = tops < loadv<vec>(row + s) ? loadv<vec>(row + s) : tops;
-            float t = tops[0];
-            for (int64_t i = 1; i < W; ++i) t = std::max(t, tops[i]);
-            block_top[m] = t;
+            block_top[m] = hmax(tops);
           }
           for (int64_t m = 0; m < M_vec; m += W) {  // new maxima and rescales, W rows at a time
             const vec old_top = loadv<vec>(top.data() + m), bt = loadv<vec>(block_top.data() + m);
@@ -136,32 +135,29 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
             storev(rescale.data() + m, exp_nonpositive<vec, veci>(old_top - new_top));  // 0 on the first block
             storev(top.data() + m, new_top);
           }
-          for (int64_t m = 0; m < M; ++m) {  // p = exp(score - max), row sums, O rescaled
+          for (int64_t m = 0; m < M; ++m) {  // p = exp(score - max), row sums
             float* row = scores.data() + m * BK;
-            vec sum = {};
+            vec sum = loadv<vec>(totals.data() + m * W) * rescale[m];
             for (int64_t s = 0; s < BK; s += W) {
               const vec p = exp_nonpositive<vec, veci>(loadv<vec>(row + s) - top[m]);
               storev(row + s, p);
               sum += p;
             }
-            float block_total = 0.0f;
-            for (int64_t i = 0; i < W; ++i) block_total += sum[i];
-            total[m] = total[m] * rescale[m] + block_total;
-            float* om = o.data() + m * value_dim;
-            for (int64_t d = 0; d < value_dim; d += W) storev(om + d, loadv<vec>(om + d) * rescale[m]);
+            storev(totals.data() + m * W, sum);
           }
           for (int64_t s = 0; s < keys; ++s) v_rows[s] = v + (s0 + s) * v_stride + h * value_dim;
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < value_dim; c += TILE)
-              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys, true,
-                           o.data() + m * value_dim + c, value_dim);
+              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys,
+                           rescale.data() + m, o.data() + m * value_dim + c, value_dim);  // O rescaled as loaded
         }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
             const int64_t m = i * g + j, hq = h * g + j;
+            const float total = hsum(loadv<vec>(totals.data() + m * W));
             float* dst = out + ((i0 + i) * heads + hq) * value_dim;
-            for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[m * value_dim + d] / total[m];
-            if (lse) lse[(i0 + i) * heads + hq] = top[m] + std::log(total[m]);
+            for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[m * value_dim + d] / total;
+            if (lse) lse[(i0 + i) * heads + hq] = top[m] + std::log(total);
           }
       }
   }

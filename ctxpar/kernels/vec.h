@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+typedef float v4 __attribute__((vector_size(16)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
@@ -36,15 +37,17 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
 }
 
 // exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, a degree-5
-// polynomial after range reduction, relative error ~1e-7; exactly 0 below -87
-// (where float32's exp underflows), so also for x = -inf.
+// polynomial after range reduction, relative error ~1e-7. Inputs below -87
+// count as -87 (so does -inf): their exp, 2^-126 or less, is far below float32's
+// rounding of the sum it joins, which always holds an exp(0) = 1.
 template <typename V, typename VI>
 inline V exp_nonpositive(V x) {
   const V lowest = V{} - 87.0f;
-  const auto underflow = x < lowest;
-  x = underflow ? lowest : x;  // keeps 2^n a normal float
-  const VI biased = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, VI);  // floor(.. + 0.5) + 128
-  const V n = __builtin_convertvector(biased, V) - 128.0f;
+  x = x < lowest ? lowest : x;  // keeps 2^n a normal float
+  // n = round(x / ln 2): adding 1.5 * 2^23 rounds to an integer held in the
+  // low mantissa bits, so shifting those bits into the exponent field gives 2^n.
+  const V shifted = x * 1.44269504088896341f + 12582912.0f;
+  const V n = shifted - 12582912.0f;
   const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
   V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -52,9 +55,34 @@ inline V exp_nonpositive(V x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const VI bits = (biased - 1) << 23;  // 2^n: exponent n + 127
+  VI bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits << 23) + (127 << 23);  // the exponent field of 2^n (the offset's bits shift out)
   V two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return underflow ? V{} : (p * r * r + r + 1.0f) * two_n;
+  return (p * r * r + r + 1.0f) * two_n;
 }
 
+// Horizontal max and sum of a vector's lanes, halving it each step.
+inline float hmax(v4 x) {
+  x = x < __builtin_shufflevector(x, x, 2, 3, 0, 1) ? __builtin_shufflevector(x, x, 2, 3, 0, 1) : x;
+  return x[0] < x[1] ? x[1] : x[0];
+}
+inline float hmax(v8 x) {
+  const v4 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3), hi = __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  return hmax(lo < hi ? hi : lo);
+}
+inline float hmax(v16 x) {
+  const v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(lo < hi ? hi : lo);
+}
+inline float hsum(v4 x) {
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
+  return x[0] + x[1];
+}
+inline float hsum(v8 x) { return hsum(__builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7)); }
+inline float hsum(v16 x) {
+  return hsum(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+}
