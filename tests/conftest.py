@@ -154,3 +154,19 @@ def assert_greedy_matches(got: list[int], want: list[int], ref_logits: torch.Ten
         return k
     assert len(got) == len(want), f"engine made {len(got)} tokens, reference {len(want)}"
     return len(got)
+
+
+@pytest.fixture(params=["native", "haswell"])
+def march(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernels built for this CPU, and for an AVX2-only one (the code path of
+    CPUs without AVX-512: 8-float vectors, smaller tiles), which this CPU runs too."""
+    from ctxpar import kernels
+
+    if request.param != "native":
+        if "avx2" not in kernels._cpu_flags().split():
+            pytest.fail("this CPU cannot run an AVX2 build")
+        lib = kernels._library(request.param)
+        # Built without AVX-512: vectors of 8, so a 32-wide value is whole tiles of 4 vectors.
+        assert lib is not None and lib.prefill_attention_supports(8, 32)
+        monkeypatch.setattr(kernels, "_library", lambda march="native": lib)
+    return request.param

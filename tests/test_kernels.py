@@ -42,20 +42,6 @@ def test_kernel_builds_here() -> None:
     assert kernels.usable(torch.zeros(4, 2, 1, 8), 8)
 
 
-@pytest.fixture(params=["native", "haswell"])
-def march(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The kernels built for this CPU, and for an AVX2-only one (the code path of
-    CPUs without AVX-512: 8-float vectors, smaller tiles), which this CPU runs too."""
-    if request.param != "native":
-        if "avx2" not in kernels._cpu_flags().split():
-            pytest.fail("this CPU cannot run an AVX2 build")
-        lib = kernels._library(request.param)
-        # Built without AVX-512: vectors of 8, so a 32-wide value is whole tiles of 4 vectors.
-        assert lib is not None and lib.prefill_attention_supports(8, 32)
-        monkeypatch.setattr(kernels, "_library", lambda march="native": lib)
-    return request.param
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     kv_heads=st.integers(1, 3),
@@ -156,7 +142,7 @@ def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: 
 
     calls = []
     real = kernels.prefill_attention
-    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(5)
     for L, S in [(KERNEL_MIN_QUERIES - 1, 300), (KERNEL_MIN_QUERIES, 300), (KERNEL_MIN_QUERIES + 200, 400)]:
         q, kv = torch.randn(L, 9, 64, generator=g), torch.randn(S, 2, 3, 64, generator=g)

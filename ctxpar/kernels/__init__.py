@@ -1,7 +1,7 @@
 """Compiled CPU kernels, built on first use.
 
 The kernels are the C++ files next to this one (decode and prefill
-attention); they include no PyTorch header, so ``g++ -O3 -march=native
+attention; the layers' elementwise steps, wrapped in ``elementwise.py``); they include no PyTorch header, so ``g++ -O3 -march=native
 -fopenmp`` builds them into one library in a few seconds (a PyTorch extension
 takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
@@ -41,6 +41,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
     "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
+    "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
+    "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
+    "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
 }
 
 
@@ -182,15 +185,19 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
     k (S, Hk, D), v (S, Hk, Dv), all ``prefill_usable`` (views with strided
     tokens are fine). causal: the queries are the last L of the S keys
     (bottom-right aligned, L <= S); else every query sees every key. Returns
-    out (L, H, Dv) and lse (L, H), float32."""
+    out (L, H, Dv), written into `out` if given (contiguous float32), and lse
+    (L, H), float32."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
-    out = torch.empty(L, H, Dv, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(L, H, Dv, dtype=torch.float32)
+    assert out.shape == (L, H, Dv) and out.dtype == torch.float32 and out.is_contiguous()
     lse = torch.empty(L, H, dtype=torch.float32)
     _library().prefill_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), L, S, H, Hk, D, Dv, q.stride(0), k.stride(0), v.stride(0),

@@ -74,11 +74,13 @@ def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torc
     return cache
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of L queries that are the *last* L positions of S keys.
 
     q: (L, H, D)  k: (S, Hk, D)  v: (S, Hk, D)  with H a multiple of Hk (GQA)
-    returns (L, H, D)
+    returns (L, H, D), written into `out` (contiguous) if given
 
     Query i (absolute position S - L + i) sees keys [0, S - L + i]: causal,
     aligned bottom-right. On the CPU in fp32, rows of at least
@@ -90,7 +92,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     L, S = q.shape[0], k.shape[0]
     if L >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v):
-        return kernels.prefill_attention(q, k, v, scale)[0]
+        return kernels.prefill_attention(q, k, v, scale, out=out)[0]
+    result = _torch_causal_attention(q, k, v, scale)
+    return result if out is None else out.copy_(result)
+
+
+def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """causal_attention with PyTorch's kernels."""
+    L, S = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     if L == S or L == 1:
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ctxpar.kernels import elementwise
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension.
@@ -19,7 +21,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = float(eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `residual` (the stream x is added to): residual += x in
+        place, then norm(residual), in one pass where the kernel serves."""
+        if x.dim() == 2 and x.stride(-1) == 1 and elementwise.usable(x, self.weight):
+            if residual is None or residual.is_contiguous():
+                return elementwise.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         if x.dtype == torch.float32:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()

@@ -105,7 +105,9 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     holding this step's entries -> attention output (n, H, D); padding tokens
     (after the last row) get zeros."""
     n, _, D = q.shape
-    out = q.new_zeros(n, q.shape[1], D)
+    qsl = ctx.query_start_loc
+    out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
+    out[qsl[-1] :].zero_()  # padding tokens
     kernel = kernels.usable(cache, D)
     dec = decode_batch(ctx, kernel)
     for grp in dec.groups if dec is not None else []:
@@ -117,14 +119,13 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
             k, v = gather_paged_kv(cache, table)  # (B, Hk, S, D) each
             o, _ = decode_attention(q_rows, k, v, lengths, scale)
         out.index_copy_(0, grp.tokens, o.to(out.dtype))
-    qsl = ctx.query_start_loc
     single = dec.rows if dec is not None else set()
     for r in range(ctx.num_rows):
         a, b = qsl[r], qsl[r + 1]
         if b - a < 1 or r in single:
             continue
         kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D)
-        out[a:b] = causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale)
+        causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
     return out
 
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ctxpar.kernels import elementwise
+
 
 def _default_inv_freq(config, dim: int) -> tuple[torch.Tensor, float]:
     base = config.rope_parameters["rope_theta"]
@@ -49,3 +51,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` (half-split layout) in place on x (n, heads, rot_dim), whose
+    heads are contiguous rows (tokens may be strided: a view into the QKV
+    projection). Returns x."""
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and elementwise.usable(x, cos, sin):
+        elementwise.rope_(x, cos.contiguous(), sin.contiguous())
+        return x
+    return x.copy_(apply_rotary(x, cos, sin))

@@ -19,13 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar import kernels
+from ctxpar.kernels import elementwise
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.linear import can_pack, linear, pack_weight, packed_copy
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
-from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary
+from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -66,12 +67,12 @@ class LlamaAttention(nn.Module):
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
         qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, hd)  # Q and K heads side by side
-        v = qkv[:, self.q_size + self.kv_size :].view(n, kvh, hd)
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = apply_rotary(qk, cos, sin)  # one rope pass for Q and K: (n, h + kvh, hd)
-        q, k = qk[:, :h], qk[:, h:]  # (n, h, hd), (n, kvh, hd)
-        entries = torch.stack([k, v], dim=1)  # (n, 2, kvh, hd)
+            qk[:, :h] = self.q_norm(qk[:, :h])
+            qk[:, h:] = self.k_norm(qk[:, h:])
+        apply_rotary_(qk, cos, sin)  # one rope pass for Q and K, in place in qkv
+        q = qk[:, :h]  # (n, h, hd)
+        entries = qkv[:, self.q_size :].view(n, 2, kvh, hd)  # K then V: the cache's entry layout
         if ctx.dcp is not None:  # KV sharded over the ranks
             out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd, self._decode_shard)
             return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
@@ -107,8 +108,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
+        if elementwise.usable(gate_up):
+            act = elementwise.silu_mul(gate_up)  # (n, I), one pass
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
         return linear(act, self.down_weight, self.down_bias)  # (n, hidden)
 
 
@@ -121,8 +125,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(h), cos, sin, ctx).add_(h)  # residual
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        x = self.post_attention_layernorm(a, residual=h)  # h += a (the residual add), then its norm
+        return h.add_(self.mlp(x))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,110 @@
+// The elementwise steps of a decoder layer, each one pass over memory (fp32):
+//
+//   rms_norm   out = x / sqrt(mean(x^2) + eps) * weight, optionally after the
+//              residual add it follows (residual += x, then the norm of it)
+//   silu_mul   SwiGLU's silu(gate) * up from the fused gate|up projection
+//   rope       rotary embedding in place, half-split pairs (i, i + dim/2)
+//
+// PyTorch runs each as a chain of passes (rms_norm 5, rope 7 and a cat,
+// silu * up 3 with a copy of the strided gate) and, for a decode step's few
+// tokens, pays a dispatch per pass. Rows are split over the threads only when
+// there are enough of them to pay for waking the threads.
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace {
+
+#ifdef __AVX512F__
+typedef v16 vec;
+typedef v16i veci;
+#else
+typedef v8 vec;
+typedef v8i veci;
+#endif
+constexpr int64_t W = sizeof(vec) / sizeof(float);
+constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work per call, one thread
+
+}  // namespace
+
+extern "C" {
+
+// x (n, dim) with x_stride floats between rows; residual (n, dim) contiguous
+// or null; out (n, dim) contiguous (may be x itself when x_stride == dim).
+void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n,
+                  int64_t dim, float eps, float* out) {
+#pragma omp parallel for if (n * dim >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * x_stride;
+    float* src = residual ? residual + i * dim : const_cast<float*>(xi);
+    vec squares = {};
+    float tail = 0.0f;
+    int64_t j = 0;
+    for (; j + W <= dim; j += W) {
+      vec v = loadv<vec>(xi + j);
+      if (residual) {
+        v += loadv<vec>(src + j);
+        storev(src + j, v);
+      }
+      squares += v * v;
+    }
+    for (; j < dim; ++j) {
+      const float v = residual ? (src[j] += xi[j]) : xi[j];
+      tail += v * v;
+    }
+    const float inv = 1.0f / std::sqrt((hsum(squares) + tail) / float(dim) + eps);
+    float* oi = out + i * dim;
+    for (j = 0; j + W <= dim; j += W) storev(oi + j, loadv<vec>(src + j) * inv * loadv<vec>(weight + j));
+    for (; j < dim; ++j) oi[j] = src[j] * inv * weight[j];
+  }
+}
+
+// gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
+void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
+#pragma omp parallel for if (n * inter >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* g = gate_up + i * 2 * inter;
+    const float* u = g + inter;
+    float* oi = out + i * inter;
+    int64_t j = 0;
+    for (; j + W <= inter; j += W) {
+      // silu(x) = x / (1 + e^-x), written with e = exp(-|x|) <= 1 so the exp
+      // never overflows: x / (1 + e) for x >= 0, x e / (1 + e) below.
+      const vec x = loadv<vec>(g + j);
+      const vec e = exp_nonpositive<vec, veci>(x < 0 ? x : -x);
+      storev(oi + j, (x < 0 ? x * e : x) / (1.0f + e) * loadv<vec>(u + j));
+    }
+    for (; j < inter; ++j) oi[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+// x (n, heads, dim) in place, heads contiguous, x_stride floats between
+// tokens; cos, sin (n, dim / 2) contiguous. Pairs (k, k + dim/2) rotate:
+// (a, b) -> (a cos - b sin, b cos + a sin).
+void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
+              const float* sin) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* c = cos + i * half;
+    const float* s = sin + i * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = x + i * x_stride + h * dim;
+      float* b = a + half;
+      int64_t k = 0;
+      for (; k + W <= half; k += W) {
+        const vec ak = loadv<vec>(a + k), bk = loadv<vec>(b + k), ck = loadv<vec>(c + k), sk = loadv<vec>(s + k);
+        storev(a + k, ak * ck - bk * sk);
+        storev(b + k, bk * ck + ak * sk);
+      }
+      for (; k < half; ++k) {
+        const float ak = a[k], bk = b[k];
+        a[k] = ak * c[k] - bk * s[k];
+        b[k] = bk * c[k] + ak * s[k];
+      }
+    }
+  }
+}
+}

@@ -1,0 +1,51 @@
+"""The decoder layer's elementwise steps in one pass each (elementwise.cpp):
+RMSNorm (with the residual add before it fused in), SiLU·up, rope in place.
+
+Each takes fp32 CPU tensors (``usable``); callers keep PyTorch's ops for the
+rest (other dtypes, GPUs, ``CTXPAR_KERNELS=0``), which are also the kernels'
+reference in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ctxpar import kernels
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors go through the kernels: fp32 on the CPU, kernels on and built."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and kernels.enabled()
+        and kernels._library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (n, dim), rows contiguous -> x / sqrt(mean(x^2) + eps) * weight (n, dim).
+    With residual (n, dim) contiguous: residual += x in place first, and the
+    result is the norm of that sum."""
+    n, dim = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous() and (residual is None or residual.is_contiguous())
+    out = torch.empty(n, dim, dtype=torch.float32)
+    kernels._library().rms_norm_f32(x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
+                            weight.data_ptr(), n, dim, eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (n, 2I) contiguous, gate then up -> silu(gate) * up (n, I)."""
+    n, two_inter = gate_up.shape
+    assert gate_up.is_contiguous()
+    out = torch.empty(n, two_inter // 2, dtype=torch.float32)
+    kernels._library().silu_mul_f32(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x (n, heads, dim) in place (half-split pairs), heads contiguous rows
+    (tokens may be strided); cos, sin (n, dim/2) contiguous."""
+    n, heads, dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
+    kernels._library().rope_f32(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())

@@ -1,0 +1,100 @@
+"""The compiled elementwise kernels (ctxpar/kernels/elementwise.cpp) against
+the formulas in float64, over random shapes (widths that the vectors do not
+divide, strided rows), large and tiny values; and the layers that call them
+against PyTorch's path (CTXPAR_KERNELS=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctxpar.kernels import elementwise
+from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.rotary import apply_rotary, apply_rotary_
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def test_kernels_serve_fp32_cpu_only() -> None:
+    assert elementwise.usable(torch.zeros(2, 8))
+    assert not elementwise.usable(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not elementwise.usable(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64))
+
+
+@SETTINGS
+@given(n=st.integers(1, 40), dim=st.integers(1, 200), pad=st.integers(0, 9), residual=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_matches_formula(march: str, n: int, dim: int, pad: int, residual: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim + pad, generator=g)[:, :dim] * 3  # rows `pad` floats apart
+    weight = torch.randn(dim, generator=g)
+    res = torch.randn(n, dim, generator=g) if residual else None
+    summed = (x.double() + res.double()) if residual else x.double()
+    want = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    got = elementwise.rms_norm(x, weight, 1e-6, res)
+    torch.testing.assert_close(got.double(), want, **TOL)
+    if residual:
+        torch.testing.assert_close(res.double(), summed, **TOL)  # the residual stream holds the sum
+
+
+@SETTINGS
+@given(n=st.integers(1, 40), inter=st.integers(1, 300), scale=st.sampled_from([1.0, 10.0, 120.0]),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_matches_formula(march: str, n: int, inter: int, scale: float, seed: int) -> None:
+    """scale 120 reaches past exp's underflow (-87) on both signs."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(n, 2 * inter, generator=g) * scale
+    gate, up = gate_up.double().split(inter, dim=-1)
+    want = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(elementwise.silu_mul(gate_up).double(), want, **TOL)
+
+
+@SETTINGS
+@given(n=st.integers(1, 40), heads=st.integers(1, 12), half=st.integers(1, 40), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**16))
+def test_rope_in_place_matches_formula(march: str, n: int, heads: int, half: int, extra: int, seed: int) -> None:
+    """Heads are rows of a wider token row (as Q and K inside the QKV projection)."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 2 * half
+    qkv = torch.randn(n, (heads + extra) * dim, generator=g)
+    x = qkv[:, : heads * dim].view(n, heads, dim)
+    angles = torch.rand(n, half, generator=g, dtype=torch.float64) * 100
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x.double()[..., :half], x.double()[..., half:]
+    c, s = cos[:, None], sin[:, None]
+    want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    untouched = qkv[:, heads * dim :].clone()
+    elementwise.rope_(x, cos.float(), sin.float())
+    torch.testing.assert_close(x.double(), want, **TOL)
+    assert torch.equal(qkv[:, heads * dim :], untouched)
+
+
+def test_layers_match_pytorch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm (with and without the residual) and in-place rope give PyTorch's
+    results: the layers take the kernels, and CTXPAR_KERNELS=0 takes PyTorch."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    x, res = torch.randn(70, 576, generator=g), torch.randn(70, 576, generator=g)
+    qk = torch.randn(70, 12, 64, generator=g)
+    angles = torch.rand(70, 32, generator=g) * 50
+
+    def run() -> list[torch.Tensor]:
+        r = res.clone()
+        return [norm(x), norm(x, residual=r), r, apply_rotary_(qk.clone(), angles.cos(), angles.sin())]
+
+    calls = []
+    real = elementwise.rms_norm, elementwise.rope_
+    monkeypatch.setattr(elementwise, "rms_norm", lambda *a: calls.append("norm") or real[0](*a))
+    monkeypatch.setattr(elementwise, "rope_", lambda *a: calls.append("rope") or real[1](*a))
+    with_kernels = run()
+    assert calls == ["norm", "norm", "rope"]
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    without = run()
+    assert len(calls) == 3
+    for got, want in zip(with_kernels, without):
+        torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(without[3], apply_rotary(qk, angles.cos(), angles.sin()), **TOL)
