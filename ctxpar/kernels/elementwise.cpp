@@ -73,7 +73,7 @@ void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
       // silu(x) = x / (1 + e^-x), written with e = exp(-|x|) <= 1 so the exp
       // never overflows: x / (1 + e) for x >= 0, x e / (1 + e) below.
       const vec x = loadv<vec>(g + j);
-      const vec e = exp_nonpositive<vec, veci>(x < 0 ? x : -x);
+      const vec e = exp2_nonpositive<vec, veci>((x < 0 ? x : -x) * LOG2E);
       storev(oi + j, (x < 0 ? x * e : x) / (1.0f + e) * loadv<vec>(u + j));
     }
     for (; j < inter; ++j) oi[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];

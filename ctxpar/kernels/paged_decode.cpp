@@ -7,7 +7,7 @@
 // is read once, straight from its cache slot.
 //
 // Inner loops work on eight floats at a time (vec.h): eight keys' dot products
-// reduce together, exp is a polynomial, and a value block's accumulators stay
+// reduce together, the softmax weights are 2^t polynomials (vec.h), and a value block's accumulators stay
 // in registers over the keys.
 //
 // Work is cut into tasks of (row, KV head, run of at most CHUNK keys) so that
@@ -110,7 +110,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
       const Task& task = tasks[t];
       const int64_t n = task.last - task.first, n8 = (n + 7) / 8 * 8;
       const float* qt = q + (task.row * heads + task.head * g) * dim;
-      for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * scale;
+      for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
       for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
         const T* slot = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
         keys[s] = slot;
@@ -130,13 +130,13 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
         for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
         v8 total8 = {};
         for (int64_t s = 0; s < n8; s += 8) {
-          const v8 e = exp_nonpositive<v8, v8i>(load8(sj + s) - top);
+          const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
           std::memcpy(sj + s, &e, sizeof e);
           total8 += e;
         }
         const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
                             ((total8[2] + total8[6]) + (total8[3] + total8[7]));
-        part_lse[t * g + j] = top + std::log(total);
+        part_lse[t * g + j] = (top + std::log2(total)) * LN2;
         float* oj = o + j * value_dim;
         for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
           weighted_values_any(sj, values.data(), n, c, std::min<int64_t>(64, value_dim - c), oj + c);

@@ -7,7 +7,7 @@
 //     for each block of BK keys that any query sees:
 //       scores = Q · K^T        M x BK  (K^T packed once per call, D x S)
 //       mask the block's future keys (diagonal blocks only)
-//       online softmax: row max, rescale, p = exp(score - max)
+//       online softmax: row max, rescale, p = 2^(score - max), scores in log2 units
 //       O += P · V              M x Dv  (V rows read in place)
 //     out = O / row sums,  lse = max + log(row sums)
 //
@@ -80,6 +80,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
                            int64_t v_stride, int64_t causal, float scale, float* out, float* lse) {
   // Query i sees keys up to offset + i: bottom-right causal, or every key.
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
+  const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
   // K^T per KV head, zero-padded to whole blocks: (kv_heads, dim, S_pad).
   std::vector<float> kt(kv_heads * dim * S_pad, 0.0f);
@@ -107,7 +108,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j)
             for (int64_t d = 0; d < dim; ++d)
-              qb[(i * g + j) * dim + d] = q[(i0 + i) * q_stride + (h * g + j) * dim + d] * scale;
+              qb[(i * g + j) * dim + d] = q[(i0 + i) * q_stride + (h * g + j) * dim + d] * scale_log2;
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
@@ -120,7 +121,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
               tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_h + d * S_pad + s0 + c; }, dim,
                            nullptr, scores.data() + m * BK + c, BK);
           // Online softmax. Every row sees key 0, so after the first block its
-          // running max is finite and no rescale below is exp(-inf - -inf).
+          // running max is finite and no rescale below is 2^(-inf - -inf).
           for (int64_t m = 0; m < M; ++m) {  // mask the future (and padding keys), row maxima
             float* row = scores.data() + m * BK;
             const int64_t seen = std::min(keys, std::max<int64_t>(0, offset + i0 + m / g - s0 + 1));
@@ -132,14 +133,14 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
           for (int64_t m = 0; m < M_vec; m += W) {  // new maxima and rescales, W rows at a time
             const vec old_top = loadv<vec>(top.data() + m), bt = loadv<vec>(block_top.data() + m);
             const vec new_top = old_top < bt ? bt : old_top;
-            storev(rescale.data() + m, exp_nonpositive<vec, veci>(old_top - new_top));  // 0 on the first block
+            storev(rescale.data() + m, exp2_nonpositive<vec, veci>(old_top - new_top));  // 0 on the first block
             storev(top.data() + m, new_top);
           }
-          for (int64_t m = 0; m < M; ++m) {  // p = exp(score - max), row sums
+          for (int64_t m = 0; m < M; ++m) {  // p = 2^(score - max), row sums
             float* row = scores.data() + m * BK;
             vec sum = loadv<vec>(totals.data() + m * W) * rescale[m];
             for (int64_t s = 0; s < BK; s += W) {
-              const vec p = exp_nonpositive<vec, veci>(loadv<vec>(row + s) - top[m]);
+              const vec p = exp2_nonpositive<vec, veci>(loadv<vec>(row + s) - top[m]);
               storev(row + s, p);
               sum += p;
             }
@@ -157,7 +158,7 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
             const float total = hsum(loadv<vec>(totals.data() + m * W));
             float* dst = out + ((i0 + i) * heads + hq) * value_dim;
             for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[m * value_dim + d] / total;
-            if (lse) lse[(i0 + i) * heads + hq] = top[m] + std::log(total);
+            if (lse) lse[(i0 + i) * heads + hq] = (top[m] + std::log2(total)) * LN2;
           }
       }
   }

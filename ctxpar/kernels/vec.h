@@ -36,31 +36,34 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
   return v;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, a degree-5
-// polynomial after range reduction, relative error ~1e-7. Inputs below -87
-// count as -87 (so does -inf): their exp, 2^-126 or less, is far below float32's
-// rounding of the sum it joins, which always holds an exp(0) = 1.
+// Softmax weights are computed base 2: the kernels scale their queries by
+// log2(e), so a score minus its row's maximum is t <= 0 and its weight 2^t;
+// the log-sum-exp is then (max + log2(sum)) ln 2.
+constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
+
+// 2^t for t <= 0: t = n + f with n = round(t) and |f| <= 1/2; 2^f is a degree-5
+// polynomial (fitted to relative error, 2.4e-7 at worst in float32), and 2^n
+// is added to its exponent bits. Below -125 (also -inf) counts as -125: 2^-125
+// is far below float32's rounding of any sum that holds a 2^0 = 1, and the
+// result stays a normal float.
 template <typename V, typename VI>
-inline V exp_nonpositive(V x) {
-  const V lowest = V{} - 87.0f;
-  x = x < lowest ? lowest : x;  // keeps 2^n a normal float
-  // n = round(x / ln 2): adding 1.5 * 2^23 rounds to an integer held in the
-  // low mantissa bits, so shifting those bits into the exponent field gives 2^n.
-  const V shifted = x * 1.44269504088896341f + 12582912.0f;
-  const V n = shifted - 12582912.0f;
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  VI bits;
-  std::memcpy(&bits, &shifted, sizeof bits);
-  bits = (bits << 23) + (127 << 23);  // the exponent field of 2^n (the offset's bits shift out)
-  V two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return (p * r * r + r + 1.0f) * two_n;
+inline V exp2_nonpositive(V t) {
+  const V lowest = V{} - 125.0f;
+  t = t < lowest ? lowest : t;
+  const V shifted = t + 12582912.0f;  // + 1.5 * 2^23: rounds to an integer held in the low mantissa bits
+  const V f = t - (shifted - 12582912.0f);
+  V p = V{} + 1.3276471290e-3f;
+  p = p * f + 9.6755409613e-3f;
+  p = p * f + 5.5507130921e-2f;
+  p = p * f + 2.4022120237e-1f;
+  p = p * f + 6.9314694405e-1f;
+  p = p * f + 1.0000001192f;
+  VI n_bits, p_bits;
+  std::memcpy(&n_bits, &shifted, sizeof n_bits);
+  std::memcpy(&p_bits, &p, sizeof p_bits);
+  p_bits += n_bits << 23;  // multiply by 2^n: the offset's bits shift out, n lands in the exponent field
+  std::memcpy(&p, &p_bits, sizeof p);
+  return p;
 }
 
 // Horizontal max and sum of a vector's lanes, halving it each step.
