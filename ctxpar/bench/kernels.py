@@ -1,8 +1,10 @@
-"""Time ctxpar's compiled attention kernels against the PyTorch path they replace.
+"""Time ctxpar's compiled kernels against the PyTorch path they replace.
 
 Both sides run through the layer entry points the model calls
 (``gqa_paged_attention`` for decode rows over a paged cache,
-``causal_attention`` for prefill chunks), once with the kernels and once with
+``causal_attention`` for prefill chunks; for a Llama layer's elementwise
+steps ``RMSNorm`` with and without the residual, ``apply_rotary_`` and
+``silu_and_mul``), once with the kernels and once with
 ``CTXPAR_KERNELS=0``, at SmolLM2's shapes (9 query and 3 KV heads of 64,
 fp32): so the baseline is exactly what ctxpar runs without them (batched
 GEMMs over gathered contexts, or PyTorch's flash kernel). Prints the best time
@@ -23,11 +25,16 @@ from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, causal_attention
+from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
+from ctxpar.layers.rotary import apply_rotary_
+from ctxpar.models.llama import silu_and_mul
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 DECODE_CASES = ((1, 2048), (16, 16), (16, 100), (16, 1000), (64, 500))  # (rows, keys each)
 PREFILL_CASES = ((64, 0), (128, 0), (512, 1536), (2048, 0), (2048, 4096))  # (chunk, cached context)
+ELEMENTWISE_TOKENS = (1, 16, 2048)
+HIDDEN, INTER = 576, 1536
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,12 +80,35 @@ def _decode_step(rows: int, keys: int, g: torch.Generator) -> Callable[[], torch
     return step
 
 
+def _elementwise_steps(n: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+    """A Llama layer's elementwise steps on n tokens (SmolLM2's widths): the input
+    RMSNorm, rope of Q and K inside the QKV projection, the residual add with
+    the post-attention RMSNorm, SiLU·up. The in-place steps work on fresh
+    copies of their inputs (copied on both paths alike)."""
+    norm = RMSNorm(HIDDEN, 1e-5)
+    norm.weight.data = torch.randn(HIDDEN, generator=g)
+    x, h = torch.randn(n, HIDDEN, generator=g), torch.randn(n, HIDDEN, generator=g)
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM, generator=g)
+    gate_up = torch.randn(n, 2 * INTER, generator=g)
+    angles = torch.rand(n, DIM // 2, generator=g) * n
+    cos, sin = angles.cos(), angles.sin()
+
+    def step() -> torch.Tensor:
+        qk = qkv.clone()[:, : (HEADS + KV_HEADS) * DIM].view(n, HEADS + KV_HEADS, DIM)
+        residual = h.clone()
+        outs = [norm(x), apply_rotary_(qk, cos, sin), norm(x, residual=residual), silu_and_mul(gate_up.clone())]
+        return torch.cat([o.reshape(n, -1) for o in outs], dim=1)
+
+    return step
+
+
 def run(args: argparse.Namespace) -> None:
     if not kernels.usable(torch.zeros(1, 2, 1, 8), 8):
         raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
                           "nothing to compare; unset CTXPAR_KERNELS or install g++")
     print(describe_machine())
-    print(f"{torch.get_num_threads()} threads; one layer's attention, {HEADS}/{KV_HEADS} heads of {DIM}, fp32")
+    print(f"{torch.get_num_threads()} threads; one layer's attention ({HEADS}/{KV_HEADS} heads of {DIM}) and "
+          f"elementwise steps (hidden {HIDDEN}, intermediate {INTER}), fp32")
     g = torch.Generator().manual_seed(0)
     saved = os.environ.get("CTXPAR_KERNELS")
     try:
@@ -91,6 +121,9 @@ def run(args: argparse.Namespace) -> None:
             kv = torch.randn(context + chunk, 2, KV_HEADS, DIM, generator=g)
             _compare(f"{chunk} after {context}", lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5),
                      args.repeat)
+        print(f"{'elementwise: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
+        for n in ELEMENTWISE_TOKENS:
+            _compare(f"{n}", _elementwise_steps(n, g), args.repeat)
     finally:
         if saved is None:
             os.environ.pop("CTXPAR_KERNELS", None)

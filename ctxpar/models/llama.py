@@ -108,12 +108,16 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
-        if elementwise.usable(gate_up):
-            act = elementwise.silu_mul(gate_up)  # (n, I), one pass
-        else:
-            gate, up = gate_up.split(self.inter, dim=-1)
-            act = F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
-        return linear(act, self.down_weight, self.down_bias)  # (n, hidden)
+        return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (n, hidden)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (n, 2I), gate then up -> silu(gate) * up (n, I): one pass in the
+    kernel; PyTorch's ops elsewhere (in place on the gate half of gate_up)."""
+    if elementwise.usable(gate_up) and gate_up.is_contiguous():
+        return elementwise.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
 
 
 class LlamaDecoderLayer(nn.Module):
