@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import multiprocessing
+import signal
 import time
 
 import pytest
@@ -17,6 +18,16 @@ import pytest
 from ctxpar import LLM
 from ctxpar.parallel.launch import RankFailure
 from test_step_failures import CONFIG, GREEDY, SEEDED, prompt
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Python's Ctrl-C handler, as in a terminal: a run started in the background
+    by a shell without job control inherits SIGINT ignored, and then
+    ``_thread.interrupt_main`` does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def interrupt_inside_the_forward(llm: LLM) -> dict[str, float]:

@@ -188,7 +188,8 @@ def start_cli(model: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*cmd, "--prompt", "x" * 300, "--max-tokens", "200", "--ignore-eos", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
-    )  # fmt: skip
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a terminal's Ctrl-C, even if
+    )  # fmt: skip                     # this run's shell started it in the background (SIGINT ignored)
 
 
 def wait_for_text(proc: subprocess.Popen) -> None:

@@ -52,8 +52,12 @@ def test_prefill_matches_transformers(pairs, name):
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
 @pytest.mark.parametrize("name", NAMES)
-def test_chunked_prefill_and_decode_match_transformers(pairs, name):
+def test_chunked_prefill_and_decode_match_transformers(pairs, name, kernels, monkeypatch):
+    """With the compiled kernels (attention, RMSNorm, rope, SiLU·up) and on
+    PyTorch's path (CTXPAR_KERNELS=0)."""
+    monkeypatch.setenv("CTXPAR_KERNELS", kernels)
     ours, ref = pairs[name]
     ids = prompt(seed=1)
     expected = reference_logits(ref, ids)

@@ -24,8 +24,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x); with `residual` (the stream x is added to): residual += x in
         place, then norm(residual), in one pass where the kernel serves."""
-        if x.dim() == 2 and x.stride(-1) == 1 and elementwise.usable(x, self.weight):
-            if residual is None or residual.is_contiguous():
+        tensors = (x, self.weight) if residual is None else (x, self.weight, residual)
+        if x.dim() == 2 and x.stride(-1) == 1 and all(t.is_contiguous() for t in tensors[1:]):
+            if elementwise.usable(*tensors):
                 return elementwise.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = residual.add_(x)

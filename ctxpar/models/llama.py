@@ -7,7 +7,11 @@ matmul for Q, K and V, one for gate and up. Attention goes through the paged
 KV cache of the ForwardContext (DESIGN.md §4): compute K/V of the local
 tokens, ``gather_and_store_kv`` (all-gather, cache write), then attention of the local
 rows over their whole contexts in the cache (ctxpar/layers/paged_attention.py:
-all one-query rows in one batched call, prefill rows one by one).
+all one-query rows in one batched call, prefill rows one by one). Rope turns
+Q and K in place inside the QKV projection, whose K|V half is then the cache
+entry as is; on the CPU in fp32 the elementwise steps (RMSNorm with the
+residual add before it, rope, SiLU·up) are one compiled pass each
+(ctxpar/kernels/elementwise.py).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar import kernels
-from ctxpar.kernels import elementwise
 from ctxpar.errors import CtxparError
+from ctxpar.kernels import elementwise
 from ctxpar.layers.context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.linear import can_pack, linear, pack_weight, packed_copy
