@@ -59,7 +59,7 @@ def _build(cfg, path):
 
 def _run(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """Feed the prompt in chunks of the given sizes; return logits for every token."""
-    caches = [torch.zeros(64, *model.kv_entry_shape) for _ in range(model.num_kv_layers)]
+    caches = [torch.zeros(max(64, ids.numel()), *model.kv_entry_shape) for _ in range(model.num_kv_layers)]
     logits, start = [], 0
     for n in chunks:
         pos = torch.arange(start, start + n)
@@ -98,6 +98,33 @@ def test_absorbed_matches_expanded(ds_models, name, monkeypatch):
         monkeypatch.setattr(mla, "ATTENTION_PATH", path_name)
         results[path_name] = _run(model, ids, [8, 6] + [1] * (PROMPT_LEN - 14))
     torch.testing.assert_close(results["absorbed"], results["expanded"], atol=1e-5, rtol=0)
+
+
+def test_expanded_prefill_in_the_kernel_matches_transformers(tmp_path, monkeypatch):
+    """Heads whose widths the compiled prefill kernel takes (Q/K 128, V 64): the
+    expanded path hands it V unpadded, and the logits still match transformers,
+    for a whole prefill and for a chunk after cached context."""
+    from transformers import AutoModelForCausalLM
+
+    from ctxpar import kernels
+
+    cfg = tiny_deepseek_configs()["v2_greedy"]
+    cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 112, 16, 64
+    cfg.qk_head_dim = 128
+    path = save_tiny_deepseek(cfg, tmp_path / "wide", seed=3)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(0, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    widths = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention",
+                        lambda q, k, v, *a, **kw: widths.append((q.shape[-1], v.shape[-1])) or real(q, k, v, *a, **kw))
+    monkeypatch.setattr(mla, "ATTENTION_PATH", "expanded")
+    model = _build(cfg, path)
+    for chunks in ([150], [70, 80]):
+        torch.testing.assert_close(_run(model, ids, chunks), want, atol=1e-4, rtol=1e-5)
+    assert widths and set(widths) == {(128, 64)}
 
 
 def test_model_interface(ds_models):

@@ -96,11 +96,12 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed, march) ->
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 3, 4]),
     head_dim=st.sampled_from([64, 128, 192]),  # 192: MLA's expanded prefill (nope 128 + rope 64)
+    narrow_values=st.booleans(),  # V 64 wide (MLA's expanded prefill: V narrower than Q and K)
     chunk=st.integers(1, 200),
     context=st.sampled_from([0, 0, 1, 63, 64, 65, 300]),
     seed=st.integers(0, 2**16),
 )
-def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, seed, march) -> None:
+def test_prefill_matches_reference(kv_heads, group, head_dim, narrow_values, chunk, context, seed, march) -> None:
     """A chunk of L queries after `context` cached keys: query i sees keys up to
     context + i. K and V are the halves of a (S, 2, Hk, D) gather and q a view
     of a fused projection, as gqa_paged_attention passes them."""
@@ -109,9 +110,10 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, chunk, context, se
     S = context + L
     qkv = torch.randn(L, H + 2 * Hk, D, generator=g)
     q, kv = qkv[:, :H], torch.randn(S, 2, Hk, D, generator=g)
-    assert kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
-    out, lse = kernels.prefill_attention(q, kv[:, 0], kv[:, 1], D**-0.5)
-    want, want_lse = reference(q, kv[:, 0], kv[:, 1], D**-0.5)
+    k, v = kv[:, 0], (kv[:, 1, :, :64].contiguous() if narrow_values else kv[:, 1])
+    assert kernels.prefill_usable(q, k, v)
+    out, lse = kernels.prefill_attention(q, k, v, D**-0.5)
+    want, want_lse = reference(q, k, v, D**-0.5)
     torch.testing.assert_close(out.double(), want, **TOL)
     torch.testing.assert_close(lse.double(), want_lse, **TOL)
 

@@ -90,11 +90,16 @@ def causal_attention(
     the old context and a causal part over the new keys, merged by their
     log-sum-exp: ~1.5x faster on CPU than an explicit mask.
     """
-    L, S = q.shape[0], k.shape[0]
-    if L >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v):
+    if takes_kernel(q, k, v):
         return kernels.prefill_attention(q, k, v, scale, out=out)[0]
     result = _torch_causal_attention(q, k, v, scale)
     return result if out is None else out.copy_(result)
+
+
+def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``causal_attention`` runs these in the compiled kernel (which, unlike
+    PyTorch's CPU kernel, takes V narrower than Q and K)."""
+    return q.shape[0] >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v)
 
 
 def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

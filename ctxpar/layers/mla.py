@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar import kernels
-from ctxpar.layers.context import ForwardContext, causal_attention, gather_and_store_kv
+from ctxpar.layers.context import ForwardContext, causal_attention, gather_and_store_kv, takes_kernel
 from ctxpar.layers.dcp import attention_lse, sharded_attention
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
@@ -146,13 +146,14 @@ class MLAttention(nn.Module):
         kv_up = F.linear(c_kv, self.kv_b_proj.weight).view(S, h, self.nope_dim + self.v_head_dim)
         k_nope, v = kv_up.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(S, h, self.rope_dim)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        d = max(self.qk_head_dim, self.v_head_dim)
-        if self.qk_head_dim < d:  # zero dims add nothing to q·k; the scale is explicit
-            q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
-        if self.v_head_dim < d:
-            v = F.pad(v, (0, d - self.v_head_dim))
-        return causal_attention(q, k, v.contiguous(), self.scale)[..., : self.v_head_dim]
+        q, v = torch.cat([q_nope, q_pe], dim=-1), v.contiguous()
+        if not takes_kernel(q, k, v):  # PyTorch's CPU kernel needs Q, K and V of one width
+            d = max(self.qk_head_dim, self.v_head_dim)
+            if self.qk_head_dim < d:  # zero dims add nothing to q·k; the scale is explicit
+                q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
+            if self.v_head_dim < d:
+                v = F.pad(v, (0, d - self.v_head_dim))
+        return causal_attention(q, k, v, self.scale)[..., : self.v_head_dim]
 
     def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """(L, h, nope), (L, h, rope) -> latent-space query (L, h, r + rope): q_nope through W_UK."""
