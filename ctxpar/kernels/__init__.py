@@ -1,8 +1,8 @@
 """Compiled CPU kernels, built on first use.
 
 The kernels are the C++ files next to this one (decode and prefill
-attention; the layers' elementwise steps, wrapped in ``elementwise.py``); they include no PyTorch header, so ``g++ -O3 -march=native
--fopenmp`` builds them into one library in a few seconds (a PyTorch extension
+attention; the layers' elementwise steps, wrapped in ``elementwise.py``); they
+include no PyTorch header, so ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few seconds (a PyTorch extension
 takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
 cache shared between machines never serves one CPU's build to another), and

@@ -7,8 +7,8 @@
 // is read once, straight from its cache slot.
 //
 // Inner loops work on eight floats at a time (vec.h): eight keys' dot products
-// reduce together, the softmax weights are 2^t polynomials (vec.h), and a value block's accumulators stay
-// in registers over the keys.
+// reduce together, the softmax weights are 2^t polynomials (vec.h), and a
+// value block's accumulators stay in registers over the keys.
 //
 // Work is cut into tasks of (row, KV head, run of at most CHUNK keys) so that
 // one long row still keeps every thread busy; each task leaves a partial

@@ -1,6 +1,7 @@
 // Causal attention of a prefill chunk: L queries that are the last L of S
 // keys (query i at position S - L + i sees keys 0 .. S - L + i), or unmasked
-// (every query sees every key: DCP's context shards), grouped-query heads, fp32. Flash attention's blocking, with register-tiled inner products:
+// (every query sees every key: DCP's context shards), grouped-query heads,
+// fp32. Flash attention's blocking, with register-tiled inner products:
 //
 //   for each (KV head h, block of BQ queries)            <- one task
 //     Q block: BQ queries x g heads = M rows, scaled      (packed, M x D)
@@ -9,7 +10,7 @@
 //       mask the block's future keys (diagonal blocks only)
 //       online softmax: row max, rescale, p = 2^(score - max), scores in log2 units
 //       O += P · V              M x Dv  (V rows read in place)
-//     out = O / row sums,  lse = max + log(row sums)
+//     out = O / row sums,  lse = (max + log2(row sums)) ln 2
 //
 // Both products run as tiles of ROWS rows x 4 vectors whose accumulators stay
 // in registers: each step broadcasts one float of the left operand and fuses

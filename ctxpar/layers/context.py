@@ -97,8 +97,9 @@ def causal_attention(
 
 
 def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``causal_attention`` runs these in the compiled kernel (which, unlike
-    PyTorch's CPU kernel, takes V narrower than Q and K)."""
+    """Whether attention of these runs in the compiled kernel (``causal_attention``
+    and DCP's ``attention_lse``): rows of at least KERNEL_MIN_QUERIES queries the
+    kernel takes. Unlike PyTorch's CPU kernel, it takes V narrower than Q and K."""
     return q.shape[0] >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v)
 
 

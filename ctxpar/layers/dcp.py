@@ -37,7 +37,7 @@ import torch
 
 from ctxpar import kernels
 from ctxpar.layers.attention_ops import concat_slots
-from ctxpar.layers.context import KERNEL_MIN_QUERIES, ForwardContext, bottom_right_causal, merge_attention, store_kv
+from ctxpar.layers.context import ForwardContext, bottom_right_causal, merge_attention, store_kv, takes_kernel
 from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, gathers_context
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
@@ -75,7 +75,7 @@ def attention_lse(
 
     Returns out (L, H, Dv) and lse (L, H), both float32.
     """
-    if q.shape[0] >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v):
+    if takes_kernel(q, k, v):
         return kernels.prefill_attention(q, k, v, scale, causal)  # causal with L == m: bottom-right is top-left
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
     if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
