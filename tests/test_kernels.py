@@ -110,7 +110,8 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, narrow_values, chu
     S = context + L
     qkv = torch.randn(L, H + 2 * Hk, D, generator=g)
     q, kv = qkv[:, :H], torch.randn(S, 2, Hk, D, generator=g)
-    k, v = kv[:, 0], (kv[:, 1, :, :64].contiguous() if narrow_values else kv[:, 1])
+    # A fresh (S, Hk, 64) tensor: .contiguous() of the slice keeps its strides when S = Hk = 1.
+    k, v = kv[:, 0], (torch.empty(S, Hk, 64).copy_(kv[:, 1, :, :64]) if narrow_values else kv[:, 1])
     assert kernels.prefill_usable(q, k, v)
     out, lse = kernels.prefill_attention(q, k, v, D**-0.5)
     want, want_lse = reference(q, k, v, D**-0.5)
