@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built on first use.
 
 The kernels are the C++ files next to this one (decode and prefill
-attention; the layers' elementwise steps, wrapped in ``elementwise.py``); they
+attention; fp32 projections against packed weights; the layers' elementwise
+steps, wrapped in ``elementwise.py``); they
 include no PyTorch header, so ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few seconds (a PyTorch extension
 takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
@@ -44,6 +45,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
+    "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
+    "linear_panel_width": ([], _i64),
 }
 
 
@@ -204,3 +207,24 @@ def prefill_attention(
         int(causal), scale, out.data_ptr(), lse.data_ptr(),
     )
     return out, lse
+
+
+def panel_width() -> int:
+    """Output rows per panel of the packed weight layout (kernels/gemv.cpp)."""
+    return _library().linear_panel_width()
+
+
+def linear_packed(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (n, in) float32, rows contiguous (tokens may be strided) @ W^T (+ bias)
+    -> (n, out_features) float32, W packed (ceil(out / panel_width), in, panel_width)."""
+    n, in_features = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert packed.is_contiguous() and packed.shape[1] == in_features and x.dtype == torch.float32
+    out = torch.empty(n, out_features, dtype=torch.float32)
+    bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
+    _library().linear_packed_f32(x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features,
+                                 bias_ptr, out.data_ptr())
+    return out

@@ -1,46 +1,86 @@
-"""Linear projections, with one CPU speed trick: oneDNN pre-packed weights.
+"""Linear projections, with one CPU speed trick: weights packed once after loading.
 
-On CPU, fp32 matmuls against weights reordered once into oneDNN's blocked
-layout run ~1.4x faster than plain ``F.linear`` (MKL) at prefill shapes
-(2048 x 576 @ 576 x 3072 measured here) and are no slower at decode shapes.
-The packed tensor replaces the parameter, so memory does not grow. bf16
-weights are packed too where the CPU has native bf16 (AVX-512 BF16 / AMX):
-~1.4-2x faster than fp32 there, decode shapes included.
+- **fp32** weights are packed into ctxpar's panel layout (kernels/gemv.cpp),
+  which the compiled kernel reads at the speed of oneDNN's own packed copy
+  (faster at a decode step's few rows, within ~5% at prefill's thousands).
+  Unlike oneDNN's copy, it is a plain tensor: the PCP ranks of one host can
+  read one copy in shared pages (ctxpar/parallel/shared_weights.py).
+- **bf16** weights are packed by oneDNN where the CPU has native bf16
+  (AVX-512 BF16 / AMX): ~1.4-2x faster than fp32 there, decode included.
+
+Elsewhere (GPUs, ``CTXPAR_KERNELS=0`` at load time, bf16 without native
+support) weights stay as loaded and go through ``F.linear``. The packed
+weight replaces the parameter, so memory does not grow.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ctxpar import kernels
 from ctxpar.dtypes import cpu_has_native_bf16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass
+class PanelWeight:
+    """An (out_features, in_features) fp32 weight in the kernel's panel layout."""
+
+    data: torch.Tensor  # (ceil(out / NP), in, NP) float32, contiguous
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PanelWeight:
+        out_features, in_features = weight.shape
+        width = kernels.panel_width()
+        padded = weight.new_zeros(-(-out_features // width) * width, in_features)
+        padded[:out_features] = weight
+        return cls(padded.view(-1, width, in_features).transpose(1, 2).contiguous(), out_features)
+
+
+Weight = torch.Tensor | PanelWeight
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) @ weight (out, in)^T + bias -> (n, out), for plain or packed weights."""
+    if isinstance(weight, PanelWeight):
+        return kernels.linear_packed(x, weight.data, weight.out_features, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """fp32 always; bf16 only where the CPU computes it natively (elsewhere oneDNN emulates it, slowly)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """Whether ``packed`` changes this weight: fp32 with the kernels built, or
+    bf16 where the CPU computes it natively (elsewhere oneDNN emulates it, slowly)."""
+    if weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
+    if weight.dtype == torch.float32:
+        return kernels.enabled() and kernels._library() is not None
+    return weight.dtype == torch.bfloat16 and cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
+
+
+def packed(weight: torch.Tensor) -> Weight:
+    """The packed form of `weight` (out, in), or `weight` itself where packing does not apply."""
+    if not can_pack(weight):
+        return weight
+    if weight.dtype == torch.float32:
+        return PanelWeight.pack(weight.detach())
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
 
 
 def pack_weight(module: nn.Module, name: str) -> None:
-    """Replace `module.<name>` (out, in) by its oneDNN-packed copy, in place."""
-    weight = getattr(module, name)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    setattr(module, name, nn.Parameter(packed, requires_grad=False))
+    """Replace `module.<name>` (out, in) by its packed form, in place."""
+    weight = packed(getattr(module, name))
+    if isinstance(weight, PanelWeight):
+        delattr(module, name)  # a plain attribute from here on, no longer a parameter
+    setattr(module, name, weight)
 
 
-def packed_copy(weight: torch.Tensor) -> nn.Parameter | None:
-    """A oneDNN-packed copy of `weight` (the original stays, e.g. for a tied
-    embedding's lookup), or None where packing does not apply."""
-    if not can_pack(weight):
-        return None
-    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
+def panel_weights(model: nn.Module) -> list[PanelWeight]:
+    """Every PanelWeight held by `model`'s modules, in a fixed order (module
+    registration, then attribute order): the same list on every rank."""
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, PanelWeight)]

@@ -23,7 +23,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext
-from ctxpar.layers.linear import linear, packed_copy
+from ctxpar.layers.linear import Weight, can_pack, linear, packed
 from ctxpar.layers.mla import MLAttention
 from ctxpar.layers.moe import GatedMLP, MoE, TopkRouter
 from ctxpar.layers.norm import RMSNorm
@@ -130,7 +130,7 @@ class _DeepseekForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim).to(device)
         self.kv_entry_shape = (config.kv_lora_rank + config.qk_rope_head_dim,)
         self.num_kv_layers = config.num_hidden_layers
-        self.lm_head_packed: nn.Parameter | None = None  # see pack_for_cpu
+        self.lm_head_packed: Weight | None = None  # see pack_for_cpu
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -147,9 +147,10 @@ class _DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack_for_cpu(self) -> None:
-        """After loading: the lm_head through a oneDNN-packed copy, as for Llama
+        """After loading: the lm_head through a packed copy, as for Llama
         (an unpacked vocab x hidden matmul is ~2x slower per decode step)."""
-        self.lm_head_packed = packed_copy(self.lm_head.weight)
+        if can_pack(self.lm_head.weight):
+            self.lm_head_packed = packed(self.lm_head.weight)
 
     # -- loading ---------------------------------------------------------------
     def _ignored(self, name: str) -> bool:

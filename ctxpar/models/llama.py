@@ -27,7 +27,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.kernels import elementwise
 from ctxpar.layers.context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.dcp import attention_lse, sharded_attention
-from ctxpar.layers.linear import can_pack, linear, pack_weight, packed_copy
+from ctxpar.layers.linear import Weight, can_pack, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_layers: int = config.num_hidden_layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
-        self.lm_head_packed: nn.Parameter | None = None  # oneDNN copy of lm_head, see pack_for_cpu
+        self.lm_head_packed: Weight | None = None  # packed copy of lm_head, see pack_for_cpu
         self.rotary = RotaryEmbedding(config, attn.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head if self.lm_head_packed is None else self.lm_head_packed).float()
 
     def pack_for_cpu(self) -> None:
-        """After loading: pre-pack the projection weights for oneDNN (CPU, fp32 or native bf16; see layers/linear.py).
+        """After loading: pack the projection weights (CPU, fp32 or native bf16; see layers/linear.py).
 
         The lm_head too: unpacked, it is a plain matmul over the largest weight
         (vocab x hidden) that runs ~2x slower at decode and ~4x at batch 16.
@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if not can_pack(self.embed_tokens):
             return
-        self.lm_head_packed = packed_copy(self.lm_head)
+        self.lm_head_packed = packed(self.lm_head)
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)
@@ -231,9 +231,9 @@ class LlamaForCausalLM(nn.Module):
         Rotary ``inv_freq`` buffers are ignored, and so is ``lm_head.weight``
         when the embeddings are tied.
         """
-        targets = self._targets()
-        if any(p.is_mkldnn for p, _, _ in targets.values()):
+        if self.lm_head_packed is not None:
             raise RuntimeError("the weights are packed for CPU already; load_weights must come before pack_for_cpu()")
+        targets = self._targets()
         missing = set(targets)
         unexpected: list[str] = []
         for name, tensor in weights:

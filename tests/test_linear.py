@@ -1,0 +1,67 @@
+"""The packed fp32 projection (ctxpar/kernels/gemv.cpp, layers/linear.py)
+against the product in float64, over random shapes (widths that neither the
+panels nor the vectors divide, strided input rows, row counts past a work
+block), on the native and the AVX2 builds; and the packing's index map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctxpar import kernels
+from ctxpar.layers.linear import PanelWeight, can_pack, linear, pack_weight, packed
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(n=st.one_of(st.integers(1, 30), st.integers(180, 260)), in_features=st.integers(1, 200),
+       out_features=st.integers(1, 100), pad=st.integers(0, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_linear_matches_float64(march: str, n: int, in_features: int, out_features: int, pad: int,
+                                       bias: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features + pad, generator=g)[:, :in_features]  # rows `pad` floats apart
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = linear(x, PanelWeight.pack(w), b)
+    assert got.shape == (n, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@SETTINGS
+@given(out_features=st.integers(1, 70), in_features=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_panel_layout_index_map(march: str, out_features: int, in_features: int, seed: int) -> None:
+    """Row o, column i of W sits at [o // NP][i][o % NP]; padding rows are zero."""
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    p = PanelWeight.pack(w)
+    width = kernels.panel_width()
+    assert p.data.shape == (-(-out_features // width), in_features, width) and p.out_features == out_features
+    for o in range(out_features):
+        assert torch.equal(p.data[o // width, :, o % width], w[o])
+    flat = p.data.transpose(1, 2).reshape(-1, in_features)
+    assert not flat[out_features:].any()
+
+
+def test_panel_width_is_two_vectors(march: str) -> None:
+    assert kernels.panel_width() == (16 if march == "haswell" else 32 if "avx512f" in kernels._cpu_flags() else 16)
+
+
+def test_what_gets_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(8, 4)
+    assert can_pack(w) and isinstance(packed(w), PanelWeight)
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    assert not can_pack(w) and packed(w) is w  # PyTorch's F.linear then
+    bf16 = w.bfloat16()
+    assert can_pack(bf16) == (packed(bf16) is not bf16)
+
+
+def test_pack_weight_replaces_the_parameter() -> None:
+    layer = torch.nn.Linear(6, 5, bias=False)
+    x = torch.randn(3, 6)
+    want = layer(x)
+    pack_weight(layer, "weight")
+    assert isinstance(layer.weight, PanelWeight) and "weight" not in dict(layer.named_parameters())
+    torch.testing.assert_close(linear(x, layer.weight), want)
