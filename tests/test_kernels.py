@@ -216,12 +216,12 @@ def test_fresh_cache_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
 def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixture[str]) -> None:
     """`ctxpar bench kernels`: every case timed both ways, outputs equal within 1e-5."""
     from ctxpar import cli
-    from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES
+    from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES, PROJECTION_CASES
 
     assert cli.main(["bench", "kernels", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split("|") for line in lines if line.count("|") == 4 and "kernel ms" not in line]
-    assert len(rows) == len(DECODE_CASES) + len(PREFILL_CASES) + len(ELEMENTWISE_TOKENS)
+    assert len(rows) == len(DECODE_CASES) + len(PREFILL_CASES) + len(ELEMENTWISE_TOKENS) + len(PROJECTION_CASES)
     for _, kernel_ms, torch_ms, ratio, diff in rows:
         assert float(kernel_ms) > 0 and float(torch_ms) > 0 and ratio.strip().endswith("x")
         assert float(diff) < 1e-5

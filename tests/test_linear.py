@@ -17,8 +17,8 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(n=st.one_of(st.integers(1, 30), st.integers(180, 260)), in_features=st.integers(1, 200),
-       out_features=st.integers(1, 100), pad=st.integers(0, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(n=st.one_of(st.integers(0, 30), st.integers(180, 260)), in_features=st.integers(1, 200),
+       out_features=st.integers(0, 100), pad=st.integers(0, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_packed_linear_matches_float64(march: str, n: int, in_features: int, out_features: int, pad: int,
                                        bias: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +53,7 @@ def test_what_gets_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(8, 4)
     assert can_pack(w) and isinstance(packed(w), PanelWeight)
     monkeypatch.setenv("CTXPAR_KERNELS", "0")
-    assert not can_pack(w) and packed(w) is w  # PyTorch's F.linear then
+    assert can_pack(w) and packed(w).is_mkldnn  # oneDNN's packed layout then
     bf16 = w.bfloat16()
     assert can_pack(bf16) == (packed(bf16) is not bf16)
 
@@ -65,3 +65,21 @@ def test_pack_weight_replaces_the_parameter() -> None:
     pack_weight(layer, "weight")
     assert isinstance(layer.weight, PanelWeight) and "weight" not in dict(layer.named_parameters())
     torch.testing.assert_close(linear(x, layer.weight), want)
+
+
+@pytest.mark.parametrize("n,in_features", [(1500, 300), (900, 1100)])
+def test_inputs_larger_than_l2_go_in_row_blocks(march: str, n: int, in_features: int) -> None:
+    """Past 2^18 input floats the kernel splits the rows into blocks (a last partial one included)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, in_features + 3, generator=g)[:, :in_features]
+    w, b = torch.randn(70, in_features, generator=g), torch.randn(70, generator=g)
+    want = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(linear(x, PanelWeight.pack(w), b).double(), want, rtol=1e-5, atol=2e-4)
+
+
+def test_no_rows_or_no_outputs() -> None:
+    """A step may want no logits (n = 0), and a rank's range of the vocabulary may be empty."""
+    w = PanelWeight.pack(torch.randn(3, 5))
+    assert linear(torch.zeros(0, 5), w).shape == (0, 3)
+    empty = PanelWeight(w.data[:0], 0)
+    assert linear(torch.randn(2, 5), empty).shape == (2, 0)

@@ -56,13 +56,19 @@ def one_rank(models) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
-def test_two_ranks_generate_what_one_rank_does(model, models, one_rank):
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_two_ranks_generate_what_one_rank_does(model, shm, models, one_rank, monkeypatch):
     """Chunked prefill (budget 64), a KV cache too small for all requests
-    (preemption), short prompts split or not (pcp_min_tokens), rows not split
-    replicated or assigned to one rank each (pcp_spread_min_rows=0: every step
-    of decodes spreads them)."""
-    for kwargs in (dict(pcp_min_tokens=0), dict(pcp_min_tokens=50), dict(pcp_min_tokens=50, pcp_spread_min_rows=0)):
+    (preemption), short prompts split or not (pcp_min_tokens). Steps without a
+    split row: on one host led by rank 0, which sends their KV to rank 1;
+    across hosts (CTXPAR_SHM=0: gloo) replicated or assigned to one rank each
+    (pcp_spread_min_rows=0: every step of decodes spreads them)."""
+    monkeypatch.setenv("CTXPAR_SHM", shm)
+    configs = [dict(pcp_min_tokens=0), dict(pcp_min_tokens=50)] if shm == "1" else [
+        dict(pcp_min_tokens=50), dict(pcp_min_tokens=50, pcp_spread_min_rows=0)]
+    for kwargs in configs:
         with LLM(models[model], pcp_size=2, max_num_batched_tokens=64, num_kv_blocks=40, block_size=8, max_model_len=200, **kwargs) as llm:
+            assert (llm.engine.executor.group.shm is not None) == (shm == "1")
             assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == one_rank[model], kwargs
             assert llm.engine.scheduler.num_preemptions > 0
 

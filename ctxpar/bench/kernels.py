@@ -4,10 +4,12 @@ Both sides run through the layer entry points the model calls
 (``gqa_paged_attention`` for decode rows over a paged cache,
 ``causal_attention`` for prefill chunks; for a Llama layer's elementwise
 steps ``RMSNorm`` with and without the residual, ``apply_rotary_`` and
-``silu_and_mul``), once with the kernels and once with
+``silu_and_mul``; a layer's four projections through ``linear`` with its
+weights ``packed``), once with the kernels and once with
 ``CTXPAR_KERNELS=0``, at SmolLM2's shapes (9 query and 3 KV heads of 64,
 fp32): so the baseline is exactly what ctxpar runs without them (batched
-GEMMs over gathered contexts, or PyTorch's flash kernel). Prints the best time
+GEMMs over gathered contexts, PyTorch's flash kernel, oneDNN's packed
+weights). Prints the best time
 of each, the ratio, and the largest difference between the two outputs.
 """
 
@@ -25,6 +27,7 @@ from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.layers.context import ForwardContext, causal_attention
+from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import apply_rotary_
@@ -34,6 +37,7 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 DECODE_CASES = ((1, 2048), (16, 16), (16, 100), (16, 1000), (64, 500))  # (rows, keys each)
 PREFILL_CASES = ((64, 0), (128, 0), (512, 1536), (2048, 0), (2048, 4096))  # (chunk, cached context)
 ELEMENTWISE_TOKENS = (1, 16, 2048)
+PROJECTION_CASES = ((1, 30), (16, 30), (64, 30), (2048, 2))  # (tokens, layers): decode streams the model
 HIDDEN, INTER = 576, 1536
 
 
@@ -102,6 +106,27 @@ def _elementwise_steps(n: int, g: torch.Generator) -> Callable[[], torch.Tensor]
     return step
 
 
+def _projections(n: int, layers: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+    """The four projections (QKV, O, gate|up, down) of `layers` Llama layers on n
+    tokens, the weights packed as the loader packs them with the kernels on or
+    off. Decode cases take SmolLM2's 30 layers: 425 MB of weights, streamed from
+    memory as in a real step, not from the cache."""
+    shapes = (((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), (HIDDEN, HEADS * DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER))
+    weights = [torch.randn(shape, generator=g) / shape[1] ** 0.5 for _ in range(layers) for shape in shapes]
+    xs = [torch.randn(n, shape[1], generator=g) for shape in shapes]
+    cache: dict[bool, list] = {}
+
+    def step() -> torch.Tensor:
+        path = kernels.enabled()
+        if path not in cache:  # packed on the path's first (warm-up) call; one path's copy at a time
+            cache.clear()
+            cache[path] = [packed(w) for w in weights]
+        outs = [linear(x, w) for x, w in zip(xs * layers, cache[path])]
+        return torch.cat(outs[-4:], dim=1)  # the last layer's: compared between the paths
+
+    return step
+
+
 def run(args: argparse.Namespace) -> None:
     if not kernels.usable(torch.zeros(1, 2, 1, 8), 8):
         raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
@@ -124,6 +149,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"{'elementwise: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
         for n in ELEMENTWISE_TOKENS:
             _compare(f"{n}", _elementwise_steps(n, g), args.repeat)
+        print(f"{'projections: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
+        for n, layers in PROJECTION_CASES:
+            _compare(f"{n} x {layers} layers", _projections(n, layers, g), args.repeat)
     finally:
         if saved is None:
             os.environ.pop("CTXPAR_KERNELS", None)

@@ -47,6 +47,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
+    "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }
 
 

@@ -20,6 +20,7 @@
 // MB x 2 vector accumulators: per input index it loads the panel's two
 // vectors once and does 2 MB fused multiply-adds with the broadcast inputs.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <utility>
@@ -37,7 +38,7 @@ constexpr int MB = 6;  // 12 + 2 + 1 of 16
 #endif
 constexpr int64_t W = sizeof(vec) / sizeof(float);
 constexpr int64_t NP = 2 * W;
-constexpr int64_t ROW_BLOCK = 16 * MB;  // input rows per block of the work split
+constexpr int64_t ONE_BLOCK_FLOATS = 1 << 18, ROW_BLOCK_FLOATS = 1 << 15;
 
 // out[m, 0..cols) for m < mb: one panel against mb input rows.
 template <int mb>
@@ -79,15 +80,21 @@ int64_t linear_panel_width() { return NP; }
 void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
                        int64_t out_features, const float* bias, float* out) {
   static const auto table = panel_table(std::make_index_sequence<MB>());
-  const int64_t panels = (out_features + NP - 1) / NP, row_blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+  if (n == 0 || out_features == 0) return;
+  // Inputs that fit in L2 go in one block, so the weights stream past them once (a
+  // decode step's rows); larger ones in blocks of ~128 KB of rows, which stay in L2
+  // while the weight panels pass (from L3: a layer's weights fit there).
+  const int64_t row_block =
+      n * in <= ONE_BLOCK_FLOATS ? n : std::max<int64_t>(MB, ROW_BLOCK_FLOATS / in / MB * MB);
+  const int64_t panels = (out_features + NP - 1) / NP, row_blocks = (n + row_block - 1) / row_block;
   // Consecutive (row block, panel) pairs go to one thread: its row block stays in
   // L2 while the panels stream past it.
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t o = p * NP, cols = out_features - o < NP ? out_features - o : NP;
-      const int64_t end = (rb + 1) * ROW_BLOCK < n ? (rb + 1) * ROW_BLOCK : n;
-      for (int64_t m = rb * ROW_BLOCK; m < end; m += MB) {
+      const int64_t end = std::min(n, (rb + 1) * row_block);
+      for (int64_t m = rb * row_block; m < end; m += MB) {
         const int64_t mb = end - m < MB ? end - m : MB;
         table[mb - 1](x + m * x_stride, x_stride, packed + p * in * NP, in, bias ? bias + o : nullptr,
                       out + m * out_features + o, out_features, cols);

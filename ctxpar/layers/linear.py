@@ -8,9 +8,10 @@
 - **bf16** weights are packed by oneDNN where the CPU has native bf16
   (AVX-512 BF16 / AMX): ~1.4-2x faster than fp32 there, decode included.
 
-Elsewhere (GPUs, ``CTXPAR_KERNELS=0`` at load time, bf16 without native
-support) weights stay as loaded and go through ``F.linear``. The packed
-weight replaces the parameter, so memory does not grow.
+With ``CTXPAR_KERNELS=0`` at load time, fp32 weights are packed by oneDNN
+too. Elsewhere (GPUs, bf16 without native support) weights stay as loaded
+and go through ``F.linear``. The packed weight replaces the parameter, so
+memory does not grow.
 """
 
 from __future__ import annotations
@@ -54,22 +55,28 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``packed`` changes this weight: fp32 with the kernels built, or
-    bf16 where the CPU computes it natively (elsewhere oneDNN emulates it, slowly)."""
+    """Whether ``packed`` changes this weight: on the CPU, fp32, or bf16 where the
+    CPU computes it natively (elsewhere oneDNN emulates bf16, slowly)."""
     if weight.device.type != "cpu":
         return False
-    if weight.dtype == torch.float32:
-        return kernels.enabled() and kernels._library() is not None
-    return weight.dtype == torch.bfloat16 and cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
+    if weight.dtype == torch.float32 and _kernel_packs():
+        return True
+    native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
+    return native and torch.backends.mkldnn.is_available()
 
 
 def packed(weight: torch.Tensor) -> Weight:
-    """The packed form of `weight` (out, in), or `weight` itself where packing does not apply."""
+    """The packed form of `weight` (out, in): a PanelWeight for fp32 with the
+    kernels on, oneDNN's layout otherwise where it applies, else `weight` itself."""
     if not can_pack(weight):
         return weight
-    if weight.dtype == torch.float32:
+    if weight.dtype == torch.float32 and _kernel_packs():
         return PanelWeight.pack(weight.detach())
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
+
+
+def _kernel_packs() -> bool:
+    return kernels.enabled() and kernels._library() is not None
 
 
 def pack_weight(module: nn.Module, name: str) -> None:
@@ -78,6 +85,24 @@ def pack_weight(module: nn.Module, name: str) -> None:
     if isinstance(weight, PanelWeight):
         delattr(module, name)  # a plain attribute from here on, no longer a parameter
     setattr(module, name, weight)
+
+
+def row_parts(weight: Weight, parts: int) -> list[tuple[PanelWeight, int, int]] | None:
+    """A packed `weight` (out, in) cut between panels into `parts` near-equal
+    ranges of output rows, as views: (the range's weight, first row, end row)
+    each; None for other weights. Each output computes exactly as uncut: the
+    kernel sums every output over the input in one fixed order, whatever the
+    panels and rows around it."""
+    if not isinstance(weight, PanelWeight):
+        return None
+    width, panels = weight.data.shape[2], weight.data.shape[0]
+    cuts = [panels * k // parts for k in range(parts + 1)]
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        first = min(lo * width, weight.out_features)
+        end = min(hi * width, weight.out_features)
+        out.append((PanelWeight(weight.data[lo:hi], end - first), first, end))
+    return out
 
 
 def panel_weights(model: nn.Module) -> list[PanelWeight]:

@@ -7,6 +7,7 @@ from typing import Iterable, Protocol
 import torch
 
 from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.linear import Weight
 
 
 class CausalLM(Protocol):
@@ -21,7 +22,12 @@ class CausalLM(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(m, hidden_size) -> (m, vocab_size) float32 logits."""
+        """(m, hidden_size) -> (m, vocab_size) float32 logits: ``linear(hidden, logits_weight())``."""
+        ...
+
+    def logits_weight(self) -> Weight:
+        """The (vocab_size, hidden_size) lm_head, plain or packed (layers/linear.py),
+        for ranks that compute the logits a range of the vocabulary each."""
         ...
 
     # Optional: ``pack_for_cpu()``, called by the loader after load_weights,

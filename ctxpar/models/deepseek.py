@@ -142,9 +142,10 @@ class _DeepseekForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_packed is not None:
-            return linear(hidden, self.lm_head_packed).float()
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.logits_weight()).float()
+
+    def logits_weight(self) -> Weight:
+        return self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
 
     def pack_for_cpu(self) -> None:
         """After loading: the lm_head through a packed copy, as for Llama

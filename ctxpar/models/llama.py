@@ -172,7 +172,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, hidden) -> (m, vocab) float32."""
-        return linear(hidden, self.lm_head if self.lm_head_packed is None else self.lm_head_packed).float()
+        return linear(hidden, self.logits_weight()).float()
+
+    def logits_weight(self) -> Weight:
+        return self.lm_head if self.lm_head_packed is None else self.lm_head_packed
 
     def pack_for_cpu(self) -> None:
         """After loading: pack the projection weights (CPU, fp32 or native bf16; see layers/linear.py).

@@ -30,6 +30,8 @@ from ctxpar.errors import RankFailure
 from ctxpar.layers.dcp_context import GatherPolicy
 from ctxpar.parallel import startup
 from ctxpar.parallel.preflight import check_launch
+from ctxpar.parallel.shared_weights import share_weights
+from ctxpar.parallel.shm_channel import PeerLost
 from ctxpar.parallel.comm import (
     DATA_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
@@ -64,12 +66,16 @@ def threads_per_rank(config: EngineConfig) -> int:
 def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) -> ModelRunner:
     from ctxpar.worker.executor import DTYPES
 
+    if group.one_host:
+        share_weights(model, group)  # one copy per host instead of one per rank
     return ModelRunner(
         model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens,
         config.dcp_size, config.cp_interleave,
         # Split rows gather their sharded context in rounds of one step's token budget.
         GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
         pcp_spread_min_rows=config.pcp_spread_min_rows,
+        # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
+        lead_threads=threads_per_rank(config) * config.pcp_size if group.one_host else None,
     )
 
 
@@ -100,7 +106,7 @@ def _serve(runner: ModelRunner, group: PCPGroup) -> None:
 
 def _is_link_failure(e: Exception) -> bool:
     # gloo's transport errors surface as plain RuntimeErrors naming the transport.
-    return isinstance(e, dist.DistError) or "gloo/transport" in str(e)
+    return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
 
 
 def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, num_blocks: int) -> None:

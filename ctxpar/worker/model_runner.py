@@ -15,12 +15,15 @@ collectives with the same shapes.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
 from ctxpar.layers.context import ForwardContext
 from ctxpar.layers.dcp import DCPStep
 from ctxpar.layers.dcp_context import GatherPolicy, split_context
+from ctxpar.layers.linear import linear, row_parts
 from ctxpar.models.base import CausalLM
 from ctxpar.parallel.dcp import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
@@ -42,6 +45,7 @@ class ModelRunner:
         cp_interleave: int = 1,
         context_gather: GatherPolicy = GatherPolicy(),
         pcp_spread_min_rows: int | None = None,
+        lead_threads: int | None = None,
     ) -> None:
         """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank.
 
@@ -52,7 +56,13 @@ class ModelRunner:
 
         pcp_spread_min_rows: unsplit rows (decodes, short prompts) go to one
         rank each in steps that split a row or have at least this many of
-        them (ctxpar/parallel/pcp_spread.py); None: always replicated."""
+        them (ctxpar/parallel/pcp_spread.py); None: always replicated.
+
+        lead_threads: for ranks that share one host's cores (and hold the whole
+        cache): a step that splits no row is *led*, computed by rank 0 alone
+        with this many threads (the host's), which then sends the step's new KV
+        to the others. Their unsplit rows are then assigned only beside a split
+        row. None: such steps replicate or assign as above."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -62,6 +72,10 @@ class ModelRunner:
         self.pcp_min_tokens = pcp_min_tokens
         # Under DCP a decode's queries must be on every rank (each attends its own shard).
         self.spread_min_rows = pcp_spread_min_rows if dcp_size == 1 else None
+        self.lead_threads = lead_threads if dcp_size == 1 and self.pcp_size > 1 else None
+        if self.lead_threads is not None:
+            self.spread_min_rows = sys.maxsize  # led steps take what spreading would
+        self.threads = torch.get_num_threads()
         if dcp_size not in (1, self.pcp_size):
             raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
         self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
@@ -102,6 +116,10 @@ class ModelRunner:
         where = token_pos if self.shard is None else self.shard.local_position(token_pos)
         tables = self._padded_tables(plan)  # (R, max_blocks)
         global_slots = tables[token_row, where // self.block_size] * self.block_size + where % self.block_size
+        led = self.lead_threads is not None and not gathers
+        if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
+            self._share_new_kv(to_dev(global_slots[token_of[np.flatnonzero(writes)]]))
+            return None
         if self.shard is None:
             dcp = None
             context_slots = [
@@ -124,8 +142,32 @@ class ModelRunner:
             dcp=dcp,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
-        hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
-        return self._logits_on_rank0(plan, layout, hidden, gathers)
+        if not led:
+            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
+            return self._logits_on_rank0(plan, layout, hidden, gathers)
+        torch.set_num_threads(self.lead_threads)
+        try:
+            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
+            logits = self._logits_on_rank0(plan, layout, hidden, gathers)
+        finally:
+            torch.set_num_threads(self.threads)
+        self._share_new_kv(ctx.write_slots)
+        return logits
+
+    def _share_new_kv(self, slots: torch.Tensor) -> None:
+        """After a led step: the KV entries rank 0 wrote at `slots` (T,), every layer's,
+        into the other ranks' caches, so each still holds every token's KV."""
+        if len(slots) == 0:
+            return
+        if self.rank == 0:
+            entries = torch.stack([cache[slots] for cache in self.kv_caches])  # (layers, T, *entry)
+        else:
+            first = self.kv_caches[0]
+            entries = first.new_empty((len(self.kv_caches), len(slots), *first.shape[1:]))
+        self.group.broadcast_(entries)
+        if self.rank != 0:
+            for cache, new in zip(self.kv_caches, entries):
+                cache[slots] = new
 
     def _token_rows_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """(T,) row and absolute position of every token scheduled this step, in global order."""
@@ -189,13 +231,24 @@ class ModelRunner:
         mine = local[owner == self.rank]
         send = hidden.new_zeros((width, hidden.shape[1]))
         send[: len(mine)] = hidden[torch.from_numpy(mine).to(self.device)]
-        received = self.group.gather_to_first(send)  # rank 0: (P, width, H); others: None
-        if received is None:
-            return None
         # The l-th wanted token is the k-th of its owner's list, in global order.
         index_in_rank = np.zeros_like(owner)
         for k in range(self.pcp_size):
             sel = owner == k
             index_in_rank[sel] = np.arange(int(sel.sum()))
-        picked = received[torch.from_numpy(owner), torch.from_numpy(index_in_rank)]
-        return self.model.compute_logits(picked)
+        pick = torch.from_numpy(owner), torch.from_numpy(index_in_rank)
+        parts = row_parts(self.model.logits_weight(), self.pcp_size) if self.group.one_host else None
+        if parts is None:
+            received = self.group.gather_to_first(send)  # rank 0: (P, width, H); others: None
+            return None if received is None else self.model.compute_logits(received[pick])
+        # Ranks sharing a host's memory bus each compute a range of the vocabulary for
+        # every wanted token (reading 1/P of the lm_head), and rank 0 joins the ranges.
+        picked = self.group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (L, H)
+        weight, lo, hi = parts[self.rank]
+        widest = max(end - first for _, first, end in parts)
+        logits = picked.new_zeros((len(picked), widest), dtype=torch.float32)
+        logits[:, : hi - lo] = linear(picked, weight)
+        received = self.group.gather_to_first(logits)  # rank 0: (P, L, widest)
+        if received is None:
+            return None
+        return torch.cat([received[k, :, : end - first] for k, (_, first, end) in enumerate(parts)], dim=1)

@@ -1,0 +1,53 @@
+"""One copy of the packed weights per host, in pages every PCP rank maps.
+
+A decode step reads every weight once, and is bound by that read. With a
+private copy per rank, P ranks on one host stream P copies through the one
+memory bus (SmolLM2, 2 ranks: 45 -> 68 ms a step, docs/benchmarks.md). With
+one shared copy, the ranks run each layer at about the same time (they meet
+at its KV all-gather), so the rank that reads a layer second mostly finds
+it in the shared L3 cache.
+
+Rank 0 copies its packed weights (layers/linear.py's PanelWeight, fp32 on
+the CPU) into a shared segment; every rank then points its PanelWeights at
+views of it, and frees its private copy. The weights are those of the same
+model files on every rank (the launcher checks the config), so which rank's
+copy is kept does not matter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ctxpar.errors import RankFailure
+from ctxpar.layers.linear import panel_weights
+from ctxpar.parallel.comm import PCPGroup
+from ctxpar.parallel.host_shm import shared_segment, wait_keys
+
+ALIGN = 64  # bytes: each weight starts on a cache line
+
+
+def share_weights(model: nn.Module, group: PCPGroup) -> int:
+    """Point `model`'s packed weights at one shared copy (every rank calls this,
+    with the same model). Returns the bytes shared (0: nothing to share)."""
+    weights = panel_weights(model)
+    sizes = [w.data.numel() * w.data.element_size() for w in weights]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    group.store.set(f"weights/bytes/{group.rank}", str(total))
+    wait_keys(group.store, [f"weights/bytes/{k}" for k in range(group.size)])
+    if {int(group.store.get(f"weights/bytes/{k}")) for k in range(group.size)} != {total}:
+        raise RankFailure("the PCP ranks loaded weights of different sizes; every rank must load the same model")
+    if total == 0:
+        return 0
+
+    def fill(segment: torch.Tensor) -> None:
+        for w, off, n in zip(weights, offsets, sizes):
+            segment[off : off + n].copy_(w.data.view(-1).view(torch.uint8))
+
+    segment = shared_segment(group.store, group.rank, group.size, "weights", total, fill)
+    for w, off, n in zip(weights, offsets, sizes):
+        w.data = segment[off : off + n].view(w.data.dtype).view(w.data.shape)
+    return total
