@@ -180,3 +180,16 @@ def test_real_process_exits_2_with_one_error_line(argv):
     r = subprocess.run([sys.executable, "-m", "ctxpar.cli", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert "error: " in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+
+
+def test_throughput_vs_pcp_prints_the_ratio_of_two_rank_counts(tiny_model_dirs, capsys):
+    """--pcp 2 --vs-pcp 1: both setups run the same workload, alternating, and
+    generate the same tokens (greedy: P=2 must equal one rank)."""
+    argv = ["bench", "throughput", "--model", str(tiny_model_dirs["llama"]), "--pcp", "2", "--vs-pcp", "1",
+            "--threads", "2", "--num-prompts", "3", "--min-prompt-len", "8", "--max-prompt-len", "40",
+            "--output-len", "4", "--prefill-len", "64", "--rounds", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("round 1, P=1") < out.index("round 1, P=2")
+    assert "token-identical requests: 3/3" in out
+    assert "throughput P=2/P=1" in out and "prefill time P=1/P=2" in out

@@ -13,6 +13,12 @@ pad masks that change numerics. Pass --hf-batched to run it as one
 left-padded batch instead, its best case for decode throughput. Both engines
 see all prompts at time 0, so TTFT includes waiting for one's turn; the
 "alone" figure is transformers' TTFT from the start of each request.
+
+With --vs-pcp P0, the baseline is ctxpar itself with P0 ranks instead of
+transformers: both setups share the same threads, run the same workload in
+alternating rounds (--rounds), and the best run of each gives the
+throughput ratio; e.g. --pcp 2 --vs-pcp 1 is what two PCP ranks on this
+machine make of its cores against one rank using all of them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pcp-spread-min-rows", type=nonnegative_int, metavar="N",
         help="override ctxpar's pcp_spread_min_rows (with --pcp > 1)",
+    )
+    p.add_argument(
+        "--vs-pcp", type=int_arg(1, max_threads()), metavar="P0",
+        help="compare against ctxpar with P0 ranks (same threads) instead of transformers",
+    )
+    p.add_argument(
+        "--rounds", type=positive_int, default=2, metavar="N",
+        help="with --vs-pcp: alternating rounds of both setups, the best of each kept (default: 2)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
     p.add_argument(
@@ -144,21 +158,14 @@ def hf_prefill(hf, prompt: list[int]) -> float:
         return time.perf_counter() - t
 
 
-def run(args: argparse.Namespace) -> None:
-    import torch
-
+def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
+    """The workload through ctxpar with `pcp` ranks sharing `threads` threads:
+    outputs, throughput, mean TTFT, and the prefill time of one long prompt."""
     from ctxpar import LLM, SamplingParams
-    from ctxpar.errors import CtxparError
 
-    if args.min_prompt_len > args.max_prompt_len:
-        raise CtxparError(
-            f"need --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
-        )
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
     spread = {} if args.pcp_spread_min_rows is None else dict(pcp_spread_min_rows=args.pcp_spread_min_rows)
     with LLM(
-        args.model, pcp_size=args.pcp, num_threads=max(1, threads // args.pcp),
+        args.model, pcp_size=pcp, num_threads=max(1, threads // pcp),
         enable_prefix_caching=args.enable_prefix_caching, **spread,
     ) as llm:
         engine = llm.engine
@@ -167,7 +174,7 @@ def run(args: argparse.Namespace) -> None:
         )
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         print(
-            f"model {engine.loaded.name}, {threads} threads over {args.pcp} rank(s), {len(prompts)} prompts of {min(map(len, prompts))}-"
+            f"model {engine.loaded.name}, {threads} threads over {pcp} rank(s), {len(prompts)} prompts of {min(map(len, prompts))}-"
             f"{max(map(len, prompts))} tokens (sum {sum(map(len, prompts))}), {args.output_len} output tokens each"
         )
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -175,16 +182,58 @@ def run(args: argparse.Namespace) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         ours = [o.outputs[0].token_ids for o in outs]
-        n_out = sum(map(len, ours))
-        c_tps, c_ttft = n_out / elapsed, sum(o.metrics.ttft for o in outs) / len(outs)
-        print(f"ctxpar:        {c_tps:8.1f} output tok/s  mean TTFT {c_ttft:6.2f} s  ({elapsed:.1f} s)")
-        pre = None
+        tps, ttft = sum(map(len, ours)) / elapsed, sum(o.metrics.ttft for o in outs) / len(outs)
+        print(f"ctxpar P={pcp}:   {tps:8.1f} output tok/s  mean TTFT {ttft:6.2f} s  ({elapsed:.1f} s)")
+        pre, long = None, None
         if args.prefill_len:
             n = args.prefill_len
             [long] = make_prompts(engine.tokenizer, engine.vocab_size, 1, n, n, args.seed + 1)
             [o] = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
             pre = o.metrics.ttft
-            print(f"ctxpar prefill of {len(long)} tokens: {pre:.3f} s ({len(long) / pre:.0f} tok/s)")
+            print(f"ctxpar P={pcp} prefill of {len(long)} tokens: {pre:.3f} s ({len(long) / pre:.0f} tok/s)")
+    return dict(prompts=prompts, outputs=ours, tps=tps, ttft=ttft, prefill=pre, long=long)
+
+
+def compare_pcp(args: argparse.Namespace, threads: int) -> None:
+    """--pcp P against --vs-pcp P0 on the same workload, rounds alternating."""
+    runs: dict[int, list[dict]] = {args.vs_pcp: [], args.pcp: []}
+    for r in range(args.rounds):
+        for pcp in runs:
+            print(f"round {r + 1}, P={pcp}:")
+            runs[pcp].append(run_ctxpar(args, pcp, threads))
+    best = {pcp: max(rs, key=lambda x: x["tps"]) for pcp, rs in runs.items()}
+    base, ours = best[args.vs_pcp], best[args.pcp]
+    same = sum(a == b for a, b in zip(base["outputs"], ours["outputs"]))
+    print(f"token-identical requests: {same}/{len(base['outputs'])}")
+    print(
+        f"ratios (above 1: P={args.pcp} better; best of {args.rounds} runs each): throughput "
+        f"P={args.pcp}/P={args.vs_pcp} {ours['tps'] / base['tps']:.2f}x, "
+        f"mean TTFT P={args.vs_pcp}/P={args.pcp} {base['ttft'] / ours['ttft']:.2f}x"
+    )
+    if ours["prefill"] is not None:
+        first = {pcp: min(x["prefill"] for x in rs) for pcp, rs in runs.items()}
+        print(f"ratio (above 1: P={args.pcp} faster): prefill time P={args.vs_pcp}/P={args.pcp} "
+              f"{first[args.vs_pcp] / first[args.pcp]:.2f}x")
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from ctxpar.bench.machine import describe_machine
+    from ctxpar.errors import CtxparError
+
+    if args.min_prompt_len > args.max_prompt_len:
+        raise CtxparError(
+            f"need --min-prompt-len <= --max-prompt-len, got {args.min_prompt_len} and {args.max_prompt_len}"
+        )
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    print(describe_machine())
+    if args.vs_pcp is not None:
+        compare_pcp(args, threads)
+        return
+    mine = run_ctxpar(args, args.pcp, threads)
+    prompts, ours, c_tps, c_ttft, pre, long = (mine[k] for k in ("prompts", "outputs", "tps", "ttft", "prefill", "long"))
     if args.skip_hf:
         return
 
