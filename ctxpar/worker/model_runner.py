@@ -99,6 +99,10 @@ class ModelRunner:
             spread_min_rows=self.spread_min_rows,
         )
         gathers = self.pcp_size > 1 and not layout.is_all_replicated  # some row split or assigned
+        led = self.lead_threads is not None and not gathers
+        if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
+            self._share_led_kv(plan)
+            return None
         rows = layout.rank_rows(self.rank)
         to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
 
@@ -114,12 +118,7 @@ class ModelRunner:
         # Where each token sits in its request's cache: its position, or under DCP
         # its index among the tokens its owner stores (only the owner writes it).
         where = token_pos if self.shard is None else self.shard.local_position(token_pos)
-        tables = self._padded_tables(plan)  # (R, max_blocks)
-        global_slots = tables[token_row, where // self.block_size] * self.block_size + where % self.block_size
-        led = self.lead_threads is not None and not gathers
-        if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
-            self._share_new_kv(to_dev(global_slots[token_of[np.flatnonzero(writes)]]))
-            return None
+        global_slots = self._slots(plan, token_row, where)  # (T,)
         if self.shard is None:
             dcp = None
             context_slots = [
@@ -151,23 +150,30 @@ class ModelRunner:
             logits = self._logits_on_rank0(plan, layout, hidden, gathers)
         finally:
             torch.set_num_threads(self.threads)
-        self._share_new_kv(ctx.write_slots)
+        self._share_led_kv(plan)
         return logits
 
-    def _share_new_kv(self, slots: torch.Tensor) -> None:
-        """After a led step: the KV entries rank 0 wrote at `slots` (T,), every layer's,
-        into the other ranks' caches, so each still holds every token's KV."""
-        if len(slots) == 0:
+    def _share_led_kv(self, plan: StepPlan) -> None:
+        """A led step's new KV, every layer's entries of every token, from rank 0's
+        cache into the others', so each still holds every token's KV."""
+        if plan.num_tokens == 0:
             return
         if self.rank == 0:
-            entries = torch.stack([cache[slots] for cache in self.kv_caches])  # (layers, T, *entry)
-        else:
-            first = self.kv_caches[0]
-            entries = first.new_empty((len(self.kv_caches), len(slots), *first.shape[1:]))
-        self.group.broadcast_(entries)
-        if self.rank != 0:
-            for cache, new in zip(self.kv_caches, entries):
-                cache[slots] = new
+            slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
+            self.group.broadcast_(torch.stack([cache[slots] for cache in self.kv_caches]))  # (layers, T, *entry)
+            return
+        first = self.kv_caches[0]
+        entries = first.new_empty((len(self.kv_caches), plan.num_tokens, *first.shape[1:]))
+        self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
+        # Worked out only now, on a core that rank 0's threads have left (it samples alone).
+        slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
+        for cache, new in zip(self.kv_caches, entries):
+            cache[slots] = new
+
+    def _slots(self, plan: StepPlan, token_row: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """(T,) cache slot of each token of the step, given its row and its place in that row's cache."""
+        tables = self._padded_tables(plan)  # (R, max_blocks)
+        return tables[token_row, where // self.block_size] * self.block_size + where % self.block_size
 
     def _token_rows_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """(T,) row and absolute position of every token scheduled this step, in global order."""
