@@ -41,7 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
     pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
     # Rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that
-    # split a row or have at least this many of them (docs/benchmarks.md); never under DCP.
+    # split a row or have at least this many of them (docs/benchmarks.md); never under DCP. Ranks
+    # on one host (CPU) lead a step without a split row on rank 0 with all their threads instead.
     pcp_spread_min_rows: int = 64
     seed: int = 0
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary

@@ -122,7 +122,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULTS.pcp_spread_min_rows,
         metavar="N",
         help="rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that "
-        f"split a prompt or have at least N of them; not with --dcp (default: {DEFAULTS.pcp_spread_min_rows})",
+        "split a prompt or have at least N of them; not with --dcp. Ranks on one host lead a step without a "
+        f"split row on rank 0 with all their threads instead (default: {DEFAULTS.pcp_spread_min_rows})",
     )
     e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
     e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")

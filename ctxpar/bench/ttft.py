@@ -4,7 +4,9 @@
 Scaling efficiency = T(P=1, 1 thread) / (2 * T(P=2)): 100% means two ranks
 halve the prefill. Also prints the share of the P=2 prefill spent in
 collectives (waiting for the other rank included) and the time of a
-decode-only step, where PCP replicates the row and skips every collective.
+decode-only step: on one host rank 0 leads it with both ranks' threads (then
+broadcasts its KV), so its baseline is one rank with two threads; across
+hosts PCP replicates the row and skips every collective.
 
 Then, for short prompts at P=2, splitting them across the ranks against
 replicating them (what pcp_min_tokens decides): below the crossover the
@@ -123,6 +125,6 @@ def run(args: argparse.Namespace) -> None:
               f"{t1 / (2 * tp):>9.0%} | {pcp[n][1]:>10.0%}")
     print(f"\ndecode-only step (64-token context): P=1 1t {base['decode'] * 1e3:.1f} ms, "
           f"P=1 2t {two['decode'] * 1e3:.1f} ms, P=2 {pcp['decode'] * 1e3:.1f} ms "
-          f"(P=2 / P=1 1t = {pcp['decode'] / base['decode']:.2f}x; plan broadcast {pcp['broadcast'] * 1e3:.2f} ms/step)")
+          f"(P=2 / P=1 2t = {pcp['decode'] / two['decode']:.2f}x; plan broadcast {pcp['broadcast'] * 1e3:.2f} ms/step)")
     if args.short:
         _short_prompts(args)

@@ -15,6 +15,7 @@ collectives with the same shapes.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -76,6 +77,7 @@ class ModelRunner:
         if self.lead_threads is not None:
             self.spread_min_rows = sys.maxsize  # led steps take what spreading would
         self.threads = torch.get_num_threads()
+        self._led_buffer = torch.empty(0, dtype=dtype, device=device)  # led steps' KV, see _share_led_kv
         if dcp_size not in (1, self.pcp_size):
             raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
         self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
@@ -158,17 +160,22 @@ class ModelRunner:
         cache into the others', so each still holds every token's KV."""
         if plan.num_tokens == 0:
             return
+        first = self.kv_caches[0]
+        shape = (len(self.kv_caches), plan.num_tokens, *first.shape[1:])  # (layers, T, *entry)
+        if self._led_buffer.numel() < math.prod(shape):  # reused: fresh pages each step cost more than the copy
+            self._led_buffer = first.new_empty(2 * math.prod(shape))
+        entries = self._led_buffer[: math.prod(shape)].view(shape)
         if self.rank == 0:
             slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
-            self.group.broadcast_(torch.stack([cache[slots] for cache in self.kv_caches]))  # (layers, T, *entry)
+            for cache, out in zip(self.kv_caches, entries):
+                torch.index_select(cache, 0, slots, out=out)
+            self.group.broadcast_(entries)
             return
-        first = self.kv_caches[0]
-        entries = first.new_empty((len(self.kv_caches), plan.num_tokens, *first.shape[1:]))
         self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
         slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
-            cache[slots] = new
+            cache.index_copy_(0, slots, new)
 
     def _slots(self, plan: StepPlan, token_row: np.ndarray, where: np.ndarray) -> np.ndarray:
         """(T,) cache slot of each token of the step, given its row and its place in that row's cache."""
