@@ -165,3 +165,4 @@ def test_ranks_on_one_host_read_one_copy_of_the_weights(llm):
     else:
         assert in_shared and len(shared) == 2  # the weights and the collectives' buffers
         assert not any(os.path.exists(path) for path in shared)  # unlinked: nothing left behind
+

@@ -2,7 +2,8 @@
 between real processes: every collective delivers what each rank sent (data
 larger than a slot in several rounds, slots reused across collectives), a
 dead rank fails the others' collective within a second, a silent one after
-the timeout, and no file stays behind in /dev/shm."""
+the timeout, and no file stays behind in /dev/shm; a /dev/shm too small for
+the weights leaves each rank its own copy."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ctxpar import LLM, SamplingParams
 from ctxpar.parallel.launch import free_port
 from ctxpar.parallel.shm_channel import PeerLost, ShmChannel
+from test_collectives import shm_mappings
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 SLOT = 96  # bytes: most collectives below need several rounds
 
@@ -94,3 +99,22 @@ def test_a_dead_or_silent_peer_fails_the_collective(behaviour, timeout_s, words,
     finally:
         peer.kill()
         peer.join()
+
+
+def test_a_small_dev_shm_leaves_each_rank_its_weights(tiny_model_dirs, monkeypatch):
+    """With no room in /dev/shm for the weights (docker's default 64 MiB against a
+    real model), rank 0 warns and every rank keeps its own copy; the collectives
+    still go through the pages, and the tokens are one rank's."""
+    from ctxpar.parallel import shared_weights
+
+    path, prompt = str(tiny_model_dirs["llama"]), [{"prompt_token_ids": list(range(60))}]
+    with LLM(path) as one:
+        want = one.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(shared_weights, "free_bytes", lambda: 0)
+    with pytest.warns(UserWarning, match="too little for one shared copy of the weights"):
+        llm = LLM(path, pcp_size=2, num_threads=1)
+    with llm:
+        [worker] = llm.engine.executor.procs
+        assert llm.engine.executor.group.shm is not None
+        assert len(set(shm_mappings(os.getpid())) & set(shm_mappings(worker.pid))) == 1  # the channel's only
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want

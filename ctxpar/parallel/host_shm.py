@@ -64,8 +64,8 @@ def shared_segment(store: dist.Store, rank: int, size: int, name: str, nbytes: i
     this, in the same order, with the same name and size). Rank 0 creates them
     zeroed and calls ``fill`` on them before the others map them."""
     if rank == 0:
-        if _free_bytes() < nbytes:
-            raise RankFailure(f"{SHM_DIR} has {_free_bytes() >> 20} MiB free, {nbytes >> 20} MiB are needed for "
+        if free_bytes() < nbytes:
+            raise RankFailure(f"{SHM_DIR} has {free_bytes() >> 20} MiB free, {nbytes >> 20} MiB are needed for "
                               "the ranks' shared pages; enlarge it (docker: --shm-size) or set CTXPAR_SHM=0")
         path = SHM_DIR / f"ctxpar-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
@@ -94,7 +94,7 @@ def _map(path: Path, nbytes: int, create: bool) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` (the mapping) alive
 
 
-def _free_bytes() -> int:
+def free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
 

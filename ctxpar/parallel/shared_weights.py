@@ -16,13 +16,15 @@ copy is kept does not matter.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from ctxpar.errors import RankFailure
 from ctxpar.layers.linear import panel_weights
 from ctxpar.parallel.comm import PCPGroup
-from ctxpar.parallel.host_shm import shared_segment, wait_keys
+from ctxpar.parallel.host_shm import SHM_DIR, free_bytes, shared_segment, wait_keys
 
 ALIGN = 64  # bytes: each weight starts on a cache line
 
@@ -40,7 +42,7 @@ def share_weights(model: nn.Module, group: PCPGroup) -> int:
     wait_keys(group.store, [f"weights/bytes/{k}" for k in range(group.size)])
     if {int(group.store.get(f"weights/bytes/{k}")) for k in range(group.size)} != {total}:
         raise RankFailure("the PCP ranks loaded weights of different sizes; every rank must load the same model")
-    if total == 0:
+    if total == 0 or not _room_on_every_rank(group, total):
         return 0
 
     def fill(segment: torch.Tensor) -> None:
@@ -51,3 +53,17 @@ def share_weights(model: nn.Module, group: PCPGroup) -> int:
     for w, off, n in zip(weights, offsets, sizes):
         w.data = segment[off : off + n].view(w.data.dtype).view(w.data.shape)
     return total
+
+
+def _room_on_every_rank(group: PCPGroup, total: int) -> bool:
+    """Whether /dev/shm can hold the weights (rank 0 decides for all). A small one
+    (docker's default is 64 MiB) is no error: each rank then keeps its own copy."""
+    if group.rank == 0:
+        room = free_bytes() >= total
+        if not room:
+            warnings.warn(f"ctxpar: {SHM_DIR} has {free_bytes() >> 20} MiB free, too little for one shared copy of "
+                          f"the weights ({total >> 20} MiB): each PCP rank keeps its own. Enlarge it (docker run "
+                          "--shm-size) to share them.", stacklevel=2)
+        group.store.set("weights/share", "1" if room else "0")
+    wait_keys(group.store, ["weights/share"])
+    return group.store.get("weights/share") == b"1"
