@@ -27,6 +27,8 @@ import os
 import pickle
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,60 +63,61 @@ class PCPGroup:
         self.control = dist.new_group(backend="gloo", timeout=control_timeout)
         self.store = store
         # Ranks of one CPU host exchange data through shared pages (and share their weights).
-        self.one_host = device.type == "cpu" and on_one_host(store, rank, size)
-        self.shm = ShmChannel(store, rank, size, DATA_TIMEOUT_S) if self.one_host else None
+        one_host = device.type == "cpu" and on_one_host(store, rank, size)
+        self.shm = ShmChannel(store, rank, size, DATA_TIMEOUT_S) if one_host else None
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
         # Data-group collectives made so far, by kind ("all_gather", "all_to_all", "gather_to_first", "broadcast").
         self.num_collectives: Counter[str] = Counter()
 
+    @property
+    def one_host(self) -> bool:
+        """Every rank on this CPU host: data through shared pages, weights shared."""
+        return self.shm is not None
+
+    @contextmanager
+    def _data_collective(self, kind: str) -> Iterator[None]:
+        """Count a data collective and the seconds spent in it."""
+        t0 = time.perf_counter()
+        yield
+        self.num_collectives[kind] += 1
+        self.comm_seconds += time.perf_counter() - t0
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) on every rank -> (P*n, ...): rank k's rows at [k*n, (k+1)*n)."""
-        t0 = time.perf_counter()
-        if self.shm is not None:
-            out = self.shm.all_gather(x)
-        else:
+        with self._data_collective("all_gather"):
+            if self.shm is not None:
+                return self.shm.all_gather(x)
             out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
             _all_gather(out, x.contiguous(), group=self.data)
-        self.num_collectives["all_gather"] += 1
-        self.comm_seconds += time.perf_counter() - t0
-        return out
+            return out
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """(P, m, ...) on every rank -> (P, m, ...): row k of the result is rank k's row ``self.rank``."""
-        t0 = time.perf_counter()
-        if self.shm is not None:
-            out = self.shm.all_to_all(x)
-        else:
+        with self._data_collective("all_to_all"):
+            if self.shm is not None:
+                return self.shm.all_to_all(x)
             out = torch.empty_like(x)
             dist.all_to_all_single(out, x.contiguous(), group=self.data)
-        self.num_collectives["all_to_all"] += 1
-        self.comm_seconds += time.perf_counter() - t0
-        return out
+            return out
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """(m, ...) on every rank -> (P, m, ...) on rank 0, None elsewhere."""
-        t0 = time.perf_counter()
-        if self.shm is not None:
-            out = self.shm.gather_to_first(x)
-        else:
+        with self._data_collective("gather_to_first"):
+            if self.shm is not None:
+                return self.shm.gather_to_first(x)
             parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(x.contiguous(), parts, dst=0, group=self.data)
-            out = torch.stack(parts) if parts is not None else None
-        self.num_collectives["gather_to_first"] += 1
-        self.comm_seconds += time.perf_counter() - t0
-        return out
+            return torch.stack(parts) if parts is not None else None
 
     def broadcast_(self, x: torch.Tensor) -> None:
         """Rank 0's x into every other rank's x (same shape and dtype, contiguous), in place."""
-        t0 = time.perf_counter()
-        if self.shm is not None:
-            self.shm.broadcast_(x)
-        else:
-            dist.broadcast(x, src=0, group=self.data)
-        self.num_collectives["broadcast"] += 1
-        self.comm_seconds += time.perf_counter() - t0
+        with self._data_collective("broadcast"):
+            if self.shm is not None:
+                self.shm.broadcast_(x)
+            else:
+                dist.broadcast(x, src=0, group=self.data)
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends `obj`; every rank returns it. Rank 0 gives up on silent

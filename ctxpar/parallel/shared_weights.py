@@ -1,11 +1,11 @@
 """One copy of the packed weights per host, in pages every PCP rank maps.
 
-A decode step reads every weight once, and is bound by that read. With a
-private copy per rank, P ranks on one host stream P copies through the one
-memory bus (SmolLM2, 2 ranks: 45 -> 68 ms a step, docs/benchmarks.md). With
-one shared copy, the ranks run each layer at about the same time (they meet
-at its KV all-gather), so the rank that reads a layer second mostly finds
-it in the shared L3 cache.
+P ranks on one host would otherwise hold P copies of the weights. One
+shared copy saves that memory, and when ranks run a layer at about the same
+time (they meet at its KV all-gather) the one that reads it second mostly
+finds it in the shared L3 cache, so the bus carries it once; each rank
+still reads every weight through its own cores (docs/benchmarks.md, "Ranks
+on one host").
 
 Rank 0 copies its packed weights (layers/linear.py's PanelWeight, fp32 on
 the CPU) into a shared segment; every rank then points its PanelWeights at

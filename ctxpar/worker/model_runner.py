@@ -152,12 +152,13 @@ class ModelRunner:
             logits = self._logits_on_rank0(plan, layout, hidden, gathers)
         finally:
             torch.set_num_threads(self.threads)
-        self._share_led_kv(plan)
+        self._share_led_kv(plan, global_slots)
         return logits
 
-    def _share_led_kv(self, plan: StepPlan) -> None:
+    def _share_led_kv(self, plan: StepPlan, slots: np.ndarray | None = None) -> None:
         """A led step's new KV, every layer's entries of every token, from rank 0's
-        cache into the others', so each still holds every token's KV."""
+        cache (at `slots` (T,), its tokens' slots in global order) into the others',
+        so each still holds every token's KV."""
         if plan.num_tokens == 0:
             return
         first = self.kv_caches[0]
@@ -166,16 +167,16 @@ class ModelRunner:
             self._led_buffer = first.new_empty(2 * math.prod(shape))
         entries = self._led_buffer[: math.prod(shape)].view(shape)
         if self.rank == 0:
-            slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
+            at = torch.from_numpy(slots).to(self.device)
             for cache, out in zip(self.kv_caches, entries):
-                torch.index_select(cache, 0, slots, out=out)
+                torch.index_select(cache, 0, at, out=out)
             self.group.broadcast_(entries)
             return
         self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
-        slots = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
+        at = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
-            cache.index_copy_(0, slots, new)
+            cache.index_copy_(0, at, new)
 
     def _slots(self, plan: StepPlan, token_row: np.ndarray, where: np.ndarray) -> np.ndarray:
         """(T,) cache slot of each token of the step, given its row and its place in that row's cache."""
