@@ -3,13 +3,13 @@
     from ctxpar import LLM, SamplingParams
 """
 
-from ctxpar.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from ctxpar.entrypoints.beam_search import BeamSearchOutput, BeamSearchSequence
 from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.inputs import PromptType, TextPrompt, TokensPrompt
-from ctxpar.llm import LLM
+from ctxpar.entrypoints.llm import LLM
 from ctxpar.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ctxpar.sampling_params import SamplingParams
+from ctxpar.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "LLM",

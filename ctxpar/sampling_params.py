@@ -13,6 +13,7 @@ engine when the request is added.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from ctxpar.checks import check_float, check_int, is_int
@@ -231,5 +232,30 @@ def _token_ids(name: str, value: object, empty_ok: bool) -> list[int]:
     return list(value)
 
 
-# vLLM users import it from here (vllm.sampling_params.BeamSearchParams); it lives with the search.
-from ctxpar.beam_search import BeamSearchParams  # noqa: E402,F401
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (LLM.beam_search: ctxpar/entrypoints/beam_search.py).
+
+    beam_width: beams kept per prompt; the output has up to this many sequences.
+    max_tokens: most tokens generated per beam.
+    ignore_eos: go on past EOS instead of completing the beam.
+    temperature: applied to the logits before the candidates are drawn; 0
+        (the default) takes the most likely ones.
+    length_penalty: a beam's score is its cumulative logprob / length ** length_penalty.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_int("beam_width", self.beam_width, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise CtxparError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        check_float("temperature", self.temperature, 0, why=" (0 = the most likely candidates)")
+        lp = self.length_penalty
+        if not (isinstance(lp, (int, float)) and not isinstance(lp, bool) and math.isfinite(lp)):
+            raise CtxparError(f"length_penalty must be a finite number (1 = score by mean logprob), got {lp!r}")

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
-from ctxpar.layers.dcp_context import GatherPolicy
-from ctxpar.parallel.dcp import DCPShard
+from ctxpar.layers.sharded_context import GatherPolicy
+from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
 
@@ -56,11 +56,13 @@ def _model(model_dir: str):
 
 def _runner(model_dir: str, group, job: Job):
     from ctxpar.worker.model_runner import ModelRunner
+    from ctxpar.worker.options import RunnerOptions
 
-    return ModelRunner(
-        _model(model_dir), NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"), torch.float32, group,
-        job.pcp_min_tokens, job.dcp_size, job.cp_interleave, job.context_gather,
+    options = RunnerOptions(
+        NUM_BLOCKS, BLOCK_SIZE, pcp_min_tokens=job.pcp_min_tokens, dcp_size=job.dcp_size,
+        cp_interleave=job.cp_interleave, context_gather=job.context_gather,
     )
+    return ModelRunner(_model(model_dir), options, torch.device("cpu"), group)
 
 
 def run_single(model_dir: str, plans: list[StepPlan]) -> Result:

@@ -72,15 +72,14 @@ def run_plans(
 ) -> list[torch.Tensor]:
     """Run the plans on `pcp_size` real ranks; rank 0's logits of every step.
     config_kwargs: more EngineConfig fields (e.g. pcp_spread_min_rows)."""
-    from ctxpar.models.loader import load_model
-    from ctxpar.worker.executor import start_executor
+    from ctxpar.executor import start_executor
 
+    config_kwargs.setdefault("max_model_len", BLOCKS_PER_REQUEST * BLOCK_SIZE)  # a request's own blocks
     config = EngineConfig(
         model=model, block_size=BLOCK_SIZE, pcp_size=pcp_size, pcp_min_tokens=pcp_min_tokens, num_threads=1,
-        **config_kwargs,
+        num_kv_blocks=BLOCKS_PER_REQUEST * 6, **config_kwargs,
     )
-    loaded = load_model(model, torch.float32, torch.device("cpu"))
-    executor = start_executor(config, loaded, num_blocks=BLOCKS_PER_REQUEST * 6)
+    executor = start_executor(config)
     try:
         return [executor.execute(plan).clone() for plan in plans]
     finally:

@@ -15,7 +15,7 @@ from ctxpar.layers.attention_ops import (
     gather_paged_kv,
     padded_slot_table,
 )
-from ctxpar.layers.context import causal_attention
+from ctxpar.layers.attention_math import causal_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -100,7 +100,7 @@ def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch:
     alone. The compiled kernel takes every decode in one call; the PyTorch path
     batches the short ones in length groups and attends the rest one by one."""
     monkeypatch.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
-    from ctxpar.layers.context import ForwardContext
+    from ctxpar.layers.forward_context import ForwardContext
     from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
 
     g = torch.Generator().manual_seed(7)
@@ -160,7 +160,7 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
     token, on block tables from a pool that is contiguous, fragmented or in
     between, with the compiled kernel and on the PyTorch path: every row as if
     it attended alone."""
-    from ctxpar.layers.context import ForwardContext
+    from ctxpar.layers.forward_context import ForwardContext
     from ctxpar.layers.paged_attention import gqa_paged_attention
 
     g = torch.Generator().manual_seed(shape["seed"])

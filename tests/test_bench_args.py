@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ctxpar import cli
+from ctxpar.entrypoints.cli import main as cli
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
 # prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows.

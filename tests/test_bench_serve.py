@@ -25,7 +25,7 @@ def test_sweep_prints_each_level_and_the_ratios(tiny_model_dirs):
 
 
 def test_only_loopback_urls(capsys):
-    from ctxpar import cli
+    from ctxpar.entrypoints.cli import main as cli
 
     assert cli.main(["bench", "serve", "--url", "http://example.com:8000"]) == 2
     err = capsys.readouterr().err

@@ -19,7 +19,7 @@ import torch
 
 from dcp_harness import Job, run_groups, run_single, shard_slots
 from pcp_harness import BLOCK_SIZE, four_families, scripted_plans
-from ctxpar.parallel.dcp import DCPShard
+from ctxpar.parallel.dcp_shard import DCPShard
 
 MODELS = ("llama", "qwen3", "deepseek_v2", "deepseek_v3")
 # (interleave, pcp_min_tokens): 1, a divisor between, block_size; split and replicated short prompts

@@ -11,7 +11,7 @@ import pytest
 from ctxpar import LLM, SamplingParams
 from ctxpar.cli import main
 from ctxpar.errors import CtxparError
-from ctxpar.generate_cmd import _describe
+from ctxpar.entrypoints.cli.generate import _describe
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BLOCK = 8

@@ -1,5 +1,5 @@
 """Split prefill rows under DCP that gather their cached context from the
-shards (ctxpar/layers/dcp_context.py), on real ranks of one host: teacher-forced
+shards (ctxpar/layers/sharded_context.py), on real ranks of one host: teacher-forced
 logits equal one rank's, and the automatic choice takes each path where the
 cost rule says.
 
@@ -19,7 +19,7 @@ import torch
 from dcp_harness import Job, run_groups, run_single
 from pcp_harness import four_families, scripted_plans
 from ctxpar.errors import CtxparError
-from ctxpar.layers.dcp_context import GatherPolicy, gathers_context
+from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
 
 WORKSPACE = 16
 PROMPT_LEN = {0: 130, 1: 10, 2: 30, 3: 60}

@@ -19,7 +19,7 @@ from deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers import mla
-from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 NAMES = list(tiny_deepseek_configs())

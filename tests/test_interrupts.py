@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ctxpar import LLM
-from ctxpar.parallel.launch import RankFailure
+from ctxpar.executor.multiproc import RankFailure
 from test_step_failures import CONFIG, GREEDY, SEEDED, prompt
 
 

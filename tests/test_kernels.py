@@ -141,7 +141,7 @@ def test_unmasked_prefill_matches_reference(group, queries, keys, seed, march) -
 def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """causal_attention's CPU fp32 rows of >= KERNEL_MIN_QUERIES queries run in
     the kernel (equal to PyTorch's path), shorter ones in PyTorch's."""
-    from ctxpar.layers.context import KERNEL_MIN_QUERIES, causal_attention
+    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES, causal_attention
 
     calls = []
     real = kernels.prefill_attention
@@ -215,7 +215,7 @@ def test_fresh_cache_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
 
 def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixture[str]) -> None:
     """`ctxpar bench kernels`: every case timed both ways, outputs equal within 1e-5."""
-    from ctxpar import cli
+    from ctxpar.entrypoints.cli import main as cli
     from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES, PROJECTION_CASES
 
     assert cli.main(["bench", "kernels", "--repeat", "1"]) == 0
@@ -249,8 +249,8 @@ def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.Mo
     """DCP's attention_lse (new keys causally, context shards unmasked) runs rows
     of >= KERNEL_MIN_QUERIES queries in the prefill kernel: out and lse equal
     PyTorch's path (CTXPAR_KERNELS=0) for GQA K/V and for MLA-like latents."""
-    from ctxpar.layers.context import KERNEL_MIN_QUERIES
-    from ctxpar.layers.dcp import attention_lse
+    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES
+    from ctxpar.layers.attention_math import attention_lse
 
     g = torch.Generator().manual_seed(11)
     L = KERNEL_MIN_QUERIES + 30

@@ -22,8 +22,8 @@ import torch
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError, RankFailure
-from ctxpar.parallel.launch import free_port
-from ctxpar.parallel.preflight import max_local_ranks
+from ctxpar.executor.multiproc import free_port
+from ctxpar.executor.preflight import max_local_ranks
 from tiny_tokenizer import with_byte_tokenizer
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")

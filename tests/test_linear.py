@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ctxpar import kernels
 from ctxpar.layers.linear import PanelWeight, can_pack, linear, pack_weight, packed
+from ctxpar.machine import cpu_info
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -46,7 +47,7 @@ def test_panel_layout_index_map(march: str, out_features: int, in_features: int,
 
 
 def test_panel_width_is_two_vectors(march: str) -> None:
-    assert kernels.panel_width() == (16 if march == "haswell" else 32 if "avx512f" in kernels._cpu_flags() else 16)
+    assert kernels.panel_width() == (16 if march == "haswell" else 32 if "avx512f" in cpu_info().flags else 16)
 
 
 def test_what_gets_packed(monkeypatch: pytest.MonkeyPatch) -> None:

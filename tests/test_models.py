@@ -10,7 +10,7 @@ import torch
 from conftest import SingleSequence
 
 from ctxpar.errors import CtxparError
-from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.models.llama import LlamaForCausalLM
 from ctxpar.models.loader import load_model
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config, supported_architectures

@@ -158,7 +158,7 @@ def test_dtype_spellings(spelling, canonical):
 
 
 def test_auto_dtype_is_bf16_only_with_native_bf16():
-    from ctxpar.dtypes import cpu_has_native_bf16
+    from ctxpar.device import cpu_has_native_bf16
 
     want = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert EngineConfig(dtype="auto", device="cpu").dtype == want

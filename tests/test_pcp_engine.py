@@ -18,7 +18,7 @@ import torch
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
-from ctxpar.parallel.launch import RankFailure, free_port
+from ctxpar.executor.multiproc import RankFailure, free_port
 from conftest import save_tiny_model, transformers_greedy
 from deepseek_configs import tiny_deepseek_configs
 from pcp_harness import run_plans, scripted_plans

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxpar import cli
+from ctxpar.entrypoints.cli import main as cli
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ctxpar.errors import CtxparError
-from ctxpar.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 
 NON_NEUTRAL = {
     "suffix": "end",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.parallel.launch import free_port
+from ctxpar.executor.multiproc import free_port
 from ctxpar.parallel.shm_channel import PeerLost, ShmChannel
 from test_collectives import shm_mappings
 
@@ -105,7 +105,7 @@ def test_a_small_dev_shm_leaves_each_rank_its_weights(tiny_model_dirs, monkeypat
     """With no room in /dev/shm for the weights (docker's default 64 MiB against a
     real model), rank 0 warns and every rank keeps its own copy; the collectives
     still go through the pages, and the tokens are one rank's."""
-    from ctxpar.parallel import shared_weights
+    from ctxpar.executor import shared_weights
 
     path, prompt = str(tiny_model_dirs["llama"]), [{"prompt_token_ids": list(range(60))}]
     with LLM(path) as one:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ctxpar.layers.sampler as sampler_module
+import ctxpar.engine.sampler as sampler_module
 from ctxpar import LLM, SamplingParams
 from ctxpar.worker.step_plan import StepPlan
 

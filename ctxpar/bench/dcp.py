@@ -17,7 +17,7 @@ and costs, against the same ranks each holding a full replica (D = 1).
     step's KV all-gather, then one all-to-all of the partials) against
     gathering the context (each rank all-gathers every shard of the row's
     cached context). First the collectives alone per layer, with the ratio
-    of bytes the rule (ctxpar.layers.dcp_context.moved_bytes) predicts; then
+    of bytes the rule (ctxpar.layers.sharded_context.moved_bytes) predicts; then
     whole steps (the model's forward of a continued chunk, both paths forced)
     and the path the rule picks. Both paths do the same attention FLOPs.
 """
@@ -95,7 +95,7 @@ def _patterns_rank(
     import torch
     import torch.distributed as dist
 
-    from ctxpar.layers.dcp_context import GatherPolicy, gathers_context, moved_bytes
+    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
     from ctxpar.models.loader import load_model
     from ctxpar.parallel.comm import PCPGroup
 
@@ -166,14 +166,17 @@ def _whole_steps(group, loaded, steps: list[tuple[int, int]], repeat: int, rule)
     interleaved and repeated (the best kept); rank 0 prints."""
     import torch
 
-    from ctxpar.layers.dcp_context import GatherPolicy
+    from ctxpar.layers.sharded_context import GatherPolicy
     from ctxpar.worker.model_runner import ModelRunner
+    from ctxpar.worker.options import RunnerOptions
     from ctxpar.worker.step_plan import StepPlan
 
     block, paths = 16, ("pass_q", "gather")
     blocks = max(new + context for new, context in steps) // (block * 2) + 1
     runners = {
-        p: ModelRunner(loaded.model, blocks, block, torch.device("cpu"), torch.float32, group, 0, 2, 1, GatherPolicy(p))
+        p: ModelRunner(
+            loaded.model, RunnerOptions(blocks, block, dcp_size=2, context_gather=GatherPolicy(p)), torch.device("cpu"), group
+        )
         for p in paths
     }
     rng = np.random.default_rng(0)
@@ -212,7 +215,7 @@ def _whole_steps(group, loaded, steps: list[tuple[int, int]], repeat: int, rule)
 def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) -> None:
     import torch.multiprocessing as mp
 
-    from ctxpar.parallel.launch import free_port
+    from ctxpar.executor.multiproc import free_port
 
     # A decode step's T = n = batch; a split step's n = T / 2.
     shapes = [(f"decode, batch {b}", b, b) for b in batches] + [(f"split prefill, {chunk} tokens", chunk // 2, chunk)]

@@ -26,12 +26,13 @@ from ctxpar import kernels
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
-from ctxpar.layers.context import ForwardContext, causal_attention
+from ctxpar.layers.attention_math import causal_attention
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import apply_rotary_
-from ctxpar.models.llama import silu_and_mul
+from ctxpar.layers.activation import silu_and_mul
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 DECODE_CASES = ((1, 2048), (16, 16), (16, 100), (16, 1000), (64, 500))  # (rows, keys each)

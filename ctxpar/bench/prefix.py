@@ -115,7 +115,7 @@ def _validate(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
     from ctxpar.bench.machine import describe_machine
-    from ctxpar.generate_cmd import prefix_cache_summary
+    from ctxpar.entrypoints.cli.generate import prefix_cache_summary
 
     _validate(args)
     longest = args.doc_tokens + args.question_tokens + args.answer_tokens

@@ -27,7 +27,8 @@ from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
-from ctxpar.layers.sampler import Sampler
+from ctxpar.executor import start_executor
+from ctxpar.engine.sampler import Sampler
 from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
 
@@ -36,34 +37,16 @@ class Engine:
     """Continuous-batching inference engine for one model."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from ctxpar.models.loader import load_model
-        from ctxpar.parallel.preflight import check_launch
-        from ctxpar.worker.executor import DTYPES, resolve_device, start_executor
-        from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
-
         self.config = config
-        check_launch(config)  # how the ranks are started: refused before the model load if it cannot work
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)  # loading (dequantisation) uses them too
-        dtype = DTYPES[config.dtype]
-        self.loaded = load_model(config.model, dtype, resolve_device(config), config.max_model_len)
-        model = self.loaded.model
+        self.executor = start_executor(config)  # every rank loads its model and sizes its KV cache
+        rank_model = self.executor.rank_model
+        self.loaded = rank_model.loaded
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len: int = self.loaded.max_model_len
         self.vocab_size: int = int(self.loaded.hf_config.vocab_size)
         self.eos_token_ids: set[int] = set(self.loaded.eos_token_ids)
-        self.kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(model.kv_entry_shape, dtype)
-        self.num_blocks = num_kv_blocks(
-            config.num_kv_blocks,
-            config.kv_cache_bytes,
-            config.block_size,
-            tuple(model.kv_entry_shape),
-            model.num_kv_layers,
-            dtype,
-            self.max_model_len,
-            next(model.parameters()).device,
-            config.dcp_size,
-        )
+        self.kv_bytes_per_token_per_layer = rank_model.kv_bytes_per_token_per_layer
+        self.num_blocks = rank_model.num_blocks
         # Under DCP a logical block (the unit allocated, counted and hashed for prefix
         # caching) is block_size * D tokens; each rank stores block_size of them.
         self.block_manager = BlockManager(
@@ -71,7 +54,6 @@ class Engine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
-        self.executor = start_executor(config, self.loaded, self.num_blocks)
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id

@@ -43,7 +43,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None  # with logprobs (or best_of): sum of the sampled tokens'
-    # What the sampler's logits processing needs (ctxpar.layers.sampler.TokenHistory).
+    # What the sampler's logits processing needs (ctxpar.engine.sampler.TokenHistory).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, banned until min_tokens
     detokenizer: IncrementalDetokenizer | None = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import subprocess
 import tempfile
 import warnings
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 
 from ctxpar.errors import CtxparError
-from ctxpar.models.gguf import cache_root
+from ctxpar.machine import cpu_info
+from ctxpar.paths import cache_root
 
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HERE = Path(__file__).parent
@@ -53,14 +53,6 @@ SIGNATURES = {  # name: (argument types, result type)
 
 def enabled() -> bool:
     return os.environ.get("CTXPAR_KERNELS", "1") != "0"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
 
 
 def _build_dir() -> Path:
@@ -91,7 +83,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
                       "Install g++ (or set CXX) to build ctxpar's kernels.")
         return None
     texts = [f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, " ".join(sorted(cpu_info().flags))]).encode()).hexdigest()[:16]
     path = _build_dir() / f"ctxpar_kernels-{key}.so"
     if not path.exists():
         # Build under a temporary name, then rename: ranks that start together may

@@ -4,7 +4,7 @@
   which the compiled kernel reads at the speed of oneDNN's own packed copy
   (faster at a decode step's few rows, within ~5% at prefill's thousands).
   Unlike oneDNN's copy, it is a plain tensor: the PCP ranks of one host can
-  read one copy in shared pages (ctxpar/parallel/shared_weights.py).
+  read one copy in shared pages (ctxpar/executor/shared_weights.py).
 - **bf16** weights are packed by oneDNN where the CPU has native bf16
   (AVX-512 BF16 / AMX): ~1.4-2x faster than fp32 there, decode included.
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar import kernels
-from ctxpar.dtypes import cpu_has_native_bf16
+from ctxpar.device import cpu_has_native_bf16
 
 
 @dataclass

@@ -10,13 +10,19 @@ Two equivalent ways to attend a row over its cached context:
 
 - **expanded** (prefill): up-project the context latents through kv_b_proj to
   per-head k_nope and v, append the broadcast rope key, and run ordinary
-  attention. ``causal_attention``'s fast CPU path needs equal head sizes, so v
-  (or q/k, whichever is narrower) is zero-padded and the output sliced.
+  attention. ctxpar's compiled kernel takes v narrower than q/k; PyTorch's
+  CPU kernel needs equal head sizes, so for it v (or q/k, whichever is
+  narrower) is zero-padded and the output sliced.
 - **absorbed** (decode): fold W_UK into the query (``q_lat = q_nope W_UK``) and
   attend in latent space with one shared KV head whose key *and* value are the
   cached entry itself; the first ``kv_lora_rank`` output values are then
   up-projected through W_UV. Per decode token this costs O(context · latent)
   instead of up-projecting the whole context.
+
+``MLAttention`` is an ``AttentionKind`` (ctxpar/layers/attention.py): its
+queries are [q_nope | roped q_pe] per head and its cache entries the latents;
+``attend`` chooses between the full cache and DCP's shards, where every shard
+is attended in latent space.
 
 ``ATTENTION_PATH`` picks the path: "auto" (absorbed for 1-token rows, expanded
 otherwise), or "absorbed"/"expanded" to force one (tests compare them).
@@ -31,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar import kernels
-from ctxpar.layers.context import ForwardContext, causal_attention, gather_and_store_kv, takes_kernel
-from ctxpar.layers.dcp import attention_lse, sharded_attention
+from ctxpar.layers.attention import attend
+from ctxpar.layers.attention_math import attention_lse, causal_attention, paged_kernel, takes_kernel
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
 from ctxpar.layers.rotary import apply_rotary
@@ -114,14 +121,20 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved).squeeze(1)
         entries = torch.cat([c_kv, k_pe], dim=-1)  # (n, r + rope)
-        if ctx.dcp is not None:  # latents sharded over the ranks: the absorbed path on every shard
-            out = sharded_attention(self._absorb_query(q_nope, q_pe), entries, ctx, self.layer_idx,
-                                    self._attend_shard, self.v_head_dim, self._decode_shard)
-            return self.o_proj(out.reshape(n, h * self.v_head_dim))
-        cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, r + rope)
+        out = attend(torch.cat([q_nope, q_pe], dim=-1), entries, ctx, self)  # (n, h, v)
+        return self.o_proj(out.reshape(n, h * self.v_head_dim))
 
-        out = x.new_zeros(n, h, self.v_head_dim)
-        kernel = kernels.usable(cache, cache.shape[-1], self.kv_lora_rank)
+    # -- AttentionKind: queries (n, h, nope + rope), entries (n, r + rope) -------
+    @property
+    def out_dim(self) -> int:
+        return self.v_head_dim
+
+    def attend_cache(self, q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Batched one-query rows in latent space, other rows by ATTENTION_PATH."""
+        n, h = q.shape[0], self.num_heads
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        out = q.new_zeros(n, h, self.v_head_dim)
+        kernel = paged_kernel(cache, cache.shape[-1], self.kv_lora_rank)
         dec = decode_batch(ctx, kernel) if ATTENTION_PATH != "expanded" else None
         for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
@@ -134,10 +147,14 @@ class MLAttention(nn.Module):
             if b == a or r in batched:
                 continue
             absorbed = ATTENTION_PATH == "absorbed" or (ATTENTION_PATH == "auto" and b - a == 1)
-            attend = self._absorbed if absorbed else self._expanded
-            context = cache.index_select(0, ctx.context_slots[r]).to(x.dtype)
-            out[a:b] = attend(q_nope[a:b], q_pe[a:b], context)
-        return self.o_proj(out.view(n, h * self.v_head_dim))
+            attend_row = self._absorbed if absorbed else self._expanded
+            context = cache.index_select(0, ctx.context_slots[r]).to(q.dtype)
+            out[a:b] = attend_row(q_nope[a:b], q_pe[a:b], context)
+        return out
+
+    def shard_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Every shard is attended in latent space (the absorbed path)."""
+        return self._absorb_query(*q.split([self.nope_dim, self.rope_dim], dim=-1))
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q_nope (L, h, nope), q_pe (L, h, rope), kv (S, r + rope) -> (L, h, v)."""
@@ -161,18 +178,20 @@ class MLAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
         return torch.cat([q_lat, q_pe], dim=-1)
 
-    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over latents
-        (m, r + rope) (see ctxpar.layers.dcp.Attend). W_UV is linear, so applying it before
+        (m, r + rope) (``AttentionKind.attend_lse``). W_UV is linear, so applying it before
         the cross-rank combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
         o, lse = attention_lse(q, k, k, self.scale, causal)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
 
-    def _decode_shard(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
+    def decode_lse(
+        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One-query latent rows over their shards in the compiled kernel, then W_UV, as
-        ``_attend_shard`` (see ctxpar.layers.dcp.Decode)."""
-        if not kernels.usable(cache, cache.shape[-1], self.kv_lora_rank):
+        ``attend_lse`` (``AttentionKind.decode_lse``)."""
+        if not paged_kernel(cache, cache.shape[-1], self.kv_lora_rank):
             return None
         o, lse = kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale)
         return self._unabsorb(o.to(q.dtype)), lse

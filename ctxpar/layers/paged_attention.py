@@ -14,51 +14,25 @@
   ``causal_attention``: each is a large computation or a large gather.
 
 The index tensors of the decode batch are the same for every layer of a step,
-so they are built once and kept in ``ForwardContext.memo``.
+so they are built once and kept in the step's ``StepMemo``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 
 from ctxpar import kernels
-from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv, padded_slot_table
-from ctxpar.layers.context import ForwardContext, causal_attention
+from ctxpar.layers.attention_math import causal_attention, paged_kernel
+from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
+from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
 
 
 MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real keys
 # Without the kernel, longer one-query rows attend one by one: there the gather
 # dominates, and one index_select of whole slots per row (then PyTorch's kernel)
-# beats the batched call's gather of per-head rows. Measured per 30-layer step,
-# SmolLM2 shapes, 1 thread: 16 rows of 80 keys 17 vs 24 ms (batched wins), 64
-# rows of 40-150 keys 112 vs 113 ms, 16 rows of 256 keys 68 vs 52 ms, 1 row of
-# 2048 29 vs 31 ms.
+# beats the batched call's gather of per-head rows. Measured per 30-layer step at
+# SmolLM2's shapes, the two break even at about this many keys per row.
 DECODE_BATCH_MAX_KEYS = 128
-
-
-@dataclass
-class DecodeGroup:
-    """One-query rows attended in one call."""
-
-    tokens: torch.Tensor  # (B,) int64 local token index of each row's query
-    slots: torch.Tensor  # (N,) int64 the rows' cache slots back to back
-    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
-
-    @cached_property
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, S_max) slot table, short rows padded with their last slot, and the
-        keys per row (None when every row has S_max): the PyTorch path's input."""
-        table, lengths = padded_slot_table(self.slots, self.starts)
-        return table, lengths if bool((lengths != table.shape[1]).any()) else None
-
-
-@dataclass
-class DecodeBatch:
-    rows: set[int]  # local row numbers of the one-query rows in groups
-    groups: list[DecodeGroup]
 
 
 def _group_by_length(lengths: list[int]) -> list[list[int]]:
@@ -80,8 +54,7 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
     """The step's one-query rows in groups, or None if it has none (memoised per
     step): with the ``kernel``, all of them in one group; without, those of at
     most DECODE_BATCH_MAX_KEYS keys, in length groups."""
-    key = "decode_kernel" if kernel else "decode"
-    if key not in ctx.memo:
+    if kernel not in ctx.memo.decode_batches:
         qsl = ctx.query_start_loc
         rows = [
             r for r in range(ctx.num_rows)
@@ -96,8 +69,8 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
                 tokens = torch.tensor([qsl[r] for r in rs], dtype=torch.int64, device=device)
                 groups.append(DecodeGroup(tokens, *concat_slots([ctx.context_slots[r] for r in rs])))
             batch = DecodeBatch(set(rows), groups)
-        ctx.memo[key] = batch
-    return ctx.memo[key]
+        ctx.memo.decode_batches[kernel] = batch
+    return ctx.memo.decode_batches[kernel]
 
 
 def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
@@ -108,7 +81,7 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     qsl = ctx.query_start_loc
     out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
     out[qsl[-1] :].zero_()  # padding tokens
-    kernel = kernels.usable(cache, D)
+    kernel = paged_kernel(cache, D)
     dec = decode_batch(ctx, kernel)
     for grp in dec.groups if dec is not None else []:
         q_rows = q.index_select(0, grp.tokens)
@@ -135,7 +108,7 @@ def latent_decode_attention(
     """MLA decode in latent space for a group of one-query rows: q (B, H, E)
     against cached entries (num_slots, E) that serve as the single shared key,
     whose first value_dim values are the value. Returns (B, H, value_dim).
-    kernel: ``kernels.usable`` for this cache and these widths."""
+    kernel: ``paged_kernel`` for this cache and these widths."""
     if kernel:
         out, _ = kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale)
         return out.to(q.dtype)

@@ -6,7 +6,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import Weight
 
 

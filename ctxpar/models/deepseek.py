@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ctxpar.errors import CtxparError
-from ctxpar.layers.context import ForwardContext
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import Weight, can_pack, linear, packed
 from ctxpar.layers.mla import MLAttention
 from ctxpar.layers.moe import GatedMLP, MoE, TopkRouter

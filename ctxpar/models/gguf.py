@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ctxpar.errors import CtxparError
+from ctxpar.paths import cache_root
 
 FORMAT_VERSION = 1  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
@@ -50,10 +51,6 @@ def is_gguf(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CTXPAR_CACHE") or "~/.cache/ctxpar").expanduser()
 
 
 def cache_dir_for(path: Path) -> Path:

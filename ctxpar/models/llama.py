@@ -3,11 +3,9 @@ Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and SmolLM2
 (Llama with tied embeddings).
 
 RMSNorm, SwiGLU MLP, grouped-query attention. Projections are fused: one
-matmul for Q, K and V, one for gate and up. Attention goes through the paged
-KV cache of the ForwardContext (DESIGN.md §4): compute K/V of the local
-tokens, ``gather_and_store_kv`` (all-gather, cache write), then attention of the local
-rows over their whole contexts in the cache (ctxpar/layers/paged_attention.py:
-all one-query rows in one batched call, prefill rows one by one). Rope turns
+matmul for Q, K and V, one for gate and up. Attention is project -> norm -> rope -> attend -> project:
+``ctxpar.layers.attention.attend`` takes the queries and the K/V cache entries
+of the local tokens and deals with the ranks and the paged cache. Rope turns
 Q and K in place inside the QKV projection, whose K|V half is then the cache
 entry as is; on the CPU in fp32 the elementwise steps (RMSNorm with the
 residual add before it, rope, SiLU·up) are one compiled pass each
@@ -22,14 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxpar import kernels
 from ctxpar.errors import CtxparError
-from ctxpar.kernels import elementwise
-from ctxpar.layers.context import ForwardContext, gather_and_store_kv
-from ctxpar.layers.dcp import attention_lse, sharded_attention
+from ctxpar.layers.activation import silu_and_mul
+from ctxpar.layers.attention import GQA, attend
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import Weight, can_pack, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
@@ -45,13 +41,12 @@ def _optional(flag: bool, *shape: int) -> nn.Parameter | None:
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.attn = GQA(layer_idx, self.head_dim, self.head_dim**-0.5)
         if config.model_type == "qwen2":
             qkv_bias, o_bias = True, False
         else:
@@ -77,22 +72,8 @@ class LlamaAttention(nn.Module):
         apply_rotary_(qk, cos, sin)  # one rope pass for Q and K, in place in qkv
         q = qk[:, :h]  # (n, h, hd)
         entries = qkv[:, self.q_size :].view(n, 2, kvh, hd)  # K then V: the cache's entry layout
-        if ctx.dcp is not None:  # KV sharded over the ranks
-            out = sharded_attention(q, entries, ctx, self.layer_idx, self._attend_shard, hd, self._decode_shard)
-            return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
-        cache = gather_and_store_kv(entries, ctx, self.layer_idx)  # (num_slots, 2, kvh, hd)
-        out = gqa_paged_attention(q, cache, ctx, self.scale)  # (n, h, hd); padding tokens: zeros
+        out = attend(q, entries, ctx, self.attn)  # (n, h, hd); padding tokens: zeros
         return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
-
-    def _attend_shard(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
-        """(out, lse) of queries (L, h, hd) over KV entries (m, 2, kvh, hd) (see ctxpar.layers.dcp.Attend)."""
-        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
-
-    def _decode_shard(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
-        """One-query rows over their shards in the compiled kernel (see ctxpar.layers.dcp.Decode)."""
-        if not kernels.usable(cache, self.head_dim):
-            return None
-        return kernels.gqa_paged_decode(q, cache, slots, starts, self.scale)
 
 
 class LlamaMLP(nn.Module):
@@ -113,15 +94,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # (n, 2I)
         return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (n, hidden)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (n, 2I), gate then up -> silu(gate) * up (n, I): one pass in the
-    kernel; PyTorch's ops elsewhere (in place on the gate half of gate_up)."""
-    if elementwise.usable(gate_up) and gate_up.is_contiguous():
-        return elementwise.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)  # (n, I), strided view of gate_up
 
 
 class LlamaDecoderLayer(nn.Module):

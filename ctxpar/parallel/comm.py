@@ -134,7 +134,7 @@ class PCPGroup:
         return obj
 
     def _shm_broadcast_object(self, obj: object) -> object:
-        # Its length, then the pickle: ~20 us against gloo's 1-3 ms for the two messages.
+        # Its length, then the pickle: microseconds, against gloo's milliseconds for the two messages.
         wait = None if self.rank == 0 else math.inf
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)

@@ -1,8 +1,8 @@
 """The data collectives of PCP ranks on one host, through shared pages.
 
-gloo moves each collective through a socket and its own I/O thread: ~1.5 ms
-a collective on a 2-core host whose cores both compute, 31 of them in each
-decode step of SmolLM2 (docs/benchmarks.md). Here each rank copies its part
+gloo moves each collective through a socket and its own I/O thread, which
+costs milliseconds a collective on a host whose cores all compute, and a
+decode step has one per layer (docs/benchmarks.md, "Ranks on one host"). Here each rank copies its part
 into its slot of a shared buffer, meets the others at a barrier (a counter
 per rank, kernels/shm_barrier.cpp: microseconds when the ranks are in step),
 and copies out what it needs.

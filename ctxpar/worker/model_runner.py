@@ -16,74 +16,45 @@ collectives with the same shapes.
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import torch
 
-from ctxpar.layers.context import ForwardContext
-from ctxpar.layers.dcp import DCPStep
-from ctxpar.layers.dcp_context import GatherPolicy, split_context
+from ctxpar.layers.forward_context import ForwardContext
+from ctxpar.layers.forward_context import DCPStep
+from ctxpar.layers.sharded_context import split_context
 from ctxpar.layers.linear import linear, row_parts
 from ctxpar.models.base import CausalLM
-from ctxpar.parallel.dcp import DCPShard
+from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
+from ctxpar.parallel.comm import PCPGroup
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
+from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
 from ctxpar.worker.step_plan import StepPlan
 
 
 class ModelRunner:
     def __init__(
-        self,
-        model: CausalLM,
-        num_blocks: int,
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        group=None,
-        pcp_min_tokens: int = 0,
-        dcp_size: int = 1,
-        cp_interleave: int = 1,
-        context_gather: GatherPolicy = GatherPolicy(),
-        pcp_spread_min_rows: int | None = None,
-        lead_threads: int | None = None,
+        self, model: CausalLM, options: RunnerOptions, device: torch.device, group: PCPGroup | None = None
     ) -> None:
-        """group: a ctxpar.parallel.comm.PCPGroup, or None for a single rank.
-
-        dcp_size: 1 (every rank holds the whole KV cache) or the group's size
-        (each holds the shard of ctxpar.parallel.dcp; block tables are then
-        of logical blocks of block_size * dcp_size tokens). context_gather: how
-        split prefill rows reach a context sharded by DCP (ctxpar/layers/dcp_context.py).
-
-        pcp_spread_min_rows: unsplit rows (decodes, short prompts) go to one
-        rank each in steps that split a row or have at least this many of
-        them (ctxpar/parallel/pcp_spread.py); None: always replicated.
-
-        lead_threads: for ranks that share one host's cores (and hold the whole
-        cache): a step that splits no row is *led*, computed by rank 0 alone
-        with this many threads (the host's), which then sends the step's new KV
-        to the others. Their unsplit rows are then assigned only beside a split
-        row. None: such steps replicate or assign as above."""
+        """group: the PCP group of this rank, or None for a single rank."""
         self.model = model
-        self.block_size = block_size
+        self.options = options
+        self.block_size = options.block_size
         self.device = device
         self.group = group
         self.rank = group.rank if group is not None else 0
         self.pcp_size = group.size if group is not None else 1
-        self.pcp_min_tokens = pcp_min_tokens
-        # Under DCP a decode's queries must be on every rank (each attends its own shard).
-        self.spread_min_rows = pcp_spread_min_rows if dcp_size == 1 else None
-        self.lead_threads = lead_threads if dcp_size == 1 and self.pcp_size > 1 else None
-        if self.lead_threads is not None:
-            self.spread_min_rows = sys.maxsize  # led steps take what spreading would
+        self.lead_threads = options.lead_threads if self.pcp_size > 1 else None
+        self.spread_min_rows = options.spread_min_rows
         self.threads = torch.get_num_threads()
-        self._led_buffer = torch.empty(0, dtype=dtype, device=device)  # led steps' KV, see _share_led_kv
-        if dcp_size not in (1, self.pcp_size):
-            raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {dcp_size}")
-        self.shard = DCPShard(dcp_size, cp_interleave, self.rank) if dcp_size > 1 else None
-        self.context_gather = context_gather
+        self._led_buffer = torch.empty(0, dtype=options.dtype, device=device)  # led steps' KV, see _share_led_kv
+        if options.dcp_size not in (1, self.pcp_size):
+            raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {options.dcp_size}")
+        self.shard = DCPShard(options.dcp_size, options.cp_interleave, self.rank) if options.dcp_size > 1 else None
         self.kv_caches = allocate_kv_caches(
-            model.num_kv_layers, num_blocks * block_size, model.kv_entry_shape, dtype, device
+            model.num_kv_layers, options.num_blocks * options.block_size, model.kv_entry_shape, options.dtype, device
         )
 
     @torch.inference_mode()
@@ -97,7 +68,7 @@ class ModelRunner:
             plan.num_computed_tokens,
             plan.is_prefilling,
             self.pcp_size,
-            replicate_below=self.pcp_min_tokens,
+            replicate_below=self.options.pcp_min_tokens,
             spread_min_rows=self.spread_min_rows,
         )
         gathers = self.pcp_size > 1 and not layout.is_all_replicated  # some row split or assigned
@@ -116,7 +87,7 @@ class ModelRunner:
         else:
             # No gather: each rank writes its own (identical) copy of every token.
             writes, token_of = ~rows.is_padding, rows.token_idx
-        token_row, token_pos = self._token_rows_positions(plan)  # (T,) each
+        token_row, token_pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
         # Where each token sits in its request's cache: its position, or under DCP
         # its index among the tokens its owner stores (only the owner writes it).
         where = token_pos if self.shard is None else self.shard.local_position(token_pos)
@@ -174,33 +145,15 @@ class ModelRunner:
             return
         self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
-        at = torch.from_numpy(self._slots(plan, *self._token_rows_positions(plan))).to(self.device)
+        at = torch.from_numpy(self._slots(plan, *token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens))).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
             cache.index_copy_(0, at, new)
 
     def _slots(self, plan: StepPlan, token_row: np.ndarray, where: np.ndarray) -> np.ndarray:
-        """(T,) cache slot of each token of the step, given its row and its place in that row's cache."""
-        tables = self._padded_tables(plan)  # (R, max_blocks)
-        return tables[token_row, where // self.block_size] * self.block_size + where % self.block_size
-
-    def _token_rows_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
-        """(T,) row and absolute position of every token scheduled this step, in global order."""
-        q = plan.num_scheduled_tokens.astype(np.int64)
-        row = np.repeat(np.arange(plan.num_rows), q)  # (T,)
-        qsl = np.concatenate(([0], np.cumsum(q)))
-        return row, plan.num_computed_tokens[row] + np.arange(plan.num_tokens) - qsl[row]
-
-    @staticmethod
-    def _padded_tables(plan: StepPlan) -> np.ndarray:
-        """(R, max_blocks) block tables, zero-padded."""
-        width = max(len(b) for b in plan.block_tables)
-        tables = np.zeros((plan.num_rows, width), dtype=np.int64)
-        for r, b in enumerate(plan.block_tables):
-            tables[r, : len(b)] = b
-        return tables
+        return token_slots(plan.block_tables, token_row, where, self.block_size)
 
     def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
-        """What the attention layers need under DCP (ctxpar/layers/dcp.py): the new keys of
+        """What the attention layers need under DCP (ctxpar/layers/sharded_attention.py): the new keys of
         my local rows, and my shard of every global row's context."""
         c = plan.num_computed_tokens.astype(np.int64)
         qsl = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens)))
@@ -215,7 +168,7 @@ class ModelRunner:
         return DCPStep(
             new_key_idx=new_keys,
             replicated_context=bool((c[~layout.is_split] > 0).any()),
-            split_context=split_context(self.shard, layout.is_split, c, rows, shard_slots, self.context_gather, to_dev),
+            split_context=split_context(self.shard, layout.is_split, c, rows, shard_slots, self.options.context_gather, to_dev),
             query_idx=to_dev(layout.hidden_restore_idx),
             query_start_loc=qsl.tolist(),
             shard_slots=[to_dev(s) for s in shard_slots],
@@ -229,7 +182,7 @@ class ModelRunner:
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, gathers: bool
     ) -> torch.Tensor | None:
         # The sampled tokens, and every token of the rows that want prompt logprobs
-        # (DESIGN §5's full restore, for those rows only), in global order.
+        # (a full restore of those rows only, never of every token), in global order.
         wanted = plan.logits_token_indices()  # (L,)
         where = layout.hidden_restore_idx[wanted]  # (L,) gathered position of the authoritative copy
         if not gathers:
@@ -240,16 +193,12 @@ class ModelRunner:
         # Only the wanted tokens travel, each from the rank that computed it, to rank 0.
         n = layout.num_tokens_padded
         owner, local = where // n, where % n
-        counts = np.bincount(owner, minlength=self.pcp_size)
-        width = max(int(counts.max()), 1)  # rank-invariant, so every rank sends the same shape
+        # The l-th wanted token is the index_in_rank-th of its owner's list, in global order;
+        # width is rank-invariant, so every rank sends the same shape.
+        index_in_rank, width = rank_order(owner, self.pcp_size)
         mine = local[owner == self.rank]
         send = hidden.new_zeros((width, hidden.shape[1]))
         send[: len(mine)] = hidden[torch.from_numpy(mine).to(self.device)]
-        # The l-th wanted token is the k-th of its owner's list, in global order.
-        index_in_rank = np.zeros_like(owner)
-        for k in range(self.pcp_size):
-            sel = owner == k
-            index_in_rank[sel] = np.arange(int(sel.sum()))
         pick = torch.from_numpy(owner), torch.from_numpy(index_in_rank)
         parts = row_parts(self.model.logits_weight(), self.pcp_size) if self.group.one_host else None
         if parts is None:

@@ -13,15 +13,15 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
-from ctxpar.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
-from ctxpar.chat import is_conversation_list, render_chat
+from ctxpar.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from ctxpar.entrypoints.chat import is_conversation_list, render_chat
 from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError
-from ctxpar.generation_config import default_sampling_kwargs
+from ctxpar.entrypoints.generation_config import default_sampling_kwargs
 from ctxpar.inputs import PromptType, TokensPrompt, parse_prompt
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
-from ctxpar.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
+from ctxpar.entrypoints.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
 
 Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
 # use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
@@ -69,7 +69,7 @@ class LLM:
         num_kv_blocks, max_num_seqs, max_num_batched_tokens, pcp_size, ...);
         vLLM's other arguments are ignored with a log line where they only
         tune speed or memory, and refused where they would change the outputs
-        (ctxpar/vllm_args.py, docs/vllm.md).
+        (ctxpar/entrypoints/vllm_args.py, docs/vllm.md).
     """
 
     def __init__(
@@ -196,7 +196,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with
         the chat template (the tokenizer's, or ``chat_template``: a template
-        string or a file). See ``ctxpar.chat.render_chat`` for the options."""
+        string or a file). See ``ctxpar.entrypoints.chat.render_chat`` for the options."""
         prompts = self.apply_chat_template(
             messages, chat_template_kwargs, chat_template=chat_template,
             chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
@@ -234,7 +234,7 @@ class LLM:
         use_tqdm: UseTqdm = False,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: per prompt, the ``params.beam_width`` best
-        sequences (see ctxpar/beam_search.py for how they are scored)."""
+        sequences (see ctxpar/entrypoints/beam_search.py for how they are scored)."""
         if not isinstance(params, BeamSearchParams):
             raise CtxparError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _check_tqdm(use_tqdm)

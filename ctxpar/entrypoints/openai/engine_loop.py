@@ -1,7 +1,7 @@
 """The engine loop: one thread owns the Engine and steps it while work exists.
 
 It is the process's main thread (the HTTP server runs in another): torch
-steps measured ~1.5x slower on a secondary thread than on the main one (CPU,
+steps ran slower on a secondary thread than on the main one when measured (CPU,
 oneDNN/OpenMP), and the main thread is also where signals arrive.
 
 HTTP handlers run on the asyncio event loop and never touch the engine's
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
-from ctxpar.server.metrics import ServerMetrics
+from ctxpar.entrypoints.openai.metrics import ServerMetrics
 
 
 IDLE_POLL_S = 0.5

@@ -2,7 +2,7 @@
 
 A row split by PCP has its queries spread over the ranks and its cached
 context spread over the shards. ctxpar reaches that context one of two ways
-(ctxpar/layers/dcp.py runs both):
+(ctxpar/layers/sharded_attention.py runs both):
 
 - **pass-Q**: the queries travel (in the step's KV all-gather), every rank
   attends all of them over its shard, and one all-to-all returns each rank its
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ctxpar.errors import CtxparError
-from ctxpar.layers.context import merge_attention
-from ctxpar.parallel.dcp import DCPShard
+from ctxpar.layers.attention_math import merge_attention
+from ctxpar.parallel.dcp_shard import DCPShard
 
 if TYPE_CHECKING:
     from ctxpar.parallel.pcp import RankRows
@@ -207,7 +207,7 @@ def gathered_context_attention(
     unmasked (every query sees all of its context): out (n, H, out_dim), lse
     (n, H); other tokens get out 0 and lse -inf.
 
-    gather: the group's all-gather; attend: ctxpar.layers.dcp.Attend.
+    gather: the group's all-gather; attend: ctxpar.layers.sharded_attention.Attend.
     """
     n, heads = q.shape[0], q.shape[1]
     out = torch.zeros(n, heads, out_dim, dtype=torch.float32, device=q.device)

@@ -1,4 +1,5 @@
-"""The ``dtype`` argument: its spellings, and what ``"auto"`` picks.
+"""Devices and dtypes: the ``dtype`` argument's spellings, what ``"auto"``
+picks, the torch dtype of a canonical name, and the device a rank runs on.
 
 Accepted, as in vLLM: ``"auto"``, ``"float32"``/``"float"``, ``"float16"``/
 ``"half"``, ``"bfloat16"``, and the torch dtypes themselves. Anything else is
@@ -6,14 +7,20 @@ refused with the list. EngineConfig stores the canonical name.
 
 ``"auto"`` is bf16 where the hardware computes bf16 natively and it is
 faster (a CUDA GPU with bf16; a CPU with AVX-512 BF16 or AMX, where oneDNN's
-bf16 GEMMs measured ~1.4-2x faster than fp32 on SmolLM2's shapes, since
-decode reads every weight per step), else fp32. fp32 stays the default and
+bf16 GEMMs beat fp32 on SmolLM2's shapes, since decode reads every weight
+per step), else fp32. fp32 stays the default and
 the exact path: bf16 changes the numbers.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ctxpar.errors import CtxparError
+from ctxpar.machine import cpu_info
+
+if TYPE_CHECKING:  # torch is imported where it is used: `ctxpar --help` stays instant
+    import torch
 
 CANONICAL = ("float32", "bfloat16", "float16")
 SPELLINGS = {
@@ -40,14 +47,7 @@ def canonical_dtype(value: object, device: str = "auto") -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in NATIVE_BF16_FLAGS)
-    except OSError:
-        pass
-    return False
+    return any(flag in cpu_info().flags for flag in NATIVE_BF16_FLAGS)
 
 
 def auto_dtype(device: str) -> str:
@@ -57,3 +57,22 @@ def auto_dtype(device: str) -> str:
     if on_cuda:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A canonical dtype name (EngineConfig.dtype) -> the torch dtype."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """EngineConfig.device ("auto", "cpu", "cuda") -> the device of the rank with
+    this local rank: the CPU, or one GPU per rank."""
+    import torch
+
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise CtxparError("device='cuda' was requested but no CUDA device is available; use device='cpu'")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())

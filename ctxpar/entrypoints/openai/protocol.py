@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ctxpar.chat import template_content
+from ctxpar.entrypoints.chat import template_content
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams
 

@@ -1,77 +1,24 @@
-"""What one forward pass needs to know besides the token ids: the rank-local
-rows, where their KV lives in the paged cache, and how to gather KV over ranks.
+"""Attention math on contiguous tensors, each result with what merging needs.
 
-The model runner builds one ``ForwardContext`` per step; attention layers read
-it and nothing else, so they know only "gather my KV inputs, write them,
-attend" (DESIGN.md §4).
+- ``causal_attention``: queries that are the last L of S keys (prefill chunks,
+  bottom-right causal);
+- ``attention_lse``: attention with its log-sum-exp (DCP's partials);
+- ``merge_attention``: the exact merge of partials over disjoint key sets;
+- the one rule that sends a call to ctxpar's compiled kernels (``takes_kernel``
+  for query blocks, ``paged_kernel`` for one-query rows over the paged cache).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ctxpar import kernels
 
-if TYPE_CHECKING:
-    from ctxpar.layers.dcp import DCPStep
-
 # Causal rows of at least this many queries run in the compiled kernel; shorter
-# ones in PyTorch's (its call costs less). Kernel / PyTorch time, SmolLM2 shapes,
-# 2 threads: 32 queries 1.34x, 64 0.83x, 128 0.71x, 2048 of 2048 keys 0.73x.
+# ones in PyTorch's, whose call costs less (`ctxpar bench kernels`, docs/benchmarks.md).
 KERNEL_MIN_QUERIES = 64
-
-
-@dataclass
-class ForwardContext:
-    # Local rows (this rank). A row is a contiguous run of one request's tokens.
-    query_start_loc: list[int]  # (rows + 1,) local token range of each row
-    start_pos: list[int]  # (rows,) absolute position of each row's first token
-    seq_lens: list[int]  # (rows,) start_pos + num_tokens: keys each row attends to
-    context_slots: list[torch.Tensor]  # rows x (seq_len,) int64 cache slot of positions [0, seq_len)
-    # Cache writes: rows of the (gathered) KV entries to store, and where.
-    write_src: torch.Tensor | None  # (W,) int64 index into the entries; None = all of them, in order
-    write_slots: torch.Tensor  # (W,) int64 flat slot in each layer's cache
-    kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
-    # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
-    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # Decode context parallelism: the cache holds this rank's shard only, and the
-    # layers attend through ctxpar.layers.dcp (context_slots unused). None: a full cache.
-    dcp: DCPStep | None = None
-    # Per-step values that every layer would otherwise rebuild (e.g. the decode batch's
-    # slot table, ctxpar/layers/paged_attention.py): filled by the first layer that needs them.
-    memo: dict = field(default_factory=dict)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.start_pos)
-
-
-def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
-    """All-gather this step's KV-cache entries of one layer over the ranks (a
-    split step), then write them; returns the layer's cache (num_slots, *E).
-
-    entries: (n, *E) the KV-cache inputs of the local (padded) tokens; E is the
-    per-token entry shape of the layer (GQA: (2, kv_heads, head_dim); MLA:
-    (kv_lora_rank + rope_dim,)). The context of a row includes the other
-    ranks' chunks of this very step, which is why every rank gathers and
-    writes before anyone attends.
-    """
-    if ctx.gather is not None:
-        entries = ctx.gather(entries)  # (P*n, *E)
-    return store_kv(entries, ctx, layer_idx)
-
-
-def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
-    """Write the step's entries (already gathered, if the step gathers) that
-    this rank stores into layer ``layer_idx``'s cache; returns that cache."""
-    cache = ctx.kv_caches[layer_idx]
-    if ctx.write_src is not None:
-        entries = entries.index_select(0, ctx.write_src)
-    cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
-    return cache
 
 
 def causal_attention(
@@ -88,7 +35,7 @@ def causal_attention(
     bottom-right itself. Otherwise: PyTorch's ``is_causal`` aligns top-left, so a
     continued prefill (0 < S - L, L > 1) is split into a mask-free part over
     the old context and a causal part over the new keys, merged by their
-    log-sum-exp: ~1.5x faster on CPU than an explicit mask.
+    log-sum-exp: faster on CPU than an explicit mask.
     """
     if takes_kernel(q, k, v):
         return kernels.prefill_attention(q, k, v, scale, out=out)[0]
@@ -101,6 +48,12 @@ def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     and DCP's ``attention_lse``): rows of at least KERNEL_MIN_QUERIES queries the
     kernel takes. Unlike PyTorch's CPU kernel, it takes V narrower than Q and K."""
     return q.shape[0] >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v)
+
+
+def paged_kernel(cache: torch.Tensor, *widths: int) -> bool:
+    """Whether one-query rows over this paged cache run in the compiled decode
+    kernel (widths: the head widths it reads, see ``kernels.usable``)."""
+    return kernels.usable(cache, *widths)
 
 
 def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -154,3 +107,28 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
     total = w.sum(0)
     out = (outs * w.unsqueeze(-1)).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
     return out, top + torch.log(total)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp. q (L, H, D), k/v (m, Hk, D) with H a
+    multiple of Hk; causal: L == m and query i sees keys [0, i].
+
+    Returns out (L, H, Dv) and lse (L, H), both float32.
+    """
+    if takes_kernel(q, k, v):
+        return kernels.prefill_attention(q, k, v, scale, causal)  # causal with L == m: bottom-right is top-left
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
+    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+        return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+    rep = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(rep, 1).float(), vh.repeat_interleave(rep, 1).float()
+    s = (qh.float() @ kh.transpose(-1, -2)) * scale  # (1, H, L, m)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)  # (1, H, L)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ vh
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)

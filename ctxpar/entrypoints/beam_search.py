@@ -13,42 +13,11 @@ length counts the prompt too and leaves out a final EOS.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpar.checks import check_float, check_int
-from ctxpar.errors import CtxparError
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's ``BeamSearchParams`` (also importable from ctxpar.sampling_params).
-
-    beam_width: beams kept per prompt; the output has up to this many sequences.
-    max_tokens: most tokens generated per beam.
-    ignore_eos: go on past EOS instead of completing the beam.
-    temperature: applied to the logits before the candidates are drawn; 0
-        (the default) takes the most likely ones.
-    length_penalty: a beam's score is its cumulative logprob / length ** length_penalty.
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_int("beam_width", self.beam_width, 1)
-        check_int("max_tokens", self.max_tokens, 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise CtxparError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        check_float("temperature", self.temperature, 0, why=" (0 = the most likely candidates)")
-        lp = self.length_penalty
-        if not (isinstance(lp, (int, float)) and not isinstance(lp, bool) and math.isfinite(lp)):
-            raise CtxparError(f"length_penalty must be a finite number (1 = score by mean logprob), got {lp!r}")
+from ctxpar.sampling_params import BeamSearchParams
 
 
 @dataclass

@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ctxpar.errors import CtxparError
-from ctxpar.server import responses as R
-from ctxpar.server.engine_loop import ClientGone, EngineDead, EngineLoop, Submission
-from ctxpar.server.metrics import ServerMetrics
-from ctxpar.server.protocol import (
+from ctxpar.entrypoints.openai import responses as R
+from ctxpar.entrypoints.openai.engine_loop import ClientGone, EngineDead, EngineLoop, Submission
+from ctxpar.entrypoints.openai.metrics import ServerMetrics
+from ctxpar.entrypoints.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

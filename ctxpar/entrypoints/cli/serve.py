@@ -23,7 +23,7 @@ import threading
 
 from ctxpar.checks import int_arg
 from ctxpar.errors import CtxparError
-from ctxpar.generate_cmd import add_engine_arguments, engine_kwargs
+from ctxpar.entrypoints.cli.engine_args import add_engine_arguments, engine_kwargs
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
 GRACEFUL_SHUTDOWN_S = 10
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from ctxpar import LLM
-    from ctxpar.server.app import ServerState, build_app
+    from ctxpar.entrypoints.openai.app import ServerState, build_app
 
     with LLM(**engine_kwargs(args)) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name

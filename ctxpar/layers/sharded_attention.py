@@ -1,6 +1,6 @@
-"""Attention over a KV cache sharded across the DCP ranks (DESIGN.md §6).
+"""Attention over a KV cache sharded across the DCP ranks (docs/architecture.md, decode context parallelism).
 
-Each rank stores only the KV entries it owns (ctxpar/parallel/dcp.py), so no
+Each rank stores only the KV entries it owns (ctxpar/parallel/dcp_shard.py), so no
 rank can attend a row's cached context alone. A row's keys are its *context*
 (positions before this step, in the shards) and its *new* keys (this step's
 own tokens, which every rank has in this layer's entries: gathered in a split
@@ -14,7 +14,7 @@ step, computed locally when every row is replicated). Per layer:
    all-to-all then sends each rank the partials of its own local tokens from
    every rank. Split rows' queries reach every rank in the same all-gather
    as the KV entries (pass-Q);
-3. context, gathered (split rows on the other path, ctxpar/layers/dcp_context.py):
+3. context, gathered (split rows on the other path, ctxpar/layers/sharded_context.py):
    each rank all-gathers the rows' context from the shards in bounded rounds
    and attends its own queries over it locally;
 4. combine exactly: ``L = logsumexp_k lse_k``, ``out = Σ_k exp(lse_k − L) · out_k``
@@ -30,15 +30,14 @@ plan, whatever a rank's shard holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ctxpar import kernels
+from ctxpar.layers.attention_math import bottom_right_causal, merge_attention
 from ctxpar.layers.attention_ops import concat_slots
-from ctxpar.layers.context import ForwardContext, bottom_right_causal, merge_attention, store_kv, takes_kernel
-from ctxpar.layers.dcp_context import SplitContext, gathered_context_attention, gathers_context
+from ctxpar.layers.forward_context import DCPStep, ForwardContext, OneQueryRows, StepMemo, store_kv
+from ctxpar.layers.sharded_context import gathered_context_attention, gathers_context
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
 # causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
@@ -48,48 +47,6 @@ Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.
 # out 0, lse -inf), all rows in one call of the compiled kernel; or None where the kernel
 # cannot serve this cache (then each row goes through `attend`).
 Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
-
-
-@dataclass
-class DCPStep:
-    """What the sharded attention of one step needs, the same for every layer."""
-
-    # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
-    # row's new keys up to its last query, in position order: [step start, start_pos + len).
-    new_key_idx: list[torch.Tensor]
-    # Context, per GLOBAL row of the plan.
-    replicated_context: bool  # some row with queries on every rank has context: partials exchanged
-    split_context: SplitContext | None  # the split rows with context (a split step), and how to gather it
-    query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
-    query_start_loc: list[int]  # (R+1,) global token range of each row
-    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
-    send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
-    all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
-
-
-def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its log-sum-exp. q (L, H, D), k/v (m, Hk, D) with H a
-    multiple of Hk; causal: L == m and query i sees keys [0, i].
-
-    Returns out (L, H, Dv) and lse (L, H), both float32.
-    """
-    if takes_kernel(q, k, v):
-        return kernels.prefill_attention(q, k, v, scale, causal)  # causal with L == m: bottom-right is top-left
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
-    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = flash(qh, kh, vh, 0.0, causal, scale=scale)[:2]
-        return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
-    rep = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(rep, 1).float(), vh.repeat_interleave(rep, 1).float()
-    s = (qh.float() @ kh.transpose(-1, -2)) * scale  # (1, H, L, m)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)  # (1, H, L)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ vh
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def sharded_attention(
@@ -154,7 +111,7 @@ def _context_partials(
     decode: Decode,
     out_dim: int,
     skip: frozenset[int],
-    memo: dict,
+    memo: StepMemo,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's attention over my shard of its row's context (but the
     ``skip`` rows': their context is gathered), exchanged so that each rank
@@ -168,11 +125,11 @@ def _context_partials(
     done: set[int] = set()
     single = _one_query_rows(step, skip, memo)
     if single is not None:
-        rows, tokens, slots, starts = single
-        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, slots, starts)
+        tokens = single.tokens
+        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, single.slots, single.starts)
         if res is not None:
             partial[tokens, :, :out_dim], partial[tokens, :, out_dim] = res
-            done = set(rows)
+            done = set(single.rows)
     for r, slots in enumerate(step.shard_slots):
         if len(slots) and r not in skip and r not in done:  # an empty shard: nothing computed, lse -inf sent
             kv = cache.index_select(0, slots).to(q_space.dtype)
@@ -183,18 +140,14 @@ def _context_partials(
     return merge_attention(received[..., :out_dim], received[..., out_dim])
 
 
-def _one_query_rows(
-    step: DCPStep, skip: frozenset[int], memo: dict
-) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The step's one-query rows but ``skip``'s, for ``decode``: the rows, their
-    tokens (rows of the partials), their shards' slots back to back and where
-    each starts; None if there are none. The same in every layer: memoised."""
-    key = ("dcp_one_query_rows", skip)
-    if key not in memo:
+def _one_query_rows(step: DCPStep, skip: frozenset[int], memo: StepMemo) -> OneQueryRows | None:
+    """The step's one-query rows but ``skip``'s, for ``decode``; None if there
+    are none. The same in every layer: memoised."""
+    if skip not in memo.one_query_rows:
         qsl = step.query_start_loc
         rows = [r for r in range(len(step.shard_slots)) if qsl[r + 1] - qsl[r] == 1 and r not in skip]
-        memo[key] = None
+        memo.one_query_rows[skip] = None
         if rows:
             tokens = torch.tensor([qsl[r] for r in rows], device=step.query_idx.device)
-            memo[key] = (rows, tokens, *concat_slots([step.shard_slots[r] for r in rows]))
-    return memo[key]
+            memo.one_query_rows[skip] = OneQueryRows(rows, tokens, *concat_slots([step.shard_slots[r] for r in rows]))
+    return memo.one_query_rows[skip]

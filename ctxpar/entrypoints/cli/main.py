@@ -1,0 +1,84 @@
+"""The ``ctxpar`` command line.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args)``. Modules keep heavy imports (torch, transformers) inside ``run``
+so that ``ctxpar --help`` answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from ctxpar.errors import CtxparError, RankFailure
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("ctxpar.entrypoints.cli.generate", "generate text, streamed to the terminal"),
+    "plan": ("ctxpar.entrypoints.cli.plan", "show how a batch is split across PCP ranks"),
+    "serve": ("ctxpar.entrypoints.cli.serve", "serve the model over an OpenAI-compatible HTTP API"),
+}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
+    "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
+    "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
+    "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
+    "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
+    "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
+    "throughput": ("ctxpar.bench.throughput", "offline throughput vs transformers"),
+    "ttft": ("ctxpar.bench.ttft", "time to first token with PCP ranks vs one rank"),
+}
+
+
+def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help: str) -> None:
+    mod = importlib.import_module(module)
+    p = subparsers.add_parser(name, help=help, description=(mod.__doc__ or help).strip().split("\n\n")[0])
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ctxpar",
+        description="ctxpar: context-parallel LLM inference. Long prompts are split "
+        "across ranks so time-to-first-token falls with the number of ranks, "
+        "while the output stays exactly that of one rank.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help) in COMMANDS.items():
+        _add(sub, name, module, help)
+    bench = sub.add_parser("bench", help="benchmarks that print a ratio against a baseline")
+    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module, help) in BENCHMARKS.items():
+        _add(bench_sub, name, module, help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Exit status: 0 ok, 2 a user mistake (CtxparError),
+    1 a runtime failure of the ranks (RankFailure), 130 interrupted (Ctrl-C);
+    each failure is one ``error: ...`` line on stderr, without a traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        args._run(args)
+    except CtxparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`ctxpar plan ... | head`): nothing is wrong. Point stdout
+        # at /dev/null so that Python's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

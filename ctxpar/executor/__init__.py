@@ -1,0 +1,47 @@
+"""Executors: how rank 0's engine gets a step run on every rank.
+
+``start_executor`` is the one place that chooses how the ranks run (as vLLM's
+``Executor.get_class``):
+
+- ``UniProcExecutor`` (uniproc.py): one rank, the model runner in this process;
+- ``MultiRankExecutor`` (multiproc.py): P ranks, spawned here with
+  torch.multiprocessing, or started by torchrun (its environment variables
+  are set: every process runs the same program, rank 0 drives and the others
+  serve inside ``start_executor`` until rank 0 shuts down).
+
+Either way, what can be refused is refused first (preflight.py), and every
+rank loads its model and sizes its KV cache through ``load_rank``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ctxpar.config import EngineConfig
+from ctxpar.executor.preflight import check_launch
+from ctxpar.worker.loading import RankModel
+from ctxpar.worker.step_plan import StepPlan
+
+
+class Executor(Protocol):
+    rank_model: RankModel  # rank 0's model, tokenizer and KV-cache size
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """float32 logits (S, vocab) of the rows with needs_logits, in row order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def start_executor(config: EngineConfig) -> Executor:
+    """Check the launch, then start the ranks (each loads its model)."""
+    check_launch(config)  # refused before minutes of loading are spent
+    if config.pcp_size == 1:
+        from ctxpar.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    from ctxpar.executor.multiproc import MultiRankExecutor
+
+    return MultiRankExecutor(config)

@@ -1,0 +1,28 @@
+"""One rank, in this process."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxpar.config import EngineConfig
+from ctxpar.device import resolve_device
+from ctxpar.worker.loading import load_rank
+from ctxpar.worker.model_runner import ModelRunner
+from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.step_plan import StepPlan
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.rank_model = load_rank(config, resolve_device(config.device))
+        options = RunnerOptions.from_config(config, self.rank_model.num_blocks)
+        self.runner: ModelRunner | None = ModelRunner(self.rank_model.loaded.model, options, self.rank_model.device)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        assert self.runner is not None, "execute after close"
+        logits = self.runner.execute(plan)
+        assert logits is not None  # rank 0 always gets them
+        return logits
+
+    def close(self) -> None:
+        self.runner = None

@@ -1,0 +1,129 @@
+"""The contract between the model runner and the attention layers: what one
+forward pass needs besides the token ids.
+
+The runner builds one ``ForwardContext`` per step (the rank-local rows, where
+their KV lives in the paged cache, how to gather KV over the ranks and, under
+DCP, a ``DCPStep``); attention layers read it and nothing else, so they know
+only "gather my KV inputs, write them, attend" (docs/architecture.md).
+Values that every layer of a step would otherwise rebuild go in its
+``StepMemo``, filled by the first layer that needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
+
+import torch
+
+from ctxpar.layers.attention_ops import padded_slot_table
+from ctxpar.layers.sharded_context import SplitContext
+
+
+@dataclass
+class DecodeGroup:
+    """One-query rows attended in one call."""
+
+    tokens: torch.Tensor  # (B,) int64 local token index of each row's query
+    slots: torch.Tensor  # (N,) int64 the rows' cache slots back to back
+    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
+
+    @cached_property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, S_max) slot table, short rows padded with their last slot, and the
+        keys per row (None when every row has S_max): the PyTorch path's input."""
+        table, lengths = padded_slot_table(self.slots, self.starts)
+        return table, lengths if bool((lengths != table.shape[1]).any()) else None
+
+
+@dataclass
+class DecodeBatch:
+    rows: set[int]  # local row numbers of the one-query rows in groups
+    groups: list[DecodeGroup]
+
+
+@dataclass(frozen=True)
+class OneQueryRows:
+    """DCP's one-query rows of a step (decodes), attended over their shards in one call."""
+
+    rows: list[int]  # their global rows
+    tokens: torch.Tensor  # (B,) int64 their tokens' rows in the partials
+    slots: torch.Tensor  # (N,) int64 their shards' cache slots back to back
+    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
+
+
+@dataclass
+class StepMemo:
+    """Per-step values, the same in every layer: built by the first layer that needs them."""
+
+    # The one-query rows in groups (paged_attention.decode_batch), keyed by whether the
+    # compiled kernel reads the cache (one group) or not (length groups).
+    decode_batches: dict[bool, DecodeBatch | None] = field(default_factory=dict)
+    # DCP's one-query rows, keyed by the rows left out (their context is gathered instead).
+    one_query_rows: dict[frozenset[int], OneQueryRows | None] = field(default_factory=dict)
+
+
+@dataclass
+class DCPStep:
+    """What the sharded attention of one step needs, the same for every layer."""
+
+    # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
+    # row's new keys up to its last query, in position order: [step start, start_pos + len).
+    new_key_idx: list[torch.Tensor]
+    # Context, per GLOBAL row of the plan.
+    replicated_context: bool  # some row with queries on every rank has context: partials exchanged
+    split_context: SplitContext | None  # the split rows with context (a split step), and how to gather it
+    query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
+    query_start_loc: list[int]  # (R+1,) global token range of each row
+    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
+    send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
+    all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
+
+
+@dataclass
+class ForwardContext:
+    # Local rows (this rank). A row is a contiguous run of one request's tokens.
+    query_start_loc: list[int]  # (rows + 1,) local token range of each row
+    start_pos: list[int]  # (rows,) absolute position of each row's first token
+    seq_lens: list[int]  # (rows,) start_pos + num_tokens: keys each row attends to
+    context_slots: list[torch.Tensor]  # rows x (seq_len,) int64 cache slot of positions [0, seq_len)
+    # Cache writes: rows of the (gathered) KV entries to store, and where.
+    write_src: torch.Tensor | None  # (W,) int64 index into the entries; None = all of them, in order
+    write_slots: torch.Tensor  # (W,) int64 flat slot in each layer's cache
+    kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
+    # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Decode context parallelism: the cache holds this rank's shard only, and the layers
+    # attend through ctxpar.layers.sharded_attention (context_slots unused). None: a full cache.
+    dcp: DCPStep | None = None
+    memo: StepMemo = field(default_factory=StepMemo)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.start_pos)
+
+
+def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    """All-gather this step's KV-cache entries of one layer over the ranks (a
+    split step), then write them; returns the layer's cache (num_slots, *E).
+
+    entries: (n, *E) the KV-cache inputs of the local (padded) tokens; E is the
+    per-token entry shape of the layer (GQA: (2, kv_heads, head_dim); MLA:
+    (kv_lora_rank + rope_dim,)). The context of a row includes the other
+    ranks' chunks of this very step, which is why every rank gathers and
+    writes before anyone attends.
+    """
+    if ctx.gather is not None:
+        entries = ctx.gather(entries)  # (P*n, *E)
+    return store_kv(entries, ctx, layer_idx)
+
+
+def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:
+    """Write the step's entries (already gathered, if the step gathers) that
+    this rank stores into layer ``layer_idx``'s cache; returns that cache."""
+    cache = ctx.kv_caches[layer_idx]
+    if ctx.write_src is not None:
+        entries = entries.index_select(0, ctx.write_src)
+    cache.index_copy_(0, ctx.write_slots, entries.to(cache.dtype))
+    return cache

@@ -1,0 +1,48 @@
+"""What every rank does first, in one place: take its threads, load the model
+and size its KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ctxpar.config import EngineConfig
+from ctxpar.device import torch_dtype
+from ctxpar.models.loader import LoadedModel, load_model
+from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """A rank's loaded model and the size of its KV cache."""
+
+    loaded: LoadedModel
+    num_blocks: int  # KV blocks per rank (logical blocks under DCP: block_size * D tokens each)
+    kv_bytes_per_token_per_layer: int
+    device: torch.device
+
+
+def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
+    """Set this rank's torch threads (loading, i.e. dequantisation, uses them
+    too), load the model and size the KV cache. Every rank derives the same
+    sizes from the same config; an impossible size is refused here, before any
+    cache tensor is allocated."""
+    threads = config.threads_per_rank()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dtype = torch_dtype(config.dtype)
+    loaded = load_model(config.model, dtype, device, config.max_model_len)
+    model = loaded.model
+    num_blocks = num_kv_blocks(
+        config.num_kv_blocks,
+        config.kv_cache_bytes,
+        config.block_size,
+        tuple(model.kv_entry_shape),
+        model.num_kv_layers,
+        dtype,
+        loaded.max_model_len,
+        device,
+        config.dcp_size,
+    )
+    return RankModel(loaded, num_blocks, kv_bytes_per_token_per_layer(model.kv_entry_shape, dtype), device)

@@ -1,0 +1,73 @@
+"""RunnerOptions: what a ModelRunner needs of the engine's configuration, as one
+frozen object built from EngineConfig (the same on every rank)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from ctxpar.config import EngineConfig
+from ctxpar.device import torch_dtype
+from ctxpar.layers.sharded_context import GatherPolicy
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """num_blocks, block_size: the paged cache (per rank; under DCP a block
+    table's logical block is block_size * dcp_size tokens). dtype: the cache's.
+
+    pcp_min_tokens: prefill rows shorter than this are not split.
+
+    dcp_size: 1 (every rank holds the whole KV cache) or the group's size (each
+    holds the shard of ctxpar.parallel.dcp_shard), with cp_interleave;
+    context_gather: how split prefill rows reach a context sharded by DCP
+    (ctxpar/layers/sharded_context.py).
+
+    spread_min_rows: unsplit rows (decodes, short prompts) go to one rank each
+    in steps that split a row or have at least this many of them
+    (ctxpar/parallel/pcp_spread.py); None: always replicated. Never under DCP,
+    where a decode's queries must be on every rank (each attends its own shard).
+
+    lead_threads: for ranks that share one host's cores (and hold the whole
+    cache): a step that splits no row is *led*, computed by rank 0 alone with
+    this many threads (the host's), which then sends the step's new KV to the
+    others. Their unsplit rows are then assigned only beside a split row. None:
+    such steps replicate or assign as above.
+    """
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype = torch.float32
+    pcp_min_tokens: int = 0
+    dcp_size: int = 1
+    cp_interleave: int = 1
+    context_gather: GatherPolicy = field(default_factory=GatherPolicy)
+    spread_min_rows: int | None = None
+    lead_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dcp_size > 1:
+            object.__setattr__(self, "spread_min_rows", None)
+            object.__setattr__(self, "lead_threads", None)
+        if self.lead_threads is not None:
+            object.__setattr__(self, "spread_min_rows", sys.maxsize)  # led steps take what spreading would
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, num_blocks: int, one_host: bool = False) -> RunnerOptions:
+        """one_host: the ranks share one host's cores (they lead unsplit steps)."""
+        threads = config.threads_per_rank()
+        return cls(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=torch_dtype(config.dtype),
+            pcp_min_tokens=config.pcp_min_tokens,
+            dcp_size=config.dcp_size,
+            cp_interleave=config.cp_interleave,
+            # Split rows gather their sharded context in rounds of one step's token budget.
+            context_gather=GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
+            spread_min_rows=config.pcp_spread_min_rows,
+            # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
+            lead_threads=threads * config.pcp_size if one_host and threads is not None and config.pcp_size > 1 else None,
+        )

@@ -1,0 +1,54 @@
+"""The index arithmetic of one step's inputs: pure numpy functions of the
+StepPlan's arrays (no torch, no ranks), like the layout planner.
+
+Tokens are numbered in global order t = 0..T-1: row r owns
+[query_start_loc[r], query_start_loc[r+1]), and its token j sits at absolute
+position num_computed_tokens[r] + j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def token_rows_positions(num_scheduled: np.ndarray, num_computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T,) row and (T,) absolute position of every token scheduled in the step."""
+    q = np.asarray(num_scheduled, dtype=np.int64)
+    row = np.repeat(np.arange(len(q)), q)  # (T,)
+    qsl = np.concatenate(([0], np.cumsum(q)))
+    return row, np.asarray(num_computed, dtype=np.int64)[row] + np.arange(len(row)) - qsl[row]
+
+
+def padded_block_tables(block_tables: Sequence[np.ndarray]) -> np.ndarray:
+    """(R, max_blocks) block tables, zero-padded."""
+    width = max((len(b) for b in block_tables), default=0)
+    tables = np.zeros((len(block_tables), width), dtype=np.int64)
+    for r, b in enumerate(block_tables):
+        tables[r, : len(b)] = b
+    return tables
+
+
+def token_slots(
+    block_tables: Sequence[np.ndarray], token_row: np.ndarray, where: np.ndarray, block_size: int
+) -> np.ndarray:
+    """(T,) cache slot of each token, given its row and its place ``where`` in
+    that row's cache (its position; under DCP its index among the positions
+    its owner stores): block ``where // block_size`` of the row's table, offset
+    ``where % block_size``."""
+    tables = padded_block_tables(block_tables)  # (R, max_blocks)
+    return tables[token_row, where // block_size] * block_size + where % block_size
+
+
+def rank_order(owner: np.ndarray, num_ranks: int) -> tuple[np.ndarray, int]:
+    """For items each held by rank ``owner[i]``, listed in global order: each
+    item's index in its owner's own list, and the longest list (at least 1),
+    which every rank pads its list to so a collective has equal shapes."""
+    owner = np.asarray(owner, dtype=np.int64)
+    counts = np.bincount(owner, minlength=num_ranks)
+    starts = np.concatenate(([0], np.cumsum(counts)))[:-1]
+    order = np.argsort(owner, kind="stable")  # items grouped by owner, global order within each
+    index = np.empty_like(owner)
+    index[order] = np.arange(len(owner)) - np.repeat(starts, counts)
+    return index, max(int(counts.max(initial=0)), 1)
