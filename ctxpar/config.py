@@ -81,7 +81,11 @@ class EngineConfig:
         if self.max_logprobs != -1:
             check_int("max_logprobs", self.max_logprobs, 0, why=" or -1 (the whole vocabulary)")
         check_int(
-            "num_threads", self.num_threads, 1, max_threads(), none_ok=True,
+            "num_threads",
+            self.num_threads,
+            1,
+            max_threads(),
+            none_ok=True,
             why=f" ({THREADS_PER_CORE} per core of this machine; more only adds contention)",
         )
         if not isinstance(self.master_addr, str) or not self.master_addr:

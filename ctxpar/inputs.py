@@ -12,7 +12,7 @@ work the same.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from typing_extensions import NotRequired, TypedDict
 
@@ -32,7 +32,7 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt]
+PromptType = str | TextPrompt | TokensPrompt
 
 # vLLM prompt keys that would change the output and that ctxpar cannot honour.
 _REFUSED_KEYS = {

@@ -120,7 +120,11 @@ class SamplingParams:
             check_int("top_k (0 or -1 = off)", self.top_k, 1)
         check_float("min_p", self.min_p, 0, 1)
         check_int(
-            "seed", self.seed, SEED_MIN, SEED_MAX, none_ok=True,
+            "seed",
+            self.seed,
+            SEED_MIN,
+            SEED_MAX,
+            none_ok=True,
             why=" (64 bits, what torch.Generator.manual_seed takes)",
         )
         self._check_counts()
@@ -128,7 +132,10 @@ class SamplingParams:
         check_float("frequency_penalty", self.frequency_penalty, -2, 2)
         check_float("repetition_penalty", self.repetition_penalty, 0, lo_open=True, why=" (1 = off)")
         for name in (
-            "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
             "spaces_between_special_tokens",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -166,7 +173,10 @@ class SamplingParams:
                 check_int(name, value, 0, none_ok=True, why=" or -1 (the whole vocabulary)")
         if self.truncate_prompt_tokens != -1:
             check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens, 1, none_ok=True,
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens,
+                1,
+                none_ok=True,
                 why=" or -1 (keep what max_model_len allows)",
             )
 
@@ -198,8 +208,13 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """True when the logits are changed before sampling (penalties, bias, masks)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-            or self.min_tokens or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words
+            or self.allowed_token_ids is not None
         )
 
 

@@ -139,9 +139,10 @@ def transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> lis
 
 def assert_greedy_matches(got: list[int], want: list[int], ref_logits: torch.Tensor, tie: float) -> int:
     """Assert engine tokens `got` equal reference tokens `want`, allowing one
-    divergence at a near-tie (random-weight models have near-ties between their top two logits): where the reference's top-2 logit
-    gap is below `tie`, two fp32 engines may pick either token, and after that
-    the sequences are not comparable. Returns how many tokens were compared.
+    divergence at a near-tie (random-weight models have near-ties between their
+    top two logits): where the reference's top-2 logit gap is below `tie`, two
+    fp32 engines may pick either token, and after that the sequences are not
+    comparable. Returns how many tokens were compared.
     """
     for k, (g, w) in enumerate(zip(got, want)):
         if g == w:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
+
 from ctxpar.layers.sharded_context import GatherPolicy
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.worker.kv_cache import slots_of
@@ -59,8 +59,12 @@ def _runner(model_dir: str, group, job: Job):
     from ctxpar.worker.options import RunnerOptions
 
     options = RunnerOptions(
-        NUM_BLOCKS, BLOCK_SIZE, pcp_min_tokens=job.pcp_min_tokens, dcp_size=job.dcp_size,
-        cp_interleave=job.cp_interleave, context_gather=job.context_gather,
+        NUM_BLOCKS,
+        BLOCK_SIZE,
+        pcp_min_tokens=job.pcp_min_tokens,
+        dcp_size=job.dcp_size,
+        cp_interleave=job.cp_interleave,
+        context_gather=job.context_gather,
     )
     return ModelRunner(_model(model_dir), options, torch.device("cpu"), group)
 

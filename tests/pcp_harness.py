@@ -76,8 +76,13 @@ def run_plans(
 
     config_kwargs.setdefault("max_model_len", BLOCKS_PER_REQUEST * BLOCK_SIZE)  # a request's own blocks
     config = EngineConfig(
-        model=model, block_size=BLOCK_SIZE, pcp_size=pcp_size, pcp_min_tokens=pcp_min_tokens, num_threads=1,
-        num_kv_blocks=BLOCKS_PER_REQUEST * 6, **config_kwargs,
+        model=model,
+        block_size=BLOCK_SIZE,
+        pcp_size=pcp_size,
+        pcp_min_tokens=pcp_min_tokens,
+        num_threads=1,
+        num_kv_blocks=BLOCKS_PER_REQUEST * 6,
+        **config_kwargs,
     )
     executor = start_executor(config)
     try:

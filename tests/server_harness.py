@@ -66,7 +66,9 @@ class Server:
         self._log = open(log, "w") if log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -93,8 +95,7 @@ class Server:
     def async_openai(self, **kw):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", timeout=300, max_retries=0,
-                           **kw)
+        return AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", timeout=300, max_retries=0, **kw)
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

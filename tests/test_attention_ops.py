@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ctxpar.layers.attention_math import causal_attention
 from ctxpar.layers.attention_ops import (
     decode_attention,
     gather_paged_kv,
     padded_slot_table,
 )
-from ctxpar.layers.attention_math import causal_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -115,8 +115,13 @@ def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch:
     starts = torch.cumsum(torch.tensor([0] + seq_lens), 0)
     slots = [perm[starts[r] : starts[r + 1]] for r in range(len(seq_lens))]
     ctx = ForwardContext(
-        query_start_loc=qsl, start_pos=[s - t for s, t in zip(seq_lens, num_tokens)], seq_lens=seq_lens,
-        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+        query_start_loc=qsl,
+        start_pos=[s - t for s, t in zip(seq_lens, num_tokens)],
+        seq_lens=seq_lens,
+        context_slots=slots,
+        write_src=None,
+        write_slots=torch.empty(0, dtype=torch.int64),
+        kv_caches=[cache],
     )
     n = qsl[-1] + 1  # one padding token
     q = torch.randn(n, H, D, generator=g)
@@ -175,8 +180,13 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
         slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         qsl.append(qsl[-1] + t)
     ctx = ForwardContext(
-        query_start_loc=qsl, start_pos=[s - t for s, t in zip(seq_lens, num_tokens)], seq_lens=seq_lens,
-        context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+        query_start_loc=qsl,
+        start_pos=[s - t for s, t in zip(seq_lens, num_tokens)],
+        seq_lens=seq_lens,
+        context_slots=slots,
+        write_src=None,
+        write_slots=torch.empty(0, dtype=torch.int64),
+        kv_caches=[cache],
     )
     q = torch.randn(qsl[-1] + 1, H, D, generator=g)
     with pytest.MonkeyPatch.context() as mp:  # hypothesis reruns the body: no function-scoped fixture

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, CtxparError, SamplingParams
 from ctxpar.checks import machine_memory_bytes
-from tiny_tokenizer import with_byte_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -224,6 +224,7 @@ def test_bad_field_set_after_construction_is_refused_before_work(text_llm, field
 
 def test_changing_params_after_adding_does_not_reach_the_request(llm):
     prompt = [3, 1, 4, 1, 5]
+
     def make():
         return SamplingParams(temperature=0.9, seed=7, max_tokens=6, ignore_eos=True, stop_token_ids=[])
 

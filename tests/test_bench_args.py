@@ -16,9 +16,16 @@ from ctxpar.entrypoints.cli import main as cli
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
 # prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows.
-ZERO_ALLOWED = {("throughput", "--prefill-len"), ("throughput", "--seed"), ("planner", "--seed"),
-                ("ttft", "--pcp-min-tokens"), ("prefix", "--requests"), ("prefix", "--seed"),
-                ("serve", "--seed"), ("throughput", "--pcp-spread-min-rows")}
+ZERO_ALLOWED = {
+    ("throughput", "--prefill-len"),
+    ("throughput", "--seed"),
+    ("planner", "--seed"),
+    ("ttft", "--pcp-min-tokens"),
+    ("prefix", "--requests"),
+    ("prefix", "--seed"),
+    ("serve", "--seed"),
+    ("throughput", "--pcp-spread-min-rows"),
+}
 
 
 def options(bench: str) -> list[argparse.Action]:
@@ -185,9 +192,30 @@ def test_real_process_exits_2_with_one_error_line(argv):
 def test_throughput_vs_pcp_prints_the_ratio_of_two_rank_counts(tiny_model_dirs, capsys):
     """--pcp 2 --vs-pcp 1: both setups run the same workload, alternating, and
     generate the same tokens (greedy: P=2 must equal one rank)."""
-    argv = ["bench", "throughput", "--model", str(tiny_model_dirs["llama"]), "--pcp", "2", "--vs-pcp", "1",
-            "--threads", "2", "--num-prompts", "3", "--min-prompt-len", "8", "--max-prompt-len", "40",
-            "--output-len", "4", "--prefill-len", "64", "--rounds", "1"]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(tiny_model_dirs["llama"]),
+        "--pcp",
+        "2",
+        "--vs-pcp",
+        "1",
+        "--threads",
+        "2",
+        "--num-prompts",
+        "3",
+        "--min-prompt-len",
+        "8",
+        "--max-prompt-len",
+        "40",
+        "--output-len",
+        "4",
+        "--prefill-len",
+        "64",
+        "--rounds",
+        "1",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.index("round 1, P=1") < out.index("round 1, P=2")

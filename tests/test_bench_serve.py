@@ -12,8 +12,23 @@ import sys
 
 
 def test_sweep_prints_each_level_and_the_ratios(tiny_model_dirs):
-    argv = ["bench", "serve", "--model", str(tiny_model_dirs["llama"]), "--concurrency", "1", "3",
-            "--num-prompts", "5", "--output-len", "4", "--max-prompt-len", "96", "--threads", "1"]
+    argv = [
+        "bench",
+        "serve",
+        "--model",
+        str(tiny_model_dirs["llama"]),
+        "--concurrency",
+        "1",
+        "3",
+        "--num-prompts",
+        "5",
+        "--output-len",
+        "4",
+        "--max-prompt-len",
+        "96",
+        "--threads",
+        "1",
+    ]
     r = subprocess.run([sys.executable, "-m", "ctxpar.cli", *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = {int(m[1]): m for m in re.finditer(r"^ ?(\d+) +([\d.]+) +([\d.]+) .* (\d+)/(\d+)$", r.stdout, re.M)}

@@ -151,7 +151,7 @@ def test_lru_eviction_and_last_blocks_first():
 def test_duplicate_prefix_stays_private_and_disabled_caches_nothing():
     bm = BlockManager(num_blocks=4, block_size=2)
     h = chain([1, 2], 2)
-    ta, tb = list(bm.allocate("a", 2)), list(bm.allocate("b", 2))
+    ta, _ = list(bm.allocate("a", 2)), list(bm.allocate("b", 2))
     bm.cache_blocks("a", h, 1)
     bm.cache_blocks("b", h, 1)  # computed at the same time: the first one wins
     assert bm.cached_prefix(h) == ta and bm.num_cached_blocks == 1
@@ -186,7 +186,9 @@ def test_random_admit_hit_compute_free_evict(num_blocks, block_size, ops, seed):
     it; the accounting holds after every operation."""
     rng = random.Random(seed)
     bases = [[rng.randint(0, 1) for _ in range(10)] for _ in range(2)]
-    seqs = [bases[i % 2][: rng.randint(1, 10)] + [rng.randint(0, 1) for _ in range(rng.randint(0, 3))] for i in range(8)]
+    seqs = [
+        bases[i % 2][: rng.randint(1, 10)] + [rng.randint(0, 1) for _ in range(rng.randint(0, 3))] for i in range(8)
+    ]
     bm = BlockManager(num_blocks, block_size)
     shadow: dict[int, int] = {}  # slot -> token written there
     live: dict[int, tuple[list[int], int]] = {}  # owner -> (tokens, computed)

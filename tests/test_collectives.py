@@ -33,8 +33,12 @@ def llm(tiny_model_dirs, request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CTXPAR_SHM", "1" if request.param == "shm" else "0")
         llm = LLM(
-        str(tiny_model_dirs["llama"]), pcp_size=2, pcp_min_tokens=MIN_TOKENS, num_threads=1, kv_cache_bytes=1 << 24,
-        enable_prefix_caching=False,  # every step computes its prompts in full: row sizes are what the test sends
+            str(tiny_model_dirs["llama"]),
+            pcp_size=2,
+            pcp_min_tokens=MIN_TOKENS,
+            num_threads=1,
+            kv_cache_bytes=1 << 24,
+            enable_prefix_caching=False,  # every step computes its prompts in full: row sizes are what the test sends
         )
     assert (llm.engine.executor.group.shm is not None) == (request.param == "shm")
     with llm:
@@ -157,12 +161,13 @@ def test_ranks_on_one_host_read_one_copy_of_the_weights(llm):
     shared = set(shm_mappings(os.getpid())) & set(shm_mappings(worker.pid))
     ptr = weights[0].data.data_ptr()
     in_shared = any(
-        line.split()[5] in shared and int(line.split()[0].split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)
-        for line in open(f"/proc/{os.getpid()}/maps") if len(line.split()) >= 6
+        line.split()[5] in shared
+        and int(line.split()[0].split("-")[0], 16) <= ptr < int(line.split()[0].split("-")[1], 16)
+        for line in open(f"/proc/{os.getpid()}/maps")
+        if len(line.split()) >= 6
     )
     if llm.engine.executor.group.shm is None:
         assert not shared and not in_shared
     else:
         assert in_shared and len(shared) == 2  # the weights and the collectives' buffers
         assert not any(os.path.exists(path) for path in shared)  # unlinked: nothing left behind
-

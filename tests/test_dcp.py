@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from dcp_harness import Job, run_groups, run_single, shard_slots
 from pcp_harness import BLOCK_SIZE, four_families, scripted_plans
+
 from ctxpar.parallel.dcp_shard import DCPShard
 
 MODELS = ("llama", "qwen3", "deepseek_v2", "deepseek_v3")
@@ -98,4 +98,6 @@ def test_pytorch_path_without_kernels_matches_one_rank(model_dirs, plans, single
         want = single[model].logits
         assert len(res.logits) == len(want)
         for step, (g, w) in enumerate(zip(res.logits, want)):
-            torch.testing.assert_close(g, w, atol=1e-5 * w.abs().max().item(), rtol=0, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(
+                g, w, atol=1e-5 * w.abs().max().item(), rtol=0, msg=lambda m: f"step {step}: {m}"
+            )

@@ -10,8 +10,8 @@ import pytest
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.cli import main
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.cli.generate import _describe
+from ctxpar.errors import CtxparError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BLOCK = 8
@@ -60,7 +60,10 @@ def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs, capsys):
     [
         (["--pcp", "2", "--dcp", "3"], ["dcp_size=3", "pcp_size=2", "dcp_size=2"]),
         (["--dcp", "2"], ["dcp_size=2", "pcp_size=1", "pcp_size=2"]),
-        (["--pcp", "2", "--dcp", "2", "--cp-interleave", "3"], ["cp_interleave=3", "block_size=16", "[1, 2, 4, 8, 16]"]),
+        (
+            ["--pcp", "2", "--dcp", "2", "--cp-interleave", "3"],
+            ["cp_interleave=3", "block_size=16", "[1, 2, 4, 8, 16]"],
+        ),
         (["--cp-interleave", "0"], ["cp_interleave", "[1, 16]"]),
     ],
 )

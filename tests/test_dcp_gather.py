@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dcp_harness import Job, run_groups, run_single
 from pcp_harness import four_families, scripted_plans
+
 from ctxpar.errors import CtxparError
 from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
 

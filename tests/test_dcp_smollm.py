@@ -7,8 +7,8 @@ over the shards."""
 from __future__ import annotations
 
 import torch
-
 from conftest import assert_greedy_matches, transformers_greedy_logits
+
 from ctxpar import LLM, SamplingParams
 from ctxpar.models.loader import default_model_path
 

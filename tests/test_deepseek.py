@@ -12,10 +12,9 @@ import glob
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import single_sequence_context
 from deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
+from safetensors.torch import load_file
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers import mla
@@ -118,8 +117,11 @@ def test_expanded_prefill_in_the_kernel_matches_transformers(tmp_path, monkeypat
         want = ref(ids[None]).logits[0].float()
     widths = []
     real = kernels.prefill_attention
-    monkeypatch.setattr(kernels, "prefill_attention",
-                        lambda q, k, v, *a, **kw: widths.append((q.shape[-1], v.shape[-1])) or real(q, k, v, *a, **kw))
+    monkeypatch.setattr(
+        kernels,
+        "prefill_attention",
+        lambda q, k, v, *a, **kw: widths.append((q.shape[-1], v.shape[-1])) or real(q, k, v, *a, **kw),
+    )
     monkeypatch.setattr(mla, "ATTENTION_PATH", "expanded")
     model = _build(cfg, path)
     for chunks in ([150], [70, 80]):
@@ -166,7 +168,10 @@ def test_fused_expert_weights_load(ds_models):
             continue
         E = cfg.n_routed_experts
         fused[f"{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([state.pop(f"{p}.{e}.gate_proj.weight"), state.pop(f"{p}.{e}.up_proj.weight")]) for e in range(E)]
+            [
+                torch.cat([state.pop(f"{p}.{e}.gate_proj.weight"), state.pop(f"{p}.{e}.up_proj.weight")])
+                for e in range(E)
+            ]
         )
         fused[f"{p}.down_proj"] = torch.stack([state.pop(f"{p}.{e}.down_proj.weight") for e in range(E)])
     state.update(fused)

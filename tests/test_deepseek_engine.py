@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import save_tiny_model, transformers_greedy
-from ctxpar import LLM, SamplingParams
 from deepseek_configs import tiny_deepseek_configs
 from test_engine import SMALL, token_ids, workload
+
+from ctxpar import LLM, SamplingParams
 
 CONFIGS = ["v2_greedy", "v2_group_yarn", "v3", "v3_yarn"]
 

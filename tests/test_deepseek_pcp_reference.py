@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_greedy_matches, transformers_greedy_logits
-from ctxpar import LLM, SamplingParams
 from deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
+
+from ctxpar import LLM, SamplingParams
 
 NEW_TOKENS = 16
 LENGTHS = (5, 41, 97, 150)  # shorter than 2P, under the budget, 2 and 3 chunks of it

@@ -25,8 +25,13 @@ def test_kernels_serve_fp32_cpu_only() -> None:
 
 
 @SETTINGS
-@given(n=st.integers(1, 40), dim=st.integers(1, 200), pad=st.integers(0, 9), residual=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 40),
+    dim=st.integers(1, 200),
+    pad=st.integers(0, 9),
+    residual=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_rms_norm_matches_formula(march: str, n: int, dim: int, pad: int, residual: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim + pad, generator=g)[:, :dim] * 3  # rows `pad` floats apart
@@ -41,8 +46,12 @@ def test_rms_norm_matches_formula(march: str, n: int, dim: int, pad: int, residu
 
 
 @SETTINGS
-@given(n=st.integers(1, 40), inter=st.integers(1, 300), scale=st.sampled_from([1.0, 10.0, 120.0]),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 40),
+    inter=st.integers(1, 300),
+    scale=st.sampled_from([1.0, 10.0, 120.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_silu_mul_matches_formula(march: str, n: int, inter: int, scale: float, seed: int) -> None:
     """scale 120 reaches past exp's underflow (-87) on both signs."""
     g = torch.Generator().manual_seed(seed)
@@ -53,8 +62,13 @@ def test_silu_mul_matches_formula(march: str, n: int, inter: int, scale: float, 
 
 
 @SETTINGS
-@given(n=st.integers(1, 40), heads=st.integers(1, 12), half=st.integers(1, 40), extra=st.integers(0, 3),
-       seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 40),
+    heads=st.integers(1, 12),
+    half=st.integers(1, 40),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_rope_in_place_matches_formula(march: str, n: int, heads: int, half: int, extra: int, seed: int) -> None:
     """Heads are rows of a wider token row (as Q and K inside the QKV projection)."""
     g = torch.Generator().manual_seed(seed)

@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import transformers_greedy
-from ctxpar import LLM, SamplingParams
 from tiny_tokenizer import with_byte_tokenizer
 
+from ctxpar import LLM, SamplingParams
 
 SMALL = dict(kv_cache_bytes=1 << 24)  # 16 MiB of KV cache: plenty for these tests
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_attention_ops import TOL, reference
 
 from ctxpar import kernels
-from test_attention_ops import TOL, reference
 
 
 def paged(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -215,8 +215,8 @@ def test_fresh_cache_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
 
 def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixture[str]) -> None:
     """`ctxpar bench kernels`: every case timed both ways, outputs equal within 1e-5."""
-    from ctxpar.entrypoints.cli import main as cli
     from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES, PROJECTION_CASES
+    from ctxpar.entrypoints.cli import main as cli
 
     assert cli.main(["bench", "kernels", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -249,8 +249,7 @@ def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.Mo
     """DCP's attention_lse (new keys causally, context shards unmasked) runs rows
     of >= KERNEL_MIN_QUERIES queries in the prefill kernel: out and lse equal
     PyTorch's path (CTXPAR_KERNELS=0) for GQA K/V and for MLA-like latents."""
-    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES
-    from ctxpar.layers.attention_math import attention_lse
+    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES, attention_lse
 
     g = torch.Generator().manual_seed(11)
     L = KERNEL_MIN_QUERIES + 30
@@ -258,7 +257,10 @@ def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.Mo
     kv, lat = torch.randn(m, 2, 3, 64, generator=g), torch.randn(m, 1, 128, generator=g)
     real, calls = kernels.prefill_attention, []
     monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(1) or real(*a))
-    for q, k, v in [(torch.randn(L, 9, 64, generator=g), kv[:, 0], kv[:, 1]), (torch.randn(L, 4, 128, generator=g), lat, lat)]:
+    for q, k, v in [
+        (torch.randn(L, 9, 64, generator=g), kv[:, 0], kv[:, 1]),
+        (torch.randn(L, 4, 128, generator=g), lat, lat),
+    ]:
         calls.clear()
         out, lse = attention_lse(q, k, v, 0.125, causal)
         monkeypatch.setenv("CTXPAR_KERNELS", "0")

@@ -18,10 +18,17 @@ SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(n=st.one_of(st.integers(0, 30), st.integers(180, 260)), in_features=st.integers(1, 200),
-       out_features=st.integers(0, 100), pad=st.integers(0, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_packed_linear_matches_float64(march: str, n: int, in_features: int, out_features: int, pad: int,
-                                       bias: bool, seed: int) -> None:
+@given(
+    n=st.one_of(st.integers(0, 30), st.integers(180, 260)),
+    in_features=st.integers(1, 200),
+    out_features=st.integers(0, 100),
+    pad=st.integers(0, 5),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_linear_matches_float64(
+    march: str, n: int, in_features: int, out_features: int, pad: int, bias: bool, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, in_features + pad, generator=g)[:, :in_features]  # rows `pad` floats apart
     w = torch.randn(out_features, in_features, generator=g)

@@ -13,8 +13,8 @@ import pytest
 from tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams, TextPrompt, TokensPrompt
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.vllm_args import HINTS
+from ctxpar.errors import CtxparError
 
 SMALL = dict(max_model_len=128, kv_cache_bytes=1 << 22, enable_prefix_caching=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -67,8 +67,14 @@ def test_refused_constructor_arguments_fail_before_loading(tmp_path, kwargs, wor
 
 def test_hints_are_ignored_with_one_log_line_and_neutral_values_accepted(text_dir, llm, caplog):
     hints = dict(enforce_eager=True, disable_log_stats=True, gpu_memory_utilization=0.5, swap_space=0)
-    neutral = dict(tensor_parallel_size=1, quantization=None, enable_lora=False, kv_cache_dtype="auto",
-                   trust_remote_code=True, seed=None)
+    neutral = dict(
+        tensor_parallel_size=1,
+        quantization=None,
+        enable_lora=False,
+        kv_cache_dtype="auto",
+        trust_remote_code=True,
+        seed=None,
+    )
     with caplog.at_level(logging.WARNING, logger="ctxpar"):
         other = LLM(str(text_dir), **SMALL, **hints, **neutral)
     with other:
@@ -111,8 +117,14 @@ def test_tokenizer_argument_and_skip_tokenizer_init(tiny_model_dirs, text_dir, l
 
 def test_prompt_formats_give_the_same_tokens(llm):
     ids = list(b"Hello")
-    forms = ["Hello", {"prompt": "Hello"}, TextPrompt(prompt="Hello"), {"prompt_token_ids": ids},
-             TokensPrompt(prompt_token_ids=ids), TokensPrompt(prompt_token_ids=ids, prompt="Hello")]
+    forms = [
+        "Hello",
+        {"prompt": "Hello"},
+        TextPrompt(prompt="Hello"),
+        {"prompt_token_ids": ids},
+        TokensPrompt(prompt_token_ids=ids),
+        TokensPrompt(prompt_token_ids=ids, prompt="Hello"),
+    ]
     outs = llm.generate(forms, GREEDY, use_tqdm=False)
     assert all(o.prompt_token_ids == ids for o in outs)
     assert all(t == tokens(outs)[0] for t in tokens(outs))
@@ -209,8 +221,15 @@ def with_generation_config(src, dst, config: dict):
 
 
 def test_default_sampling_params_follow_generation_config(text_dir, tmp_path):
-    recommended = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_new_tokens": 5,
-                   "do_sample": True, "bos_token_id": 1}
+    recommended = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "max_new_tokens": 5,
+        "do_sample": True,
+        "bos_token_id": 1,
+    }
     model = with_generation_config(text_dir, tmp_path / "m", recommended)
     other = tmp_path / "elsewhere"
     other.mkdir()
@@ -228,7 +247,12 @@ def test_default_sampling_params_follow_generation_config(text_dir, tmp_path):
     with LLM(str(model), generation_config="vllm", **SMALL) as plain:
         sp = plain.get_default_sampling_params()
         assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens) == (
-            neutral.temperature, neutral.top_p, neutral.top_k, neutral.min_p, neutral.max_tokens)
+            neutral.temperature,
+            neutral.top_p,
+            neutral.top_k,
+            neutral.min_p,
+            neutral.max_tokens,
+        )
     with LLM(str(model), generation_config=str(other), override_generation_config={"top_p": 0.5}, **SMALL) as moved:
         sp = moved.get_default_sampling_params()
         assert (sp.temperature, sp.top_p, sp.max_tokens, sp.top_k) == (0.3, 0.5, 3, neutral.top_k)

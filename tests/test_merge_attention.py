@@ -93,8 +93,11 @@ def make(T, H, D, Dv, S, parts, part_of_key, masked_parts, mask_p, seed, dtype=t
 def full_reference(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over all keys; torch.logsumexp of all scores (-inf, and out 0, for a query with no key)."""
     lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:2], NEG_INF, dtype=s.dtype)
-    out = torch.einsum("ths,shd->thd", torch.softmax(s, dim=-1), v) if s.shape[-1] else \
-        torch.zeros(*s.shape[:2], v.shape[-1], dtype=s.dtype)
+    out = (
+        torch.einsum("ths,shd->thd", torch.softmax(s, dim=-1), v)
+        if s.shape[-1]
+        else torch.zeros(*s.shape[:2], v.shape[-1], dtype=s.dtype)
+    )
     return torch.where(lse.isfinite().unsqueeze(-1), out, 0.0), lse  # softmax of all -inf is NaN: 0 wanted
 
 

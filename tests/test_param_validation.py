@@ -132,8 +132,13 @@ def test_bad_engine_config(kwargs, words):
 
 def test_engine_config_edges_accepted():
     EngineConfig(
-        max_model_len=2, block_size=1 << 16, seed=(1 << 64) - 1, num_threads=max_threads(), pcp_min_tokens=0,
-        master_port=65535, num_kv_blocks=1,
+        max_model_len=2,
+        block_size=1 << 16,
+        seed=(1 << 64) - 1,
+        num_threads=max_threads(),
+        pcp_min_tokens=0,
+        master_port=65535,
+        num_kv_blocks=1,
     )
 
 
@@ -150,8 +155,16 @@ def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():
 
 @pytest.mark.parametrize(
     "spelling, canonical",
-    [("float32", "float32"), ("float", "float32"), (torch.float32, "float32"), ("half", "float16"),
-     ("float16", "float16"), (torch.float16, "float16"), ("bfloat16", "bfloat16"), (torch.bfloat16, "bfloat16")],
+    [
+        ("float32", "float32"),
+        ("float", "float32"),
+        (torch.float32, "float32"),
+        ("half", "float16"),
+        ("float16", "float16"),
+        (torch.float16, "float16"),
+        ("bfloat16", "bfloat16"),
+        (torch.bfloat16, "bfloat16"),
+    ],
 )
 def test_dtype_spellings(spelling, canonical):
     assert EngineConfig(dtype=spelling).dtype == canonical

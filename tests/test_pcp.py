@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pcp_harness import four_families, run_plans, scripted_plans
 
 

@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import save_tiny_model, transformers_greedy
+from deepseek_configs import tiny_deepseek_configs
+from pcp_harness import run_plans, scripted_plans
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.executor.multiproc import RankFailure, free_port
-from conftest import save_tiny_model, transformers_greedy
-from deepseek_configs import tiny_deepseek_configs
-from pcp_harness import run_plans, scripted_plans
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -64,10 +64,21 @@ def test_two_ranks_generate_what_one_rank_does(model, shm, models, one_rank, mon
     across hosts (CTXPAR_SHM=0: gloo) replicated or assigned to one rank each
     (pcp_spread_min_rows=0: every step of decodes spreads them)."""
     monkeypatch.setenv("CTXPAR_SHM", shm)
-    configs = [dict(pcp_min_tokens=0), dict(pcp_min_tokens=50)] if shm == "1" else [
-        dict(pcp_min_tokens=50), dict(pcp_min_tokens=50, pcp_spread_min_rows=0)]
+    configs = (
+        [dict(pcp_min_tokens=0), dict(pcp_min_tokens=50)]
+        if shm == "1"
+        else [dict(pcp_min_tokens=50), dict(pcp_min_tokens=50, pcp_spread_min_rows=0)]
+    )
     for kwargs in configs:
-        with LLM(models[model], pcp_size=2, max_num_batched_tokens=64, num_kv_blocks=40, block_size=8, max_model_len=200, **kwargs) as llm:
+        with LLM(
+            models[model],
+            pcp_size=2,
+            max_num_batched_tokens=64,
+            num_kv_blocks=40,
+            block_size=8,
+            max_model_len=200,
+            **kwargs,
+        ) as llm:
             assert (llm.engine.executor.group.shm is not None) == (shm == "1")
             assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == one_rank[model], kwargs
             assert llm.engine.scheduler.num_preemptions > 0
@@ -180,20 +191,31 @@ def test_torchrun_rank0_drives_and_others_serve(models, tmp_path, one_rank, dcp)
     """Under torchrun every process runs the same script; only rank 0 returns
     from LLM(). The same with the KV cache sharded over the two ranks."""
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from ctxpar import LLM, SamplingParams
         from test_pcp_engine import prompts, tokens, GREEDY
         with LLM({models["llama"]!r}, pcp_size=2, dcp_size={dcp}, pcp_min_tokens=0) as llm:
             print("TOKENS", json.dumps(tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))))
-    """))
+    """)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [l for l in done.stdout.splitlines() if l.startswith("TOKENS")]
     assert len(lines) == 1  # rank 1 served and exited without generating
     import json
 
-    assert json.loads(lines[0][len("TOKENS "):]) == one_rank["llama"]
+    assert json.loads(lines[0][len("TOKENS ") :]) == one_rank["llama"]

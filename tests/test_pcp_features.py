@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
-from tiny_tokenizer import with_byte_tokenizer
 
 MAX_NUM_SEQS = 3
 ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=48, pcp_min_tokens=4, kv_cache_bytes=1 << 24)
@@ -76,7 +76,11 @@ def test_chat_equals_one_rank(llms):
     conversations = [
         [{"role": "user", "content": "hi"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Explain context parallelism. " * 4}],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c" * 70}],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c" * 70},
+        ],
     ]
     sp = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
     one, two = (llms[p].chat(conversations, sp, use_tqdm=False) for p in (1, 2))

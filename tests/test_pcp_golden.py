@@ -61,7 +61,9 @@ def test_p2_two_fresh_8_token_prompts() -> None:
         write=[True] * 16,
         restore=[4, 5, 8, 9, 10, 11, 0, 1, 6, 7, 12, 13, 14, 15, 2, 3],
         ranks=[
-            dict(req=[0, 1, 0, 1], start=[6, 6, 0, 0], num=[2, 2, 2, 2], seq=[8, 8, 2, 2], pos=[6, 7, 6, 7, 0, 1, 0, 1]),
+            dict(
+                req=[0, 1, 0, 1], start=[6, 6, 0, 0], num=[2, 2, 2, 2], seq=[8, 8, 2, 2], pos=[6, 7, 6, 7, 0, 1, 0, 1]
+            ),
             dict(req=[0, 1], start=[2, 2], num=[4, 4], seq=[6, 6], pos=[2, 3, 4, 5, 2, 3, 4, 5]),
         ],
     )
@@ -207,6 +209,10 @@ def test_p2_decodes_assigned_beside_a_split_prompt() -> None:
     )
     np.testing.assert_array_equal(layout.is_assigned, [False, True, True, True])
     # Without a split row, three decodes are too few to spread at spread_min_rows=4...
-    assert plan_pcp_layout(np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=4).is_all_replicated
+    assert plan_pcp_layout(
+        np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=4
+    ).is_all_replicated
     # ...and enough at 3.
-    assert plan_pcp_layout(np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=3).is_assigned.all()
+    assert plan_pcp_layout(
+        np.ones(3, int), np.array([9, 7, 3]), np.zeros(3, bool), 2, spread_min_rows=3
+    ).is_assigned.all()

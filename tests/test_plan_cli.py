@@ -90,14 +90,15 @@ def test_bench_planner_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "speed-up" in out and "DualChunkSwap" in out
 
 
-
 def test_output_into_a_closed_pipe_ends_quietly() -> None:
     # `ctxpar plan ... | head -1`: the reader leaves early. The output (~340 KB) is
     # larger than a pipe's buffer, so the writer is still writing when the pipe
     # closes: no traceback, exit 141 (128 + SIGPIPE) as a shell tool would.
     proc = subprocess.Popen(
         [sys.executable, "-m", "ctxpar.cli", "plan", "--prompt-lens", "3000", "--decodes", "4000", "--pcp", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.readline()

@@ -226,7 +226,18 @@ def test_generate_verbose_shows_the_counters(model, tmp_path):
     from tiny_tokenizer import with_byte_tokenizer
 
     path = str(with_byte_tokenizer(model, tmp_path / "llama_bytes"))
-    base = [sys.executable, "-m", "ctxpar.cli", "generate", "--model", path, "--prompt", "Hello there", "--max-tokens", "3"]
+    base = [
+        sys.executable,
+        "-m",
+        "ctxpar.cli",
+        "generate",
+        "--model",
+        path,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "3",
+    ]
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
     for extra, want in (([], "prefix cache: 0 of "), (["--no-prefix-caching"], "prefix cache: off")):
         r = subprocess.run([*base, "-v", *extra], capture_output=True, env=env, timeout=300, encoding="utf-8")

@@ -51,8 +51,11 @@ def test_prompt_logprobs_equal_transformers(tiny_model_dirs, reference, pcp_size
     with LLM(str(tiny_model_dirs["llama"]), pcp_size=pcp_size, **ENGINE) as llm:
         for again in (False, True):  # the second time every full block is in the prefix cache
             plain = SamplingParams(temperature=0, max_tokens=3)
-            params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3, logprobs=1), plain,
-                      SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)]
+            params = [
+                SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3, logprobs=1),
+                plain,
+                SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0),
+            ]
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             check(outs[0], prompts[0], refs[0], 3)
             assert outs[1].prompt_logprobs is None
@@ -61,7 +64,8 @@ def test_prompt_logprobs_equal_transformers(tiny_model_dirs, reference, pcp_size
                 alone = llm.generate({"prompt_token_ids": prompts[0]}, plain, use_tqdm=False)[0]
                 assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
         if pcp_size == 1:
-            whole = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=1, prompt_logprobs=-1),
-                                 use_tqdm=False)[0]
+            whole = llm.generate(
+                {"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False
+            )[0]
             check(whole, prompts[1], refs[1], 256)
             assert all(len(d) == 256 for d in whole.prompt_logprobs[1:])

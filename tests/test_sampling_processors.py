@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
-from tiny_tokenizer import with_byte_tokenizer
 
 ENGINE = dict(kv_cache_bytes=1 << 24, max_model_len=96, max_num_batched_tokens=32)
 PROMPT = [ord(c) for c in "the cat sat on the mat. the cat "]  # byte tokenizer: one token per byte
@@ -34,8 +34,14 @@ def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def reference_logits(raw: list[float], p: SamplingParams, prompt: list[int], out: list[int],
-                     bad_words: list[list[int]], stop_ids: list[int]) -> list[float]:
+def reference_logits(
+    raw: list[float],
+    p: SamplingParams,
+    prompt: list[int],
+    out: list[int],
+    bad_words: list[list[int]],
+    stop_ids: list[int],
+) -> list[float]:
     """vLLM's rules, written out one token at a time."""
     x = list(raw)
     v = len(x)
@@ -44,7 +50,7 @@ def reference_logits(raw: list[float], p: SamplingParams, prompt: list[int], out
             x[t] = -math.inf
     for word in bad_words:
         prefix = word[:-1]
-        if len(prefix) <= len(out) and out[len(out) - len(prefix):] == prefix:
+        if len(prefix) <= len(out) and out[len(out) - len(prefix) :] == prefix:
             x[word[-1]] = -math.inf
     if len(out) < p.min_tokens:
         for t in stop_ids:
@@ -77,8 +83,13 @@ CASES = {
     "frequency_presence": SamplingParams(temperature=0, max_tokens=10, frequency_penalty=1.5, presence_penalty=0.7),
     "logit_bias": SamplingParams(temperature=0, max_tokens=10, logit_bias={ord("x"): 8.0, ord("y"): 7.5, 0: -50.0}),
     "all_together": SamplingParams(
-        temperature=0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
-        logit_bias={ord("q"): 4.0}, allowed_token_ids=[ord(c) for c in "aeiouq "],
+        temperature=0,
+        max_tokens=10,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.4,
+        logit_bias={ord("q"): 4.0},
+        allowed_token_ids=[ord(c) for c in "aeiouq "],
     ),
 }
 
@@ -103,7 +114,8 @@ def test_min_tokens_bans_stop_tokens_until_reached(llm, hf):
     first = plain[0].outputs[0].token_ids[0]
     # Without min_tokens the greedy first token stops the request at once.
     stopped = llm.generate(
-        {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first]),
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first]),
         use_tqdm=False,
     )[0].outputs[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
@@ -124,7 +136,8 @@ def test_min_tokens_delays_stop_strings(llm):
         {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False
     )[0].outputs[0]
     late = llm.generate(
-        {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=12, stop=stop, min_tokens=4),
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(temperature=0, max_tokens=12, stop=stop, min_tokens=4),
         use_tqdm=False,
     )[0].outputs[0]
     assert early.text == text[: text.index(stop)]

@@ -67,8 +67,9 @@ def test_models(server):
 def test_completions_equal_llm_generate(server, llm):
     client = server.openai()
     # A string, a list of strings and token ids: each choice equals LLM.generate alone.
-    r = client.completions.create(model=NAME, prompt=PROMPTS[:3], max_tokens=12, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=NAME, prompt=PROMPTS[:3], max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     for c, p in zip(r.choices, PROMPTS[:3]):
         ref = llm.generate([p], greedy(12), use_tqdm=False)[0].outputs[0]
@@ -76,8 +77,9 @@ def test_completions_equal_llm_generate(server, llm):
     assert r.usage.completion_tokens == 36
     assert r.usage.prompt_tokens == sum(len(llm.get_tokenizer().encode(p)) for p in PROMPTS[:3])
     ids = [5, 17, 99, 3]
-    r = client.completions.create(model=NAME, prompt=ids, max_tokens=7, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=7, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert r.choices[0].token_ids == alone(llm, {"prompt_token_ids": ids}, 7)
     assert r.choices[0].prompt_token_ids == ids and r.usage.prompt_tokens == 4
 
@@ -86,7 +88,12 @@ def test_penalties_and_bias_equal_llm_generate(server, llm):
     sp = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={65: 3.0})
     ref = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0]
     r = server.openai().completions.create(
-        model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0, presence_penalty=0.5, logit_bias={"65": 3.0},
+        model=NAME,
+        prompt=PROMPTS[1],
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=0.5,
+        logit_bias={"65": 3.0},
         extra_body={"repetition_penalty": 1.5, "return_token_ids": True},
     )
     assert r.choices[0].token_ids == ref.token_ids
@@ -100,8 +107,9 @@ def test_n_choices_equal_llm_generate(server, llm):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [c.text for o in ref for c in o.outputs]
     assert r.usage.completion_tokens == sum(len(c.token_ids) for o in ref for c in o.outputs)
-    chunks = client.completions.create(model=NAME, prompt=PROMPTS[2], n=2, seed=3, max_tokens=6, temperature=1.0,
-                                       stream=True)
+    chunks = client.completions.create(
+        model=NAME, prompt=PROMPTS[2], n=2, seed=3, max_tokens=6, temperature=1.0, stream=True
+    )
     texts, ends = {0: "", 1: ""}, {}
     for ch in chunks:
         for c in ch.choices:
@@ -110,8 +118,9 @@ def test_n_choices_equal_llm_generate(server, llm):
                 assert c.index not in ends  # each choice ends once
                 ends[c.index] = c.finish_reason
     assert [texts[0], texts[1]] == [c.text for c in ref[0].outputs] and set(ends) == {0, 1}
-    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2, seed=1,
-                                          max_tokens=4)
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], n=2, seed=1, max_tokens=4
+    )
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
 
 
@@ -119,8 +128,16 @@ def test_best_of_echo_and_prompt_logprobs_equal_llm_generate(server, llm):
     sp = SamplingParams(n=1, best_of=3, seed=5, max_tokens=5, temperature=1.0, prompt_logprobs=2)
     ref = llm.generate([PROMPTS[3]], sp, use_tqdm=False)[0]
     client = server.openai()
-    r = client.completions.create(model=NAME, prompt=PROMPTS[3], best_of=3, seed=5, max_tokens=5, temperature=1.0,
-                                  echo=True, extra_body={"prompt_logprobs": 2})
+    r = client.completions.create(
+        model=NAME,
+        prompt=PROMPTS[3],
+        best_of=3,
+        seed=5,
+        max_tokens=5,
+        temperature=1.0,
+        echo=True,
+        extra_body={"prompt_logprobs": 2},
+    )
     [c] = r.choices
     assert c.text == PROMPTS[3] + ref.outputs[0].text  # echo: the prompt, then the best of the 3 samples
     got = c.model_extra["prompt_logprobs"]
@@ -128,8 +145,13 @@ def test_best_of_echo_and_prompt_logprobs_equal_llm_generate(server, llm):
     for g, want in zip(got[1:], ref.prompt_logprobs[1:]):
         assert {int(k): v["logprob"] for k, v in g.items()} == pytest.approx({k: v.logprob for k, v in want.items()})
         assert {int(k): v["rank"] for k, v in g.items()} == {k: v.rank for k, v in want.items()}
-    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and all(len(d) == 1 for d in plp[1:])  # just the prompt's own token at each position
 
@@ -152,19 +174,29 @@ def test_stop_and_logprobs_equal_llm_generate(server, llm):
 
 def test_chat_equals_llm_chat_streaming_or_not(server, llm):
     client = server.openai()
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]},
+    ]
     as_strings = [messages[0], {"role": "user", "content": "hello\nthere"}]
     ref = llm.chat(as_strings, greedy(9), use_tqdm=False)[0]
-    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=9, temperature=0,
-                                       extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=9, temperature=0, extra_body={"return_token_ids": True}
+    )
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == ref.outputs[0].text
     assert c.token_ids == ref.outputs[0].token_ids and c.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.total_tokens == len(ref.prompt_token_ids) + 9
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=9,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_completion_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.outputs[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
@@ -173,8 +205,9 @@ def test_chat_equals_llm_chat_streaming_or_not(server, llm):
 
 def test_64_concurrent_streams_each_equal_alone(server, llm):
     async def one(client, prompt):
-        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
-                                                 stream=True, extra_body={"return_token_ids": True})
+        stream = await client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"return_token_ids": True}
+        )
         ids, text = [], ""
         async for ch in stream:
             ids += ch.choices[0].token_ids
@@ -252,14 +285,20 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, ["gpt-4", NAME]),
     ("/v1/completions", {}, 400, ["prompt"]),
     ("/v1/chat/completions", {"messages": []}, 400, ["messages"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     ["image_url"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, ["tools"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     ["logprobs"]),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                              "max_completion_tokens": 3}, 400, ["max_completion_tokens"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, ["image_url"]),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        ["tools"],
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, ["logprobs"]),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 3},
+        400,
+        ["max_completion_tokens"],
+    ),
     ("/detokenize", {"tokens": [300]}, 400, ["300", "vocabulary"]),
     ("/tokenize", {}, 400, ["prompt", "messages"]),
 ]
@@ -271,8 +310,9 @@ def test_bad_request_gets_its_status_and_the_server_keeps_serving(server, path, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and all(w in err["message"] for w in words), err
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                    headers=server.headers(), timeout=300)
+    ok = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=server.headers(), timeout=300
+    )
     assert ok.status_code == 200
 
 
@@ -294,18 +334,25 @@ def test_tokenize_detokenize(server, llm):
 
 def test_metrics_parse_and_count(server):
     m = metrics(server)
-    for name in ("ctxpar:num_requests_running", "ctxpar:num_requests_waiting", "ctxpar:kv_cache_usage_perc",
-                 "ctxpar:prompt_tokens_total", "ctxpar:generation_tokens_total",
-                 "ctxpar:time_to_first_token_seconds_count", "ctxpar:inter_token_latency_seconds_count",
-                 "ctxpar:pcp_collective_seconds_total"):
+    for name in (
+        "ctxpar:num_requests_running",
+        "ctxpar:num_requests_waiting",
+        "ctxpar:kv_cache_usage_perc",
+        "ctxpar:prompt_tokens_total",
+        "ctxpar:generation_tokens_total",
+        "ctxpar:time_to_first_token_seconds_count",
+        "ctxpar:inter_token_latency_seconds_count",
+        "ctxpar:pcp_collective_seconds_total",
+    ):
         assert name in m, name
     assert m["ctxpar:generation_tokens_total"] > 0 and m["ctxpar:time_to_first_token_seconds_count"] > 0
 
 
 def test_sigterm_ends_in_flight_streams_and_exits(server):
     """Last in the module: stop accepting, end the stream in flight, exit with no child left."""
-    stream = server.openai().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=300, temperature=0,
-                                                stream=True)
+    stream = server.openai().completions.create(
+        model=NAME, prompt=PROMPTS[2], max_tokens=300, temperature=0, stream=True
+    )
     first = next(iter(stream))
     assert first.choices
     assert server.stop() in STOPPED

@@ -38,8 +38,9 @@ def server(model_dir, tmp_path_factory):
 
 def test_64_concurrent_streams_equal_one_rank(server, model_dir):
     async def one(client, prompt):
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body={"return_token_ids": True})
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True, extra_body={"return_token_ids": True}
+        )
         return [t async for ch in stream for t in ch.choices[0].token_ids]
 
     async def all_of_them():
@@ -48,11 +49,19 @@ def test_64_concurrent_streams_equal_one_rank(server, model_dir):
     got = asyncio.run(all_of_them())
     with LLM(str(model_dir), num_threads=1) as llm:  # one rank, each prompt alone
         for p, ids in zip(PROMPTS, got):
-            assert ids == llm.generate([p], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0] \
-                .outputs[0].token_ids
+            assert (
+                ids
+                == llm.generate([p], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
+            )
     text = httpx.get(server.url + "/metrics", timeout=60).text
-    m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.labels.get("group")
-         in ("data", None)}
+    m = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("group") in ("data", None)
+    }
     assert m["ctxpar:pcp_collective_seconds_total"] > 0
 
 
@@ -67,8 +76,9 @@ def _worker(server) -> int:
 
 def test_dead_rank_fails_requests_and_health(server):
     """Last in the module: it kills rank 1 under a stream in flight."""
-    stream = server.openai().completions.create(model="tiny", prompt="hello", max_tokens=400,
-                                                stream=True, temperature=0)
+    stream = server.openai().completions.create(
+        model="tiny", prompt="hello", max_tokens=400, stream=True, temperature=0
+    )
     next(iter(stream))
     worker = _worker(server)
     os.kill(worker, signal.SIGKILL)

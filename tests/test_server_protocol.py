@@ -8,12 +8,14 @@ import json
 
 import pytest
 
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from ctxpar.errors import CtxparError
 
 NON_NEUTRAL = {
     "suffix": "end",
-    "tools": [{"type": "function"}], "tool_choice": "auto", "response_format": {"type": "json_object"},
+    "tools": [{"type": "function"}],
+    "tool_choice": "auto",
+    "response_format": {"type": "json_object"},
 }
 BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}
 CASES = [(m, f) for m in BASE for f in m.UNSUPPORTED]
@@ -51,10 +53,19 @@ def test_defaults_and_limits():
 
 
 def test_penalties_bias_and_vllm_extensions_reach_sampling_params():
-    body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
-            "logit_bias": {"5": 1.0, "7": -300.0}, "min_tokens": 3, "bad_words": ["foo"],
-            "allowed_token_ids": [5, 7, 9], "include_stop_str_in_output": True, "spaces_between_special_tokens": False,
-            "n": 3}
+    body = {
+        "prompt": "x",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "logit_bias": {"5": 1.0, "7": -300.0},
+        "min_tokens": 3,
+        "bad_words": ["foo"],
+        "allowed_token_ids": [5, 7, 9],
+        "include_stop_str_in_output": True,
+        "spaces_between_special_tokens": False,
+        "n": 3,
+    }
     p = parse(CompletionRequest, json.dumps(body).encode()).sampling_params(10, 100, None)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -0.5, 1.1, 3)
     assert p.logit_bias == {5: 1.0, 7: -100.0}  # clamped to OpenAI's [-100, 100], as vLLM

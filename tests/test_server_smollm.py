@@ -13,8 +13,10 @@ from ctxpar import LLM, SamplingParams
 
 NAME = "SmolLM2-135M-Instruct"  # the default model's served name
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a color."}]]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a color."}],
+]
 N = 16
 
 
@@ -40,8 +42,9 @@ def test_served_name(server):
 
 def test_completions_sync_and_streaming(server, reference):
     client = server.openai()
-    r = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=N, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=NAME, prompt=PROMPTS, max_tokens=N, temperature=0, extra_body={"return_token_ids": True}
+    )
     for c, ref in zip(r.choices, reference[0]):
         assert c.token_ids == ref.token_ids and c.text == ref.text and c.finish_reason == ref.finish_reason
     for p, ref in zip(PROMPTS, reference[0]):
@@ -52,13 +55,19 @@ def test_completions_sync_and_streaming(server, reference):
 def test_chat_async_streaming_and_not(server, reference):
     async def run():
         client = server.async_openai()
-        whole = await asyncio.gather(*(client.chat.completions.create(
-            model=NAME, messages=c, max_tokens=N, temperature=0, extra_body={"return_token_ids": True})
-            for c in CHATS))
+        whole = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=NAME, messages=c, max_tokens=N, temperature=0, extra_body={"return_token_ids": True}
+                )
+                for c in CHATS
+            )
+        )
         streamed = []
         for c in CHATS:
-            stream = await client.chat.completions.create(model=NAME, messages=c, max_tokens=N, temperature=0,
-                                                          stream=True)
+            stream = await client.chat.completions.create(
+                model=NAME, messages=c, max_tokens=N, temperature=0, stream=True
+            )
             streamed.append("".join([ch.choices[0].delta.content or "" async for ch in stream]))
         return whole, streamed
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_collectives import shm_mappings
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.executor.multiproc import free_port
 from ctxpar.parallel.shm_channel import PeerLost, ShmChannel
-from test_collectives import shm_mappings
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -78,10 +78,13 @@ def _peer(port: int, behaviour: str) -> None:
     os._exit(0)  # "dies": leaves without taking part in the next collective
 
 
-@pytest.mark.parametrize("behaviour,timeout_s,words,within_s", [
-    ("dies", 30, "PCP rank 1 is gone", 2.0),
-    ("silent", 1, "silent for 1 s", 3.0),
-])
+@pytest.mark.parametrize(
+    "behaviour,timeout_s,words,within_s",
+    [
+        ("dies", 30, "PCP rank 1 is gone", 2.0),
+        ("silent", 1, "silent for 1 s", 3.0),
+    ],
+)
 def test_a_dead_or_silent_peer_fails_the_collective(behaviour, timeout_s, words, within_s) -> None:
     ctx = mp.get_context("spawn")
     port = free_port()

@@ -16,8 +16,8 @@ import inspect
 
 import pytest
 import torch
-
 from conftest import assert_greedy_matches, transformers_greedy_logits
+
 from ctxpar import LLM, SamplingParams
 from ctxpar.models.loader import default_model_path
 

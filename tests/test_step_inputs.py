@@ -16,7 +16,9 @@ def steps(draw):
     c = draw(st.lists(st.integers(0, 100), min_size=rows, max_size=rows))
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     tables = [
-        np.array(draw(st.lists(st.integers(0, 500), min_size=-(-(ci + qi) // block_size), max_size=150)), dtype=np.int64)
+        np.array(
+            draw(st.lists(st.integers(0, 500), min_size=-(-(ci + qi) // block_size), max_size=150)), dtype=np.int64
+        )
         for qi, ci in zip(q, c)
     ]
     return np.array(q), np.array(c), tables, block_size

@@ -34,8 +34,11 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def clean_ends(tokenizer, ids: list[int]) -> list[int]:
     """Positions k at which generation can be made to stop (ids[k] appears first
     there) leaving some text, all of it complete: the k-th token would add none."""
-    return [k for k in range(1, len(ids))
-            if ids[k] not in ids[:k] and (t := tokenizer.decode(ids[:k])) and "\ufffd" not in t]
+    return [
+        k
+        for k in range(1, len(ids))
+        if ids[k] not in ids[:k] and (t := tokenizer.decode(ids[:k])) and "\ufffd" not in t
+    ]
 
 
 def first_hit(ids: list[int], tokens: set[int]) -> int | None:
@@ -56,9 +59,15 @@ def plan(tiny_model_dirs, tmp_path_factory):
         assert len(cmpl) == len(chat) == N  # nothing ends them yet
         # One EOS id for each; each must also not end the other one early (at an unclean place).
         ok_cmpl, ok_chat = clean_ends(tok, cmpl), clean_ends(tok, chat)
-        eos = next(({cmpl[a], chat[c]} for a in reversed(ok_cmpl) for c in reversed(ok_chat)
-                    if first_hit(cmpl, {cmpl[a], chat[c]}) in ok_cmpl
-                    and first_hit(chat, {cmpl[a], chat[c]}) in ok_chat), None)
+        eos = next(
+            (
+                {cmpl[a], chat[c]}
+                for a in reversed(ok_cmpl)
+                for c in reversed(ok_chat)
+                if first_hit(cmpl, {cmpl[a], chat[c]}) in ok_cmpl and first_hit(chat, {cmpl[a], chat[c]}) in ok_chat
+            ),
+            None,
+        )
     assert eos is not None, f"no clean EOS for the greedy completions {cmpl} and {chat}"
     d = root / "eos"
     shutil.copytree(base, d)
@@ -123,8 +132,9 @@ def test_server_stream_ends_with_finish_reason(server, llm, plan, endpoint, endi
         assert k is not None and k in clean_ends(tok, full)
         stop = None  # EOS has no stop_reason, as in vLLM
         extra = {"return_token_ids": True}
-    ref_text, ref_ids, ref_finish, ref_stop = whole(create(client, endpoint, max_tokens=N, temperature=0,
-                                                           extra_body=extra), endpoint)
+    ref_text, ref_ids, ref_finish, ref_stop = whole(
+        create(client, endpoint, max_tokens=N, temperature=0, extra_body=extra), endpoint
+    )
     assert ref_ids == full[: k + 1] and ref_finish == "stop" and ref_stop == stop
     expected_end(tok, full, k, ref_text)
 

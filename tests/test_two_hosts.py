@@ -20,9 +20,9 @@ import time
 import uuid
 
 import pytest
+from test_launch_faults import long_prompts
 
 from ctxpar import LLM, SamplingParams
-from test_launch_faults import long_prompts
 
 ADDRS = ("10.203.0.1", "10.203.0.2")
 MASTER_PORT = 29611  # inside the namespaces: nothing else listens there
@@ -133,7 +133,7 @@ def test_two_hosts_generate_what_one_rank_does(hosts, tiny_model_dirs, tmp_path)
     assert len(lines) == 1 and "TOKENS" not in outs[1][0]  # node 1 served and generated nothing itself
     with LLM(model) as llm:
         want = [list(o.outputs[0].token_ids) for o in llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)]
-    assert json.loads(lines[0][len("TOKENS "):]) == want
+    assert json.loads(lines[0][len("TOKENS ") :]) == want
 
 
 def kill_host_and_wait(hosts, model: str, tmp_path, victim: int) -> tuple[float, str]:

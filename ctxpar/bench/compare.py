@@ -49,10 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
     p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens timed per decode figure")
     p.add_argument(
-        "--max-busy", type=int_arg(1, 100), default=15, metavar="PCT",
+        "--max-busy",
+        type=int_arg(1, 100),
+        default=15,
+        metavar="PCT",
         help="refuse to time while other processes use more than PCT%% of the CPU (default: 15)",
     )
-    p.add_argument("--allow-busy", action="store_true", help="time anyway on a busy machine (figures are then noisy: the load is printed)")
+    p.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help="time anyway on a busy machine (figures are then noisy: the load is printed)",
+    )
 
 
 def cpu_busy(seconds: float = 1.0) -> float:
@@ -145,8 +152,11 @@ def run(args: argparse.Namespace) -> None:
                 res = _run_engine(python, engine, f.name, env)
                 res["load"] = os.getloadavg()[0]
                 results[engine].append(res)
-                print(f"round {r + 1} {engine}: loaded in {res['load_s']:.1f} s, " + ", ".join(
-                    f"{k} {v:.3g}" for k, v in res["figures"].items()) + f" (load average {res['load']:.1f})")
+                print(
+                    f"round {r + 1} {engine}: loaded in {res['load_s']:.1f} s, "
+                    + ", ".join(f"{k} {v:.3g}" for k, v in res["figures"].items())
+                    + f" (load average {res['load']:.1f})"
+                )
     finally:
         os.unlink(f.name)
     _report(results, busy_seen)

@@ -28,15 +28,21 @@ def _engine(name: str, spec: dict):
     if name == "ctxpar":
         from ctxpar import LLM, SamplingParams
 
-        llm = LLM(model=spec["model"], enable_prefix_caching=False, max_model_len=spec["max_model_len"], dtype="float32")
+        llm = LLM(
+            model=spec["model"], enable_prefix_caching=False, max_model_len=spec["max_model_len"], dtype="float32"
+        )
         engine = llm._engine
         add = lambda rid, ids, params: engine.add_request(ids, params, request_id=rid)
     else:
         from vllm import LLM, SamplingParams
 
         llm = LLM(
-            model=spec["model"], dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-            max_model_len=spec["max_model_len"], seed=0,
+            model=spec["model"],
+            dtype="float32",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=spec["max_model_len"],
+            seed=0,
         )
         engine = llm.llm_engine
         add = lambda rid, ids, params: engine.add_request(rid, {"prompt_token_ids": ids}, params)
@@ -48,7 +54,11 @@ def _engine(name: str, spec: dict):
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def decode(prompt: list[int], k: int) -> tuple[float, list[int]]:
-        add(f"decode-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True))
+        add(
+            f"decode-{time.perf_counter_ns()}",
+            prompt,
+            SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True),
+        )
         first, tokens = None, []
         while len(tokens) < 1 + k:
             for out in engine.step():

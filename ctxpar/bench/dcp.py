@@ -39,11 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=8, help="decode steps timed per batch (default: 8)")
     p.add_argument("--repeat", type=positive_int, default=2, help="TTFT runs per setup, the best kept (default: 2)")
     p.add_argument(
-        "--interleave", type=positive_int, nargs="+", default=[1, 16], help="cp_interleave values at D=2 (default: 1 16)"
+        "--interleave",
+        type=positive_int,
+        nargs="+",
+        default=[1, 16],
+        help="cp_interleave values at D=2 (default: 1 16)",
     )
-    p.add_argument(
-        "--kv-cache-mib", type=positive_int, default=1024, help="KV cache per rank (default: 1024)"
-    )
+    p.add_argument("--kv-cache-mib", type=positive_int, default=1024, help="KV cache per rank (default: 1024)")
 
 
 def _decode_steps(llm, ids: list[int], batch: int, steps: int) -> tuple[float, float]:
@@ -85,8 +87,14 @@ def _ttft(llm, vocab: int, n: int, repeat: int, seed: int) -> float:
 
 
 def _patterns_rank(
-    rank: int, port: int, shapes: list[tuple[str, int, int]], contexts: list[int], chunk: int,
-    steps: list[tuple[int, int]], model: str | None, repeat: int,
+    rank: int,
+    port: int,
+    shapes: list[tuple[str, int, int]],
+    contexts: list[int],
+    chunk: int,
+    steps: list[tuple[int, int]],
+    model: str | None,
+    repeat: int,
 ):
     """One of two ranks timing the combine patterns (d) and the split step's
     ways to the context (e); rank 0 prints."""
@@ -150,12 +158,17 @@ def _patterns_rank(
         gather(shard.new_empty(context, *entry_shape), shard)
 
     if rank == 0:
-        print(f"\n(e) split prefill of {chunk} new tokens after a cached context, collectives in ms per layer on 2 gloo ranks")
+        print(
+            f"\n(e) split prefill of {chunk} new tokens after a cached context, "
+            "collectives in ms per layer on 2 gloo ranks"
+        )
         print(f"{'cached context':>14} | {'pass-Q':>8} | {'gather context':>14} | ratio | bytes ratio")
     for context in contexts:
         a, b = timed(pass_q, context), timed(gather_context, context)
         if rank == 0:
-            print(f"{context:>14} | {a:>8.2f} | {b:>14.2f} | {b / a:>5.2f} | {rule(chunk, context)[0]:>11.2f}", flush=True)
+            print(
+                f"{context:>14} | {a:>8.2f} | {b:>14.2f} | {b / a:>5.2f} | {rule(chunk, context)[0]:>11.2f}", flush=True
+            )
     _whole_steps(group, loaded, steps, repeat, rule)
     dist.destroy_process_group()
 
@@ -175,7 +188,10 @@ def _whole_steps(group, loaded, steps: list[tuple[int, int]], repeat: int, rule)
     blocks = max(new + context for new, context in steps) // (block * 2) + 1
     runners = {
         p: ModelRunner(
-            loaded.model, RunnerOptions(blocks, block, dcp_size=2, context_gather=GatherPolicy(p)), torch.device("cpu"), group
+            loaded.model,
+            RunnerOptions(blocks, block, dcp_size=2, context_gather=GatherPolicy(p)),
+            torch.device("cpu"),
+            group,
         )
         for p in paths
     }
@@ -184,8 +200,11 @@ def _whole_steps(group, loaded, steps: list[tuple[int, int]], repeat: int, rule)
     def plan(new: int, context: int) -> StepPlan:
         return StepPlan(
             input_ids=rng.integers(0, loaded.hf_config.vocab_size, size=new),
-            num_scheduled_tokens=np.array([new]), num_computed_tokens=np.array([context]),
-            is_prefilling=np.array([True]), needs_logits=np.array([True]), block_tables=[np.arange(blocks)],
+            num_scheduled_tokens=np.array([new]),
+            num_computed_tokens=np.array([context]),
+            is_prefilling=np.array([True]),
+            needs_logits=np.array([True]),
+            block_tables=[np.arange(blocks)],
         )
 
     runners["pass_q"].execute(plan(*steps[0]))  # warm-up
@@ -222,8 +241,13 @@ def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) ->
     contexts = [chunk // 2, chunk, 2 * chunk, 3 * chunk, 4 * chunk]
     # Whole steps: a full chunk after the contexts a long prompt's chunks see, and a short
     # chunk after a long context (pass-Q's case); new + context within SmolLM2's 8192 positions.
-    steps = [(chunk, c) for c in (chunk // 2, chunk, 2 * chunk, 3 * chunk)] + [(chunk // 4, chunk), (chunk // 4, 3 * chunk)]
-    print("\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce")
+    steps = [(chunk, c) for c in (chunk // 2, chunk, 2 * chunk, 3 * chunk)] + [
+        (chunk // 4, chunk),
+        (chunk // 4, 3 * chunk),
+    ]
+    print(
+        "\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce"
+    )
     mp.spawn(_patterns_rank, args=(free_port(), shapes, contexts, chunk, steps, model, repeat), nprocs=2)
 
 

@@ -26,13 +26,13 @@ from ctxpar import kernels
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
+from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import apply_rotary_
-from ctxpar.layers.activation import silu_and_mul
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 DECODE_CASES = ((1, 2048), (16, 16), (16, 100), (16, 1000), (64, 500))  # (rows, keys each)
@@ -77,8 +77,13 @@ def _decode_step(rows: int, keys: int, g: torch.Generator) -> Callable[[], torch
 
     def step() -> torch.Tensor:
         ctx = ForwardContext(  # a fresh one per call: nothing memoised from the other path
-            query_start_loc=list(range(rows + 1)), start_pos=[keys - 1] * rows, seq_lens=[keys] * rows,
-            context_slots=slots, write_src=None, write_slots=torch.empty(0, dtype=torch.int64), kv_caches=[cache],
+            query_start_loc=list(range(rows + 1)),
+            start_pos=[keys - 1] * rows,
+            seq_lens=[keys] * rows,
+            context_slots=slots,
+            write_src=None,
+            write_slots=torch.empty(0, dtype=torch.int64),
+            kv_caches=[cache],
         )
         return gqa_paged_attention(q, cache, ctx, DIM**-0.5)
 
@@ -130,11 +135,15 @@ def _projections(n: int, layers: int, g: torch.Generator) -> Callable[[], torch.
 
 def run(args: argparse.Namespace) -> None:
     if not kernels.usable(torch.zeros(1, 2, 1, 8), 8):
-        raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
-                          "nothing to compare; unset CTXPAR_KERNELS or install g++")
+        raise CtxparError(
+            "ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
+            "nothing to compare; unset CTXPAR_KERNELS or install g++"
+        )
     print(describe_machine())
-    print(f"{torch.get_num_threads()} threads; one layer's attention ({HEADS}/{KV_HEADS} heads of {DIM}) and "
-          f"elementwise steps (hidden {HIDDEN}, intermediate {INTER}), fp32")
+    print(
+        f"{torch.get_num_threads()} threads; one layer's attention ({HEADS}/{KV_HEADS} heads of {DIM}) and "
+        f"elementwise steps (hidden {HIDDEN}, intermediate {INTER}), fp32"
+    )
     g = torch.Generator().manual_seed(0)
     saved = os.environ.get("CTXPAR_KERNELS")
     try:
@@ -145,8 +154,9 @@ def run(args: argparse.Namespace) -> None:
         for chunk, context in PREFILL_CASES:
             q = torch.randn(chunk, HEADS, DIM, generator=g)
             kv = torch.randn(context + chunk, 2, KV_HEADS, DIM, generator=g)
-            _compare(f"{chunk} after {context}", lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5),
-                     args.repeat)
+            _compare(
+                f"{chunk} after {context}", lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5), args.repeat
+            )
         print(f"{'elementwise: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
         for n in ELEMENTWISE_TOKENS:
             _compare(f"{n}", _elementwise_steps(n, g), args.repeat)

@@ -28,7 +28,9 @@ MAX_BUDGET = 1 << 24  # the layouts are int64 maps over the step's tokens: ~128 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--repeat", type=positive_int, default=20,
+        "--repeat",
+        type=positive_int,
+        default=20,
         help="timed calls per planner and configuration (best is reported)",
     )
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random mixed batches")

@@ -30,17 +30,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--pcp", type=positive_int, nargs="+", default=[1, 2], metavar="P", help="PCP sizes (default: 1 2)")
     p.add_argument("--doc-tokens", type=positive_int, default=6000, metavar="N", help="document length (default: 6000)")
-    p.add_argument("--questions", type=positive_int, default=8, metavar="N", help="questions asked in turn (default: 8)")
-    p.add_argument("--question-tokens", type=positive_int, default=24, metavar="N", help="tokens per question (default: 24)")
-    p.add_argument("--answer-tokens", type=positive_int, default=8, metavar="N", help="tokens per answer (default: 8)")
-    p.add_argument("--requests", type=nonnegative_int, default=16, metavar="N", help="shared-prefix requests (default: 16, 0: skip)")
-    p.add_argument("--shared-tokens", type=positive_int, default=1024, metavar="N", help="shared prefix (default: 1024)")
     p.add_argument(
-        "--own-tokens", type=positive_int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
+        "--questions", type=positive_int, default=8, metavar="N", help="questions asked in turn (default: 8)"
+    )
+    p.add_argument(
+        "--question-tokens", type=positive_int, default=24, metavar="N", help="tokens per question (default: 24)"
+    )
+    p.add_argument("--answer-tokens", type=positive_int, default=8, metavar="N", help="tokens per answer (default: 8)")
+    p.add_argument(
+        "--requests",
+        type=nonnegative_int,
+        default=16,
+        metavar="N",
+        help="shared-prefix requests (default: 16, 0: skip)",
+    )
+    p.add_argument(
+        "--shared-tokens", type=positive_int, default=1024, metavar="N", help="shared prefix (default: 1024)"
+    )
+    p.add_argument(
+        "--own-tokens",
+        type=positive_int,
+        nargs=2,
+        default=[100, 300],
+        metavar=("MIN", "MAX"),
         help="range of each request's own tokens (default: 100 300)",
     )
-    p.add_argument("--output-len", type=positive_int, default=32, metavar="N", help="tokens per shared-prefix request (default: 32)")
-    p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank (default: cores / ranks)")
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="tokens per shared-prefix request (default: 32)",
+    )
+    p.add_argument(
+        "--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank (default: cores / ranks)"
+    )
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompts (default: 0)")
 
 
@@ -68,7 +92,9 @@ def _shared(llm, args: argparse.Namespace) -> list[list[int]]:
     from ctxpar.bench.throughput import make_prompts
 
     engine = llm.engine
-    [shared] = make_prompts(engine.tokenizer, engine.vocab_size, 1, args.shared_tokens, args.shared_tokens, args.seed + 2)
+    [shared] = make_prompts(
+        engine.tokenizer, engine.vocab_size, 1, args.shared_tokens, args.shared_tokens, args.seed + 2
+    )
     lo, hi = args.own_tokens
     own = make_prompts(engine.tokenizer, engine.vocab_size, args.requests, lo, hi, args.seed + 3)
     return [shared + o for o in own]
@@ -132,7 +158,10 @@ def run(args: argparse.Namespace) -> None:
         result = {}
         for caching in (False, True):
             with LLM(
-                args.model, pcp_size=pcp, num_threads=args.threads, max_model_len=longest + 8,
+                args.model,
+                pcp_size=pcp,
+                num_threads=args.threads,
+                max_model_len=longest + 8,
                 enable_prefix_caching=caching,
             ) as llm:
                 _warm_up(llm, args)
@@ -152,11 +181,15 @@ def run(args: argparse.Namespace) -> None:
 
     n = args.questions
     print(f"\ndocument questions: time to first token (s), question 1 and the mean of questions 2-{n}")
-    print(f"{'P':>2} | {'q1 off':>7} | {'q1 on':>7} | {'q2+ off':>8} | {'q2+ on':>7} | {'speed-up':>8} | "
-          f"{'cached/question':>15} | identical")
+    print(
+        f"{'P':>2} | {'q1 off':>7} | {'q1 on':>7} | {'q2+ off':>8} | {'q2+ on':>7} | {'speed-up':>8} | "
+        f"{'cached/question':>15} | identical"
+    )
     for pcp, q1_off, q1_on, off, on, cached, same in doc_rows:
-        print(f"{pcp:>2} | {q1_off:>7.3f} | {q1_on:>7.3f} | {off:>8.3f} | {on:>7.3f} | {off / on:>7.1f}x | "
-              f"{cached:>15} | {same}/{n}")
+        print(
+            f"{pcp:>2} | {q1_off:>7.3f} | {q1_on:>7.3f} | {off:>8.3f} | {on:>7.3f} | {off / on:>7.1f}x | "
+            f"{cached:>15} | {same}/{n}"
+        )
     if shared_row is not None:
         pcp, (e_off, o_off), (e_on, o_on) = shared_row
         tokens = sum(map(len, o_on))

@@ -46,17 +46,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", metavar="URL", help="a running server of the same model (default: start one here)")
     p.add_argument("--pcp", type=positive_int, default=1, metavar="P", help="PCP ranks of both engines (default: 1)")
     p.add_argument(
-        "--concurrency", type=positive_int, nargs="+", default=[1, 4, 16, 64], metavar="C",
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        default=[1, 4, 16, 64],
+        metavar="C",
         help="client counts of the sweep (default: 1 4 16 64)",
     )
     p.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests per level (default: 64)")
     p.add_argument("--min-prompt-len", type=positive_int, default=64, metavar="N", help="shortest prompt (default: 64)")
-    p.add_argument("--max-prompt-len", type=positive_int, default=512, metavar="N", help="longest prompt (default: 512)")
+    p.add_argument(
+        "--max-prompt-len", type=positive_int, default=512, metavar="N", help="longest prompt (default: 512)"
+    )
     p.add_argument("--output-len", type=positive_int, default=32, metavar="N", help="tokens per request (default: 32)")
     p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompts (default: 0)")
     p.add_argument(
-        "--timeout", type=positive_int, default=900, metavar="S", help="give up on the sweep after S seconds (default: 900)"
+        "--timeout",
+        type=positive_int,
+        default=900,
+        metavar="S",
+        help="give up on the sweep after S seconds (default: 900)",
     )
 
 
@@ -142,8 +152,17 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     """`ctxpar serve` on loopback with this benchmark's engine flags; returns once /health answers 200.
     Prefix caching is off, as offline: each level resends the same prompts."""
-    cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp),
-           "--no-prefix-caching"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ctxpar.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--pcp",
+        str(args.pcp),
+        "--no-prefix-caching",
+    ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -209,8 +228,14 @@ def run(args: argparse.Namespace) -> None:
     try:
         deadline = time.monotonic() + args.timeout
         bodies = [
-            {"prompt": p, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-             "return_token_ids": True}
+            {
+                "prompt": p,
+                "max_tokens": args.output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
             for p in prompts
         ]
         stream_completion(url.hostname, port, {**bodies[0], "max_tokens": 2}, timeout=120)  # warm-up

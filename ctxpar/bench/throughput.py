@@ -46,33 +46,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-prompt-len", type=positive_int, default=1024, metavar="N", help="longest prompt (default: 1024)"
     )
     p.add_argument(
-        "--prefill-len", type=nonnegative_int, default=2048, metavar="N",
+        "--prefill-len",
+        type=nonnegative_int,
+        default=2048,
+        metavar="N",
         help="prefill-time prompt (default: 2048, 0: skip)",
     )
     p.add_argument(
-        "--threads", type=int_arg(1, max_threads()), metavar="N",
+        "--threads",
+        type=int_arg(1, max_threads()),
+        metavar="N",
         help="torch threads for both engines (default: all cores)",
     )
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompt lengths and tokens (default: 0)")
     p.add_argument(
-        "--pcp", type=int_arg(1, max_threads()), default=1, metavar="P",
+        "--pcp",
+        type=int_arg(1, max_threads()),
+        default=1,
+        metavar="P",
         help="ctxpar's PCP ranks, each with threads / P torch threads (default: 1)",
     )
     p.add_argument(
-        "--pcp-spread-min-rows", type=nonnegative_int, metavar="N",
+        "--pcp-spread-min-rows",
+        type=nonnegative_int,
+        metavar="N",
         help="override ctxpar's pcp_spread_min_rows (with --pcp > 1)",
     )
     p.add_argument(
-        "--vs-pcp", type=int_arg(1, max_threads()), metavar="P0",
+        "--vs-pcp",
+        type=int_arg(1, max_threads()),
+        metavar="P0",
         help="compare against ctxpar with P0 ranks (same threads) instead of transformers",
     )
     p.add_argument(
-        "--rounds", type=positive_int, default=2, metavar="N",
+        "--rounds",
+        type=positive_int,
+        default=2,
+        metavar="N",
         help="with --vs-pcp: alternating rounds of both setups, the best of each kept (default: 2)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run ctxpar only")
     p.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
         help="turn ctxpar's prefix caching off (random prompts barely hit it anyway)",
     )
     p.add_argument("--hf-batched", action="store_true", help="run transformers as one left-padded batch")
@@ -165,8 +182,11 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
 
     spread = {} if args.pcp_spread_min_rows is None else dict(pcp_spread_min_rows=args.pcp_spread_min_rows)
     with LLM(
-        args.model, pcp_size=pcp, num_threads=max(1, threads // pcp),
-        enable_prefix_caching=args.enable_prefix_caching, **spread,
+        args.model,
+        pcp_size=pcp,
+        num_threads=max(1, threads // pcp),
+        enable_prefix_caching=args.enable_prefix_caching,
+        **spread,
     ) as llm:
         engine = llm.engine
         prompts = make_prompts(
@@ -174,7 +194,8 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
         )
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         print(
-            f"model {engine.loaded.name}, {threads} threads over {pcp} rank(s), {len(prompts)} prompts of {min(map(len, prompts))}-"
+            f"model {engine.loaded.name}, {threads} threads over {pcp} rank(s), "
+            f"{len(prompts)} prompts of {min(map(len, prompts))}-"
             f"{max(map(len, prompts))} tokens (sum {sum(map(len, prompts))}), {args.output_len} output tokens each"
         )
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -212,8 +233,10 @@ def compare_pcp(args: argparse.Namespace, threads: int) -> None:
     )
     if ours["prefill"] is not None:
         first = {pcp: min(x["prefill"] for x in rs) for pcp, rs in runs.items()}
-        print(f"ratio (above 1: P={args.pcp} faster): prefill time P={args.vs_pcp}/P={args.pcp} "
-              f"{first[args.vs_pcp] / first[args.pcp]:.2f}x")
+        print(
+            f"ratio (above 1: P={args.pcp} faster): prefill time P={args.vs_pcp}/P={args.pcp} "
+            f"{first[args.vs_pcp] / first[args.pcp]:.2f}x"
+        )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -233,7 +256,9 @@ def run(args: argparse.Namespace) -> None:
         compare_pcp(args, threads)
         return
     mine = run_ctxpar(args, args.pcp, threads)
-    prompts, ours, c_tps, c_ttft, pre, long = (mine[k] for k in ("prompts", "outputs", "tps", "ttft", "prefill", "long"))
+    prompts, ours, c_tps, c_ttft, pre, long = (
+        mine[k] for k in ("prompts", "outputs", "tps", "ttft", "prefill", "long")
+    )
     if args.skip_hf:
         return
 

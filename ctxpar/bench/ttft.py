@@ -30,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=positive_int, default=16, help="decode steps timed per configuration")
     p.add_argument("--pcp-min-tokens", type=nonnegative_int, default=None, help="override pcp_min_tokens at P=2")
     p.add_argument(
-        "--short", type=positive_int, nargs="*", default=[16, 32, 64, 128, 256, 512],
+        "--short",
+        type=positive_int,
+        nargs="*",
+        default=[16, 32, 64, 128, 256, 512],
         help="short prompt lengths for the split-vs-replicate table (none: skip it)",
     )
 
@@ -89,7 +92,9 @@ def _short_prompts(args: argparse.Namespace) -> None:
             _first_token(llm, prompts[min(prompts)], 1)  # warm up
             for n, ids in prompts.items():
                 times[mode, n] = _first_token(llm, ids, max(3, args.repeat))[0]
-    print(f"\nshort prompts at P=2: {'prompt':>6} | {'split (ms)':>10} | {'replicated (ms)':>15} | {'split speed-up':>14}")
+    print(
+        f"\nshort prompts at P=2: {'prompt':>6} | {'split (ms)':>10} | {'replicated (ms)':>15} | {'split speed-up':>14}"
+    )
     for n in args.short:
         s, r = times["split", n], times["replicated", n]
         print(f"{'':>21} {n:>6} | {s * 1e3:>10.1f} | {r * 1e3:>15.1f} | {r / s:>13.2f}x")
@@ -117,14 +122,20 @@ def run(args: argparse.Namespace) -> None:
             results[name] = _measure(llm, prompts, args.repeat, args.decode_steps)
             print(f"measured {name}", flush=True)
     base, two, pcp = (results[name] for name, _ in setups)
-    print(f"\n{'prompt':>8} | {'P=1 1t (s)':>10} | {'P=1 2t (s)':>10} | {'P=2 (s)':>8} | "
-          f"{'speed-up vs 1t':>14} | {'vs 2t':>6} | {'efficiency':>10} | {'collectives':>11}")
+    print(
+        f"\n{'prompt':>8} | {'P=1 1t (s)':>10} | {'P=1 2t (s)':>10} | {'P=2 (s)':>8} | "
+        f"{'speed-up vs 1t':>14} | {'vs 2t':>6} | {'efficiency':>10} | {'collectives':>11}"
+    )
     for n in sorted(args.lengths):
         t1, t2, tp = base[n][0], two[n][0], pcp[n][0]
-        print(f"{n:>8} | {t1:>10.2f} | {t2:>10.2f} | {tp:>8.2f} | {t1 / tp:>13.2f}x | {t2 / tp:>5.2f}x | "
-              f"{t1 / (2 * tp):>9.0%} | {pcp[n][1]:>10.0%}")
-    print(f"\ndecode-only step (64-token context): P=1 1t {base['decode'] * 1e3:.1f} ms, "
-          f"P=1 2t {two['decode'] * 1e3:.1f} ms, P=2 {pcp['decode'] * 1e3:.1f} ms "
-          f"(P=2 / P=1 2t = {pcp['decode'] / two['decode']:.2f}x; plan broadcast {pcp['broadcast'] * 1e3:.2f} ms/step)")
+        print(
+            f"{n:>8} | {t1:>10.2f} | {t2:>10.2f} | {tp:>8.2f} | {t1 / tp:>13.2f}x | {t2 / tp:>5.2f}x | "
+            f"{t1 / (2 * tp):>9.0%} | {pcp[n][1]:>10.0%}"
+        )
+    print(
+        f"\ndecode-only step (64-token context): P=1 1t {base['decode'] * 1e3:.1f} ms, "
+        f"P=1 2t {two['decode'] * 1e3:.1f} ms, P=2 {pcp['decode'] * 1e3:.1f} ms "
+        f"(P=2 / P=1 2t = {pcp['decode'] / two['decode']:.2f}x; plan broadcast {pcp['broadcast'] * 1e3:.2f} ms/step)"
+    )
     if args.short:
         _short_prompts(args)

@@ -213,9 +213,7 @@ class BlockManager:
             raise AssertionError("block reference counts do not match the tables")
         unreferenced = {b for b in range(self.num_blocks) if refs[b] == 0}
         if set(self._free) != unreferenced:
-            raise AssertionError(
-                f"free pool holds {len(self._free)} blocks; {len(unreferenced)} are unreferenced"
-            )
+            raise AssertionError(f"free pool holds {len(self._free)} blocks; {len(unreferenced)} are unreferenced")
         if set(self._num_registered) != set(self._tables):
             raise AssertionError("registration counts and tables name different owners")
         for h, block in self._cached.items():

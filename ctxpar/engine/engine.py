@@ -24,11 +24,11 @@ from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
+from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.executor import start_executor
-from ctxpar.engine.sampler import Sampler
 from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
 
@@ -69,8 +69,12 @@ class Engine:
         Raises CtxparError naming the bad value and the limit.
         """
         return check_request(
-            prompt_token_ids, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            max_logprobs=self.config.max_logprobs, has_tokenizer=self.tokenizer is not None,
+            prompt_token_ids,
+            params,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            max_logprobs=self.config.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
         )
 
     def add_request(
@@ -117,8 +121,13 @@ class Engine:
                 skip_prefix_cache=i == 0 and params.prompt_logprobs is not None,
             )
             req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer if params.detokenize else None, ids, params.stop_strings, params.skip_special_tokens,
-                params.spaces_between_special_tokens, params.include_stop_str_in_output, params.min_tokens,
+                self.tokenizer if params.detokenize else None,
+                ids,
+                params.stop_strings,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+                params.include_stop_str_in_output,
+                params.min_tokens,
             )
             group.samples.append(req)
             self.requests[sid] = req
@@ -204,7 +213,9 @@ class Engine:
             sample_rows, prompt_chunks = split_logits(batch.requests, plan, logits)
             out = self.sampler(
                 logits if sample_rows is None else logits[sample_rows],
-                [r.params for r in sampling], generators, sampling,
+                [r.params for r in sampling],
+                generators,
+                sampling,
                 [r.cumulative_logprob is not None for r in sampling],
             )
         except BaseException:
@@ -219,7 +230,9 @@ class Engine:
         self.scheduler.commit(batch)
         self.num_steps += 1
         for chunk in prompt_chunks:
-            chunk.group.prompt_logprobs += [self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)]
+            chunk.group.prompt_logprobs += [
+                self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)
+            ]
         now = time.perf_counter()
         touched: dict[str, RequestGroup] = {}
         for req, lp in zip(sampling, out.logprobs):

@@ -63,4 +63,4 @@ def split_logits(
 def new_entries(chunk: PromptChunk) -> list[dict[int, Logprob]]:
     """The chunk's entries the group does not have yet (a chunk recomputed after a preemption adds nothing)."""
     have = len(chunk.group.prompt_logprobs)
-    return chunk.entries[max(0, have - chunk.first_pos):] if chunk.first_pos <= have else []
+    return chunk.entries[max(0, have - chunk.first_pos) :] if chunk.first_pos <= have else []

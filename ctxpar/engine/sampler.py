@@ -152,8 +152,10 @@ class Sampler:
         process = [p.processes_logits for p in params]
         if any(process) and histories is None:
             raise ValueError("logits processing (penalties, bias, masks) needs the rows' token histories")
-        n_lp = [p.logprobs if p.logprobs is not None else (0 if want_logprob and want_logprob[i] else None)
-                for i, p in enumerate(params)]
+        n_lp = [
+            p.logprobs if p.logprobs is not None else (0 if want_logprob and want_logprob[i] else None)
+            for i, p in enumerate(params)
+        ]
         if all(greedy) and not any(process) and all(n is None for n in n_lp):
             # The common benchmark path: one argmax, no copy of the logits to the host.
             return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * s)

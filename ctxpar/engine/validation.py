@@ -61,7 +61,10 @@ def check_request(
                 f"{name}={value} asks for {num} logprobs per token, more than max_logprobs={max_logprobs}; "
                 "ask for fewer, or create the LLM with a larger max_logprobs (-1: the whole vocabulary)"
             )
-    for name, token_ids in (("allowed_token_ids", params.allowed_token_ids or []), ("logit_bias", params.logit_bias or {})):
+    for name, token_ids in (
+        ("allowed_token_ids", params.allowed_token_ids or []),
+        ("logit_bias", params.logit_bias or {}),
+    ):
         out_of_vocab = [t for t in token_ids if t >= vocab_size]
         if out_of_vocab:
             raise CtxparError(f"{name} has token id(s) {out_of_vocab[:5]} outside the vocabulary [0, {vocab_size})")

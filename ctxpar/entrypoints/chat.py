@@ -106,8 +106,9 @@ def render_chat(
         )
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise CtxparError("a conversation must be a non-empty list of {'role': ..., 'content': ...} messages")
-    kwargs: dict[str, Any] = dict(add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message, tools=tools)
+    kwargs: dict[str, Any] = dict(
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tools=tools
+    )
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(set(RESERVED_TEMPLATE_KWARGS) & set(extra))
     if reserved:

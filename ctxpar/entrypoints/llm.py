@@ -1,32 +1,32 @@
 """The offline API, shaped like vLLM's::
 
-    from ctxpar import LLM, SamplingParams
+from ctxpar import LLM, SamplingParams
 
-    with LLM() as llm:                      # default: SmolLM2-135M-Instruct
-        outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
-        print(outs[0].outputs[0].text)
+with LLM() as llm:                      # default: SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
+from ctxpar.config import EngineConfig
 from ctxpar.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from ctxpar.entrypoints.chat import is_conversation_list, render_chat
-from ctxpar.config import EngineConfig
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.generation_config import default_sampling_kwargs
+from ctxpar.entrypoints.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
+from ctxpar.errors import CtxparError
 from ctxpar.inputs import PromptType, TokensPrompt, parse_prompt
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
-from ctxpar.entrypoints.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
 
 Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
 # use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
 # (e.g. functools.partial(tqdm, leave=False)); called with tqdm's keyword arguments.
-UseTqdm = Union[bool, Callable[..., Any]]
+UseTqdm = bool | Callable[..., Any]
 
 
 def _as_list(values: Any, expected: str) -> list:
@@ -198,9 +198,13 @@ class LLM:
         the chat template (the tokenizer's, or ``chat_template``: a template
         string or a file). See ``ctxpar.entrypoints.chat.render_chat`` for the options."""
         prompts = self.apply_chat_template(
-            messages, chat_template_kwargs, chat_template=chat_template,
-            chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools,
+            messages,
+            chat_template_kwargs,
+            chat_template=chat_template,
+            chat_template_content_format=chat_template_content_format,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
         )
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -219,9 +223,14 @@ class LLM:
         conversations = messages if is_conversation_list(messages) else [messages]
         return [
             render_chat(
-                self._engine.tokenizer, conv, chat_template=chat_template,
-                chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                self._engine.tokenizer,
+                conv,
+                chat_template=chat_template,
+                chat_template_content_format=chat_template_content_format,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations
         ]
@@ -252,7 +261,11 @@ class LLM:
         bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
         try:
             results = run_beam_search(
-                starts, params, next_logprobs, engine.eos_token_ids, engine.max_model_len,
+                starts,
+                params,
+                next_logprobs,
+                engine.eos_token_ids,
+                engine.max_model_len,
                 on_step=bar.update if bar is not None else None,
             )
         finally:
@@ -296,8 +309,9 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            bar = _progress_bar(use_tqdm, total=len(request_ids), desc="Processed prompts", unit="req",
-                                dynamic_ncols=True)
+            bar = _progress_bar(
+                use_tqdm, total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True
+            )
         try:
             n_tokens = 0
             while pending:

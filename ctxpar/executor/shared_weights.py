@@ -61,9 +61,12 @@ def _room_on_every_rank(group: PCPGroup, total: int) -> bool:
     if group.rank == 0:
         room = free_bytes() >= total
         if not room:
-            warnings.warn(f"ctxpar: {SHM_DIR} has {free_bytes() >> 20} MiB free, too little for one shared copy of "
-                          f"the weights ({total >> 20} MiB): each PCP rank keeps its own. Enlarge it (docker run "
-                          "--shm-size) to share them.", stacklevel=2)
+            warnings.warn(
+                f"ctxpar: {SHM_DIR} has {free_bytes() >> 20} MiB free, too little for one shared copy of "
+                f"the weights ({total >> 20} MiB): each PCP rank keeps its own. Enlarge it (docker run "
+                "--shm-size) to share them.",
+                stacklevel=2,
+            )
         group.store.set("weights/share", "1" if room else "0")
     wait_keys(group.store, ["weights/share"])
     return group.store.get("weights/share") == b"1"

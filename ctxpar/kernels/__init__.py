@@ -2,9 +2,9 @@
 
 The kernels are the C++ files next to this one (decode and prefill
 attention; fp32 projections against packed weights; the layers' elementwise
-steps, wrapped in ``elementwise.py``); they
-include no PyTorch header, so ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few seconds (a PyTorch extension
-takes a minute). The library lands in ``<cache>/kernels`` under a name that
+steps, wrapped in ``elementwise.py``); they include no PyTorch header, so
+``g++ -O3 -march=native -fopenmp`` builds them into one library in a few
+seconds (a PyTorch extension takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
 cache shared between machines never serves one CPU's build to another), and
 is called through ctypes with the tensors' data pointers. Its OpenMP threads
@@ -65,8 +65,10 @@ def _build_dir() -> Path:
                 return path
         except OSError:
             continue
-    raise CtxparError(f"cannot write ctxpar's kernels to {cache_root() / 'kernels'} nor to the temporary "
-                      "directory; set CTXPAR_CACHE to a writable directory")
+    raise CtxparError(
+        f"cannot write ctxpar's kernels to {cache_root() / 'kernels'} nor to the temporary "
+        "directory; set CTXPAR_CACHE to a writable directory"
+    )
 
 
 @cache
@@ -79,11 +81,15 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        warnings.warn(f"ctxpar: no C++ compiler ({compiler}: {e}); attention runs on the slower PyTorch path. "
-                      "Install g++ (or set CXX) to build ctxpar's kernels.")
+        warnings.warn(
+            f"ctxpar: no C++ compiler ({compiler}: {e}); attention runs on the slower PyTorch path. "
+            "Install g++ (or set CXX) to build ctxpar's kernels."
+        )
         return None
     texts = [f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, " ".join(sorted(cpu_info().flags))]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, " ".join(sorted(cpu_info().flags))]).encode()).hexdigest()[
+        :16
+    ]
     path = _build_dir() / f"ctxpar_kernels-{key}.so"
     if not path.exists():
         # Build under a temporary name, then rename: ranks that start together may
@@ -93,8 +99,10 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         build = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if build.returncode != 0:
             os.unlink(tmp)
-            warnings.warn(f"ctxpar: building the kernels in {HERE} failed; attention runs on the slower PyTorch "
-                          f"path:\n{build.stderr[-2000:]}")
+            warnings.warn(
+                f"ctxpar: building the kernels in {HERE} failed; attention runs on the slower PyTorch "
+                f"path:\n{build.stderr[-2000:]}"
+            )
             return None
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
@@ -143,8 +151,21 @@ def paged_decode(
     out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
     lse = torch.empty(rows, heads, dtype=torch.float32)
     kernel = _library().paged_decode_f32 if cache.dtype == torch.float32 else _library().paged_decode_bf16
-    kernel(q.data_ptr(), cache.data_ptr(), slots.data_ptr(), starts.data_ptr(), rows, heads, kv_heads, dim,
-           value_dim, *strides, scale, out.data_ptr(), lse.data_ptr())
+    kernel(
+        q.data_ptr(),
+        cache.data_ptr(),
+        slots.data_ptr(),
+        starts.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        dim,
+        value_dim,
+        *strides,
+        scale,
+        out.data_ptr(),
+        lse.data_ptr(),
+    )
     return out, lse
 
 
@@ -181,7 +202,11 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = True,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
@@ -196,8 +221,22 @@ def prefill_attention(
     assert out.shape == (L, H, Dv) and out.dtype == torch.float32 and out.is_contiguous()
     lse = torch.empty(L, H, dtype=torch.float32)
     _library().prefill_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), L, S, H, Hk, D, Dv, q.stride(0), k.stride(0), v.stride(0),
-        int(causal), scale, out.data_ptr(), lse.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        L,
+        S,
+        H,
+        Hk,
+        D,
+        Dv,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        int(causal),
+        scale,
+        out.data_ptr(),
+        lse.data_ptr(),
     )
     return out, lse
 
@@ -218,6 +257,7 @@ def linear_packed(
     assert packed.is_contiguous() and packed.shape[1] == in_features and x.dtype == torch.float32
     out = torch.empty(n, out_features, dtype=torch.float32)
     bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
-    _library().linear_packed_f32(x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features,
-                                 bias_ptr, out.data_ptr())
+    _library().linear_packed_f32(
+        x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features, bias_ptr, out.data_ptr()
+    )
     return out

@@ -30,8 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     assert x.stride(1) == 1 and weight.is_contiguous() and (residual is None or residual.is_contiguous())
     out = torch.empty(n, dim, dtype=torch.float32)
     residual_ptr = 0 if residual is None else residual.data_ptr()
-    kernels._library().rms_norm_f32(x.data_ptr(), x.stride(0), residual_ptr, weight.data_ptr(), n, dim, eps,
-                                    out.data_ptr())
+    kernels._library().rms_norm_f32(
+        x.data_ptr(), x.stride(0), residual_ptr, weight.data_ptr(), n, dim, eps, out.data_ptr()
+    )
     return out
 
 

@@ -11,9 +11,9 @@ Values that every layer of a step would otherwise rebuild go in its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import torch
 

@@ -26,7 +26,6 @@ from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
 from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
 
-
 MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real keys
 # Without the kernel, longer one-query rows attend one by one: there the gather
 # dominates, and one index_select of whole slots per row (then PyTorch's kernel)
@@ -57,7 +56,8 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
     if kernel not in ctx.memo.decode_batches:
         qsl = ctx.query_start_loc
         rows = [
-            r for r in range(ctx.num_rows)
+            r
+            for r in range(ctx.num_rows)
             if qsl[r + 1] - qsl[r] == 1 and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
         ]
         batch = None

@@ -30,7 +30,7 @@ plan, whatever a rank's shard holds.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

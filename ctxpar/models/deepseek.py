@@ -16,7 +16,7 @@ Differences between the two, as transformers implements them:
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -70,8 +70,7 @@ def make_router(config, variant: str) -> TopkRouter:
         scoring = getattr(config, "scoring_func", None) or "sigmoid"
         if method != "noaux_tc" or scoring != "sigmoid":
             raise CtxparError(
-                f"DeepseekV3 supports topk_method='noaux_tc' with scoring_func='sigmoid', "
-                f"got {method!r}/{scoring!r}"
+                f"DeepseekV3 supports topk_method='noaux_tc' with scoring_func='sigmoid', got {method!r}/{scoring!r}"
             )
     else:
         method = getattr(config, "topk_method", None) or "greedy"
@@ -99,9 +98,7 @@ class _DeepseekInner(nn.Module):
     def __init__(self, config, variant: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, variant) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, variant) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -204,7 +201,9 @@ class _DeepseekForCausalLM(nn.Module):
         if unexpected or missing:
             msg = [f"{type(self).__name__}: checkpoint does not match the config."]
             if missing:
-                msg.append(f"missing {len(missing)} weight(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+                msg.append(
+                    f"missing {len(missing)} weight(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+                )
             if unexpected:
                 msg.append(
                     f"unexpected {len(unexpected)} weight(s): {', '.join(unexpected[:8])}"

@@ -18,8 +18,8 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -74,7 +74,9 @@ def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     except OSError as e:
-        warnings.warn(f"ctxpar cache {cache_root()} is not writable ({e}); set CTXPAR_CACHE to cache converted GGUF files")
+        warnings.warn(
+            f"ctxpar cache {cache_root()} is not writable ({e}); set CTXPAR_CACHE to cache converted GGUF files"
+        )
         tmp = Path(tempfile.mkdtemp(prefix="ctxpar-gguf-"))
         try:
             convert_gguf(path, tmp)
@@ -104,7 +106,9 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     try:
         reader = GGUFReader(path)
     except Exception as e:
-        raise CtxparError(f"cannot read GGUF file {path}: {e}. The file is corrupt or not GGUF; download it again") from e
+        raise CtxparError(
+            f"cannot read GGUF file {path}: {e}. The file is corrupt or not GGUF; download it again"
+        ) from e
     config = config_from_gguf(reader, path)
     tensors = dict(hf_tensors(reader, config, path))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -14,7 +14,7 @@ residual add before it, rope, SiLU·up) are one compiled pass each
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -14,9 +14,10 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -44,7 +44,7 @@ def model_class_for_config(hf_config) -> type:
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise CtxparError(
-            f"the model config names no architecture (config.json needs \"architectures\"); "
+            f'the model config names no architecture (config.json needs "architectures"); '
             f"supported: {', '.join(supported_architectures())}"
         )
     return get_model_class(archs[0])

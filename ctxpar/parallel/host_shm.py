@@ -20,9 +20,9 @@ import mmap
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,15 +58,18 @@ def on_one_host(store: dist.Store, rank: int, size: int) -> bool:
     return len({store.get(k) for k in keys}) == 1
 
 
-def shared_segment(store: dist.Store, rank: int, size: int, name: str, nbytes: int,
-                   fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+def shared_segment(
+    store: dist.Store, rank: int, size: int, name: str, nbytes: int, fill: Callable[[torch.Tensor], None] | None = None
+) -> torch.Tensor:
     """A (nbytes,) uint8 tensor over pages that every rank maps (every rank calls
     this, in the same order, with the same name and size). Rank 0 creates them
     zeroed and calls ``fill`` on them before the others map them."""
     if rank == 0:
         if free_bytes() < nbytes:
-            raise RankFailure(f"{SHM_DIR} has {free_bytes() >> 20} MiB free, {nbytes >> 20} MiB are needed for "
-                              "the ranks' shared pages; enlarge it (docker: --shm-size) or set CTXPAR_SHM=0")
+            raise RankFailure(
+                f"{SHM_DIR} has {free_bytes() >> 20} MiB free, {nbytes >> 20} MiB are needed for "
+                "the ranks' shared pages; enlarge it (docker: --shm-size) or set CTXPAR_SHM=0"
+            )
         path = SHM_DIR / f"ctxpar-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
             segment = _map(path, nbytes, create=True)
@@ -104,5 +107,6 @@ def wait_keys(store: dist.Store, keys: list[str]) -> None:
     try:
         store.wait(keys, timedelta(seconds=WAIT_S))
     except Exception as e:  # the store's timeout or a lost connection
-        raise RankFailure(f"a PCP rank did not reach the shared-memory set-up within {WAIT_S} s "
-                          f"({str(e).splitlines()[0]})") from None
+        raise RankFailure(
+            f"a PCP rank did not reach the shared-memory set-up within {WAIT_S} s ({str(e).splitlines()[0]})"
+        ) from None

@@ -40,8 +40,7 @@ class PeerLost(RuntimeError):
 
 
 class ShmChannel:
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float,
-                 slot_bytes: int = SLOT_BYTES) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES) -> None:
         """Map the shared segment (every rank of the group calls this at once)."""
         assert size * LINE <= PIDS_AT and PIDS_AT + 8 * size <= HEADER
         self.rank, self.size, self.timeout_s, self.slot_bytes = rank, size, timeout_s, slot_bytes
@@ -110,8 +109,9 @@ class ShmChannel:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         buffer = self.buffers[self.seq % 2]
         self.seq += 1
-        code = kernels._library().shm_barrier(self.counters.data_ptr(), LINE // 8, self.rank, self.size, self.seq,
-                                              self.pids.data_ptr(), timeout_s)
+        code = kernels._library().shm_barrier(
+            self.counters.data_ptr(), LINE // 8, self.rank, self.size, self.seq, self.pids.data_ptr(), timeout_s
+        )
         if code > 0:
             raise PeerLost(f"PCP rank {code - 1} is gone (its process ended during a collective)")
         if code < 0:

@@ -20,14 +20,13 @@ import math
 import numpy as np
 import torch
 
-from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.forward_context import DCPStep
-from ctxpar.layers.sharded_context import split_context
+from ctxpar.layers.forward_context import DCPStep, ForwardContext
 from ctxpar.layers.linear import linear, row_parts
+from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
+from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
-from ctxpar.parallel.comm import PCPGroup
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
@@ -145,7 +144,9 @@ class ModelRunner:
             return
         self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
-        at = torch.from_numpy(self._slots(plan, *token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens))).to(self.device)
+        at = torch.from_numpy(
+            self._slots(plan, *token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens))
+        ).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
             cache.index_copy_(0, at, new)
 
@@ -164,17 +165,21 @@ class ModelRunner:
             to_dev(layout.hidden_restore_idx[qsl[r] : qsl[r] + max(s + m - c[r], 0)])
             for r, s, m in zip(rows.req_idx.tolist(), rows.start_pos.tolist(), rows.num_tokens.tolist())
         ]
-        shard_slots = [slots_of(t, np.arange(m), self.block_size) for t, m in zip(plan.block_tables, self.shard.local_len(c))]
+        shard_slots = [
+            slots_of(t, np.arange(m), self.block_size) for t, m in zip(plan.block_tables, self.shard.local_len(c))
+        ]
         return DCPStep(
             new_key_idx=new_keys,
             replicated_context=bool((c[~layout.is_split] > 0).any()),
-            split_context=split_context(self.shard, layout.is_split, c, rows, shard_slots, self.options.context_gather, to_dev),
+            split_context=split_context(
+                self.shard, layout.is_split, c, rows, shard_slots, self.options.context_gather, to_dev
+            ),
             query_idx=to_dev(layout.hidden_restore_idx),
             query_start_loc=qsl.tolist(),
             shard_slots=[to_dev(s) for s in shard_slots],
-            send_idx=to_dev(
-                np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)
-            ).view(self.pcp_size, -1),
+            send_idx=to_dev(np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)).view(
+                self.pcp_size, -1
+            ),
             all_to_all=self.group.all_to_all,
         )
 

@@ -69,5 +69,7 @@ class RunnerOptions:
             context_gather=GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
             spread_min_rows=config.pcp_spread_min_rows,
             # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
-            lead_threads=threads * config.pcp_size if one_host and threads is not None and config.pcp_size > 1 else None,
+            lead_threads=threads * config.pcp_size
+            if one_host and threads is not None and config.pcp_size > 1
+            else None,
         )

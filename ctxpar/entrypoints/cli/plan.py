@@ -31,18 +31,27 @@ MAX_PNG_RANKS = 64  # the figure grows with the ranks: beyond this it exceeds wh
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="*", default=[], metavar="N", help="prompt lengths")
     parser.add_argument(
-        "--cached", type=int, nargs="*", metavar="N",
+        "--cached",
+        type=int,
+        nargs="*",
+        metavar="N",
         help="tokens of each prompt already in the KV cache (prefix hits, earlier chunks); default 0 each",
     )
     parser.add_argument("--decodes", type=int, default=0, help="number of decoding requests (1 token each)")
     parser.add_argument("--decode-context", type=int, default=1000, help="tokens cached for each decode")
     parser.add_argument("--pcp", type=int, default=2, help="number of PCP ranks")
     parser.add_argument(
-        "--replicate-below", type=int, default=0, metavar="N",
+        "--replicate-below",
+        type=int,
+        default=0,
+        metavar="N",
         help="replicate prompts computing fewer than N tokens instead of splitting them",
     )
     parser.add_argument(
-        "--spread-min-rows", type=int, default=EngineConfig.pcp_spread_min_rows, metavar="N",
+        "--spread-min-rows",
+        type=int,
+        default=EngineConfig.pcp_spread_min_rows,
+        metavar="N",
         help="give unsplit rows (decodes, short prompts) to one rank each in steps that split a prompt or "
         f"have at least N of them, as the engine does (default: {EngineConfig.pcp_spread_min_rows})",
     )
@@ -171,9 +180,7 @@ def draw_png(batch: Batch, layout: PCPLayout, path: str) -> None:
     except ImportError as e:
         raise CtxparError("--png needs matplotlib: pip install matplotlib (or pip install 'ctxpar[plot]')") from e
     P, n, work = layout.pcp_size, layout.num_tokens_padded, layout.attention_work()
-    fig, (ax_tok, ax_work) = plt.subplots(
-        1, 2, figsize=(12, 1 + 0.6 * P), gridspec_kw={"width_ratios": [3, 1]}
-    )
+    fig, (ax_tok, ax_work) = plt.subplots(1, 2, figsize=(12, 1 + 0.6 * P), gridspec_kw={"width_ratios": [3, 1]})
     colors = plt.get_cmap("tab10")
     for k in range(P):
         for first_slot, req, start, num in _rows(layout, k):
@@ -187,13 +194,21 @@ def draw_png(batch: Batch, layout: PCPLayout, path: str) -> None:
         real = layout.per_rank_num_tokens[k]
         if real < n:
             ax_tok.barh(k, n - real, left=real, color="white", edgecolor="0.7", hatch="//")
-    ax_tok.set(title="local tokens per rank (hatched: padding)", xlabel="local token slot", ylabel="rank",
-               yticks=range(P), xlim=(0, n))
+    ax_tok.set(
+        title="local tokens per rank (hatched: padding)",
+        xlabel="local token slot",
+        ylabel="rank",
+        yticks=range(P),
+        xlim=(0, n),
+    )
     ax_tok.invert_yaxis()
     ax_work.barh(range(P), work, color="tab:blue")
     ax_work.axvline(work.mean(), color="black", linestyle="--", linewidth=1)
-    ax_work.set(title=f"attention work, max/mean {work.max() / work.mean():.3f}", yticks=range(P),
-                xlabel="sum of position + 1 (dashed: mean)")
+    ax_work.set(
+        title=f"attention work, max/mean {work.max() / work.mean():.3f}",
+        yticks=range(P),
+        xlabel="sum of position + 1 (dashed: mean)",
+    )
     ax_work.invert_yaxis()
     fig.tight_layout()
     try:

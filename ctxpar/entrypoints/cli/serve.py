@@ -22,8 +22,8 @@ import sys
 import threading
 
 from ctxpar.checks import int_arg
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.cli.engine_args import add_engine_arguments, engine_kwargs
+from ctxpar.errors import CtxparError
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
 GRACEFUL_SHUTDOWN_S = 10
@@ -58,8 +58,13 @@ def run(args: argparse.Namespace) -> None:
     with LLM(**engine_kwargs(args)) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name
         state = ServerState(llm, name, args.api_key or None)
-        config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        config = uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         server = uvicorn.Server(config)
 
         def http() -> None:

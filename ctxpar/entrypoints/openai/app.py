@@ -20,7 +20,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ctxpar.errors import CtxparError
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.engine_loop import ClientGone, EngineDead, EngineLoop, Submission
 from ctxpar.entrypoints.openai.metrics import ServerMetrics
@@ -32,6 +31,7 @@ from ctxpar.entrypoints.openai.protocol import (
     TokenizeRequest,
     parse,
 )
+from ctxpar.errors import CtxparError
 
 
 class ServerState:
@@ -48,8 +48,9 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model")
+            raise ApiError(
+                404, f"the model `{name}` does not exist; this server serves `{self.model_name}`", param="model"
+            )
 
     def render_chat(self, messages: list, chat_template_kwargs: dict | None = None) -> dict:
         """{"prompt", "prompt_token_ids"} of the conversation, as LLM.chat renders it."""
@@ -115,8 +116,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @api.get("/v1/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": R.now(), "owned_by": "ctxpar",
-                "root": state.engine.loaded.name, "max_model_len": state.engine.max_model_len}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": R.now(),
+            "owned_by": "ctxpar",
+            "root": state.engine.loaded.name,
+            "max_model_len": state.engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @api.post("/v1/completions")
@@ -135,8 +142,12 @@ def build_app(state: ServerState) -> FastAPI:
             text = d.text
             if req.echo and d.text_offset == 0:  # the choice's first text: the prompt goes before it
                 text = (out.prompt if out.prompt is not None else state.tokenizer.decode(out.prompt_token_ids)) + text
-            c = {"index": i, "text": text, "logprobs": R.completion_logprobs(state.tokenizer, d),
-                 **R.finish_fields(out, sample)}
+            c = {
+                "index": i,
+                "text": text,
+                "logprobs": R.completion_logprobs(state.tokenizer, d),
+                **R.finish_fields(out, sample),
+            }
             if req.prompt_logprobs is not None:
                 c["prompt_logprobs"] = R.prompt_logprobs(out)
             if req.return_token_ids:
@@ -147,8 +158,11 @@ def build_app(state: ServerState) -> FastAPI:
             return _sse(request, sub, meta, choice, req.include_usage, first=None)
         outs = await _collect(request, sub)
         # Prompt i's sample j is choice i * n + j, as vLLM numbers them.
-        choices = [choice(i * req.n + j, o, R.ChoiceCursor(j).advance(o), j)
-                   for i, o in enumerate(outs) for j in range(len(o.outputs))]
+        choices = [
+            choice(i * req.n + j, o, R.ChoiceCursor(j).advance(o), j)
+            for i, o in enumerate(outs)
+            for j in range(len(o.outputs))
+        ]
         return JSONResponse(R.envelope(*meta, choices, usage=_usage(outs)))
 
     @api.post("/v1/chat/completions")
@@ -163,15 +177,21 @@ def build_app(state: ServerState) -> FastAPI:
         top = req.top_logprobs or 0
 
         def choice(i: int, out, d: R.Delta, sample: int, key: str = "delta") -> dict:
-            c = {"index": i, key: {"content": d.text}, "logprobs": R.chat_logprobs(state.tokenizer, d, top),
-                 **R.finish_fields(out, sample)}
+            c = {
+                "index": i,
+                key: {"content": d.text},
+                "logprobs": R.chat_logprobs(state.tokenizer, d, top),
+                **R.finish_fields(out, sample),
+            }
             if req.return_token_ids:
                 c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
             return c
 
         if req.stream:
-            first = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for j in range(req.n)]
+            first = [
+                {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for j in range(req.n)
+            ]
             return _sse(request, sub, meta, choice, req.include_usage, first=first)
         [out] = await _collect(request, sub)
         choices = [choice(j, out, R.ChoiceCursor(j).advance(out), j, key="message") for j in range(len(out.outputs))]
@@ -209,8 +229,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _usage(outs) -> dict:
-    return R.usage(sum(len(o.prompt_token_ids) for o in outs),
-                   sum(len(c.token_ids) for o in outs for c in o.outputs))
+    return R.usage(sum(len(o.prompt_token_ids) for o in outs), sum(len(c.token_ids) for o in outs for c in o.outputs))
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -26,10 +26,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ctxpar.entrypoints.openai.metrics import ServerMetrics
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
-from ctxpar.entrypoints.openai.metrics import ServerMetrics
-
 
 IDLE_POLL_S = 0.5
 

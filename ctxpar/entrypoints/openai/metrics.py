@@ -13,12 +13,72 @@ from prometheus_client.core import CounterMetricFamily
 from ctxpar.outputs import RequestOutput
 
 # vLLM's buckets: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _CollectiveSeconds:
@@ -59,16 +119,25 @@ class ServerMetrics:
             "ctxpar:request_success", "Finished requests by finish reason", [*label, "finished_reason"], registry=r
         )
         self.ttft = Histogram(
-            "ctxpar:time_to_first_token_seconds", "Submission to first token", list(label),
-            buckets=TTFT_BUCKETS, registry=r,
+            "ctxpar:time_to_first_token_seconds",
+            "Submission to first token",
+            list(label),
+            buckets=TTFT_BUCKETS,
+            registry=r,
         ).labels(**label)
         self.itl = Histogram(
-            "ctxpar:inter_token_latency_seconds", "Time between a request's consecutive tokens", list(label),
-            buckets=ITL_BUCKETS, registry=r,
+            "ctxpar:inter_token_latency_seconds",
+            "Time between a request's consecutive tokens",
+            list(label),
+            buckets=ITL_BUCKETS,
+            registry=r,
         ).labels(**label)
         self.e2e = Histogram(
-            "ctxpar:e2e_request_latency_seconds", "Submission to last token", list(label),
-            buckets=E2E_BUCKETS, registry=r,
+            "ctxpar:e2e_request_latency_seconds",
+            "Submission to last token",
+            list(label),
+            buckets=E2E_BUCKETS,
+            registry=r,
         ).labels(**label)
         self.collectives = _CollectiveSeconds()
         r.register(self.collectives)

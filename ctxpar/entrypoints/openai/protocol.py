@@ -9,7 +9,7 @@ field, never silence.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -25,16 +25,27 @@ MAX_LOGPROBS = 20
 class ApiError(Exception):
     """An error answered in OpenAI's JSON shape: {"error": {message, type, param, code}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             503: "service_unavailable", 500: "internal_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        503: "service_unavailable",
+        500: "internal_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 class _Body(BaseModel):
@@ -55,7 +66,7 @@ class _Sampling(_Body):
     top_k: int = -1  # vLLM extension; 0 or -1 disables
     min_p: float = 0.0  # vLLM extension
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
@@ -86,8 +97,9 @@ class _Sampling(_Body):
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
-            raise ApiError(400, "prompt_logprobs are returned only without streaming: set stream=false",
-                           param="prompt_logprobs")
+            raise ApiError(
+                400, "prompt_logprobs are returned only without streaming: set stream=false", param="prompt_logprobs"
+            )
 
     @property
     def include_usage(self) -> bool:
@@ -155,7 +167,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -172,8 +184,11 @@ class CompletionRequest(_Sampling):
             # The best n are known only once all best_of samples have finished.
             raise ApiError(400, f"best_of={self.best_of} > n={self.n} cannot stream: set stream=false", param="best_of")
         if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (the prompt's would be needed): "
-                           "use prompt_logprobs for them", param="echo")
+            raise ApiError(
+                400,
+                "echo with logprobs is not supported (the prompt's would be needed): use prompt_logprobs for them",
+                param="echo",
+            )
 
     def default_max_tokens(self, room: int) -> int:
         return 16  # OpenAI's default for completions
@@ -190,7 +205,7 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(_Body):
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def as_template_input(self) -> dict:
@@ -214,7 +229,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
@@ -236,8 +251,9 @@ class ChatCompletionRequest(_Sampling):
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         reserved = {"add_generation_prompt", "tokenize", "conversation"} & set(self.chat_template_kwargs or {})
         if reserved:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                           param="chat_template_kwargs")
+            raise ApiError(
+                400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
+            )
 
     @property
     def num_logprobs(self) -> int | None:

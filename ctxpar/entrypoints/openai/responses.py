@@ -14,8 +14,11 @@ from ctxpar.outputs import Logprob, RequestOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def envelope(rid: str, obj: str, model: str, created: int, choices: list[dict], **extra: Any) -> dict:
@@ -48,8 +51,12 @@ class ChoiceCursor:
     def peek(self, out: RequestOutput) -> Delta:
         """The unsent rest, still unsent (a stream may wait for text before sending tokens)."""
         c = out.outputs[self.sample]
-        return Delta(c.text[self.chars:], c.token_ids[self.tokens:],
-                     c.logprobs[self.tokens:] if c.logprobs is not None else None, self.chars)
+        return Delta(
+            c.text[self.chars :],
+            c.token_ids[self.tokens :],
+            c.logprobs[self.tokens :] if c.logprobs is not None else None,
+            self.chars,
+        )
 
     def has_news(self, out: RequestOutput) -> bool:
         """Text to send, or an end not yet announced (tokens alone wait for their text)."""
@@ -106,8 +113,12 @@ def prompt_logprobs(out: RequestOutput) -> list[dict[str, dict] | None] | None:
     """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}}; the first is None."""
     if out.prompt_logprobs is None:
         return None
-    return [None if lp is None else {str(k): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
-                                     for k, v in lp.items()} for lp in out.prompt_logprobs]
+    return [
+        None
+        if lp is None
+        else {str(k): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token} for k, v in lp.items()}
+        for lp in out.prompt_logprobs
+    ]
 
 
 def finish_fields(out: RequestOutput, sample: int = 0) -> dict:
