@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -83,8 +84,10 @@ class Engine:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request (its ``n`` or ``best_of`` samples); returns its id."""
+        """Validate and queue a request (its ``n`` or ``best_of`` samples); returns its id.
+        arrival_time: when it arrived (``time.perf_counter()``; default now)."""
         params = params if params is not None else SamplingParams()
         ids = self.validate(prompt_token_ids, params)
         # A private copy, re-validated so every derived field follows the copied values:
@@ -98,11 +101,13 @@ class Engine:
         if request_id in self.groups or any(r in self.requests for r in sample_ids):
             raise CtxparError(f"request id {request_id!r} is already in use")
         bad_words = self._bad_words_token_ids(params.bad_words or [])
+        assert params.stop_token_ids is not None  # validate() made it a list
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
         group = RequestGroup(request_id, prompt, ids, params, samples=[])
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-        metrics = RequestMetrics(arrival_time=time.perf_counter())  # one request to the caller: one clock
+        # One request to the caller: one clock.
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter())
         for i, sid in enumerate(sample_ids):
             req = Request(
                 request_id=sid,
@@ -221,6 +226,7 @@ class Engine:
         except BaseException:
             for g, state in zip(generators, rng_states):
                 if g is not None:
+                    assert state is not None  # saved above for each generator
                     g.set_state(state)
             raise
         # Success: record the tokens, then commit. In this order an interruption in
@@ -230,6 +236,7 @@ class Engine:
         self.scheduler.commit(batch)
         self.num_steps += 1
         for chunk in prompt_chunks:
+            assert chunk.group.prompt_logprobs is not None  # the chunk's group wants prompt logprobs
             chunk.group.prompt_logprobs += [
                 self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)
             ]
@@ -238,6 +245,7 @@ class Engine:
         for req, lp in zip(sampling, out.logprobs):
             self._check_new_token(req, lp, now)
             group = req.group
+            assert group is not None  # add_request puts each request in a group
             if req.index == 0 and group.held:
                 for held in group.held:  # the prompt is computed: the other samples may share it
                     self.scheduler.add(held)
@@ -277,7 +285,10 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(self._with_text(logprobs, req.params.detokenize))
         p = req.params
-        detok = req.detokenizer
+        assert p.stop_token_ids is not None  # validated params: a list
+        detok = _detokenizer(req)
+        reason: str | None
+        stop: int | str | None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             # Like vLLM: EOS has no stop_reason, and a stop token adds text only with include_stop_str_in_output.
             reason, stop = "stop", (token if token in p.stop_token_ids else None)
@@ -300,11 +311,12 @@ class Engine:
         samples = group.samples
         if group.params.num_samples > group.params.n:
             # best_of: the n samples with the highest cumulative logprob, best first.
-            samples = sorted(samples, key=lambda r: -r.cumulative_logprob)[: group.params.n]
+            # Each sample tracks its cumulative logprob (Request.__post_init__, num_samples > n).
+            samples = sorted(samples, key=lambda r: -cast(float, r.cumulative_logprob))[: group.params.n]
         completions = [
             CompletionOutput(
                 index=i,
-                text=req.detokenizer.visible_text(req.finished),
+                text=_detokenizer(req).visible_text(req.finished),
                 token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob,
                 logprobs=list(req.logprobs) if req.logprobs is not None else None,
@@ -330,3 +342,8 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None  # type: ignore[assignment]
+
+
+def _detokenizer(req: Request) -> IncrementalDetokenizer:
+    assert req.detokenizer is not None  # add_request gives each request one
+    return req.detokenizer

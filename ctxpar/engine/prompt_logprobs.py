@@ -31,6 +31,7 @@ class PromptChunk:
 def wants_prompt_logits(req: Request) -> bool:
     """Whether this step's row of ``req`` computes prompt positions whose logprobs are still missing
     (read before commit: num_computed_tokens is the row's first position)."""
+    assert req.group is not None  # the engine's requests each belong to a group
     return req.index == 0 and req.group.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1
 
 
@@ -46,6 +47,8 @@ def split_logits(
     at = 0
     for req, q, need, every in zip(requests, plan.num_scheduled_tokens.tolist(), plan.needs_logits, plan.all_logits):
         if every:
+            # The row wants prompt logprobs (wants_prompt_logits): it has a group and asked for them.
+            assert req.group is not None and req.params.prompt_logprobs is not None
             c = int(req.num_computed_tokens)
             k = max(0, min(c + q, req.num_prompt_tokens - 1) - c)  # positions that predict a prompt token
             nxt = req.prompt_token_ids[c + 1 : c + 1 + k]
@@ -62,5 +65,6 @@ def split_logits(
 
 def new_entries(chunk: PromptChunk) -> list[dict[int, Logprob]]:
     """The chunk's entries the group does not have yet (a chunk recomputed after a preemption adds nothing)."""
+    assert chunk.group.prompt_logprobs is not None  # the chunk's group wants prompt logprobs
     have = len(chunk.group.prompt_logprobs)
     return chunk.entries[max(0, have - chunk.first_pos) :] if chunk.first_pos <= have else []

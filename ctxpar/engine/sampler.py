@@ -169,7 +169,11 @@ class Sampler:
         for i in range(s):
             if greedy[i] and not process[i]:
                 continue
-            x = apply_logits_processing(logits[i], params[i], histories[i]) if process[i] else logits[i]
+            if process[i]:
+                assert histories is not None  # checked above
+                x = apply_logits_processing(logits[i], params[i], histories[i])
+            else:
+                x = logits[i]
             tokens[i] = sample_row(x, params[i], generators[i])
         logprobs: list[dict[int, Logprob] | None] = [
             compute_logprobs(logits[i], tokens[i], n_lp[i]) if n_lp[i] is not None else None  # type: ignore[arg-type]

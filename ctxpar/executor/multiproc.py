@@ -19,6 +19,8 @@ import socket
 import sys
 import time
 import traceback
+from multiprocessing.process import BaseProcess
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -85,7 +87,7 @@ def _serve(runner: ModelRunner, group: PCPGroup) -> None:
             plan = group.broadcast_object()
             if plan is None:
                 return
-            runner.execute(plan)
+            runner.execute(cast(StepPlan, plan))  # rank 0 sends plans, and None to stop
         except Exception as e:
             if not _is_link_failure(e):
                 raise  # this rank's own failure: the caller shows the traceback
@@ -130,7 +132,7 @@ class MultiRankExecutor:
         """Load rank 0's model, then start the other ranks (spawned, or met
         under torchrun, where a non-zero rank serves here and never returns).
         The caller has run preflight.check_launch."""
-        self.procs: list[mp.Process] = []
+        self.procs: list[BaseProcess] = []
         self.group: PCPGroup | None = None
         self.store: dist.Store | None = None
         env = torchrun_env()
@@ -179,6 +181,7 @@ class MultiRankExecutor:
     def _serve_torchrun_worker(self, config: EngineConfig, rank: int) -> None:
         """A non-zero torchrun rank: serve rank 0, then leave with the rest of
         the program (or raise RankFailure if rank 0 goes away)."""
+        assert self.store is not None  # __init__ joined the store first
         try:
             self.group, self.runner = _join(config, self.store, rank, self.rank_model)
         except Exception as e:
@@ -198,7 +201,9 @@ class MultiRankExecutor:
         self._check_alive()
         try:
             self.group.broadcast_object(plan)
-            return self.runner.execute(plan)
+            logits = self.runner.execute(plan)
+            assert logits is not None  # rank 0 always gets them
+            return logits
         except Exception as e:
             why = self._why(e)
             self._stopped_because = f"a rank failed during a step ({why})"
@@ -212,7 +217,7 @@ class MultiRankExecutor:
             self.close(graceful=False)
             raise
 
-    def _dead(self) -> list[tuple[int, mp.Process]]:
+    def _dead(self) -> list[tuple[int, BaseProcess]]:
         return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
 
     def _check_alive(self) -> None:

@@ -76,9 +76,10 @@ def lead(store: dist.Store, size: int, procs: dict[int, BaseProcess], deadline: 
 def _raise_if_failed(store: dist.Store, rank: int, proc: BaseProcess | None) -> None:
     dead = proc is not None and not proc.is_alive()
     if store.check([f"error/{rank}"]):
-        how = f" and {exit_reason(proc.exitcode)}" if dead else ""
+        how = f" and {exit_reason(proc.exitcode)}" if dead and proc is not None else ""
         raise RankFailure(f"PCP rank {rank} failed while starting{how}: {store.get(f'error/{rank}').decode()}")
     if dead:
+        assert proc is not None  # only a process can be dead
         if store.check([f"started/{rank}"]):
             where = ", while loading the model"
         elif proc.exitcode == 1:  # a Python error before the worker's code ran: importing __main__

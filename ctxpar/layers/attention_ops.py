@@ -9,7 +9,7 @@ exactly (chunked context, DCP shards).
   paged GQA cache straight into the head-major layout the GEMMs want.
 
 The straightforward references these are tested against are
-``scaled_dot_product_attention`` per row (tests/test_attention_ops.py).
+``scaled_dot_product_attention`` per row (tests/layers/test_attention_ops.py).
 """
 
 from __future__ import annotations

@@ -135,15 +135,17 @@ class PCPGroup:
 
     def _shm_broadcast_object(self, obj: object) -> object:
         # Its length, then the pickle: microseconds, against gloo's milliseconds for the two messages.
+        shm = self.shm
+        assert shm is not None  # called only on one host
         wait = None if self.rank == 0 else math.inf
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            self.shm.broadcast_(torch.tensor([payload.numel()]), timeout_s=wait)
+            shm.broadcast_(torch.tensor([payload.numel()]), timeout_s=wait)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-            self.shm.broadcast_(size, timeout_s=wait)
+            shm.broadcast_(size, timeout_s=wait)
             payload = torch.empty(int(size), dtype=torch.uint8)
-        self.shm.broadcast_(payload)
+        shm.broadcast_(payload)
         return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
     def close(self) -> None:

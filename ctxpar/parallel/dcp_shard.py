@@ -41,7 +41,7 @@ class DCPShard:
         """Index of each position among its owner's tokens of the sequence."""
         return (pos // (self.size * self.interleave)) * self.interleave + pos % self.interleave
 
-    def local_len(self, seq_len: np.ndarray, rank: np.ndarray | int | None = None) -> np.ndarray:
+    def local_len(self, seq_len: np.ndarray | int, rank: np.ndarray | int | None = None) -> np.ndarray:
         """How many of positions [0, seq_len) ``rank`` (default: this rank) stores
         (0 for a short sequence on a late rank)."""
         DI, I = self.size * self.interleave, self.interleave

@@ -109,7 +109,9 @@ class ShmChannel:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         buffer = self.buffers[self.seq % 2]
         self.seq += 1
-        code = kernels._library().shm_barrier(
+        lib = kernels._library()
+        assert lib is not None  # a channel is made only where on_one_host found the kernels built
+        code = lib.shm_barrier(
             self.counters.data_ptr(), LINE // 8, self.rank, self.size, self.seq, self.pids.data_ptr(), timeout_s
         )
         if code > 0:

@@ -109,13 +109,14 @@ class ModelRunner:
             write_src=None if writes.all() else to_dev(write_src),
             write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
-            gather=self.group.all_gather if gathers else None,
+            gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         if not led:
             hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
             return self._logits_on_rank0(plan, layout, hidden, gathers)
+        assert self.lead_threads is not None  # led
         torch.set_num_threads(self.lead_threads)
         try:
             hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
@@ -124,6 +125,12 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self._share_led_kv(plan, global_slots)
         return logits
+
+    def _pcp_group(self) -> PCPGroup:
+        """The group, for the collectives of a step: only a step of several ranks has
+        them (pcp_size > 1), and several ranks have a group."""
+        assert self.group is not None
+        return self.group
 
     def _share_led_kv(self, plan: StepPlan, slots: np.ndarray | None = None) -> None:
         """A led step's new KV, every layer's entries of every token, from rank 0's
@@ -140,9 +147,9 @@ class ModelRunner:
             at = torch.from_numpy(slots).to(self.device)
             for cache, out in zip(self.kv_caches, entries):
                 torch.index_select(cache, 0, at, out=out)
-            self.group.broadcast_(entries)
+            self._pcp_group().broadcast_(entries)
             return
-        self.group.broadcast_(entries)  # asleep until rank 0 has computed the step
+        self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
         at = torch.from_numpy(
             self._slots(plan, *token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens))
@@ -156,6 +163,7 @@ class ModelRunner:
     def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
         """What the attention layers need under DCP (ctxpar/layers/sharded_attention.py): the new keys of
         my local rows, and my shard of every global row's context."""
+        assert self.shard is not None  # under DCP
         c = plan.num_computed_tokens.astype(np.int64)
         qsl = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens)))
         # A split step's entries are gathered (global token t at hidden_restore_idx[t]); in a
@@ -180,7 +188,7 @@ class ModelRunner:
             send_idx=to_dev(np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)).view(
                 self.pcp_size, -1
             ),
-            all_to_all=self.group.all_to_all,
+            all_to_all=self._pcp_group().all_to_all,
         )
 
     def _logits_on_rank0(
@@ -196,6 +204,7 @@ class ModelRunner:
                 return None
             return self.model.compute_logits(hidden[torch.from_numpy(where).to(self.device)])
         # Only the wanted tokens travel, each from the rank that computed it, to rank 0.
+        group = self._pcp_group()
         n = layout.num_tokens_padded
         owner, local = where // n, where % n
         # The l-th wanted token is the index_in_rank-th of its owner's list, in global order;
@@ -205,18 +214,18 @@ class ModelRunner:
         send = hidden.new_zeros((width, hidden.shape[1]))
         send[: len(mine)] = hidden[torch.from_numpy(mine).to(self.device)]
         pick = torch.from_numpy(owner), torch.from_numpy(index_in_rank)
-        parts = row_parts(self.model.logits_weight(), self.pcp_size) if self.group.one_host else None
+        parts = row_parts(self.model.logits_weight(), self.pcp_size) if group.one_host else None
         if parts is None:
-            received = self.group.gather_to_first(send)  # rank 0: (P, width, H); others: None
+            received = group.gather_to_first(send)  # rank 0: (P, width, H); others: None
             return None if received is None else self.model.compute_logits(received[pick])
         # Ranks sharing a host's memory bus each compute a range of the vocabulary for
         # every wanted token (reading 1/P of the lm_head), and rank 0 joins the ranges.
-        picked = self.group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (L, H)
+        picked = group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (L, H)
         weight, lo, hi = parts[self.rank]
         widest = max(end - first for _, first, end in parts)
         logits = picked.new_zeros((len(picked), widest), dtype=torch.float32)
         logits[:, : hi - lo] = linear(picked, weight)
-        received = self.group.gather_to_first(logits)  # rank 0: (P, L, widest)
+        received = group.gather_to_first(logits)  # rank 0: (P, L, widest)
         if received is None:
             return None
         return torch.cat([received[k, :, : end - first] for k, (_, first, end) in enumerate(parts)], dim=1)

@@ -1,0 +1,271 @@
+"""The compiled CPU kernels (ctxpar/kernels) against the straightforward path:
+explicit scores, an explicit bottom-right causal mask and a softmax per row in
+float64 (fp32 tolerance 1e-5).
+
+- decode: random shapes, GQA ratios, MLA's shared latent key, context lengths
+  that span several of the kernel's key runs, paged slot layouts, empty rows;
+- prefill: random chunk and context lengths (ragged last blocks, chunks after
+  a long context), GQA ratios, head widths, strided views as the layers pass;
+- how they are built, found and turned off."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+from helpers.attention_reference import TOL, reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctxpar import kernels
+
+
+def paged(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows' slots in blocks handed out in a random order, back to back, their
+    starts, and the number of slots the cache needs."""
+    num_blocks = sum(-(-s // block_size) for s in lengths) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    slots = []
+    for s in lengths:
+        blocks = torch.tensor([free.pop() for _ in range(-(-s // block_size))], dtype=torch.int64)
+        pos = torch.arange(s)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    starts = torch.cumsum(torch.tensor([0] + lengths), 0)
+    return torch.cat(slots).long(), starts, num_blocks * block_size
+
+
+def test_kernel_builds_here() -> None:
+    """This machine (and CI's) has g++: the kernel must build, or every other
+    test here would only check the PyTorch path."""
+    assert kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4, 7]),
+    head_dim=st.sampled_from([8, 16, 24, 64, 72]),
+    lengths=st.lists(st.integers(0, 700), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 5, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size, seed, march) -> None:
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D = kv_heads, kv_heads * group, head_dim
+    slots, starts, num_slots = paged(lengths, block_size, g)
+    cache = torch.randn(num_slots, 2, Hk, D, generator=g)
+    q = torch.randn(len(lengths), H, D, generator=g)
+    out, lse = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), D**-0.5)
+    for b, n in enumerate(lengths):
+        if n == 0:  # no keys (an empty DCP shard): out 0 and lse -inf, so a merge ignores it
+            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
+            continue
+        kv = cache[slots[starts[b] : starts[b + 1]]]
+        want, want_lse = reference(q[b : b + 1], kv[:, 0], kv[:, 1], D**-0.5)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    heads=st.sampled_from([1, 4, 16]),
+    widths=st.sampled_from([(40, 32), (16, 8), (576, 512)]),
+    lengths=st.lists(st.integers(1, 600), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_mla_latent_rows_match_reference(heads, widths, lengths, seed, march) -> None:
+    """MLA's absorbed decode: one latent per slot is the key of every head, and
+    its first value_dim entries are the value."""
+    g = torch.Generator().manual_seed(seed)
+    E, r = widths
+    slots, starts, num_slots = paged(lengths, 16, g)
+    cache = torch.randn(num_slots, E, generator=g)
+    q = torch.randn(len(lengths), heads, E, generator=g)
+    out, lse = kernels.paged_decode(q, cache, slots, starts, 1, r, (E, 0, 0), 0.1)
+    for b in range(len(lengths)):
+        k = cache[slots[starts[b] : starts[b + 1]]][:, None]  # (S, 1, E)
+        want, want_lse = reference(q[b : b + 1], k, k[..., :r], 0.1)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 128, 192]),  # 192: MLA's expanded prefill (nope 128 + rope 64)
+    narrow_values=st.booleans(),  # V 64 wide (MLA's expanded prefill: V narrower than Q and K)
+    chunk=st.integers(1, 200),
+    context=st.sampled_from([0, 0, 1, 63, 64, 65, 300]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_matches_reference(kv_heads, group, head_dim, narrow_values, chunk, context, seed, march) -> None:
+    """A chunk of L queries after `context` cached keys: query i sees keys up to
+    context + i. K and V are the halves of a (S, 2, Hk, D) gather and q a view
+    of a fused projection, as gqa_paged_attention passes them."""
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D, L = kv_heads, kv_heads * group, head_dim, chunk
+    S = context + L
+    qkv = torch.randn(L, H + 2 * Hk, D, generator=g)
+    q, kv = qkv[:, :H], torch.randn(S, 2, Hk, D, generator=g)
+    # A fresh (S, Hk, 64) tensor: .contiguous() of the slice keeps its strides when S = Hk = 1.
+    k, v = kv[:, 0], (torch.empty(S, Hk, 64).copy_(kv[:, 1, :, :64]) if narrow_values else kv[:, 1])
+    assert kernels.prefill_usable(q, k, v)
+    out, lse = kernels.prefill_attention(q, k, v, D**-0.5)
+    want, want_lse = reference(q, k, v, D**-0.5)
+    torch.testing.assert_close(out.double(), want, **TOL)
+    torch.testing.assert_close(lse.double(), want_lse, **TOL)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    group=st.sampled_from([1, 3]),
+    queries=st.integers(1, 150),
+    keys=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_unmasked_prefill_matches_reference(group, queries, keys, seed, march) -> None:
+    """causal=False (DCP's context shards): every query sees every key, with
+    more queries than keys or fewer."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(queries, 2 * group, 64, generator=g), torch.randn(keys, 2, 2, 64, generator=g)
+    out, lse = kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, causal=False)
+    for i in range(queries):  # a single query that is the last key's position sees them all
+        want, want_lse = reference(q[i : i + 1], kv[:, 0], kv[:, 1], 0.125)
+        torch.testing.assert_close(out[i].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[i].double(), want_lse[0], **TOL)
+
+
+def test_causal_attention_takes_the_kernel_from_kernel_min_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """causal_attention's CPU fp32 rows of >= KERNEL_MIN_QUERIES queries run in
+    the kernel (equal to PyTorch's path), shorter ones in PyTorch's."""
+    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES, causal_attention
+
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    for L, S in [(KERNEL_MIN_QUERIES - 1, 300), (KERNEL_MIN_QUERIES, 300), (KERNEL_MIN_QUERIES + 200, 400)]:
+        q, kv = torch.randn(L, 9, 64, generator=g), torch.randn(S, 2, 3, 64, generator=g)
+        out = causal_attention(q, kv[:, 0], kv[:, 1], 0.125)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CTXPAR_KERNELS", "0")
+            torch.testing.assert_close(out, causal_attention(q, kv[:, 0], kv[:, 1], 0.125), **TOL)
+    assert len(calls) == 2
+
+
+def test_bf16_cache_matches_reference_on_its_values(march: str) -> None:
+    """A bfloat16 cache is widened exactly to float32 in the kernel: the result
+    equals float64 attention over the same (rounded) values."""
+    g = torch.Generator().manual_seed(3)
+    Hk, H, D, lengths = 3, 9, 64, [1, 300, 1000]
+    slots, starts, num_slots = paged(lengths, 16, g)
+    cache = torch.randn(num_slots, 2, Hk, D, generator=g).bfloat16()
+    q = torch.randn(len(lengths), H, D, generator=g).bfloat16()
+    out, _ = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), 0.125)
+    for b in range(len(lengths)):
+        kv = cache[slots[starts[b] : starts[b + 1]]]
+        want, _ = reference(q[b : b + 1], kv[:, 0], kv[:, 1], 0.125)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+
+
+def test_usable_only_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kv = torch.zeros(4, 4, 64), torch.zeros(8, 2, 2, 64)
+    assert kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+    assert not kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16())  # fp32 only
+    assert not kernels.prefill_usable(q.transpose(1, 2), kv[:, 0], kv[:, 1])  # a head's row must be contiguous
+    cache = torch.zeros(8, 2, 2, 16)
+    assert kernels.usable(cache, 16)
+    assert not kernels.usable(cache, 12)  # not a multiple of the kernel's 8-float vectors
+    assert not kernels.usable(cache.half(), 16)  # float32 and bfloat16 only
+    assert not kernels.usable(cache.transpose(0, 1), 16)  # strides assume a contiguous cache
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    assert not kernels.usable(cache, 16) and not kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+
+
+def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path))
+    kernels._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C.. compiler"):
+            assert not kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+    finally:
+        kernels._library.cache_clear()
+
+
+def test_fresh_cache_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A fresh cache directory gets one library, reused by the next load."""
+    monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path))
+    kernels._library.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels._library() is not None
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        mtime = built[0].stat().st_mtime_ns
+        kernels._library.cache_clear()
+        assert kernels._library() is not None and built[0].stat().st_mtime_ns == mtime
+    finally:
+        kernels._library.cache_clear()
+
+
+def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ctxpar bench kernels`: every case timed both ways, outputs equal within 1e-5."""
+    from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES, PROJECTION_CASES
+    from ctxpar.entrypoints.cli import main as cli
+
+    assert cli.main(["bench", "kernels", "--repeat", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split("|") for line in lines if line.count("|") == 4 and "kernel ms" not in line]
+    assert len(rows) == len(DECODE_CASES) + len(PREFILL_CASES) + len(ELEMENTWISE_TOKENS) + len(PROJECTION_CASES)
+    for _, kernel_ms, torch_ms, ratio, diff in rows:
+        assert float(kernel_ms) > 0 and float(torch_ms) > 0 and ratio.strip().endswith("x")
+        assert float(diff) < 1e-5
+
+
+def test_unwritable_cache_builds_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A cache that cannot be written (here: under a regular file) is no failure:
+    the library goes to a directory of this user's under the temporary one."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("CTXPAR_CACHE", str(blocker / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    kernels._library.cache_clear()
+    try:
+        assert kernels._library() is not None
+        assert [p.suffix for p in (tmp_path / "tmp").glob("ctxpar-kernels-*/*")] == [".so"]
+    finally:
+        kernels._library.cache_clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP's attention_lse (new keys causally, context shards unmasked) runs rows
+    of >= KERNEL_MIN_QUERIES queries in the prefill kernel: out and lse equal
+    PyTorch's path (CTXPAR_KERNELS=0) for GQA K/V and for MLA-like latents."""
+    from ctxpar.layers.attention_math import KERNEL_MIN_QUERIES, attention_lse
+
+    g = torch.Generator().manual_seed(11)
+    L = KERNEL_MIN_QUERIES + 30
+    m = L if causal else 300
+    kv, lat = torch.randn(m, 2, 3, 64, generator=g), torch.randn(m, 1, 128, generator=g)
+    real, calls = kernels.prefill_attention, []
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    for q, k, v in [
+        (torch.randn(L, 9, 64, generator=g), kv[:, 0], kv[:, 1]),
+        (torch.randn(L, 4, 128, generator=g), lat, lat),
+    ]:
+        calls.clear()
+        out, lse = attention_lse(q, k, v, 0.125, causal)
+        monkeypatch.setenv("CTXPAR_KERNELS", "0")
+        want, want_lse = attention_lse(q, k, v, 0.125, causal)
+        monkeypatch.delenv("CTXPAR_KERNELS")
+        assert calls == [1]
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(lse, want_lse, **TOL)
