@@ -13,8 +13,10 @@ engine when the request is added.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ctxpar.checks import check_float, check_int, is_int
 from ctxpar.errors import CtxparError
@@ -26,6 +28,15 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 MIN_TEMPERATURE = 1e-6
 MAX_N = 1024  # samples of one prompt (vLLM's limit is an environment variable; one request, one batch here)
 ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: the whole vocabulary
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's values): LLMEngine.step and
+    AsyncLLM.generate honour it; LLM.generate returns finished outputs whatever it is."""
+
+    CUMULATIVE = 0  # everything so far (text, token ids, logprobs)
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -68,6 +79,7 @@ class SamplingParams:
     allowed_token_ids: only these tokens may be generated.
     truncate_prompt_tokens: keep only the last k prompt tokens; -1: as many as
         the context allows.
+    output_kind: RequestOutputKind: every output cumulative (the default), deltas, or the final one only.
     """
 
     max_tokens: int | None = 16
@@ -95,6 +107,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -109,6 +122,10 @@ class SamplingParams:
         after construction are checked and honoured too.
         """
         check_int("max_tokens", self.max_tokens, 1, none_ok=True, why=" (None: up to max_model_len)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise CtxparError(
+                f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}"
+            )
         check_float("temperature", self.temperature, 0, why=" (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise CtxparError(
@@ -189,6 +206,19 @@ class SamplingParams:
             if not is_int(t) or t < 0:
                 raise CtxparError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             check_float(f"logit_bias[{t}]", b, -1e9, 1e9)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's ``from_optional``: arguments given as None take their defaults
+        (and logit_bias keys given as strings, as JSON has them, become ints)."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        bias = given.get("logit_bias")
+        if isinstance(bias, dict):
+            try:
+                given["logit_bias"] = {int(t): b for t, b in bias.items()}
+            except (TypeError, ValueError):
+                raise CtxparError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
+        return cls(**given)
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's ``clone``): changing it leaves this one alone."""

@@ -184,6 +184,15 @@ class BlockManager:
                 self._free[block] = None
         return len(table)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash (as vLLM's: only when no block is
+        referenced, else nothing changes and False is returned)."""
+        if any(self._ref):
+            return False
+        self._cached.clear()
+        self._hash = [None] * self.num_blocks
+        return True
+
     def _evict(self, block: int) -> None:
         h = self._hash[block]
         if h is not None:

@@ -9,19 +9,24 @@ with LLM() as llm:                      # default: SmolLM2-135M-Instruct
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ctxpar.config import EngineConfig
+from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.engine.metrics import Metric
+from ctxpar.engine.vllm_args import refuse_lora
 from ctxpar.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from ctxpar.entrypoints.chat import is_conversation_list, render_chat
 from ctxpar.entrypoints.generation_config import default_sampling_kwargs
-from ctxpar.entrypoints.vllm_args import apply_vllm_args, load_tokenizer, refuse_lora
 from ctxpar.errors import CtxparError
-from ctxpar.inputs import PromptType, TokensPrompt, parse_prompt
+from ctxpar.inputs import PromptType, TokensPrompt
 from ctxpar.outputs import RequestOutput
-from ctxpar.sampling_params import SamplingParams
+from ctxpar.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar --help`) stays free of torch
+    from ctxpar.engine.engine import Engine
+    from ctxpar.engine.llm_engine import LLMEngine
 
 Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
 # use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
@@ -69,7 +74,11 @@ class LLM:
         num_kv_blocks, max_num_seqs, max_num_batched_tokens, pcp_size, ...);
         vLLM's other arguments are ignored with a log line where they only
         tune speed or memory, and refused where they would change the outputs
-        (ctxpar/entrypoints/vllm_args.py, docs/vllm.md).
+        (ctxpar/engine/vllm_args.py, docs/vllm.md). The same arguments make an
+        EngineArgs: ``LLM(**dataclasses.asdict(engine_args))`` works.
+
+    ``llm_engine`` is the LLMEngine underneath (vLLM's attribute): it keeps the
+    ranks alive as long as anyone holds it; ``close()`` stops them at once.
     """
 
     def __init__(
@@ -84,32 +93,41 @@ class LLM:
         override_generation_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs = apply_vllm_args(kwargs)
-        valid = sorted(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
-        unknown = sorted(set(kwargs) - set(valid))
-        if unknown:
-            raise CtxparError(f"unknown LLM argument(s): {', '.join(unknown)}; valid ones: {', '.join(valid)}")
         if seed is not None:
             kwargs["seed"] = seed
-        self.config = EngineConfig(model=model, **kwargs)  # validated before torch is even imported
-        for name, flag in (("skip_tokenizer_init", skip_tokenizer_init), ("trust_remote_code", trust_remote_code)):
-            if not isinstance(flag, bool):
-                raise CtxparError(f"{name} must be True or False, got {flag!r}")
+        engine_args = EngineArgs(
+            model,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            trust_remote_code=trust_remote_code,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
+            **kwargs,
+        )
         self._default_sampling = default_sampling_kwargs(model, generation_config, override_generation_config)
-        own_tokenizer = load_tokenizer(tokenizer, trust_remote_code) if tokenizer is not None else None
-        from ctxpar.engine.engine import Engine
+        from ctxpar.engine.llm_engine import LLMEngine
 
-        self.engine: Engine | None = Engine(self.config)
-        if skip_tokenizer_init:
-            self.engine.tokenizer = None
-        elif own_tokenizer is not None:
-            self.engine.tokenizer = own_tokenizer
-            if isinstance(own_tokenizer.eos_token_id, int):  # as vLLM: the tokenizer's EOS ends generation
-                self.engine.eos_token_ids.add(own_tokenizer.eos_token_id)
+        # The config is validated before any model loads (LLMEngine's first step).
+        self.llm_engine: LLMEngine | None = LLMEngine.from_engine_args(engine_args)
+        self.config: EngineConfig = self.llm_engine.config
+        self.engine: Engine | None = self.llm_engine.engine  # ctxpar's Engine (the scheduler, the block manager)
         self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
 
     def get_tokenizer(self) -> Any:
         return self._engine.tokenizer
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use this tokenizer from now on (its EOS ends generation too, as vLLM's)."""
+        self._llm_engine.set_tokenizer(tokenizer)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM V1's metrics (Counter, Gauge, Histogram; ctxpar.engine.metrics) under
+        vLLM's names, and ctxpar's own for context parallelism (docs/vllm.md)."""
+        return self._llm_engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while a request holds cached blocks."""
+        return self._llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """A new SamplingParams with the model's recommended settings (see
@@ -117,10 +135,16 @@ class LLM:
         return SamplingParams(**self._default_sampling)
 
     @property
-    def _engine(self):
+    def _engine(self) -> Engine:
         if self.engine is None:
             raise CtxparError("this LLM has been closed")
         return self.engine
+
+    @property
+    def _llm_engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise CtxparError("this LLM has been closed")
+        return self.llm_engine
 
     # -- prompts ------------------------------------------------------------
 
@@ -143,11 +167,7 @@ class LLM:
                 raise CtxparError(
                     f"got {len(params)} sampling params for {len(prompts)} prompts; pass one, or one per prompt"
                 )
-        reqs = []
-        for prompt, p in zip(prompts, params):
-            text, ids = parse_prompt(prompt, self._engine.tokenizer)
-            reqs.append((text, self._engine.validate(ids, p), p))
-        return reqs
+        return [self._llm_engine.process_inputs(prompt, p) for prompt, p in zip(prompts, params)]
 
     # -- generation ---------------------------------------------------------
 
@@ -166,12 +186,11 @@ class LLM:
         """
         _check_tqdm(use_tqdm)
         refuse_lora(lora_request)
-        engine = self._engine
         reqs = self._prepare(prompts, sampling_params)
         ids: list[str] = []
         try:
             for text, tok, p in reqs:
-                ids.append(engine.add_request(tok, p, prompt=text))
+                ids.append(self._add(text, tok, p))
         except BaseException:
             # All or nothing: _prepare validated every request, but should
             # adding one still fail, the ones before it must not stay queued
@@ -287,10 +306,9 @@ class LLM:
         mine = [self._mailbox.pop(r) for r in wanted if r in self._mailbox]
         if mine:
             return mine
-        engine = self._engine
-        steps = engine.num_steps
-        outs = engine.step()
-        if engine.num_steps == steps:  # nothing could be scheduled: a bug, not a user error
+        steps = self._engine.num_steps
+        outs = self._llm_engine.step()
+        if self._engine.num_steps == steps:  # nothing could be scheduled: a bug, not a user error
             raise RuntimeError(f"the scheduler made no progress with {len(wanted)} requests unfinished")
         for out in outs:
             if out.request_id in wanted:
@@ -299,10 +317,16 @@ class LLM:
                 self._mailbox[out.request_id] = out
         return mine
 
+    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+        """Queue a prepared request; the LLM reads every output whole (cumulative)."""
+        return self._llm_engine.add_processed_request(
+            None, text, token_ids, params, output_kind=RequestOutputKind.CUMULATIVE
+        )
+
     def _abort(self, request_id: str) -> None:
         self._mailbox.pop(request_id, None)
-        if self.engine is not None:
-            self.engine.abort(request_id)
+        if self.llm_engine is not None:
+            self.llm_engine.abort_request(request_id)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
@@ -336,9 +360,8 @@ class LLM:
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets a token; the last one is finished."""
-        engine = self._engine
         [(text, ids, p)] = self._prepare(prompt, sampling_params)
-        rid = engine.add_request(ids, p, prompt=text)
+        rid = self._add(text, ids, p)
         finished = False
         try:
             while not finished:
@@ -361,19 +384,13 @@ class LLM:
     # -- lifetime -----------------------------------------------------------
 
     def close(self) -> None:
-        """Release the executor and its ranks; the LLM cannot be used afterwards."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        """Release the executor and its ranks; the LLM (and its llm_engine) cannot be used afterwards."""
+        llm_engine, self.llm_engine, self.engine = self.llm_engine, None, None
+        if llm_engine is not None:
+            llm_engine.close()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -13,7 +13,7 @@ import pytest
 from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams, TextPrompt, TokensPrompt
-from ctxpar.entrypoints.vllm_args import HINTS
+from ctxpar.engine.vllm_args import HINTS
 from ctxpar.errors import CtxparError
 
 SMALL = dict(max_model_len=128, kv_cache_bytes=1 << 22, enable_prefix_caching=False)
@@ -90,7 +90,7 @@ def test_hints_are_ignored_with_one_log_line_and_neutral_values_accepted(text_di
 def test_docs_list_every_vllm_argument():
     from pathlib import Path
 
-    from ctxpar.entrypoints.vllm_args import REFUSED
+    from ctxpar.engine.vllm_args import REFUSED
 
     doc = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
     missing = [name for name in [*HINTS, *REFUSED] if f"`{name}`" not in doc]

@@ -14,10 +14,11 @@ examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from ctxpar.entrypoints.cli.engine_args import add_engine_arguments, engine_kwargs
+from ctxpar.engine.arg_utils import EngineArgs
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: from the engine seed)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
-    add_engine_arguments(p, exclude=frozenset({"seed"}))  # --seed: the request's
+    EngineArgs.add_cli_args(p, exclude=frozenset({"seed"}))  # --seed: the request's
     p.add_argument(
         "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
     )
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     t_load = time.perf_counter()
-    with LLM(**engine_kwargs(args)) as llm:
+    with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:
         if args.verbose:
             _describe(llm, time.perf_counter() - t_load)
         if args.prompt is not None:

@@ -16,13 +16,14 @@ examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
 import threading
 
 from ctxpar.checks import int_arg
-from ctxpar.entrypoints.cli.engine_args import add_engine_arguments, engine_kwargs
+from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.errors import CtxparError
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model name clients send (default: --model as given, or the default model's name)",
     )
-    add_engine_arguments(p)
+    EngineArgs.add_cli_args(p)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
 
-    with LLM(**engine_kwargs(args)) as llm:  # closing it stops the ranks
+    with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name
         state = ServerState(llm, name, args.api_key or None)
         config = uvicorn.Config(
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> None:
             try:
                 server.run()  # not the main thread: uvicorn installs no signal handlers of its own
             finally:
-                state.loop.stop()  # however uvicorn ended (signal, bind error), the engine loop ends too
+                state.engine_client.shutdown()  # however uvicorn ended (signal, bind error), the engine loop ends too
 
         def shut_down(signum: int, frame: object) -> None:
             # Stop accepting; uvicorn lets requests in flight finish (the engine
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
         thread = threading.Thread(target=http, name="ctxpar-http")
         thread.start()
         print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        state.loop.run()  # on the main thread, until the HTTP server has stopped
+        state.engine_client.run_engine_loop()  # on the main thread, until the HTTP server has stopped
         thread.join()
     if not server.started:
         raise CtxparError(f"the HTTP server could not start on {args.host}:{args.port} (see the message above)")

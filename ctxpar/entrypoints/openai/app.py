@@ -3,7 +3,7 @@
 
 Handlers tokenize and validate a request completely before it reaches the
 engine (a bad one gets a 400 with the engine's own message and disturbs no
-other), submit it to the EngineLoop, and turn its outputs into OpenAI bodies
+other), submit it to the AsyncLLM (ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies
 or server-sent events. A client that disconnects aborts its requests.
 """
 
@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ctxpar.engine.async_llm import AsyncLLM, ClientGone, EngineDeadError, Submission
 from ctxpar.entrypoints.openai import responses as R
-from ctxpar.entrypoints.openai.engine_loop import ClientGone, EngineDead, EngineLoop, Submission
 from ctxpar.entrypoints.openai.metrics import ServerMetrics
 from ctxpar.entrypoints.openai.protocol import (
     ApiError,
@@ -35,7 +35,8 @@ from ctxpar.errors import CtxparError
 
 
 class ServerState:
-    """What the routes share: the LLM (its engine and chat template), the loop, the name and key."""
+    """What the routes share: the LLM (its engine and chat template), the async engine over
+    it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name and key."""
 
     def __init__(self, llm, model_name: str, api_key: str | None) -> None:
         self.llm = llm
@@ -44,7 +45,7 @@ class ServerState:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
-        self.loop = EngineLoop(self.engine, self.metrics)
+        self.engine_client = AsyncLLM(llm.llm_engine, start_engine_loop=False, stat_loggers=[self.metrics])
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -83,8 +84,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def _user_error(request: Request, e: CtxparError) -> JSONResponse:
         return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
 
-    @app.exception_handler(EngineDead)
-    async def _dead(request: Request, e: EngineDead) -> JSONResponse:
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return JSONResponse(ApiError(503, str(e)).body(), status_code=503)
 
     @app.exception_handler(ClientGone)
@@ -104,8 +105,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.loop.dead is not None:
-            return JSONResponse(ApiError(503, state.loop.dead).body(), status_code=503)
+        dead = state.engine_client.dead_error
+        if dead is not None:
+            return JSONResponse(ApiError(503, str(dead)).body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -135,7 +137,7 @@ def build_app(state: ServerState) -> FastAPI:
             text, ids = (p, state.encode(p)) if isinstance(p, str) else (None, p)
             params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs)
             prompts.append((text, state.engine.validate(ids, params), params))
-        sub = state.loop.submit(prompts)
+        sub = state.engine_client.submit(prompts)
         meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
 
         def choice(i: int, out, d: R.Delta, sample: int) -> dict:
@@ -172,7 +174,7 @@ def build_app(state: ServerState) -> FastAPI:
         rendered = state.render_chat(req.messages, req.chat_template_kwargs)
         ids = rendered["prompt_token_ids"]
         params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs)
-        sub = state.loop.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
+        sub = state.engine_client.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
         meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
         top = req.top_logprobs or 0
 
@@ -286,8 +288,8 @@ def _sse(request: Request, sub: Submission, meta: tuple, choice, include_usage: 
                 yield event(R.envelope(rid, obj, model, created, [], usage=_usage(list(finals.values()))))
         except ClientGone:
             return
-        except (EngineDead, CtxparError) as e:
-            status = 503 if isinstance(e, EngineDead) else 400
+        except (EngineDeadError, CtxparError) as e:
+            status = 503 if isinstance(e, EngineDeadError) else 400
             yield event(ApiError(status, str(e)).body())
         finally:
             gone.cancel()

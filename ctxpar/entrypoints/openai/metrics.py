@@ -1,6 +1,6 @@
 """Prometheus metrics of the server, named like vLLM's (``ctxpar:`` for ``vllm:``).
 
-Only the engine thread writes them (after each step, abort or token), so the
+Only the engine thread writes them (after each step or abort), so the
 gauges are read from the engine's own bookkeeping without racing it; GET
 /metrics renders the registry on the event loop.
 """
@@ -10,75 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from ctxpar.outputs import RequestOutput
-
-# vLLM's buckets: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s.
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+from ctxpar.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, OutputEvent
 
 
 class _CollectiveSeconds:
@@ -97,7 +29,7 @@ class _CollectiveSeconds:
 
 
 class ServerMetrics:
-    """The server's registry and the hooks the engine loop calls."""
+    """The server's registry: a stat logger of the engine (ctxpar.engine.metrics.StatLogger)."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -143,18 +75,16 @@ class ServerMetrics:
         r.register(self.collectives)
         self._label = label
 
-    def first_token(self, ttft: float, num_prompt_tokens: int) -> None:
-        self.ttft.observe(ttft)
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc()
-
-    def next_token(self, gap: float) -> None:
-        self.itl.observe(gap)
-        self.generation_tokens.inc()
-
-    def finished(self, out: RequestOutput, e2e: float) -> None:
-        self.e2e.observe(e2e)
-        self.success.labels(**self._label, finished_reason=out.outputs[0].finish_reason).inc()
+    def record(self, event: OutputEvent) -> None:
+        self.generation_tokens.inc(event.new_tokens)
+        if event.ttft is not None:
+            self.ttft.observe(event.ttft)
+            self.prompt_tokens.inc(len(event.output.prompt_token_ids))
+        if event.gap is not None:
+            self.itl.observe(event.gap)
+        if event.e2e is not None:
+            self.e2e.observe(event.e2e)
+            self.success.labels(**self._label, finished_reason=event.output.outputs[0].finish_reason).inc()
 
     def observe_engine(self, engine) -> None:
         """Gauges from the engine's state (engine thread only)."""

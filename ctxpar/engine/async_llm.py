@@ -1,0 +1,328 @@
+"""AsyncLLM: vLLM's asyncio engine API, over one engine loop.
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=...))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=16), request_id="0"):
+        ...
+
+One thread owns the LLMEngine and steps it while work exists: a thread of its
+own (the default), or the caller's, which gives it up to ``run_engine_loop()``
+(``ctxpar serve`` runs it on the main thread: torch steps ran slower on a
+secondary thread there, and signals arrive on the main one). Coroutines never
+touch the engine's state: they post commands (add a batch, abort) to a
+thread-safe inbox and read their outputs from an asyncio queue that the engine
+thread feeds with ``call_soon_threadsafe``. So a slow consumer never stalls a
+step, a step never blocks the event loop, and requests arriving while others
+decode join the next step (continuous batching is the engine's own). Every
+request that has work is stepped in every step, so no generator starves another.
+
+A generator that is closed, cancelled or abandoned before its request finishes
+aborts it (its KV blocks are freed within a step). If a step raises (a rank
+died, or a bug), the engine is not trusted again: ``errored`` becomes True,
+every waiting generator and every later call raises ``EngineDeadError`` with
+the reason (``dead_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
+from ctxpar.engine.metrics import Metric, StatLogger
+from ctxpar.inputs import PromptType
+from ctxpar.outputs import RequestOutput
+from ctxpar.sampling_params import SamplingParams
+
+IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run between waits)
+
+Prepared = tuple[str | None, list[int], SamplingParams]  # LLMEngine.process_inputs' result
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed or was shut down; it takes no more requests."""
+
+
+@dataclass(frozen=True)
+class _Aborted:
+    """Sent to a submission whose request was aborted: its generator ends."""
+
+    request_id: str
+
+
+class ClientGone(Exception):
+    """The consumer went away (an HTTP client disconnected) before its requests finished."""
+
+
+@dataclass
+class _Sink:
+    """Where one submission's outputs go."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request_ids: list[str] = field(default_factory=list)
+
+
+class AsyncLLM:
+    """An asyncio front over one LLMEngine (see the module docstring)."""
+
+    def __init__(
+        self,
+        llm_engine: LLMEngine,
+        *,
+        start_engine_loop: bool = True,
+        stat_loggers: Iterable[StatLogger] = (),
+        owns_engine: bool = False,
+    ) -> None:
+        """llm_engine: the engine to drive (an LLM's ``llm_engine`` may be shared).
+        start_engine_loop: step it on a thread of its own; False: the caller runs
+        ``run_engine_loop()``. owns_engine: ``shutdown()`` also closes the engine."""
+        self.llm_engine = llm_engine
+        llm_engine.stat_loggers.extend(stat_loggers)
+        self.dead_error: EngineDeadError | None = None  # why the engine stopped taking requests
+        self._owns_engine = owns_engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # request id -> its sink (engine thread only)
+        self._lock = threading.Lock()  # orders `dead_error` against posting to the inbox
+        self._ids = itertools.count()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        if start_engine_loop:
+            self._thread = threading.Thread(target=self.run_engine_loop, name="ctxpar-engine", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, start_engine_loop: bool = True, stat_loggers: Iterable[StatLogger] = ()
+    ) -> AsyncLLM:
+        return cls(
+            LLMEngine(engine_args), start_engine_loop=start_engine_loop, stat_loggers=stat_loggers, owns_engine=True
+        )
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self.dead_error is None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    async def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.llm_engine.get_model_config()
+
+    async def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()  # counters of plain ints: a consistent enough read
+
+    # -- requests (the event loop's side) ---------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as it runs (by its output_kind); the last one is
+        finished. Leaving the loop early (break, cancellation, an exception, or
+        dropping the generator) aborts the request."""
+        LLMEngine.check_options(lora_request, priority)
+        prepared = self.llm_engine.process_inputs(prompt, sampling_params)
+        submission = self.submit([prepared], [request_id])
+        async for _, out in submission.outputs():
+            yield out
+
+    def submit(self, prepared: list[Prepared], request_ids: list[str] | None = None) -> Submission:
+        """Queue prompts that LLMEngine.process_inputs prepared, as one batch: they
+        enter the same step, all or none. Call from a coroutine of the event loop
+        that reads the outputs."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        if request_ids is None:
+            base = f"{next(self._ids)}"
+            request_ids = [f"{base}-{i}" for i in range(len(prepared))]
+        sink = _Sink(loop, asyncio.Queue(), list(request_ids))
+        self._post(("add", sink, prepared, time.time()))
+        return Submission(self, request_ids, sink.queue)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests; their generators end (with no further output)."""
+        self.abort_nowait([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._post(("abort", request_ids), check=False)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _post(self, command: tuple, check: bool = True) -> None:
+        with self._lock:
+            if check:
+                self._check_alive()
+            self._inbox.put(command)
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def run_engine_loop(self) -> None:
+        """Step the engine until ``shutdown``; on the thread that is to own it."""
+        engine = self.llm_engine
+        self._running = True
+        try:
+            while True:
+                # Wait for commands when there is nothing to step (or nothing may be
+                # stepped); with a timeout, so that signal handlers get to run.
+                commands = []
+                if self.dead_error is not None or not engine.has_unfinished_requests():
+                    try:
+                        commands.append(self._inbox.get(timeout=IDLE_POLL_S))
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        commands.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in commands:
+                    if cmd[0] == "stop":
+                        self._fail_all("the engine was shut down")
+                        return
+                    if self.dead_error is None:
+                        getattr(self, "_do_" + cmd[0])(*cmd[1:])
+                if self.dead_error is not None or not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # a dead rank (RankFailure) or a bug: the engine is not trusted again
+                    why = f"{type(e).__name__}: {e}"
+                    self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+        finally:
+            self._running = False
+
+    def _do_add(self, sink: _Sink, prepared: list[Prepared], arrival_time: float) -> None:
+        added: list[str] = []
+        try:
+            for rid, (text, token_ids, params) in zip(sink.request_ids, prepared):
+                self.llm_engine.add_processed_request(rid, text, token_ids, params, arrival_time)
+                added.append(rid)
+                self._sinks[rid] = sink
+        except Exception as e:  # a duplicate id, or a bug: all or nothing, and tell the caller
+            self._do_abort(added)
+            self._send(sink, e)
+
+    def _do_abort(self, request_ids: list[str]) -> None:
+        mine = []
+        for rid in request_ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                mine.append(rid)
+                self._send(sink, _Aborted(rid))
+        if mine:
+            self.llm_engine.abort_request(mine)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return
+        if out.finished:
+            del self._sinks[out.request_id]
+        self._send(sink, out)
+
+    def _send(self, sink: _Sink, item: object) -> None:
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            self.dead_error = self.dead_error or EngineDeadError(why)
+        # Commands posted before `dead_error` was set are failed too: none waits forever.
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._send(cmd[1], self.dead_error)
+        rids = list(self._sinks)
+        for sink in {id(s): s for s in self._sinks.values()}.values():
+            self._send(sink, self.dead_error)
+        self._sinks.clear()
+        try:
+            self.llm_engine.abort_request(rids)
+        except Exception:
+            pass  # a broken engine: its requests are failed above all the same
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Fail what is in flight, stop the loop (and the engine, if this owns it).
+        An AsyncLLM left running ends with the process: its loop thread is a daemon,
+        and so are its spawned ranks."""
+        self._post(("stop",), check=False)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._owns_engine:
+            self.llm_engine.close()
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's earlier name
+
+
+class Submission:
+    """One batch's requests: iterate for (index, output) until all finish."""
+
+    def __init__(self, engine: AsyncLLM, request_ids: list[str], q: asyncio.Queue) -> None:
+        self.engine = engine
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.queue = q
+        self.unfinished = set(request_ids)
+
+    async def outputs(self, disconnected: asyncio.Future | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs as they come; raises ClientGone once ``disconnected`` is done,
+        EngineDeadError if the engine fails. Leaving early aborts what is unfinished."""
+        try:
+            while self.unfinished:
+                get = asyncio.ensure_future(self.queue.get())
+                waits = {get} if disconnected is None else {get, disconnected}
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not get.done():
+                        get.cancel()
+                if not get.done() or get.cancelled():
+                    raise ClientGone()
+                item = get.result()
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, _Aborted):
+                    self.unfinished.discard(item.request_id)
+                    continue
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                yield self.index[item.request_id], item
+        finally:
+            self.engine.abort_nowait(sorted(self.unfinished))
+            self.unfinished = set()

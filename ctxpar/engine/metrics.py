@@ -1,0 +1,197 @@
+"""Engine statistics, and vLLM V1's metrics reader types (``vllm.v1.metrics.reader``).
+
+Every output the engine hands out becomes an ``OutputEvent`` (its new tokens,
+and its first-token, inter-token and end-to-end times); stat loggers take the
+events and the engine's gauges after each step. ``EngineStats`` is the one
+every LLMEngine keeps (``LLM.get_metrics()``); the server's Prometheus
+registry is another (ctxpar/entrypoints/openai/metrics.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from ctxpar.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from ctxpar.engine.engine import Engine
+
+# vLLM's buckets: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+# fmt: on
+
+
+# -- vLLM's reader types -----------------------------------------------------------
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int]
+
+
+@dataclass
+class Histogram(Metric):
+    count: int
+    sum: float
+    buckets: dict[str, int]  # upper bound ("+Inf" last) -> observations at or below it
+
+
+# -- events and loggers --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """One output handed out, as the stat loggers see it."""
+
+    output: RequestOutput  # cumulative
+    new_tokens: int  # tokens generated since the request's previous output, all samples
+    ttft: float | None  # seconds from arrival to the first token, on the request's first output
+    gap: float | None  # seconds since the request's previous output (inter-token latency)
+    e2e: float | None  # seconds from arrival to the end, on its last output
+
+
+class StatLogger(Protocol):
+    def record(self, event: OutputEvent) -> None: ...
+
+    def observe_engine(self, engine: Engine) -> None:
+        """Gauges from the engine's state, after a step or an abort."""
+        ...
+
+
+class EventTracker:
+    """Turns cumulative outputs into OutputEvents (per request: tokens seen, last output time)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def event(self, out: RequestOutput, now: float) -> OutputEvent:
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        before = self._seen.pop(out.request_id, None)
+        m = out.metrics
+        arrival = m.arrival_time if m is not None else now
+        if not out.finished:
+            self._seen[out.request_id] = (tokens, now)
+        return OutputEvent(
+            output=out,
+            new_tokens=tokens - (before[0] if before else 0),
+            ttft=(m.first_token_time or now) - arrival if before is None and m is not None else None,
+            gap=now - before[1] if before is not None else None,
+            e2e=now - arrival if out.finished else None,
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+
+
+@dataclass
+class _Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def metric(self, name: str, labels: dict[str, str]) -> Histogram:
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        cumulative, running = {}, 0
+        for bound, c in zip([*map(str, self.bounds), "+Inf"], counts):
+            running += c
+            cumulative[bound] = running
+        return Histogram(name, labels, count=running, sum=self.total, buckets=cumulative)
+
+
+class EngineStats:
+    """The counters, gauges and histograms of ``get_metrics()``, under vLLM's names
+    (``vllm:``) and ctxpar's own (``ctxpar:``) for context parallelism."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success: dict[str, int] = {}
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+        self.gauges: dict[str, float] = {}
+        self.counters: dict[str, int] = {}
+        self.collective_seconds: dict[str, float] = {}
+
+    def record(self, event: OutputEvent) -> None:
+        self.generation_tokens += event.new_tokens
+        if event.ttft is not None:
+            self.ttft.observe(event.ttft)
+            self.prompt_tokens += len(event.output.prompt_token_ids)
+        if event.gap is not None:
+            self.itl.observe(event.gap)
+        if event.e2e is not None:
+            self.e2e.observe(event.e2e)
+            reason = event.output.outputs[0].finish_reason or "abort"
+            self.success[reason] = self.success.get(reason, 0) + 1
+
+    def observe_engine(self, engine: Engine) -> None:
+        sched, blocks = engine.scheduler, engine.block_manager
+        self.gauges = {
+            "vllm:num_requests_running": len(sched.running),
+            "vllm:num_requests_waiting": len(sched.waiting),
+            "vllm:kv_cache_usage_perc": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
+        }
+        prefix = sched.prefix_cache_stats
+        self.counters = {
+            "vllm:prefix_cache_queries": prefix.queries,
+            "vllm:prefix_cache_hits": prefix.hits,
+            "vllm:num_preemptions": sched.num_preemptions,
+            "ctxpar:engine_steps": engine.num_steps,
+        }
+        group = getattr(engine.executor, "group", None)  # a MultiRankExecutor's PCPGroup; None with one rank
+        if group is not None:
+            self.collective_seconds = {"data": group.comm_seconds, "control": group.control_seconds}
+            self.counters["ctxpar:pcp_collectives"] = sum(group.num_collectives.values())
+
+    def metrics(self, engine: Engine) -> list[Metric]:
+        self.observe_engine(engine)
+        cfg, lab = engine.config, self.labels
+        out: list[Metric] = [
+            Counter("vllm:prompt_tokens", lab, self.prompt_tokens),
+            Counter("vllm:generation_tokens", lab, self.generation_tokens),
+            *(Counter(name, lab, value) for name, value in self.counters.items()),
+            *(Counter("vllm:request_success", {**lab, "finished_reason": r}, n) for r, n in self.success.items()),
+            *(Gauge(name, lab, value) for name, value in self.gauges.items()),
+            Gauge("ctxpar:pcp_size", lab, cfg.pcp_size),
+            Gauge("ctxpar:dcp_size", lab, cfg.dcp_size),
+            *(
+                Gauge("ctxpar:pcp_collective_seconds", {**lab, "group": g}, s)
+                for g, s in self.collective_seconds.items()
+            ),
+            self.ttft.metric("vllm:time_to_first_token_seconds", lab),
+            self.itl.metric("vllm:inter_token_latency_seconds", lab),
+            self.e2e.metric("vllm:e2e_request_latency_seconds", lab),
+        ]
+        return out
