@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from helpers.models import save_tiny_model, tiny_configs
 
 

@@ -9,11 +9,11 @@ import asyncio
 import random
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, AsyncEngineArgs, AsyncLLM, SamplingParams
 from ctxpar.engine.async_llm import EngineDeadError
 from ctxpar.sampling_params import RequestOutputKind
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 SMALL = dict(max_model_len=128, kv_cache_bytes=1 << 22, num_threads=1)
 N = 32

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, CtxparError, SamplingParams
 from ctxpar.checks import machine_memory_bytes
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from ctxpar import LLM, SamplingParams
 from helpers.reference import transformers_greedy
 from helpers.tiny_tokenizer import with_byte_tokenizer
 from helpers.workloads import SMALL, token_ids, workload
-
-from ctxpar import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import signal
 import time
 
 import pytest
-from helpers.step_failures import CONFIG, GREEDY, SEEDED, prompt
 
 from ctxpar import LLM
 from ctxpar.executor.multiproc import RankFailure
+from helpers.step_failures import CONFIG, GREEDY, SEEDED, prompt
 
 
 @pytest.fixture(autouse=True)

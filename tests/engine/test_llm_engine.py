@@ -13,12 +13,12 @@ import sys
 import textwrap
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, EngineArgs, LLMEngine, SamplingParams, TokensPrompt
 from ctxpar.engine.metrics import Counter, Gauge, Histogram
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import RequestOutputKind
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 SMALL = dict(max_model_len=128, kv_cache_bytes=1 << 22)
 PROMPTS = ["Hello, my name is", "The capital of France is", "ab", "To be or not to be, that is the question"]

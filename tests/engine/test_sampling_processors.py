@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 ENGINE = dict(kv_cache_bytes=1 << 24, max_model_len=96, max_num_batched_tokens=32)
 PROMPT = [ord(c) for c in "the cat sat on the mat. the cat "]  # byte tokenizer: one token per byte

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.step_failures import CONFIG, GREEDY, SEEDED, prompt
 
 import ctxpar.engine.sampler as sampler_module
 from ctxpar import LLM, SamplingParams
 from ctxpar.worker.step_plan import StepPlan
+from helpers.step_failures import CONFIG, GREEDY, SEEDED, prompt
 
 MP = pytest.mark.multiprocess  # on the parameters that start rank processes
 

@@ -10,11 +10,11 @@ import logging
 import shutil
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams, TextPrompt, TokensPrompt
 from ctxpar.engine.vllm_args import HINTS
 from ctxpar.errors import CtxparError
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 SMALL = dict(max_model_len=128, kv_cache_bytes=1 << 22, enable_prefix_caching=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=4)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, CtxparError, SamplingParams
 from ctxpar.logprobs import Logprob
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 MAX_MODEL_LEN = 48
 ENGINE = dict(kv_cache_bytes=1 << 24, max_model_len=MAX_MODEL_LEN, block_size=4)

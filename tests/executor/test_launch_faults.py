@@ -18,13 +18,13 @@ import time
 
 import pytest
 import torch
-from helpers.tiny_tokenizer import with_byte_tokenizer
-from helpers.workloads import long_prompts
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor.multiproc import free_port
 from ctxpar.executor.preflight import max_local_ranks
+from helpers.tiny_tokenizer import with_byte_tokenizer
+from helpers.workloads import long_prompts
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)

@@ -15,14 +15,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.deepseek_configs import tiny_deepseek_configs
-from helpers.models import save_tiny_model
-from helpers.pcp_harness import run_plans, scripted_plans
-from helpers.reference import transformers_greedy
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.executor.multiproc import RankFailure, free_port
+from helpers.deepseek_configs import tiny_deepseek_configs
+from helpers.models import save_tiny_model
+from helpers.pcp_harness import run_plans, scripted_plans
+from helpers.reference import transformers_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
 
 from ctxpar.layers.sharded_context import GatherPolicy
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
+from helpers.pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
 
 NUM_BLOCKS = BLOCKS_PER_REQUEST * 6
 

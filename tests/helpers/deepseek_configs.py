@@ -104,8 +104,9 @@ def save_tiny_deepseek(config, path, seed: int = 0):
     import glob
 
     import torch
-    from helpers.models import save_tiny_model
     from safetensors.torch import load_file, save_file
+
+    from helpers.models import save_tiny_model
 
     save_tiny_model(config, path, seed=seed)
     for f in sorted(glob.glob(str(path / "*.safetensors"))):

@@ -15,11 +15,11 @@ import warnings
 
 import pytest
 import torch
-from helpers.attention_reference import TOL, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar import kernels
+from helpers.attention_reference import TOL, reference
 
 
 def paged(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:

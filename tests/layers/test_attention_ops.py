@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.attention_reference import TOL, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from ctxpar.layers.attention_ops import (
     gather_paged_kv,
     padded_slot_table,
 )
+from helpers.attention_reference import TOL, reference
 
 shapes = st.fixed_dictionaries(
     dict(

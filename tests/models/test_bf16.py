@@ -6,10 +6,10 @@ and the argmax agrees wherever the top-2 gap is wider than that."""
 from __future__ import annotations
 
 import torch
-from helpers.reference import SingleSequence
 
 from ctxpar.layers.linear import can_pack
 from ctxpar.models.loader import load_model
+from helpers.reference import SingleSequence
 
 
 def test_bf16_prefill_and_decode_match_transformers_bf16(tiny_model_dirs):

@@ -12,14 +12,14 @@ import glob
 
 import pytest
 import torch
-from helpers.deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
-from helpers.reference import single_sequence_context
 from safetensors.torch import load_file
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers import mla
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from helpers.deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
+from helpers.reference import single_sequence_context
 
 NAMES = list(tiny_deepseek_configs())
 PROMPT_LEN = 20

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from ctxpar import LLM, SamplingParams
 from helpers.deepseek_configs import tiny_deepseek_configs
 from helpers.models import save_tiny_model
 from helpers.reference import transformers_greedy
 from helpers.workloads import SMALL, token_ids, workload
-
-from ctxpar import LLM, SamplingParams
 
 CONFIGS = ["v2_greedy", "v2_group_yarn", "v3", "v3_yarn"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
-from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 from ctxpar import LLM, SamplingParams
+from helpers.deepseek_configs import save_tiny_deepseek, tiny_deepseek_configs
+from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

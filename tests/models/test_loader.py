@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
-from helpers.reference import SingleSequence
 
 from ctxpar.errors import CtxparError
 from ctxpar.models import gguf, loader
 from ctxpar.models.loader import LoadedModel, default_model_path, load_model
+from helpers.reference import SingleSequence
 
 CPU = torch.device("cpu")
 

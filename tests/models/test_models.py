@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-from helpers.reference import SingleSequence
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.models.llama import LlamaForCausalLM
 from ctxpar.models.loader import load_model
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config, supported_architectures
+from helpers.reference import SingleSequence
 
 NAMES = ["llama", "llama3_rope", "qwen2", "qwen3"]
 ATOL = 1e-4

@@ -21,9 +21,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers.procs import shm_mappings
 
 from ctxpar import LLM, SamplingParams
+from helpers.procs import shm_mappings
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

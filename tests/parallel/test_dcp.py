@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.dcp_harness import Job, run_groups, run_single, shard_slots
-from helpers.pcp_harness import BLOCK_SIZE, four_families, scripted_plans
 
 from ctxpar.parallel.dcp_shard import DCPShard
+from helpers.dcp_harness import Job, run_groups, run_single, shard_slots
+from helpers.pcp_harness import BLOCK_SIZE, four_families, scripted_plans
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

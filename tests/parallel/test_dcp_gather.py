@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.dcp_harness import Job, run_groups, run_single
-from helpers.pcp_harness import four_families, scripted_plans
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
+from helpers.dcp_harness import Job, run_groups, run_single
+from helpers.pcp_harness import four_families, scripted_plans
 
 WORKSPACE = 16
 PROMPT_LEN = {0: 130, 1: 10, 2: 30, 3: 60}

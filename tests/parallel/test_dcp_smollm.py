@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.models.loader import default_model_path
+from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.pcp_harness import four_families, run_plans, scripted_plans
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server

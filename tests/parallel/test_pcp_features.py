@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.procs import shm_mappings
-from helpers.shm_ranks import peer_main, rank_main
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.executor.multiproc import free_port
 from ctxpar.parallel.shm_channel import PeerLost, ShmChannel
+from helpers.procs import shm_mappings
+from helpers.shm_ranks import peer_main, rank_main
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

@@ -20,9 +20,9 @@ import time
 import uuid
 
 import pytest
-from helpers.workloads import long_prompts
 
 from ctxpar import LLM, SamplingParams
+from helpers.workloads import long_prompts
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.cli import main
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 ENV = dict(os.environ, PYTHONIOENCODING="utf-8")
 

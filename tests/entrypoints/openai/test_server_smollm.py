@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers.server_harness import STOPPED, Server
 
 from ctxpar import LLM, SamplingParams
+from helpers.server_harness import STOPPED, Server
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 

@@ -20,10 +20,10 @@ import json
 import shutil
 
 import pytest
-from helpers.server_harness import STOPPED, Server
-from helpers.tiny_tokenizer import with_byte_tokenizer
 
 from ctxpar import LLM, SamplingParams
+from helpers.server_harness import STOPPED, Server
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 NAME = "tiny"
 N = 16
