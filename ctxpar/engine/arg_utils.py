@@ -170,6 +170,7 @@ class EngineArgs:
 
 
 assert set(FLAGS) == set(CONFIG_FIELDS), "every EngineConfig field has its flag"
+assert set(CONFIG_FIELDS) <= {f.name for f in dataclasses.fields(EngineArgs)}, "and its EngineArgs field"
 
 
 @dataclass(init=False)

@@ -126,7 +126,7 @@ class AsyncLLM:
         return self.llm_engine.get_model_config()
 
     async def get_metrics(self) -> list[Metric]:
-        return self.llm_engine.get_metrics()  # counters of plain ints: a consistent enough read
+        return self.llm_engine.get_metrics()  # totals and the snapshot the engine thread last took
 
     # -- requests (the event loop's side) ---------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any
 from ctxpar.config import EngineConfig
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.engine import Engine
-from ctxpar.engine.metrics import EngineStats, EventTracker, Metric, StatLogger
+from ctxpar.engine.metrics import EngineSnapshot, EngineStats, EventTracker, Metric, StatLogger
 from ctxpar.engine.output_kinds import OutputShaper
 from ctxpar.engine.vllm_args import load_tokenizer, refuse_lora
 from ctxpar.errors import CtxparError
@@ -65,6 +65,7 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = [self.stats, *stat_loggers]
         self._events = EventTracker()
         self._shaper = OutputShaper()
+        self._observe()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Iterable[StatLogger] = ()) -> LLMEngine:
@@ -174,8 +175,9 @@ class LLMEngine:
         return shaped
 
     def _observe(self) -> None:
+        snapshot = EngineSnapshot.of(self._engine)
         for logger in self.stat_loggers:
-            logger.observe_engine(self._engine)
+            logger.observe(snapshot)
 
     # -- what vLLM callers read -------------------------------------------------------
 
@@ -193,7 +195,7 @@ class LLMEngine:
         return ModelConfig(e.loaded.name, e.max_model_len, self.config.dtype, e.loaded.hf_config)
 
     def get_metrics(self) -> list[Metric]:
-        return self.stats.metrics(self._engine)
+        return self.stats.metrics(self.config)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix that no running request holds; True if the

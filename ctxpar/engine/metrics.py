@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from ctxpar.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from ctxpar.config import EngineConfig
     from ctxpar.engine.engine import Engine
 
 # vLLM's buckets: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s.
@@ -74,11 +75,45 @@ class OutputEvent:
     e2e: float | None  # seconds from arrival to the end, on its last output
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and running totals, read on the engine's thread after a
+    step or an abort (so readers on other threads never touch its state)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use (1 = full)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    steps: int
+    collectives: int | None  # data collectives of the PCP group; None with one rank
+    collective_seconds: dict[str, float]  # rank 0's seconds in them, "data" and "control"; {} with one rank
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineSnapshot:
+        sched, blocks = engine.scheduler, engine.block_manager
+        group = getattr(engine.executor, "group", None)  # a MultiRankExecutor's PCPGroup; None with one rank
+        return cls(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.num_blocks,
+            prefix_cache_queries=sched.prefix_cache_stats.queries,
+            prefix_cache_hits=sched.prefix_cache_stats.hits,
+            preemptions=sched.num_preemptions,
+            steps=engine.num_steps,
+            collectives=sum(group.num_collectives.values()) if group is not None else None,
+            collective_seconds=(
+                {"data": group.comm_seconds, "control": group.control_seconds} if group is not None else {}
+            ),
+        )
+
+
 class StatLogger(Protocol):
     def record(self, event: OutputEvent) -> None: ...
 
-    def observe_engine(self, engine: Engine) -> None:
-        """Gauges from the engine's state, after a step or an abort."""
+    def observe(self, snapshot: EngineSnapshot) -> None:
+        """The engine's state after a step or an abort."""
         ...
 
 
@@ -140,9 +175,7 @@ class EngineStats:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.itl = _Histogram(ITL_BUCKETS)
         self.e2e = _Histogram(E2E_BUCKETS)
-        self.gauges: dict[str, float] = {}
-        self.counters: dict[str, int] = {}
-        self.collective_seconds: dict[str, float] = {}
+        self.snapshot: EngineSnapshot | None = None  # the latest; LLMEngine observes before any step
 
     def record(self, event: OutputEvent) -> None:
         self.generation_tokens += event.new_tokens
@@ -156,39 +189,29 @@ class EngineStats:
             reason = event.output.outputs[0].finish_reason or "abort"
             self.success[reason] = self.success.get(reason, 0) + 1
 
-    def observe_engine(self, engine: Engine) -> None:
-        sched, blocks = engine.scheduler, engine.block_manager
-        self.gauges = {
-            "vllm:num_requests_running": len(sched.running),
-            "vllm:num_requests_waiting": len(sched.waiting),
-            "vllm:kv_cache_usage_perc": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
-        }
-        prefix = sched.prefix_cache_stats
-        self.counters = {
-            "vllm:prefix_cache_queries": prefix.queries,
-            "vllm:prefix_cache_hits": prefix.hits,
-            "vllm:num_preemptions": sched.num_preemptions,
-            "ctxpar:engine_steps": engine.num_steps,
-        }
-        group = getattr(engine.executor, "group", None)  # a MultiRankExecutor's PCPGroup; None with one rank
-        if group is not None:
-            self.collective_seconds = {"data": group.comm_seconds, "control": group.control_seconds}
-            self.counters["ctxpar:pcp_collectives"] = sum(group.num_collectives.values())
+    def observe(self, snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
 
-    def metrics(self, engine: Engine) -> list[Metric]:
-        self.observe_engine(engine)
-        cfg, lab = engine.config, self.labels
+    def metrics(self, config: EngineConfig) -> list[Metric]:
+        snap, lab = self.snapshot, self.labels
+        assert snap is not None, "LLMEngine observes the engine once it is built"
         out: list[Metric] = [
             Counter("vllm:prompt_tokens", lab, self.prompt_tokens),
             Counter("vllm:generation_tokens", lab, self.generation_tokens),
-            *(Counter(name, lab, value) for name, value in self.counters.items()),
+            Counter("vllm:prefix_cache_queries", lab, snap.prefix_cache_queries),
+            Counter("vllm:prefix_cache_hits", lab, snap.prefix_cache_hits),
+            Counter("vllm:num_preemptions", lab, snap.preemptions),
+            Counter("ctxpar:engine_steps", lab, snap.steps),
             *(Counter("vllm:request_success", {**lab, "finished_reason": r}, n) for r, n in self.success.items()),
-            *(Gauge(name, lab, value) for name, value in self.gauges.items()),
-            Gauge("ctxpar:pcp_size", lab, cfg.pcp_size),
-            Gauge("ctxpar:dcp_size", lab, cfg.dcp_size),
+            Gauge("vllm:num_requests_running", lab, snap.running),
+            Gauge("vllm:num_requests_waiting", lab, snap.waiting),
+            Gauge("vllm:kv_cache_usage_perc", lab, snap.kv_cache_usage),
+            Gauge("ctxpar:pcp_size", lab, config.pcp_size),
+            Gauge("ctxpar:dcp_size", lab, config.dcp_size),
+            *([Counter("ctxpar:pcp_collectives", lab, snap.collectives)] if snap.collectives is not None else []),
             *(
                 Gauge("ctxpar:pcp_collective_seconds", {**lab, "group": g}, s)
-                for g, s in self.collective_seconds.items()
+                for g, s in snap.collective_seconds.items()
             ),
             self.ttft.metric("vllm:time_to_first_token_seconds", lab),
             self.itl.metric("vllm:inter_token_latency_seconds", lab),

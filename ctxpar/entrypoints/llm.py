@@ -110,7 +110,6 @@ class LLM:
         # The config is validated before any model loads (LLMEngine's first step).
         self.llm_engine: LLMEngine | None = LLMEngine.from_engine_args(engine_args)
         self.config: EngineConfig = self.llm_engine.config
-        self.engine: Engine | None = self.llm_engine.engine  # ctxpar's Engine (the scheduler, the block manager)
         self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
 
     def get_tokenizer(self) -> Any:
@@ -135,10 +134,16 @@ class LLM:
         return SamplingParams(**self._default_sampling)
 
     @property
+    def engine(self) -> Engine | None:
+        """ctxpar's Engine under the llm_engine (the scheduler, the block manager); None once closed."""
+        return self.llm_engine.engine if self.llm_engine is not None else None
+
+    @property
     def _engine(self) -> Engine:
-        if self.engine is None:
+        engine = self.engine
+        if engine is None:
             raise CtxparError("this LLM has been closed")
-        return self.engine
+        return engine
 
     @property
     def _llm_engine(self) -> LLMEngine:
@@ -385,7 +390,7 @@ class LLM:
 
     def close(self) -> None:
         """Release the executor and its ranks; the LLM (and its llm_engine) cannot be used afterwards."""
-        llm_engine, self.llm_engine, self.engine = self.llm_engine, None, None
+        llm_engine, self.llm_engine = self.llm_engine, None
         if llm_engine is not None:
             llm_engine.close()
 

@@ -90,7 +90,7 @@ class ModelRunner:
         # Where each token sits in its request's cache: its position, or under DCP
         # its index among the tokens its owner stores (only the owner writes it).
         where = token_pos if self.shard is None else self.shard.local_position(token_pos)
-        global_slots = self._slots(plan, token_row, where)  # (T,)
+        global_slots = token_slots(plan.block_tables, token_row, where, self.block_size)  # (T,)
         if self.shard is None:
             dcp = None
             context_slots = [
@@ -151,14 +151,10 @@ class ModelRunner:
             return
         self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
         # Worked out only now, on a core that rank 0's threads have left (it samples alone).
-        at = torch.from_numpy(
-            self._slots(plan, *token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens))
-        ).to(self.device)
+        row, pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
+        at = torch.from_numpy(token_slots(plan.block_tables, row, pos, self.block_size)).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
             cache.index_copy_(0, at, new)
-
-    def _slots(self, plan: StepPlan, token_row: np.ndarray, where: np.ndarray) -> np.ndarray:
-        return token_slots(plan.block_tables, token_row, where, self.block_size)
 
     def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
         """What the attention layers need under DCP (ctxpar/layers/sharded_attention.py): the new keys of

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from ctxpar.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, OutputEvent
+from ctxpar.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineSnapshot, OutputEvent
 
 
 class _CollectiveSeconds:
@@ -86,15 +86,12 @@ class ServerMetrics:
             self.e2e.observe(event.e2e)
             self.success.labels(**self._label, finished_reason=event.output.outputs[0].finish_reason).inc()
 
-    def observe_engine(self, engine) -> None:
-        """Gauges from the engine's state (engine thread only)."""
-        sched, blocks = engine.scheduler, engine.block_manager
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(1.0 - blocks.num_free_blocks / blocks.num_blocks)
-        group = getattr(engine.executor, "group", None)  # a MultiRankExecutor's PCPGroup; None with one rank
-        if group is not None:
-            self.collectives.seconds = {"data": group.comm_seconds, "control": group.control_seconds}
+    def observe(self, snapshot: EngineSnapshot) -> None:
+        self.running.set(snapshot.running)
+        self.waiting.set(snapshot.waiting)
+        self.kv_usage.set(snapshot.kv_cache_usage)
+        if snapshot.collective_seconds:
+            self.collectives.seconds = snapshot.collective_seconds
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
