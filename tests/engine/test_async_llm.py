@@ -122,6 +122,9 @@ def test_delta_generator_and_an_abandoned_one(text_dir, reference):
         pieces = asyncio.run(main())
         assert [t for p in pieces for t in p] == reference[1] and all(len(p) == 1 for p in pieces)
         assert not engine.llm_engine.engine.groups
+        # Only the delta request finished: the abandoned one was aborted, not run to its 100 tokens.
+        finished = [m for m in engine.llm_engine.get_metrics() if m.name == "vllm:request_success"]
+        assert sum(m.value for m in finished) == 1, finished
     finally:
         engine.shutdown()
 
