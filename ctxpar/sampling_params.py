@@ -20,6 +20,9 @@ from typing import Any
 
 from ctxpar.checks import check_float, check_int, is_int
 from ctxpar.errors import CtxparError
+from ctxpar.structured_params import StructuredOutputsParams
+
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 # torch.Generator.manual_seed takes any integer that fits 64 bits, signed or not.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -80,6 +83,9 @@ class SamplingParams:
     truncate_prompt_tokens: keep only the last k prompt tokens; -1: as many as
         the context allows.
     output_kind: RequestOutputKind: every output cumulative (the default), deltas, or the final one only.
+    structured_outputs: StructuredOutputsParams: the output must match a JSON
+        schema, a regex, a choice, a grammar (see its docstring). Logprobs are
+        then those of the constrained distribution, as in vLLM.
     """
 
     max_tokens: int | None = 16
@@ -108,6 +114,7 @@ class SamplingParams:
     detokenize: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -167,6 +174,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False)
         self._check_logit_bias()
+        self._check_structured_outputs()
 
     def _check_counts(self) -> None:
         check_int("n", self.n, 1, MAX_N)
@@ -206,6 +214,30 @@ class SamplingParams:
             if not is_int(t) or t < 0:
                 raise CtxparError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             check_float(f"logit_bias[{t}]", b, -1e9, 1e9)
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise CtxparError(
+                f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got {so!r}"
+            )
+        so.validate()
+        # Both could leave no token allowed: the grammar may allow only EOS where
+        # min_tokens bans it, or only tokens outside allowed_token_ids.
+        if self.min_tokens:
+            raise CtxparError(
+                "min_tokens cannot be combined with structured_outputs (the grammar decides where the output "
+                "ends): drop min_tokens"
+            )
+        if self.allowed_token_ids is not None:
+            raise CtxparError(
+                "allowed_token_ids cannot be combined with structured_outputs (the grammar decides which "
+                "tokens are allowed): drop allowed_token_ids"
+            )
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:

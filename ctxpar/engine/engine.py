@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import cast
@@ -23,15 +24,19 @@ import torch
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
+from ctxpar.engine.grammar import RequestGrammar
 from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
+from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.executor import start_executor
 from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
+
+logger = logging.getLogger("ctxpar")
 
 
 class Engine:
@@ -55,6 +60,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id
@@ -94,6 +100,9 @@ class Engine:
         # changing the caller's object (or its lists) later cannot reach a request in flight.
         params = params.clone()
         params.validate()
+        # Parsed now (a bad schema fails here, alone); compiled beside the step loop.
+        so = params.structured_outputs
+        compiled = self.structured.compile(so) if so is not None else None
         index = next(self._arrivals)
         request_id = request_id if request_id is not None else str(index)
         k = params.num_samples
@@ -124,6 +133,7 @@ class Engine:
                 index=i,
                 # Prompt logprobs need every prompt token's hidden state: no prefix-cache reads.
                 skip_prefix_cache=i == 0 and params.prompt_logprobs is not None,
+                grammar=RequestGrammar(compiled) if compiled is not None else None,
             )
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer if params.detokenize else None,
@@ -139,7 +149,10 @@ class Engine:
         # The other samples start once the first one's prompt is in the KV cache, and share its blocks.
         group.held = group.samples[1:]
         self.groups[request_id] = group
-        self.scheduler.add(group.samples[0])
+        if compiled is not None:
+            self.structured.compiling.append(group)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add(group.samples[0])
         return request_id
 
     def _generator(self, params: SamplingParams, index: int, sample: int) -> torch.Generator | None:
@@ -174,6 +187,8 @@ class Engine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        if group in self.structured.compiling:
+            self.structured.compiling.remove(group)
         for req in group.samples:
             self.requests.pop(req.request_id, None)
             if req in group.held:
@@ -184,7 +199,7 @@ class Engine:
         group.held = []
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured.compiling)
 
     # -- the loop -----------------------------------------------------------
 
@@ -198,9 +213,10 @@ class Engine:
         keeps its computed-token count, its tokens and its RNG state, so the
         step is simply scheduled again. The exception goes to the caller.
         """
+        outputs = self._admit_compiled()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return outputs
         now = time.perf_counter()
         for req in batch.requests:
             if req.metrics.first_scheduled_time is None:
@@ -216,8 +232,10 @@ class Engine:
         try:
             logits = self.executor.execute(plan)
             sample_rows, prompt_chunks = split_logits(batch.requests, plan, logits)
+            sample_logits = logits if sample_rows is None else logits[sample_rows]
+            self.structured.mask(sample_logits, sampling)  # before anything reads them, as vLLM
             out = self.sampler(
-                logits if sample_rows is None else logits[sample_rows],
+                sample_logits,
                 [r.params for r in sampling],
                 generators,
                 sampling,
@@ -234,6 +252,7 @@ class Engine:
         for req, token in zip(sampling, out.token_ids):
             req.output_token_ids.append(token)
         self.scheduler.commit(batch)
+        self.structured.accept(sampling, out.token_ids)
         self.num_steps += 1
         for chunk in prompt_chunks:
             assert chunk.group.prompt_logprobs is not None  # the chunk's group wants prompt logprobs
@@ -251,7 +270,6 @@ class Engine:
                     self.scheduler.add(held)
                 group.held = []
             touched[group.request_id] = group
-        outputs = []
         for group in touched.values():
             if group.params.num_samples > group.params.n and not group.finished:
                 continue  # best_of: only the finished ranking means anything
@@ -261,6 +279,24 @@ class Engine:
                 for req in group.samples:
                     del self.requests[req.request_id]
         return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is now compiled; a grammar that failed
+        to compile finishes its request alone ("abort"), as vLLM does."""
+        failed = []
+        for group, error in self.structured.take_ready(block=not self.scheduler.has_unfinished()):
+            if error is None:
+                self.scheduler.add(group.samples[0])
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", group.request_id, error)
+            for req in group.samples:
+                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+            group.held = []
+            failed.append(self._output(group))
+            del self.groups[group.request_id]
+            for req in group.samples:
+                del self.requests[req.request_id]
+        return failed
 
     # -- outputs --------------------------------------------------------------
 
@@ -299,6 +335,8 @@ class Engine:
             reason = "stop" if stop is not None else None
             if reason is None and req.num_tokens >= req.max_total_tokens:
                 reason = "length"
+        if reason is None and req.grammar is not None and req.grammar.terminated:
+            reason = "stop"  # the structure is complete and its end accepted (ignore_eos cannot go on)
         if reason is None:
             return
         if not isinstance(stop, str):
@@ -339,6 +377,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the executor (and the worker ranks, if any)."""
+        self.structured.close()
         if self.executor is not None:
             self.executor.close()
             self.executor = None  # type: ignore[assignment]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
+from ctxpar.engine.grammar import RequestGrammar
 from ctxpar.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from ctxpar.sampling_params import SamplingParams
 
@@ -50,6 +51,7 @@ class Request:
     group: RequestGroup | None = None  # the prompt's samples this one belongs to
     index: int = 0  # which sample of its group
     skip_prefix_cache: bool = False  # compute every prompt token (prompt logprobs need their hidden states)
+    grammar: RequestGrammar | None = None  # structured outputs: where this sample is in its grammar
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -24,6 +24,7 @@ import threading
 
 from ctxpar.checks import int_arg
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.entrypoints.openai.tools import TOOL_PARSERS
 from ctxpar.errors import CtxparError
 
 # After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
@@ -47,6 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model name clients send (default: --model as given, or the default model's name)",
     )
+    t = p.add_argument_group("tool calling")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help='how tool calls are found in the model\'s text with tool_choice "auto" '
+        "(hermes: <tool_call>{...}</tool_call>, as Qwen and SmolLM templates write them)",
+    )
     EngineArgs.add_cli_args(p)
 
 
@@ -56,9 +69,12 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CtxparError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name
-        state = ServerState(llm, name, args.api_key or None)
+        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        state = ServerState(llm, name, args.api_key or None, parser)
         config = uvicorn.Config(
             build_app(state),
             host=args.host,

@@ -31,15 +31,18 @@ from ctxpar.entrypoints.openai.protocol import (
     TokenizeRequest,
     parse,
 )
+from ctxpar.entrypoints.openai.tools import ToolParser, merge_calls, plan_tools
 from ctxpar.errors import CtxparError
 
 
 class ServerState:
     """What the routes share: the LLM (its engine and chat template), the async engine over
-    it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name and key."""
+    it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name and key,
+    and the parser of tool_choice "auto" (None: "auto" is refused)."""
 
-    def __init__(self, llm, model_name: str, api_key: str | None) -> None:
+    def __init__(self, llm, model_name: str, api_key: str | None, tool_parser: str | None = None) -> None:
         self.llm = llm
+        self.tool_parser = tool_parser
         self.engine = llm.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
@@ -53,10 +56,12 @@ class ServerState:
                 404, f"the model `{name}` does not exist; this server serves `{self.model_name}`", param="model"
             )
 
-    def render_chat(self, messages: list, chat_template_kwargs: dict | None = None) -> dict:
+    def render_chat(self, messages: list, chat_template_kwargs: dict | None = None, tools: list | None = None) -> dict:
         """{"prompt", "prompt_token_ids"} of the conversation, as LLM.chat renders it."""
         try:
-            [rendered] = self.llm.apply_chat_template([m.as_template_input() for m in messages], chat_template_kwargs)
+            [rendered] = self.llm.apply_chat_template(
+                [m.as_template_input() for m in messages], chat_template_kwargs, tools=tools
+            )
         except (CtxparError, ApiError):
             raise
         except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
@@ -133,9 +138,10 @@ def build_app(state: ServerState) -> FastAPI:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
         state.check_model(req.model)
         prompts = []
+        constraint = req.structured_outputs_params()
         for p in req.prompts():
             text, ids = (p, state.encode(p)) if isinstance(p, str) else (None, p)
-            params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs)
+            params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs, constraint)
             prompts.append((text, state.engine.validate(ids, params), params))
         sub = state.engine_client.submit(prompts)
         meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
@@ -171,19 +177,27 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
         state.check_model(req.model)
-        rendered = state.render_chat(req.messages, req.chat_template_kwargs)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_parser)
+        constraint = req.structured_outputs_params()
+        if tools.constraint is not None:
+            if constraint is not None:
+                raise ApiError(400, "tool_choice and response_format both constrain the output: give one")
+            constraint = tools.constraint
+        rendered = state.render_chat(req.messages, req.chat_template_kwargs, req.tools)
         ids = rendered["prompt_token_ids"]
-        params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs)
+        params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs, constraint)
         sub = state.engine_client.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
         meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
         top = req.top_logprobs or 0
+        parsers: dict[int, ToolParser | None] = {}  # per choice: its text -> tool calls
 
         def choice(i: int, out, d: R.Delta, sample: int, key: str = "delta") -> dict:
+            msg, finish = _tool_message(parsers.setdefault(i, tools.new_parser()), out, d, sample, whole=key != "delta")
             c = {
                 "index": i,
-                key: {"content": d.text},
+                key: msg,
                 "logprobs": R.chat_logprobs(state.tokenizer, d, top),
-                **R.finish_fields(out, sample),
+                **finish,
             }
             if req.return_token_ids:
                 c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
@@ -228,6 +242,25 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.include_router(api)
     return app
+
+
+def _tool_message(parser: ToolParser | None, out, d: R.Delta, sample: int, whole: bool) -> tuple[dict, dict]:
+    """A chat choice's message (whole) or delta, and its finish fields: the text
+    as content, or, through the parser, as tool calls ("tool_calls" then ends it)."""
+    finish = R.finish_fields(out, sample)
+    if parser is None:
+        return {"content": d.text}, finish
+    content, calls = parser.feed(d.text)
+    if finish["finish_reason"] is not None:
+        rest, more = parser.finish()
+        content, calls = content + rest, calls + more
+    if parser.called and finish["finish_reason"] == "stop":
+        finish["finish_reason"] = "tool_calls"
+    if not whole:
+        return ({"content": content} if content or not calls else {}) | ({"tool_calls": calls} if calls else {}), finish
+    if not parser.called:
+        return {"content": d.text}, finish  # no call after all: the text as it came
+    return {"content": content or None, "tool_calls": merge_calls(calls)}, finish
 
 
 def _usage(outs) -> dict:

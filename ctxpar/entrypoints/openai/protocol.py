@@ -9,13 +9,14 @@ field, never silence.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ctxpar.entrypoints.chat import template_content
 from ctxpar.errors import CtxparError
-from ctxpar.sampling_params import SamplingParams
+from ctxpar.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's cap on completions' `logprobs` is 5 and on chat's `top_logprobs` 20;
 # like vLLM, one limit for both (the engine itself has none).
@@ -85,6 +86,13 @@ class _Sampling(_Body):
     spaces_between_special_tokens: bool = True  # vLLM extension
     n: int = 1  # choices per prompt; they share the prompt's KV blocks
     prompt_logprobs: int | None = None  # vLLM extension: logprobs of every prompt token (not streamed)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # Defined by OpenAI or vLLM, not implemented: field -> (neutral values, why it is refused otherwise)
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
@@ -101,11 +109,45 @@ class _Sampling(_Body):
                 400, "prompt_logprobs are returned only without streaming: set stream=false", param="prompt_logprobs"
             )
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint the body asks for (at most one way of asking); a 400 if malformed."""
+        guided = {
+            k: v
+            for k, v in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if v is not None
+        }
+        asked = {
+            "response_format": _response_format(self.response_format),
+            "structured_outputs": self.structured_outputs,
+            "guided_*": guided or None,
+        }
+        given = {k: v for k, v in asked.items() if v is not None}
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {' and '.join(given)}, not both", param=next(iter(given)))
+        if not given:
+            return None
+        [(where, fields)] = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError as e:  # an unknown field name
+            raise ApiError(400, f"{where}: {e}", param=where.rstrip("_*")) from None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        num_prompt_tokens: int,
+        max_model_len: int,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """SamplingParams for one prompt; CtxparError (a 400) on a bad value.
 
         Without max_tokens a request may use the rest of the context (vLLM's
@@ -145,6 +187,7 @@ class _Sampling(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
 
     def default_max_tokens(self, room: int) -> int:
@@ -207,17 +250,59 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def as_template_input(self) -> dict:
-        """{"role", "content"} with the content as one string, as LLM.chat renders it."""
+        """{"role", "content", ...} with the content as one string, as LLM.chat renders it;
+        tool call arguments as dicts, as chat templates read them (vLLM does the same)."""
         try:
             content = template_content(self.content, "string")
         except CtxparError as e:
             raise ApiError(400, str(e), param="messages") from None
-        msg = {"role": self.role, "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            msg["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return msg
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, "a message's tool_calls must be {'function': {'name', 'arguments'}}", param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass  # the template gets the text as it was sent
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def _response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as StructuredOutputsParams fields (None: free text)."""
+    if rf is None or rf.get("type") == "text":
+        return None
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if schema is None:
+            raise ApiError(400, "response_format.json_schema.schema is missing", param="response_format")
+        return {"json": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": {k: v for k, v in rf.items() if k != "type"} | {"type": "structural_tag"}}
+    raise ApiError(
+        400,
+        f"response_format type {kind!r} is not one of text, json_object, json_schema, structural_tag",
+        param="response_format",
+    )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -230,14 +315,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
-        **_Sampling.UNSUPPORTED,
-        "tools": ((None, []), "no tool calling yet"),
-        "tool_choice": ((None, "none"), "no tool calling yet"),
-        "response_format": ((None, {"type": "text"}), "no structured output yet"),
-    }
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()

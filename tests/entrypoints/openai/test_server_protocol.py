@@ -11,12 +11,7 @@ import pytest
 from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from ctxpar.errors import CtxparError
 
-NON_NEUTRAL = {
-    "suffix": "end",
-    "tools": [{"type": "function"}],
-    "tool_choice": "auto",
-    "response_format": {"type": "json_object"},
-}
+NON_NEUTRAL = {"suffix": "end"}
 BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}
 CASES = [(m, f) for m in BASE for f in m.UNSUPPORTED]
 
