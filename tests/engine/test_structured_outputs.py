@@ -224,3 +224,43 @@ def test_chat_with_tools_offline(llm):
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
     [out] = llm.chat([{"role": "user", "content": "Weather in Paris?"}], params, tools=tools, use_tqdm=False)
     check_json(out.outputs[0].text, tools[0]["function"]["parameters"])
+
+
+def test_failed_step_and_preemption_leave_the_grammars_in_step(llm):
+    """A step that raises advances no matcher, and a preempted request (its KV
+    dropped and recomputed) keeps its place in its grammar: the outputs are those
+    of an undisturbed run."""
+    names = ["nested", "ref"] * 3
+    prompts = [f"Reply with a JSON {name}:" for name in names]
+    params = [json_params(SCHEMAS[name], 1.0, seed) for seed, name in enumerate(names)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    executor = llm.llm_engine.engine.executor
+    real, calls = executor.execute, []
+
+    def execute(plan):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("step failed")
+        return real(plan)
+
+    executor.execute = execute
+    engine = llm.llm_engine
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            try:
+                outs = engine.step()
+            except RuntimeError:
+                continue
+            got |= {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    finally:
+        executor.execute = real
+    assert [got[str(i)] for i in range(len(prompts))] == want and len(calls) > 5
+    # A KV cache that holds about one request at a time: the others are preempted and recomputed.
+    with LLM(dtype="float32", kv_cache_bytes=3 << 20, max_model_len=64, enable_prefix_caching=False) as small:
+        small.generate(prompts, params, use_tqdm=False)  # compiles the grammars: all start together next
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert small.llm_engine.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
