@@ -264,3 +264,28 @@ def test_failed_step_and_preemption_leave_the_grammars_in_step(llm):
         outs = small.generate(prompts, params, use_tqdm=False)
         assert small.llm_engine.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_structural_tags(llm):
+    """xgrammar's format (here: the whole output one tag around a schema) and vLLM's
+    legacy one (free text; a trigger starts a tagged, schema-checked part)."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}
+    tag = {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}
+    current = {"type": "structural_tag", "format": tag}
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=2, max_tokens=40, structured_outputs=StructuredOutputsParams(structural_tag=st)
+        )
+        for st in (current, json.dumps(legacy))
+    ]
+    whole, free = llm.generate(["Call f:", "Call f: <f>"], params, use_tqdm=False)
+    m = re.fullmatch(r"<f>(.*)</f>", whole.outputs[0].text, re.S)
+    assert m, whole.outputs[0].text
+    check_json(m.group(1), schema)
+    for part in re.findall(r"<f>(.*?)</f>", free.outputs[0].text, re.S):
+        check_json(part, schema)
