@@ -1,0 +1,174 @@
+"""Speculative decoding end to end on the tiny models: with n-gram drafts, greedy
+requests produce exactly the tokens they produce without speculation, in mixed
+batches, under chunked prefill, preemption, stop conditions, n > 1 and logprobs,
+on one rank, P = 2 and 3 ranks (verify rows split or replicated), under DCP, and
+with MLA; the reference is the same engine without speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ctxpar import LLM, SamplingParams
+from ctxpar.errors import CtxparError
+from helpers.deepseek_configs import tiny_deepseek_configs
+from helpers.models import save_tiny_model
+from helpers.workloads import SMALL
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MP = pytest.mark.multiprocess
+
+
+def spec_workload(n: int = 8, seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
+    """Prompts that repeat a phrase (drafts often right) and random ones (often wrong),
+    greedy with different lengths, some with logprobs, one seeded-sampled."""
+    rng = np.random.default_rng(seed)
+    prompts, params = [], []
+    for i in range(n):
+        if i % 2 == 0:
+            phrase = rng.integers(0, 256, int(rng.integers(3, 12))).tolist()
+            prompt = (phrase * 40)[: int(rng.integers(10, 90))]
+        else:
+            prompt = rng.integers(0, 256, int(rng.integers(1, 90))).tolist()
+        prompts.append({"prompt_token_ids": prompt})
+        params.append(
+            SamplingParams(
+                temperature=0, max_tokens=int(rng.integers(8, 40)), ignore_eos=True, logprobs=2 if i % 3 == 1 else None
+            )
+        )
+    return prompts, params
+
+
+def run(model: str, prompts, params, **kwargs) -> list:
+    with LLM(model, **kwargs) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        bm = llm.engine.block_manager
+        bm.check_integrity()
+        assert bm.num_free_blocks == llm.engine.num_blocks  # every block back, rejected drafts' included
+        return outs
+
+
+def accepted_and_rejected(outs) -> bool:
+    """Whether speculation really happened: some drafts kept, some rejected."""
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    return 0 < accepted < sum(o.metrics.num_draft_tokens for o in outs)
+
+
+def assert_same(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        for go, wo in zip(g.outputs, w.outputs, strict=True):
+            assert go.token_ids == wo.token_ids
+            assert go.finish_reason == wo.finish_reason and go.stop_reason == wo.stop_reason
+            if wo.logprobs is not None:
+                assert go.logprobs is not None and len(go.logprobs) == len(wo.logprobs)
+                for a, b in zip(go.logprobs, wo.logprobs):
+                    assert list(a) == list(b)  # same tokens in the same order (sampled first, then top-2)
+                    assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("spec_decode")
+    return {
+        "llama": str(tiny_model_dirs["llama"]),  # GQA
+        "deepseek_v3": str(save_tiny_model(tiny_deepseek_configs()["v3"], root / "v3")),  # MLA
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> dict[str, list]:
+    prompts, params = spec_workload()
+    return {name: run(path, prompts, params, **SMALL) for name, path in models.items()}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        dict(max_num_batched_tokens=16, max_num_seqs=3),  # chunked prefill, drafts cut to the budget
+        dict(block_size=4, num_kv_blocks=40, max_model_len=130),  # preemption (checked below)
+        dict(enable_prefix_caching=False),
+    ],
+)
+def test_greedy_identical_with_ngram(models, reference, kwargs):
+    prompts, params = spec_workload()
+    kw = {**SMALL, **kwargs} if "num_kv_blocks" not in kwargs else kwargs
+    with LLM(models["llama"], speculative_config=NGRAM, **kw) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if "num_kv_blocks" in kwargs:
+            assert llm.engine.scheduler.num_preemptions > 0
+        llm.engine.block_manager.check_integrity()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert_same(outs, reference["llama"])
+    assert accepted_and_rejected(outs)
+    rates = [o.metrics.acceptance_rate for o in outs if o.metrics.num_drafts]
+    assert rates and all(0 <= r <= 1 for r in rates)
+
+
+def test_greedy_identical_with_mla(models, reference):
+    prompts, params = spec_workload()
+    assert_same(
+        run(models["deepseek_v3"], prompts, params, speculative_config=NGRAM, **SMALL), reference["deepseek_v3"]
+    )
+
+
+def test_stop_token_inside_an_accepted_run(models):
+    """A stop token accepted among the drafts ends the output there: later drafts are dropped."""
+    prompts, params = spec_workload()
+    ref = run(models["llama"], prompts, params, **SMALL)
+    stops = [
+        SamplingParams(temperature=0, max_tokens=p.max_tokens, stop_token_ids=[o.outputs[0].token_ids[-3]])
+        for p, o in zip(params, ref)
+    ]
+    want = run(models["llama"], prompts, stops, **SMALL)
+    outs = run(models["llama"], prompts, stops, speculative_config=NGRAM, **SMALL)
+    assert_same(outs, want)
+    assert all(o.outputs[0].finish_reason == "stop" for o in want)
+    assert accepted_and_rejected(outs)
+
+
+def test_n_samples_and_seeded_sampling(models):
+    """n = 2 samples through the rejection sampler: with top_k=1 (a point mass) every
+    sample is exactly the greedy output; seeded samples are reproducible."""
+    prompts, _ = spec_workload(4)
+    greedy = run(models["llama"], prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), **SMALL)
+    top1 = SamplingParams(n=2, temperature=0.8, top_k=1, seed=3, max_tokens=20, ignore_eos=True)
+    outs = run(models["llama"], prompts, top1, speculative_config=NGRAM, **SMALL)
+    assert [[s.token_ids for s in o.outputs] for o in outs] == [[g.outputs[0].token_ids] * 2 for g in greedy]
+    assert accepted_and_rejected(outs)
+    sampled = SamplingParams(n=2, temperature=0.8, top_k=20, seed=7, max_tokens=20, ignore_eos=True)
+    with LLM(models["llama"], speculative_config=NGRAM, **SMALL) as llm:
+        first = llm.generate(prompts, sampled, use_tqdm=False)
+        again = llm.generate(prompts, sampled, use_tqdm=False)
+    assert_same(first, again)
+
+
+@pytest.mark.parametrize(
+    "model,kwargs",
+    [
+        pytest.param("llama", dict(pcp_size=2, pcp_min_tokens=0), marks=MP, id="P2-split"),
+        pytest.param("llama", dict(pcp_size=3, pcp_min_tokens=4), marks=MP, id="P3-mixed"),
+        pytest.param("llama", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=0), marks=MP, id="P2-DCP"),
+        pytest.param("deepseek_v3", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=4), marks=MP, id="P2-DCP-MLA"),
+    ],
+)
+def test_greedy_identical_across_ranks(models, reference, model, kwargs):
+    """Verify rows split across the ranks (pcp_min_tokens=0), replicated when short, and
+    attending sharded KV under DCP: still exactly the one-rank tokens without speculation."""
+    prompts, params = spec_workload()
+    outs = run(models[model], prompts, params, speculative_config=NGRAM, max_num_batched_tokens=64, **SMALL, **kwargs)
+    assert_same(outs, reference[model])
+    assert accepted_and_rejected(outs)
+
+
+def test_bad_speculative_config(models):
+    for bad, words in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "unknown"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "lookup"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
+        ("{not json", "JSON"),
+    ]:
+        with pytest.raises(CtxparError, match=words):
+            LLM(models["llama"], speculative_config=bad)
