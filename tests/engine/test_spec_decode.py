@@ -21,7 +21,7 @@ MP = pytest.mark.multiprocess
 
 def spec_workload(n: int = 8, seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
     """Prompts that repeat a phrase (drafts often right) and random ones (often wrong),
-    greedy with different lengths, some with logprobs, one seeded-sampled."""
+    greedy with different lengths, some with logprobs, some with a frequency penalty."""
     rng = np.random.default_rng(seed)
     prompts, params = [], []
     for i in range(n):
@@ -33,7 +33,12 @@ def spec_workload(n: int = 8, seed: int = 0) -> tuple[list[dict], list[SamplingP
         prompts.append({"prompt_token_ids": prompt})
         params.append(
             SamplingParams(
-                temperature=0, max_tokens=int(rng.integers(8, 40)), ignore_eos=True, logprobs=2 if i % 3 == 1 else None
+                temperature=0,
+                max_tokens=int(rng.integers(8, 40)),
+                ignore_eos=True,
+                logprobs=2 if i % 3 == 1 else None,
+                # Logits processing that depends on the output so far (the kept drafts count).
+                frequency_penalty=0.3 if i % 4 == 2 else 0.0,
             )
         )
     return prompts, params
@@ -82,64 +87,69 @@ def reference(models) -> dict[str, list]:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "model,kwargs",
     [
-        {},
-        dict(max_num_batched_tokens=16, max_num_seqs=3),  # chunked prefill, drafts cut to the budget
-        dict(block_size=4, num_kv_blocks=40, max_model_len=130),  # preemption (checked below)
-        dict(enable_prefix_caching=False),
+        ("llama", {}),
+        ("deepseek_v3", {}),  # MLA
+        ("llama", dict(max_num_batched_tokens=16, max_num_seqs=3)),  # chunked prefill, drafts cut to the budget
+        ("llama", dict(block_size=4, num_kv_blocks=40, max_model_len=130)),  # preemption (checked below)
+        ("llama", dict(enable_prefix_caching=False)),
     ],
 )
-def test_greedy_identical_with_ngram(models, reference, kwargs):
+def test_greedy_identical_with_ngram(models, reference, model, kwargs):
     prompts, params = spec_workload()
     kw = {**SMALL, **kwargs} if "num_kv_blocks" not in kwargs else kwargs
-    with LLM(models["llama"], speculative_config=NGRAM, **kw) as llm:
+    with LLM(models[model], speculative_config=NGRAM, **kw) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         if "num_kv_blocks" in kwargs:
             assert llm.engine.scheduler.num_preemptions > 0
         llm.engine.block_manager.check_integrity()
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
-    assert_same(outs, reference["llama"])
+    assert_same(outs, reference[model])
     assert accepted_and_rejected(outs)
     rates = [o.metrics.acceptance_rate for o in outs if o.metrics.num_drafts]
     assert rates and all(0 <= r <= 1 for r in rates)
 
 
-def test_greedy_identical_with_mla(models, reference):
-    prompts, params = spec_workload()
-    assert_same(
-        run(models["deepseek_v3"], prompts, params, speculative_config=NGRAM, **SMALL), reference["deepseek_v3"]
-    )
+def with_changes(params: list[SamplingParams], **changes) -> list[SamplingParams]:
+    """Copies of ``params`` with some fields changed (and validated again)."""
+    out = []
+    for p in params:
+        q = p.clone()
+        for name, value in changes.items():
+            setattr(q, name, value(p) if callable(value) else value)
+        q.validate()
+        out.append(q)
+    return out
 
 
-def test_stop_token_inside_an_accepted_run(models):
+def test_stop_token_inside_an_accepted_run(models, reference):
     """A stop token accepted among the drafts ends the output there: later drafts are dropped."""
     prompts, params = spec_workload()
-    ref = run(models["llama"], prompts, params, **SMALL)
-    stops = [
-        SamplingParams(temperature=0, max_tokens=p.max_tokens, stop_token_ids=[o.outputs[0].token_ids[-3]])
-        for p, o in zip(params, ref)
-    ]
+    stop_at = {id(p): o.outputs[0].token_ids[-3] for p, o in zip(params, reference["llama"])}
+    stops = with_changes(params, stop_token_ids=lambda p: [stop_at[id(p)]])
     want = run(models["llama"], prompts, stops, **SMALL)
+    assert all(o.outputs[0].finish_reason == "stop" for o in want)
     outs = run(models["llama"], prompts, stops, speculative_config=NGRAM, **SMALL)
     assert_same(outs, want)
-    assert all(o.outputs[0].finish_reason == "stop" for o in want)
     assert accepted_and_rejected(outs)
 
 
-def test_n_samples_and_seeded_sampling(models):
+def test_n_samples_and_seeded_sampling(models, reference):
     """n = 2 samples through the rejection sampler: with top_k=1 (a point mass) every
     sample is exactly the greedy output; seeded samples are reproducible."""
-    prompts, _ = spec_workload(4)
-    greedy = run(models["llama"], prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), **SMALL)
-    top1 = SamplingParams(n=2, temperature=0.8, top_k=1, seed=3, max_tokens=20, ignore_eos=True)
-    outs = run(models["llama"], prompts, top1, speculative_config=NGRAM, **SMALL)
-    assert [[s.token_ids for s in o.outputs] for o in outs] == [[g.outputs[0].token_ids] * 2 for g in greedy]
-    assert accepted_and_rejected(outs)
-    sampled = SamplingParams(n=2, temperature=0.8, top_k=20, seed=7, max_tokens=20, ignore_eos=True)
+    prompts, params = spec_workload()
+    top1 = with_changes(params, n=2, temperature=0.8, top_k=1, seed=3)
+    sampled = with_changes(params, n=2, temperature=0.8, top_k=20, seed=7, logprobs=None, frequency_penalty=0.0)
     with LLM(models["llama"], speculative_config=NGRAM, **SMALL) as llm:
+        outs = llm.generate(prompts, top1, use_tqdm=False)
         first = llm.generate(prompts, sampled, use_tqdm=False)
         again = llm.generate(prompts, sampled, use_tqdm=False)
+    for o, want in zip(outs, reference["llama"], strict=True):
+        assert len(o.outputs) == 2
+        for sample in o.outputs:
+            assert sample.token_ids == want.outputs[0].token_ids
+    assert accepted_and_rejected(outs)
     assert_same(first, again)
 
 

@@ -2,7 +2,8 @@
 
 For each sequence (prompt + output so far), find the longest n in
 [min_n, max_n] whose last n tokens occurred earlier in the sequence, and
-propose the (up to) k tokens that followed the earliest such occurrence. No
+propose the (up to) k tokens that followed its latest occurrence (the latest
+one with k tokens after it, if any). No
 model runs: the drafts cost a few numpy comparisons per step, and on text
 that repeats (code edits, quoting a document, summaries) they are often right.
 """
@@ -29,6 +30,11 @@ def right_aligned(seqs: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+def _argmax_rev(a: np.ndarray) -> np.ndarray:
+    """(B,) per row of (B, w) bools: how far from the right end its last True is (0 if none)."""
+    return a[:, ::-1].argmax(axis=1) if a.shape[1] else np.zeros(a.shape[0], dtype=np.int64)
+
+
 def propose_ngram(seqs: Sequence[Sequence[int]], k: int, min_n: int, max_n: int) -> list[list[int]]:
     """Up to ``k`` draft tokens per sequence (an empty list where nothing matches)."""
     toks = right_aligned(seqs)  # (B, L)
@@ -46,10 +52,16 @@ def propose_ngram(seqs: Sequence[Sequence[int]], k: int, min_n: int, max_n: int)
         found = todo & match.any(axis=1)
         if not found.any():
             continue
-        first = match.argmax(axis=1)  # earliest occurrence
+        # The latest occurrence followed by k known tokens (what came after the text's most
+        # recent use of the n-gram), else the latest one: a shorter draft.
+        # Starts 0..full-1 have k tokens after them: search from the right, those first.
+        full = max(0, min(w, width - n - k + 1))
+        latest = np.where(
+            match[:, :full].any(axis=1), full - 1 - _argmax_rev(match[:, :full]), w - 1 - _argmax_rev(match)
+        )
+        start = latest + n  # (B,) where each row's draft starts
         for b in np.flatnonzero(found).tolist():
-            start = int(first[b]) + n
-            drafts[b] = toks[b, start : start + k].tolist()
+            drafts[b] = toks[b, start[b] : start[b] + k].tolist()
         todo &= ~found
         if not todo.any():
             break
