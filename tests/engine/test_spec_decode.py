@@ -182,3 +182,69 @@ def test_bad_speculative_config(models):
     ]:
         with pytest.raises(CtxparError, match=words):
             LLM(models["llama"], speculative_config=bad)
+
+
+def test_metrics_count_what_the_outputs_say(models):
+    """get_metrics() (vLLM's names) and the server's registry report the drafts and
+    acceptances the requests' own metrics add up to."""
+    from ctxpar.engine.metrics import EngineSnapshot
+    from ctxpar.entrypoints.openai.metrics import ServerMetrics
+
+    prompts, params = spec_workload()
+    with LLM(models["llama"], speculative_config=NGRAM, **SMALL) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = {(m.name, m.labels.get("position")): m.value for m in llm.get_metrics() if "spec_decode" in m.name}
+        server = ServerMetrics("tiny")
+        server.observe(EngineSnapshot.of(llm.engine))
+        text = server.render().decode()
+    want = {
+        "num_drafts": sum(o.metrics.num_drafts for o in outs),
+        "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
+        "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
+    }
+    for name, value in want.items():
+        assert got[(f"vllm:spec_decode_{name}", None)] == value
+        assert f'ctxpar:spec_decode_{name}_total{{model_name="tiny"}} {float(value)}' in text
+    per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos", str(i))] for i in range(4)]
+    assert sum(per_pos) == want["num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_streaming_deltas_and_stop_strings(tiny_model_dirs, tmp_path):
+    """DELTA outputs (several tokens per chunk) add up to the output without speculation,
+    stop strings included (one may end the text inside an accepted run)."""
+    import asyncio
+
+    from ctxpar import AsyncEngineArgs, AsyncLLM
+    from ctxpar.sampling_params import RequestOutputKind
+    from helpers.tiny_tokenizer import with_byte_tokenizer
+
+    text_dir = str(with_byte_tokenizer(tiny_model_dirs["llama"], tmp_path / "bytes"))
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz"]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(text_dir, **SMALL) as llm:
+        plain = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        stops = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[t[12:14]]) for t in plain]
+        want = [o.outputs[0] for o in llm.generate(prompts, stops, use_tqdm=False)]
+
+    async def stream() -> list[tuple[str, list[int], str | None, int]]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=text_dir, speculative_config=NGRAM, **SMALL))
+        try:
+            results = []
+            for i, (prompt, params) in enumerate(zip(prompts, stops)):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.DELTA
+                text, ids, reason, chunks = "", [], None, 0
+                async for out in engine.generate(prompt, params, request_id=f"s{i}"):
+                    text += out.outputs[0].text
+                    ids += out.outputs[0].token_ids
+                    reason, chunks = out.outputs[0].finish_reason, chunks + 1
+                results.append((text, ids, reason, chunks))
+            return results
+        finally:
+            engine.shutdown()
+
+    results = asyncio.run(stream())
+    for (text, ids, reason, _), w in zip(results, want, strict=True):
+        assert (text, ids, reason) == (w.text, w.token_ids, w.finish_reason)
+    assert any(w.finish_reason == "stop" for w in want)
+    assert any(chunks < len(ids) for _, ids, _, chunks in results)  # some chunk held several tokens
