@@ -16,12 +16,9 @@ from typing import Any
 from ctxpar.checks import check_float, check_int
 from ctxpar.errors import CtxparError
 
-# vLLM's method names; only "ngram" drafts in this version (the others are refused, with the reason).
+# vLLM's method names; "mtp" is refused in this version, with the reason.
 METHODS = ("ngram", "draft_model", "mtp")
-NOT_YET = {
-    "draft_model": "a separate draft model (with its own paged KV cache) is not implemented yet",
-    "mtp": "DeepSeek next-token-prediction layers are not implemented yet",
-}
+NOT_YET = {"mtp": "DeepSeek next-token-prediction layers are not implemented yet"}
 MAX_SPECULATIVE_TOKENS = 64  # a verify row is 1 + k tokens; more only wastes compute
 
 
@@ -30,10 +27,15 @@ class SpeculativeConfig:
     """Speculative decoding: k tokens drafted per request per step, then verified in one forward pass.
 
     method: "ngram" (prompt lookup: the tokens that followed the last earlier occurrence
-        of the sequence's own suffix, searched over the prompt and the output so far).
+        of the sequence's own suffix, searched over the prompt and the output so far), or
+        "draft_model" (a smaller model with the same vocabulary, ``model``, run in the same
+        ranks with its own paged KV cache, drafts k tokens one at a time).
     num_speculative_tokens: k, the most tokens drafted per request and step.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes searched, longest first; one
         given sets the other (as vLLM), neither gives 2 and 5.
+    model: the draft model's path (a Hugging Face directory or .gguf file), for "draft_model".
+    max_model_len: the draft model's own context limit (default: its own, at most the
+        target's); a request longer than that is decoded without drafts.
     min_acceptance_rate: a request whose acceptance rate over its last drafts falls below
         this stops drafting for a while (free text: drafts that are rarely right only cost).
     """
@@ -74,8 +76,11 @@ class SpeculativeConfig:
         check_int("speculative_config prompt_lookup_max", hi, lo, why=" (at least prompt_lookup_min)")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if self.model is not None:
-            raise CtxparError("speculative_config model is only for method='draft_model'; drop it for 'ngram'")
+        if self.method == "draft_model" and self.model is None:
+            raise CtxparError("speculative_config method 'draft_model' needs model: the draft model's path")
+        if self.method != "draft_model" and self.model is not None:
+            raise CtxparError(f"speculative_config model is only for method='draft_model'; drop it for {self.method!r}")
+        check_int("speculative_config max_model_len", self.max_model_len, 2, none_ok=True)
         check_float("speculative_config min_acceptance_rate", self.min_acceptance_rate, 0.0, 1.0)
 
     @classmethod

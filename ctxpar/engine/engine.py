@@ -28,6 +28,7 @@ from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.engine.spec_decode import SpecDecoder, Verified
+from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.executor import start_executor
@@ -56,13 +57,23 @@ class Engine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
-        spec = config.speculative_config
-        self.spec = SpecDecoder(spec) if spec is not None else None
+        self.spec = self._spec_decoder(config)
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id
         self._arrivals = itertools.count()
         self.num_steps = 0
+
+    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        draft = self.executor.rank_model.draft
+        if draft is None:
+            return SpecDecoder(spec)
+        limit = min(draft.max_model_len, self.max_model_len)
+        execute, reserve = self.executor.execute, self.scheduler.reserve
+        return SpecDecoder(spec, DraftModelProposer(spec.num_speculative_tokens, limit, execute, reserve))
 
     # -- requests -----------------------------------------------------------
 

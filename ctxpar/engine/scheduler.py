@@ -105,6 +105,9 @@ class Scheduler:
             if k and not bm.can_allocate(req.request_id, req.num_tokens + k):
                 k = 0
             del req.spec_token_ids[k:]
+            bm.truncate(
+                req.request_id, max(req.num_tokens + k, req.num_computed_tokens)
+            )  # blocks reserved for cut drafts
             bm.allocate(req.request_id, req.num_tokens + k)
             rows.append((req, 1 + k))
             scheduled.add(req.request_id)
@@ -166,6 +169,14 @@ class Scheduler:
         for req, q in zip(batch.requests, batch.plan.num_scheduled_tokens.tolist()):
             if not req.spec_token_ids:  # a verify row commits its accepted tokens only: see rollback
                 req.num_computed_tokens += q
+
+    def reserve(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Grow a running request's blocks to cover ``num_tokens`` before the step is
+        scheduled (a draft model writes its drafts' KV there first); its block table,
+        or None, changing nothing, when the free blocks do not allow it (no preemption)."""
+        if not self.block_manager.can_allocate(req.request_id, num_tokens):
+            return None
+        return self.block_manager.allocate(req.request_id, num_tokens)
 
     def rollback(self, req: Request) -> None:
         """After a verify row: keep the KV of the known tokens, discard the rest.

@@ -1,8 +1,9 @@
 """Speculative decoding on rank 0: draft tokens before a step, verify them after it.
 
 The engine asks ``SpecDecoder.propose`` for drafts of the requests about to
-decode; the scheduler turns each drafted request's row into 1 + k tokens (the
-last known token and the drafts) with logits at every position; after the
+decode (n-gram lookup, ngram.py, or a draft model, draft.py); the scheduler
+turns each drafted request's row into 1 + k tokens (the last known token and
+the drafts) with logits at every position; after the
 step, ``verify`` keeps the accepted prefix plus one token (rejection.py), and
 the scheduler rolls the rejected drafts' KV back (Scheduler.rollback).
 """
@@ -17,6 +18,7 @@ import torch
 
 from ctxpar.engine.request import Request
 from ctxpar.engine.sampler import logprobs_of
+from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.ngram import propose_ngram
 from ctxpar.engine.spec_decode.rejection import verify_row
 from ctxpar.outputs import Logprob
@@ -67,8 +69,10 @@ class Verified:
 class SpecDecoder:
     """Drafts, verification and their statistics for one engine."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
+        """draft_model: the proposer of method "draft_model" (None for "ngram")."""
         self.config = config
+        self.draft_model = draft_model
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._judges: weakref.WeakKeyDictionary[Request, _Judge] = weakref.WeakKeyDictionary()
 
@@ -79,6 +83,9 @@ class SpecDecoder:
         for r in requests:
             r.spec_token_ids = []
         if not drafting:
+            return
+        if self.draft_model is not None:
+            self.draft_model.propose(drafting)
             return
         assert c.prompt_lookup_min is not None and c.prompt_lookup_max is not None  # set in __post_init__
         seqs = [r.prompt_token_ids + r.output_token_ids for r in drafting]
@@ -101,7 +108,9 @@ class SpecDecoder:
         for req, start in zip(requests, starts):
             drafts = req.spec_token_ids
             rows = logits[start : start + len(drafts) + 1]  # (k + 1, V)
-            tokens = verify_row(rows, drafts, req.params, req.generator, req)
+            probs = self.draft_model.probs.get(req) if self.draft_model is not None else None
+            q = probs[: len(drafts)] if probs is not None else None  # (k, V); the scheduler may have cut drafts
+            tokens = verify_row(rows, drafts, req.params, req.generator, req, q)
             n = req.params.logprobs
             if n is None and req.cumulative_logprob is not None:
                 n = 0  # best_of ranks samples by the sampled tokens' logprobs

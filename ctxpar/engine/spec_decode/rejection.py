@@ -41,7 +41,8 @@ class DraftedHistory:
     min_tokens_banned: list[int]
 
 
-def _history(h: TokenHistory, kept: Sequence[int]) -> TokenHistory:
+def drafted_history(h: TokenHistory, kept: Sequence[int]) -> TokenHistory:
+    """``h`` with the tokens ``kept`` appended to its output."""
     if not kept:
         return h
     return DraftedHistory(
@@ -55,10 +56,13 @@ def verify_row(
     params: SamplingParams,
     generator: torch.Generator | None,
     history: TokenHistory,
+    draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """The tokens a verify row emits: the kept drafts, then one more (1 to k + 1 tokens).
 
     logits: (k + 1, V) float32 raw logits of the row's positions; drafts: the k drafts.
+    draft_probs: (k, V) the distributions the drafts were drawn from (a draft model's);
+        None: point masses (n-gram drafts, or drafts a greedy draft model chose).
     """
     k = len(drafts)
     if params.greedy and not params.processes_logits:
@@ -70,7 +74,7 @@ def verify_row(
     for i in range(k + 1):
         x = logits[i].float()
         if params.processes_logits:
-            x = apply_logits_processing(x, params, _history(history, out))
+            x = apply_logits_processing(x, params, drafted_history(history, out))
         if params.greedy:
             token = int(torch.argmax(x))
             out.append(token)
@@ -82,12 +86,19 @@ def verify_row(
             out.append(int(torch.multinomial(probs, 1, generator=generator)))
             return out
         draft = drafts[i]
-        if float(torch.rand((), generator=generator)) < float(probs[draft]):  # q(draft) = 1
+        q = float(draft_probs[i, draft]) if draft_probs is not None else 1.0
+        if float(torch.rand((), generator=generator)) * q < float(probs[draft]):  # u < p / q
             out.append(draft)
             continue
-        residual = probs.clone()
-        residual[draft] = 0.0  # max(p - q, 0) for a point mass q at the draft
-        # A residual of zero mass means p(draft) = 1, which the draw above always keeps.
+        if draft_probs is None:
+            residual = probs.clone()
+            residual[draft] = 0.0  # max(p - q, 0) for a point mass q at the draft
+        else:
+            residual = (probs - draft_probs[i]).clamp_(min=0.0)
+        # A residual of zero mass means p <= q everywhere, i.e. p = q, which the draw
+        # above always keeps; kept as a guard against rounding.
+        if float(residual.sum()) <= 0.0:
+            residual = probs
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
         return out
     raise AssertionError("unreachable: the last position always returns")
