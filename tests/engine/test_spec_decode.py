@@ -6,8 +6,12 @@ with MLA; the reference is the same engine without speculation."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from safetensors.torch import load_file, save_file
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
@@ -71,19 +75,41 @@ def assert_same(got, want) -> None:
                     assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank for t in a)
 
 
+def truncated(model_dir: Path, out: Path, layers: int) -> Path:
+    """A draft model: the target's first ``layers`` layers, embeddings and head (same
+    vocabulary, agrees with the target often but not always)."""
+    out.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    state = {}
+    for f in model_dir.glob("*.safetensors"):
+        state.update(load_file(f))
+    keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
 def models(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("spec_decode")
     return {
         "llama": str(tiny_model_dirs["llama"]),  # GQA
         "deepseek_v3": str(save_tiny_model(tiny_deepseek_configs()["v3"], root / "v3")),  # MLA
+        "llama_draft": str(truncated(tiny_model_dirs["llama"], root / "llama_draft", 1)),
+        "v3_draft": str(truncated(Path(root / "v3"), root / "v3_draft", 1)),
     }
+
+
+def draft_of(models: dict[str, str], model: str) -> dict:
+    draft = models["llama_draft" if model == "llama" else "v3_draft"]
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
 def reference(models) -> dict[str, list]:
     prompts, params = spec_workload()
-    return {name: run(path, prompts, params, **SMALL) for name, path in models.items()}
+    return {name: run(models[name], prompts, params, **SMALL) for name in ("llama", "deepseek_v3")}
 
 
 @pytest.mark.parametrize(
@@ -96,10 +122,12 @@ def reference(models) -> dict[str, list]:
         ("llama", dict(enable_prefix_caching=False)),
     ],
 )
-def test_greedy_identical_with_ngram(models, reference, model, kwargs):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_identical(models, reference, method, model, kwargs):
     prompts, params = spec_workload()
     kw = {**SMALL, **kwargs} if "num_kv_blocks" not in kwargs else kwargs
-    with LLM(models[model], speculative_config=NGRAM, **kw) as llm:
+    spec = NGRAM if method == "ngram" else draft_of(models, model)
+    with LLM(models[model], speculative_config=spec, **kw) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         if "num_kv_blocks" in kwargs:
             assert llm.engine.scheduler.num_preemptions > 0
@@ -135,13 +163,16 @@ def test_stop_token_inside_an_accepted_run(models, reference):
     assert accepted_and_rejected(outs)
 
 
-def test_n_samples_and_seeded_sampling(models, reference):
-    """n = 2 samples through the rejection sampler: with top_k=1 (a point mass) every
-    sample is exactly the greedy output; seeded samples are reproducible."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_n_samples_and_seeded_sampling(models, reference, method):
+    """n = 2 samples through the rejection sampler (a draft model's drafts drawn from its
+    own distribution): with top_k=1 (point masses) every sample is exactly the greedy
+    output; seeded samples are reproducible."""
     prompts, params = spec_workload()
     top1 = with_changes(params, n=2, temperature=0.8, top_k=1, seed=3)
     sampled = with_changes(params, n=2, temperature=0.8, top_k=20, seed=7, logprobs=None, frequency_penalty=0.0)
-    with LLM(models["llama"], speculative_config=NGRAM, **SMALL) as llm:
+    spec = NGRAM if method == "ngram" else draft_of(models, "llama")
+    with LLM(models["llama"], speculative_config=spec, **SMALL) as llm:
         outs = llm.generate(prompts, top1, use_tqdm=False)
         first = llm.generate(prompts, sampled, use_tqdm=False)
         again = llm.generate(prompts, sampled, use_tqdm=False)
@@ -154,25 +185,46 @@ def test_n_samples_and_seeded_sampling(models, reference):
 
 
 @pytest.mark.parametrize(
-    "model,kwargs",
+    "method,model,kwargs",
     [
-        pytest.param("llama", dict(pcp_size=2, pcp_min_tokens=0), marks=MP, id="P2-split"),
-        pytest.param("llama", dict(pcp_size=3, pcp_min_tokens=4), marks=MP, id="P3-mixed"),
-        pytest.param("llama", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=0), marks=MP, id="P2-DCP"),
-        pytest.param("deepseek_v3", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=4), marks=MP, id="P2-DCP-MLA"),
+        pytest.param("ngram", "llama", dict(pcp_size=2, pcp_min_tokens=0), marks=MP, id="ngram-P2-split"),
+        pytest.param("ngram", "llama", dict(pcp_size=3, pcp_min_tokens=4), marks=MP, id="ngram-P3-mixed"),
+        pytest.param("ngram", "llama", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=0), marks=MP, id="ngram-P2-DCP"),
+        pytest.param(
+            "ngram", "deepseek_v3", dict(pcp_size=2, dcp_size=2, pcp_min_tokens=4), marks=MP, id="ngram-P2-DCP-MLA"
+        ),
+        pytest.param("draft_model", "llama", dict(pcp_size=3, pcp_min_tokens=0), marks=MP, id="draft-P3-split"),
+        pytest.param(
+            "draft_model",
+            "deepseek_v3",
+            dict(pcp_size=2, dcp_size=2, pcp_min_tokens=4),
+            marks=MP,
+            id="draft-P2-DCP-MLA",
+        ),
     ],
 )
-def test_greedy_identical_across_ranks(models, reference, model, kwargs):
-    """Verify rows split across the ranks (pcp_min_tokens=0), replicated when short, and
-    attending sharded KV under DCP: still exactly the one-rank tokens without speculation."""
+def test_greedy_identical_across_ranks(models, reference, method, model, kwargs):
+    """Verify rows (and a draft model's steps) split across the ranks (pcp_min_tokens=0),
+    replicated when short, and attending sharded KV under DCP: still exactly the one-rank
+    tokens without speculation."""
     prompts, params = spec_workload()
-    outs = run(models[model], prompts, params, speculative_config=NGRAM, max_num_batched_tokens=64, **SMALL, **kwargs)
+    spec = NGRAM if method == "ngram" else draft_of(models, model)
+    outs = run(models[model], prompts, params, speculative_config=spec, max_num_batched_tokens=64, **SMALL, **kwargs)
     assert_same(outs, reference[model])
     assert accepted_and_rejected(outs)
 
 
-def test_bad_speculative_config(models):
+def test_bad_speculative_config(models, tmp_path):
+    from transformers import LlamaConfig
+
+    from helpers.models import TINY_COMMON
+
+    other_vocab = save_tiny_model(LlamaConfig(**{**TINY_COMMON, "vocab_size": 128}), tmp_path / "vocab128")
     for bad, words in [
+        ({"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2}, "vocabulary"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        ({"method": "ngram", "model": str(other_vocab), "num_speculative_tokens": 2}, "only for method='draft_model'"),
+        ({"method": "mtp", "num_speculative_tokens": 1}, "not supported"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "unknown"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram"}, "num_speculative_tokens"),
@@ -248,3 +300,15 @@ def test_streaming_deltas_and_stop_strings(tiny_model_dirs, tmp_path):
         assert (text, ids, reason) == (w.text, w.token_ids, w.finish_reason)
     assert any(w.finish_reason == "stop" for w in want)
     assert any(chunks < len(ids) for _, ids, _, chunks in results)  # some chunk held several tokens
+
+
+def test_min_acceptance_rate_pauses_drafting(models, reference):
+    """A request whose drafts are rarely accepted stops drafting for a while: fewer drafts,
+    the same tokens."""
+    prompts, params = spec_workload()
+    counts = []
+    for rate in (0.0, 0.95):
+        outs = run(models["llama"], prompts, params, speculative_config={**NGRAM, "min_acceptance_rate": rate}, **SMALL)
+        assert_same(outs, reference["llama"])
+        counts.append(sum(o.metrics.num_draft_tokens for o in outs))
+    assert 0 < counts[1] < counts[0]

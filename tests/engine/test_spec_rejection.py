@@ -74,6 +74,24 @@ def test_verify_row_keeps_the_target_distribution():
     assert stat < chi2_critical(df), (stat, df)
 
 
+def test_drafts_from_a_draft_distribution_keep_the_target_distribution():
+    """A draft model's drafts: x ~ q, kept with probability min(1, p(x) / q(x)), else a
+    token from max(p - q, 0). The first emitted token is distributed as p, whatever q."""
+    g = torch.Generator().manual_seed(1)
+    vocab = 6
+    logits = torch.randn(2, vocab, generator=g) * 1.5  # (k + 1, V), k = 1
+    q = torch.softmax(torch.randn(1, vocab, generator=g) * 1.5, -1)  # (k, V) the draft's distribution
+    params = SamplingParams(temperature=1.0)
+    p0 = torch.softmax(logits[0], -1).tolist()
+    first = Counter()
+    for s in range(6000):
+        gen = torch.Generator().manual_seed(s)
+        draft = int(torch.multinomial(q[0], 1, generator=gen))
+        first[verify_row(logits, [draft], params, gen, NO_HISTORY, q)[0]] += 1
+    stat, df = chi2_goodness(dict(first), dict(enumerate(p0)))
+    assert stat < chi2_critical(df), (stat, df)
+
+
 def test_a_draft_the_target_never_draws_is_always_rejected():
     logits = torch.tensor([[5.0, 4.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0]])  # (2, 4)
     params = SamplingParams(temperature=1.0, top_k=2)  # token 3 is filtered out: p(3) = 0
