@@ -65,9 +65,9 @@ def free_port() -> int:
 def _make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup) -> Runners:
     options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
 
-    def make(model: Any) -> ModelRunner:  # a loaded CausalLM module
-        if group.one_host:
-            share_weights(model, group)  # one copy per host instead of one per rank
+    def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
+        if group.one_host:  # one copy per host instead of one per rank
+            share_weights(model, group, "draft_weights" if is_draft else "weights")
         return ModelRunner(model, options, group.device, group)
 
     return Runners.build(rank_model, make)

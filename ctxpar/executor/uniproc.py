@@ -18,7 +18,9 @@ class UniProcExecutor:
         self.rank_model = load_rank(config, resolve_device(config.device))
         options = RunnerOptions.from_config(config, self.rank_model.num_blocks)
         device = self.rank_model.device
-        self.runner: Runners | None = Runners.build(self.rank_model, lambda model: ModelRunner(model, options, device))
+        self.runner: Runners | None = Runners.build(
+            self.rank_model, lambda model, _: ModelRunner(model, options, device)
+        )
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         assert self.runner is not None, "execute after close"

@@ -23,10 +23,10 @@ class Runners:
         self.draft = draft
 
     @classmethod
-    def build(cls, rank_model: RankModel, make: Callable[[Any], ModelRunner]) -> Runners:
-        """``make(model)``: this rank's runner of a model (the same options for both)."""
+    def build(cls, rank_model: RankModel, make: Callable[[Any, bool], ModelRunner]) -> Runners:
+        """``make(model, is_draft)``: this rank's runner of a model (the same options for both)."""
         draft = rank_model.draft
-        return cls(make(rank_model.loaded.model), make(draft.model) if draft is not None else None)
+        return cls(make(rank_model.loaded.model, False), make(draft.model, True) if draft is not None else None)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """ModelRunner.execute on the plan's model."""
