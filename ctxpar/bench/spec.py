@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import pydoc
-import time
 
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
@@ -99,11 +98,10 @@ def run(args: argparse.Namespace) -> None:
     print(describe_machine(), flush=True)
     print(f"speculative_config: {spec}", flush=True)
     lengths = {"copy": args.copy_tokens, "free": args.free_tokens}
-    rows = []
+    print("\n P | workload | off (tok/s) | on (tok/s) | speed-up | acceptance | mean accepted length | identical")
     for pcp in args.pcp:
         # Both engines at once, runs alternating: a load that comes and goes hits both alike.
         common = dict(pcp_size=pcp, enable_prefix_caching=False, kv_cache_bytes=args.kv_cache_bytes)
-        t0 = time.perf_counter()
         with LLM(args.model, **common) as off, LLM(args.model, speculative_config=spec, **common) as on:
             workloads = _workloads(off, args.doc_tokens)
             best: dict[tuple[str, str], tuple[float, list[list[int]], dict[str, int]]] = {}
@@ -113,15 +111,12 @@ def run(args: argparse.Namespace) -> None:
                         result = _run(llm, prompts, lengths[name])
                         if (label, name) not in best or result[0] > best[label, name][0]:
                             best[label, name] = result
-        print(f"measured P={pcp} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        for name in workloads:
+        for name in workloads:  # printed as each P finishes: a later failure loses nothing
             (off_rate, off_tokens, _), (on_rate, on_tokens, d) = best["off", name], best["on", name]
-            rows.append((pcp, name, off_rate, on_rate, d, on_tokens == off_tokens))
-    print("\n P | workload | off (tok/s) | on (tok/s) | speed-up | acceptance | mean accepted length | identical")
-    for pcp, name, off_rate, on_rate, d, same in rows:
-        rate = f"{d['accepted'] / d['drafted']:.0%}" if d["drafted"] else "-"
-        length = f"{1 + d['accepted'] / d['drafts']:.2f}" if d["drafts"] else "-"
-        print(
-            f"{pcp:>2} | {name:>8} | {off_rate:>11.1f} | {on_rate:>10.1f} | {on_rate / off_rate:>7.2f}x | {rate:>10} | "
-            f"{length:>20} | {'yes' if same else 'NO'}"
-        )
+            rate = f"{d['accepted'] / d['drafted']:.0%}" if d["drafted"] else "-"
+            length = f"{1 + d['accepted'] / d['drafts']:.2f}" if d["drafts"] else "-"
+            print(
+                f"{pcp:>2} | {name:>8} | {off_rate:>11.1f} | {on_rate:>10.1f} | {on_rate / off_rate:>7.2f}x | "
+                f"{rate:>10} | {length:>20} | {'yes' if on_tokens == off_tokens else 'NO'}",
+                flush=True,
+            )
