@@ -6,7 +6,7 @@
     a few queries (up to ``FEW_QUERIES``: speculative decoding's verify rows,
     short prompt suffixes) join them query by query, each query a one-query
     row over its causal prefix, instead of copying their whole context out of
-    the cache (per layer, per step, the cost that made verify rows slow);
+    the cache in every layer;
   - elsewhere (a GPU, or ``CTXPAR_KERNELS=0``, or no compiler) those of at most
     ``DECODE_BATCH_MAX_KEYS`` keys in batched ``decode_attention`` calls: their
     contexts are read out of the cache by one gather per call into the layout
