@@ -312,3 +312,35 @@ def test_min_acceptance_rate_pauses_drafting(models, reference):
         assert_same(outs, reference["llama"])
         counts.append(sum(o.metrics.num_draft_tokens for o in outs))
     assert 0 < counts[1] < counts[0]
+
+
+def test_draft_model_drafts_are_its_greedy_continuation(models, reference):
+    """Every draft the draft model proposes, under rejections and preemptions, is exactly
+    what the draft model alone generates greedily from the request's known tokens: so its
+    KV cache (catch-up, rollback to the verified tokens, restart after preemption) is right."""
+    prompts, params = spec_workload()
+    spec = draft_of(models, "llama")
+    seen: list[tuple[list[int], list[int]]] = []  # (known tokens, drafts) of every proposal
+    with LLM(models["llama"], speculative_config=spec, block_size=4, num_kv_blocks=40, max_model_len=130) as llm:
+        proposer = llm.engine.spec.draft_model
+        propose = proposer.propose
+
+        def recording(requests):
+            propose(requests)
+            # Penalties count the request's own outputs: only plain greedy requests compare to a fresh run.
+            plain = [r for r in requests if not r.params.processes_logits]
+            seen.extend((r.prompt_token_ids + r.output_token_ids, list(r.spec_token_ids)) for r in plain)
+
+        proposer.propose = recording
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_same(outs, reference["llama"])
+    assert accepted_and_rejected(outs)
+    seen = [(known, drafts) for known, drafts in seen if drafts]
+    with LLM(spec["model"], **SMALL) as draft:
+        alone = draft.generate(
+            [{"prompt_token_ids": known} for known, _ in seen],
+            [SamplingParams(temperature=0, max_tokens=len(d), ignore_eos=True) for _, d in seen],
+            use_tqdm=False,
+        )
+    assert [o.outputs[0].token_ids for o in alone] == [d for _, d in seen]

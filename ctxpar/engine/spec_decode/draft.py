@@ -9,10 +9,11 @@ table serves both models. Before a step, for each request about to decode:
    draws the first draft from its logits of the last one;
 2. k - 1 one-token steps, each feeding the previous draft.
 
-Draft KV is kept only for tokens the target has verified: after a step, the
-draft's computed count falls back to the target's (what it fed beyond the
-accepted tokens is rewritten before it is read), and a preempted request (its
-blocks freed) starts over. Drafts are drawn with the request's own sampling
+Draft KV is kept only where it holds the request's known tokens: the drafts it
+fed count only as far as the target accepted them (checked against the known
+tokens at the next proposal, whatever steps ran in between), never past the
+target's computed tokens (blocks past them may have been given back), and a
+preempted request (its blocks freed) starts over. Drafts are drawn with the request's own sampling
 settings and generator; greedy requests take the draft's argmax, sampled ones
 keep the draft distribution q for the rejection sampler.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,8 +35,10 @@ from ctxpar.worker.step_plan import StepPlan
 
 @dataclass
 class _DraftKV:
-    computed: int = 0  # the request's first tokens whose draft KV is in the cache
+    computed: int = 0  # the request's first positions whose draft KV is in the cache
     preemptions: int = 0  # the request's preemptions when it was computed
+    drafts_from: int = 0  # positions from here on were fed drafts, not known tokens
+    drafts: list[int] = field(default_factory=list)  # the drafts fed there
 
 
 class DraftModelProposer:
@@ -80,15 +83,23 @@ class DraftModelProposer:
                 plan_rows.append((req, c, ids, table))
             logits = self.execute(_plan(plan_rows))  # (R, V)
             for (req, c, ids, _), row in zip(plan_rows, logits):
-                self._kv[req].computed = c + len(ids)
+                kv = self._kv[req]
+                kv.computed = c + len(ids)
+                if step == 0:
+                    kv.drafts_from, kv.drafts = kv.computed, []
+                else:
+                    kv.drafts.append(ids[0])
                 req.spec_token_ids.append(self._draw(req, row))
 
     def _start(self, req: Request) -> int:
-        """Where the request's catch-up starts: its verified tokens with draft KV."""
+        """Where the request's catch-up starts: the end of its known tokens with draft KV."""
         kv = self._kv.setdefault(req, _DraftKV(preemptions=req.num_preemptions))
         if kv.preemptions != req.num_preemptions:  # its blocks were freed
-            kv.computed, kv.preemptions = 0, req.num_preemptions
-        kv.computed = min(kv.computed, req.num_computed_tokens, req.num_tokens - 1)
+            kv.computed, kv.preemptions, kv.drafts = 0, req.num_preemptions, []
+        # The fed drafts hold KV of known tokens as far as they agree with them.
+        known = req.token_ids(kv.drafts_from, min(req.num_tokens, kv.drafts_from + len(kv.drafts)))
+        agree = next((i for i, (d, t) in enumerate(zip(kv.drafts, known)) if d != t), len(known))
+        kv.computed = min(kv.computed, kv.drafts_from + agree, req.num_computed_tokens, req.num_tokens - 1)
         return kv.computed
 
     def _draw(self, req: Request, logits: torch.Tensor) -> int:
