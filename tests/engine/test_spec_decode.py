@@ -344,3 +344,19 @@ def test_draft_model_drafts_are_its_greedy_continuation(models, reference):
             use_tqdm=False,
         )
     assert [o.outputs[0].token_ids for o in alone] == [d for _, d in seen]
+
+
+def test_speculative_config_flag_of_generate_and_serve():
+    """--speculative-config JSON reaches the engine's config on both commands."""
+    import argparse
+
+    from ctxpar.engine.arg_utils import EngineArgs
+    from ctxpar.entrypoints.cli import generate, serve
+    from ctxpar.speculative_config import SpeculativeConfig
+
+    for command in (generate, serve):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        assert config.speculative_config == SpeculativeConfig(**NGRAM)
