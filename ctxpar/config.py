@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
 from ctxpar.device import canonical_dtype
 from ctxpar.errors import CtxparError
+from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
 MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste KV memory
@@ -49,6 +50,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port
+    # Speculative decoding (vLLM's speculative_config): a dict or its JSON is parsed into one.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -91,6 +94,7 @@ class EngineConfig:
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     def threads_per_rank(self) -> int | None:
         """Torch threads of each rank: num_threads, else the cores shared out among

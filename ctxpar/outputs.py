@@ -60,6 +60,22 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding, over all the request's samples: verify rows (steps with drafts),
+    # tokens drafted, and drafts accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts / drafted tokens; None without drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verify step (accepted drafts plus the verifier's own, vLLM's
+        mean acceptance length); None without drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def ttft(self) -> float | None:

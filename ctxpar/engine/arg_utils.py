@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class Flag:
     metavar: str | None = None
     aliases: tuple[str, ...] = ()  # earlier spellings; for a boolean field, of its --no- form
     choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None  # the value's type on the command line (default: str or int)
 
 
 # One command-line flag per EngineConfig field, named after it (num_threads: --num-threads).
@@ -72,6 +74,12 @@ FLAGS: dict[str, Flag] = {
     "num_threads": Flag("torch threads per rank (default: cores / ranks)", "N", ("--threads",)),
     "master_addr": Flag("address of rank 0 for the PCP process group", "HOST"),
     "master_port": Flag("port of rank 0 (default: a free one)", "PORT"),
+    "speculative_config": Flag(
+        'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(prompt_lookup_min, prompt_lookup_max, min_acceptance_rate too; default: off)",
+        "JSON",
+        parse=str,
+    ),
 }
 
 
@@ -100,6 +108,7 @@ class EngineArgs:
     num_threads: int | None = DEFAULTS.num_threads
     master_addr: str = DEFAULTS.master_addr
     master_port: int | None = DEFAULTS.master_port
+    speculative_config: Any = DEFAULTS.speculative_config  # a dict, its JSON or a SpeculativeConfig
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
@@ -157,7 +166,7 @@ class EngineArgs:
                 kwargs["choices"] = flag.choices
             else:
                 kwargs["metavar"] = flag.metavar
-                kwargs["type"] = str if isinstance(default, str) or name == "model" else int
+                kwargs["type"] = flag.parse or (str if isinstance(default, str) or name == "model" else int)
             if default is not None and "(default:" not in flag.help:
                 kwargs["help"] = f"{flag.help} (default: {default})"
             group.add_argument(option, *flag.aliases, **kwargs)

@@ -184,6 +184,25 @@ class BlockManager:
                 self._free[block] = None
         return len(table)
 
+    def truncate(self, owner: Hashable, num_tokens: int) -> int:
+        """Shrink the owner's table to the blocks that hold its first ``num_tokens``
+        tokens (speculative tokens rejected: their KV is discarded); returns how many
+        blocks it gave back. Those blocks were never registered (only written full
+        blocks are) nor shared, and go to the front of the free pool, so the next
+        allocation reuses them before it evicts any cached block."""
+        table = self._tables.get(owner, [])
+        keep = self.blocks_for(num_tokens)
+        if keep < self._num_registered.get(owner, 0):
+            raise ValueError(f"cannot truncate {owner!r} to {num_tokens} tokens: its registered blocks hold more")
+        dropped = table[keep:]
+        del table[keep:]
+        for block in reversed(dropped):
+            self._ref[block] -= 1
+            assert self._ref[block] == 0  # a block past the computed tokens is private
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        return len(dropped)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block's hash (as vLLM's: only when no block is
         referenced, else nothing changes and False is returned)."""

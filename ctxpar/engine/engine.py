@@ -29,6 +29,8 @@ from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_promp
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
+from ctxpar.engine.spec_decode import SpecDecoder, Verified
+from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
@@ -61,11 +63,23 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.spec = self._spec_decoder(config)
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id
         self._arrivals = itertools.count()
         self.num_steps = 0
+
+    def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        draft = self.executor.rank_model.draft
+        if draft is None:
+            return SpecDecoder(spec)
+        limit = min(draft.max_model_len, self.max_model_len)
+        execute, reserve = self.executor.execute, self.scheduler.reserve
+        return SpecDecoder(spec, DraftModelProposer(spec.num_speculative_tokens, limit, execute, reserve))
 
     # -- requests -----------------------------------------------------------
 
@@ -214,6 +228,9 @@ class Engine:
         step is simply scheduled again. The exception goes to the caller.
         """
         outputs = self._admit_compiled()
+        if self.spec is not None:
+            # No drafts for a constrained request: its grammar is advanced one sampled token at a time.
+            self.spec.propose([r for r in self.scheduler.running if r.is_decode_ready and r.grammar is None])
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
@@ -224,16 +241,22 @@ class Engine:
         plan = batch.plan
         all_logits = np.array([wants_prompt_logits(r) for r in batch.requests])
         if all_logits.any():
-            plan = batch.plan = dataclasses.replace(plan, all_logits=all_logits)
-        sampling = [r for r, need in zip(batch.requests, plan.needs_logits) if need]
-        generators = [r.generator for r in sampling]
+            verifies = plan.all_logits if plan.all_logits is not None else False  # verify rows (speculation)
+            plan = batch.plan = dataclasses.replace(plan, all_logits=all_logits | verifies)
+        sampling = [r for r, need in zip(batch.requests, plan.needs_logits) if need and not r.spec_token_ids]
+        verifying = [r for r in batch.requests if r.spec_token_ids]
+        generators = [r.generator for r in sampling + verifying]
         # Rows sampled before a failing one have drawn from their generators already.
         rng_states = [g.get_state() if g is not None else None for g in generators]
         try:
             logits = self.executor.execute(plan)
-            sample_rows, prompt_chunks = split_logits(batch.requests, plan, logits)
+            sample_rows, prompt_chunks, verify_starts = split_logits(batch.requests, plan, logits)
             sample_logits = logits if sample_rows is None else logits[sample_rows]
             self.structured.mask(sample_logits, sampling)  # before anything reads them, as vLLM
+            verified: list[Verified] = []
+            if verifying:
+                assert self.spec is not None  # only a SpecDecoder drafts
+                verified = self.spec.verify(verifying, logits, verify_starts)
             out = self.sampler(
                 sample_logits,
                 [r.params for r in sampling],
@@ -261,6 +284,10 @@ class Engine:
             ]
         now = time.perf_counter()
         touched: dict[str, RequestGroup] = {}
+        for req, v in zip(verifying, verified):
+            self._accept(req, v, now)
+            assert req.group is not None  # add_request puts each request in a group
+            touched[req.group.request_id] = req.group
         for req, lp in zip(sampling, out.logprobs):
             self._check_new_token(req, lp, now)
             group = req.group
@@ -309,6 +336,21 @@ class Engine:
                     text = self._token_texts[t] = self.tokenizer.decode([t])
                 lp.decoded_token = text
         return lps
+
+    def _accept(self, req: Request, verified: Verified, now: float) -> None:
+        """Append a verify row's tokens one by one, as if each had been sampled in a step of
+        its own (a stop condition drops the rest), then discard the rejected drafts' KV."""
+        assert self.spec is not None  # only a SpecDecoder drafts
+        num_drafts = len(req.spec_token_ids)
+        self.spec.record(req, num_drafts, len(verified.token_ids) - 1)
+        for token, lp in zip(verified.token_ids, verified.logprobs):
+            req.output_token_ids.append(token)
+            req.num_computed_tokens = req.num_tokens - 1  # the tokens before this one are cached
+            self._check_new_token(req, lp, now)
+            if req.finished:  # its blocks are freed already
+                req.spec_token_ids = []
+                return
+        self.scheduler.rollback(req)
 
     def _check_new_token(self, req: Request, logprobs: dict[int, Logprob] | None, now: float) -> None:
         """Metrics, logprobs, text and stop conditions of the token just appended."""

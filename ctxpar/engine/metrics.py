@@ -18,6 +18,7 @@ from ctxpar.outputs import RequestOutput
 if TYPE_CHECKING:
     from ctxpar.config import EngineConfig
     from ctxpar.engine.engine import Engine
+    from ctxpar.engine.spec_decode import SpecDecodeStats
 
 # vLLM's buckets: TTFT from 1 ms to 160 s, inter-token latency from 10 ms to 80 s.
 # fmt: off
@@ -76,6 +77,32 @@ class OutputEvent:
 
 
 @dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's totals (vLLM's spec_decode counters)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # [i]: drafts at position i accepted
+
+    @classmethod
+    def of(cls, stats: SpecDecodeStats) -> SpecDecodeCounts:
+        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, tuple(stats.accepted_per_pos))
+
+    def metrics(self, prefix: str, labels: dict[str, str]) -> list[Metric]:
+        """The counters, named ``{prefix}:spec_decode_*`` as vLLM's."""
+        return [
+            Counter(f"{prefix}:spec_decode_num_drafts", labels, self.num_drafts),
+            Counter(f"{prefix}:spec_decode_num_draft_tokens", labels, self.num_draft_tokens),
+            Counter(f"{prefix}:spec_decode_num_accepted_tokens", labels, self.num_accepted_tokens),
+            *(
+                Counter(f"{prefix}:spec_decode_num_accepted_tokens_per_pos", {**labels, "position": str(i)}, n)
+                for i, n in enumerate(self.accepted_per_pos)
+            ),
+        ]
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's gauges and running totals, read on the engine's thread after a
     step or an abort (so readers on other threads never touch its state)."""
@@ -89,6 +116,7 @@ class EngineSnapshot:
     steps: int
     collectives: int | None  # data collectives of the PCP group; None with one rank
     collective_seconds: dict[str, float]  # rank 0's seconds in them, "data" and "control"; {} with one rank
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's totals; None when it is off
 
     @classmethod
     def of(cls, engine: Engine) -> EngineSnapshot:
@@ -106,6 +134,7 @@ class EngineSnapshot:
             collective_seconds=(
                 {"data": group.comm_seconds, "control": group.control_seconds} if group is not None else {}
             ),
+            spec_decode=SpecDecodeCounts.of(engine.spec.stats) if engine.spec is not None else None,
         )
 
 
@@ -216,5 +245,6 @@ class EngineStats:
             self.ttft.metric("vllm:time_to_first_token_seconds", lab),
             self.itl.metric("vllm:inter_token_latency_seconds", lab),
             self.e2e.metric("vllm:e2e_request_latency_seconds", lab),
+            *(snap.spec_decode.metrics("vllm", lab) if snap.spec_decode is not None else []),
         ]
         return out

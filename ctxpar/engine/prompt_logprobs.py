@@ -37,16 +37,21 @@ def wants_prompt_logits(req: Request) -> bool:
 
 def split_logits(
     requests: list[Request], plan: StepPlan, logits: torch.Tensor
-) -> tuple[list[int] | None, list[PromptChunk]]:
-    """The logits rows that sample (None: all of them, in order) and the prompt
-    logprobs of the ``all_logits`` rows; ``logits`` follows plan.logits_token_indices()."""
+) -> tuple[list[int] | None, list[PromptChunk], list[int]]:
+    """The logits rows that sample (None: all of them, in order), the prompt
+    logprobs of the ``all_logits`` rows, and where each verify row's logits start
+    (rows with speculative drafts, in order); ``logits`` follows plan.logits_token_indices()."""
     if plan.all_logits is None:
-        return None, []
+        return None, [], []
     sample_rows: list[int] = []
+    verify_starts: list[int] = []
     chunks = []
     at = 0
     for req, q, need, every in zip(requests, plan.num_scheduled_tokens.tolist(), plan.needs_logits, plan.all_logits):
-        if every:
+        if every and req.spec_token_ids:  # a decode row: never a prompt position
+            verify_starts.append(at)
+            at += q
+        elif every:
             # The row wants prompt logprobs (wants_prompt_logits): it has a group and asked for them.
             assert req.group is not None and req.params.prompt_logprobs is not None
             c = int(req.num_computed_tokens)
@@ -60,7 +65,7 @@ def split_logits(
         elif need:
             sample_rows.append(at)
             at += 1
-    return sample_rows, chunks
+    return sample_rows, chunks, verify_starts
 
 
 def new_entries(chunk: PromptChunk) -> list[dict[int, Logprob]]:

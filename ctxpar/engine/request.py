@@ -61,6 +61,9 @@ class Request:
     # lazily (tokens never change once known, so neither do the hashes).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    # Speculative decoding: tokens drafted after the known ones, verified (as one row with the
+    # last known token) in the next step; never part of the known tokens, the KV cache or its hashes.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Detokenized output; `text` is what may be shown (prefix-stable while streaming).
     text: str = ""
 

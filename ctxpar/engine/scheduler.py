@@ -99,10 +99,19 @@ class Scheduler:
                 continue
             if not self._make_room(req, req.num_tokens, scheduled, preempted, may_preempt_self=True):
                 continue
-            bm.allocate(req.request_id, req.num_tokens)
-            rows.append((req, 1))
+            # Drafts ride along only where the budget and free blocks allow (never a preemption
+            # for them), and no further than the tokens the request may still generate.
+            k = min(len(req.spec_token_ids), budget - 1, req.max_total_tokens - req.num_tokens - 1)
+            if k and not bm.can_allocate(req.request_id, req.num_tokens + k):
+                k = 0
+            del req.spec_token_ids[k:]
+            bm.truncate(
+                req.request_id, max(req.num_tokens + k, req.num_computed_tokens)
+            )  # blocks reserved for cut drafts
+            bm.allocate(req.request_id, req.num_tokens + k)
+            rows.append((req, 1 + k))
             scheduled.add(req.request_id)
-            budget -= 1
+            budget -= 1 + k
 
         # 2. Running requests in the middle of a prompt (or of a recompute).
         for req in list(self.running):
@@ -158,7 +167,27 @@ class Scheduler:
         stay queued. Both are states a successful step can leave too.)
         """
         for req, q in zip(batch.requests, batch.plan.num_scheduled_tokens.tolist()):
-            req.num_computed_tokens += q
+            if not req.spec_token_ids:  # a verify row commits its accepted tokens only: see rollback
+                req.num_computed_tokens += q
+
+    def reserve(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Grow a running request's blocks to cover ``num_tokens`` before the step is
+        scheduled (a draft model writes its drafts' KV there first); its block table,
+        or None, changing nothing, when the free blocks do not allow it (no preemption)."""
+        if not self.block_manager.can_allocate(req.request_id, num_tokens):
+            return None
+        return self.block_manager.allocate(req.request_id, num_tokens)
+
+    def rollback(self, req: Request) -> None:
+        """After a verify row: keep the KV of the known tokens, discard the rest.
+
+        The engine has appended the accepted tokens; everything but the last one is
+        in the cache. Blocks past them (rejected drafts' KV) go back to the pool, so
+        the request holds what it would without speculation.
+        """
+        req.spec_token_ids = []
+        req.num_computed_tokens = req.num_tokens - 1
+        self.block_manager.truncate(req.request_id, req.num_computed_tokens)
 
     def _make_room(
         self, req: Request, num_tokens: int, scheduled: set[str], preempted: list[Request], may_preempt_self: bool
@@ -222,6 +251,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -234,16 +264,20 @@ class Scheduler:
         c_arr = np.empty(n, dtype=np.int64)
         is_prefilling = np.empty(n, dtype=bool)
         needs_logits = np.empty(n, dtype=bool)
+        verifies = np.empty(n, dtype=bool)
         ids: list[int] = []
         tables: list[np.ndarray] = []
         for i, (req, q) in enumerate(rows):
             c = req.num_computed_tokens
             q_arr[i], c_arr[i] = q, c
-            ids.extend(req.token_ids(c, c + q))
-            # A decode: one token, everything before it cached, prompt done.
+            ids.extend(req.token_ids(c, min(c + q, req.num_tokens)))
+            ids.extend(req.spec_token_ids)  # a verify row: the last known token, then the drafts
+            # A decode: one token, everything before it cached, prompt done. A verify row
+            # (1 + k tokens) is laid out across the ranks by the rules of any other row.
             is_prefilling[i] = not (q == 1 and c == req.num_tokens - 1 and c >= req.num_prompt_tokens)
-            # Sample only when the chunk reaches the end of the known tokens.
-            needs_logits[i] = c + q == req.num_tokens
+            # Sample only when the chunk reaches the end of the known tokens (and drafts).
+            needs_logits[i] = c + q == req.num_tokens + len(req.spec_token_ids)
+            verifies[i] = bool(req.spec_token_ids)  # every position's logits: one per draft, plus the bonus
             tables.append(np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64))
         return StepPlan(
             input_ids=np.asarray(ids, dtype=np.int64),
@@ -252,4 +286,5 @@ class Scheduler:
             is_prefilling=is_prefilling,
             needs_logits=needs_logits,
             block_tables=tables,
+            all_logits=verifies if verifies.any() else None,
         )

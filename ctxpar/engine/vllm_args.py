@@ -80,7 +80,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "enable_lora": ((False,), NO_LORA),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype; leave kv_cache_dtype='auto'"),
-    "speculative_config": ((None,), "ctxpar has no speculative decoding"),
     "hf_overrides": ((None, {}), "edit the checkpoint's config.json instead"),
     "revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),
     "tokenizer_revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),

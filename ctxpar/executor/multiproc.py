@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from multiprocessing.process import BaseProcess
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from ctxpar.parallel.shm_channel import PeerLost
 from ctxpar.worker.loading import RankModel, load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.runners import Runners
 from ctxpar.worker.step_plan import StepPlan
 
 __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
@@ -61,22 +62,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup) -> ModelRunner:
-    model = rank_model.loaded.model
-    if group.one_host:
-        share_weights(model, group)  # one copy per host instead of one per rank
+def _make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup) -> Runners:
     options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
-    return ModelRunner(model, options, group.device, group)
+
+    def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
+        if group.one_host:  # one copy per host instead of one per rank
+            share_weights(model, group, "draft_weights" if is_draft else "weights")
+        return ModelRunner(model, options, group.device, group)
+
+    return Runners.build(rank_model, make)
 
 
-def _join(config: EngineConfig, store: dist.Store, rank: int, rank_model: RankModel) -> tuple[PCPGroup, ModelRunner]:
+def _join(config: EngineConfig, store: dist.Store, rank: int, rank_model: RankModel) -> tuple[PCPGroup, Runners]:
     """A worker with its model loaded: handshake, then (group, runner)."""
     startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
     group = PCPGroup(rank, config.pcp_size, rank_model.device, store)
     return group, _make_runner(config, rank_model, group)
 
 
-def _serve(runner: ModelRunner, group: PCPGroup) -> None:
+def _serve(runner: Runners, group: PCPGroup) -> None:
     """A worker's whole life: run every plan rank 0 sends, until it sends None.
 
     Raises RankFailure when rank 0 goes away: its sockets close, so the wait

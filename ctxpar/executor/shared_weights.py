@@ -29,33 +29,34 @@ from ctxpar.parallel.host_shm import SHM_DIR, free_bytes, shared_segment, wait_k
 ALIGN = 64  # bytes: each weight starts on a cache line
 
 
-def share_weights(model: nn.Module, group: PCPGroup) -> int:
+def share_weights(model: nn.Module, group: PCPGroup, name: str = "weights") -> int:
     """Point `model`'s packed weights at one shared copy (every rank calls this,
-    with the same model). Returns the bytes shared (0: nothing to share)."""
+    with the same model). Returns the bytes shared (0: nothing to share).
+    name: the segment's (and its store keys'), one per model a rank holds."""
     weights = panel_weights(model)
     sizes = [w.data.numel() * w.data.element_size() for w in weights]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // ALIGN) * ALIGN
-    group.store.set(f"weights/bytes/{group.rank}", str(total))
-    wait_keys(group.store, [f"weights/bytes/{k}" for k in range(group.size)])
-    if {int(group.store.get(f"weights/bytes/{k}")) for k in range(group.size)} != {total}:
+    group.store.set(f"{name}/bytes/{group.rank}", str(total))
+    wait_keys(group.store, [f"{name}/bytes/{k}" for k in range(group.size)])
+    if {int(group.store.get(f"{name}/bytes/{k}")) for k in range(group.size)} != {total}:
         raise RankFailure("the PCP ranks loaded weights of different sizes; every rank must load the same model")
-    if total == 0 or not _room_on_every_rank(group, total):
+    if total == 0 or not _room_on_every_rank(group, total, name):
         return 0
 
     def fill(segment: torch.Tensor) -> None:
         for w, off, n in zip(weights, offsets, sizes):
             segment[off : off + n].copy_(w.data.view(-1).view(torch.uint8))
 
-    segment = shared_segment(group.store, group.rank, group.size, "weights", total, fill)
+    segment = shared_segment(group.store, group.rank, group.size, name, total, fill)
     for w, off, n in zip(weights, offsets, sizes):
         w.data = segment[off : off + n].view(w.data.dtype).view(w.data.shape)
     return total
 
 
-def _room_on_every_rank(group: PCPGroup, total: int) -> bool:
+def _room_on_every_rank(group: PCPGroup, total: int, name: str) -> bool:
     """Whether /dev/shm can hold the weights (rank 0 decides for all). A small one
     (docker's default is 64 MiB) is no error: each rank then keeps its own copy."""
     if group.rank == 0:
@@ -67,6 +68,6 @@ def _room_on_every_rank(group: PCPGroup, total: int) -> bool:
                 "--shm-size) to share them.",
                 stacklevel=2,
             )
-        group.store.set("weights/share", "1" if room else "0")
-    wait_keys(group.store, ["weights/share"])
-    return group.store.get("weights/share") == b"1"
+        group.store.set(f"{name}/share", "1" if room else "0")
+    wait_keys(group.store, [f"{name}/share"])
+    return group.store.get(f"{name}/share") == b"1"

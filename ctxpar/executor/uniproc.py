@@ -9,6 +9,7 @@ from ctxpar.device import resolve_device
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.runners import Runners
 from ctxpar.worker.step_plan import StepPlan
 
 
@@ -16,7 +17,10 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.rank_model = load_rank(config, resolve_device(config.device))
         options = RunnerOptions.from_config(config, self.rank_model.num_blocks)
-        self.runner: ModelRunner | None = ModelRunner(self.rank_model.loaded.model, options, self.rank_model.device)
+        device = self.rank_model.device
+        self.runner: Runners | None = Runners.build(
+            self.rank_model, lambda model, _: ModelRunner(model, options, device)
+        )
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         assert self.runner is not None, "execute after close"

@@ -2,7 +2,11 @@
 
 - One-query rows (decodes, one-token prompt suffixes) run together:
   - on the CPU, all of them in one call of the compiled kernel
-    (ctxpar/kernels), which reads each key and value once, in place;
+    (ctxpar/kernels), which reads each key and value once, in place; rows of
+    a few queries (up to ``FEW_QUERIES``: speculative decoding's verify rows,
+    short prompt suffixes) join them query by query, each query a one-query
+    row over its causal prefix, instead of copying their whole context out of
+    the cache in every layer;
   - elsewhere (a GPU, or ``CTXPAR_KERNELS=0``, or no compiler) those of at most
     ``DECODE_BATCH_MAX_KEYS`` keys in batched ``decode_attention`` calls: their
     contexts are read out of the cache by one gather per call into the layout
@@ -32,6 +36,8 @@ MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real
 # beats the batched call's gather of per-head rows. Measured per 30-layer step at
 # SmolLM2's shapes, the two break even at about this many keys per row.
 DECODE_BATCH_MAX_KEYS = 128
+# With the kernel, rows of at most this many queries attend query by query in place.
+FEW_QUERIES = 16
 
 
 def _group_by_length(lengths: list[int]) -> list[list[int]]:
@@ -51,23 +57,28 @@ def _group_by_length(lengths: list[int]) -> list[list[int]]:
 
 def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
     """The step's one-query rows in groups, or None if it has none (memoised per
-    step): with the ``kernel``, all of them in one group; without, those of at
-    most DECODE_BATCH_MAX_KEYS keys, in length groups."""
+    step): with the ``kernel``, all of them in one group, with the queries of rows
+    of up to FEW_QUERIES queries; without, the one-query rows of at most
+    DECODE_BATCH_MAX_KEYS keys, in length groups."""
     if kernel not in ctx.memo.decode_batches:
         qsl = ctx.query_start_loc
+        few = FEW_QUERIES if kernel else 1
         rows = [
             r
             for r in range(ctx.num_rows)
-            if qsl[r + 1] - qsl[r] == 1 and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
+            if 1 <= qsl[r + 1] - qsl[r] <= few and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
         ]
         batch = None
         if rows:
             device = ctx.context_slots[rows[0]].device
+            # (query token, keys it attends): query j of a row sees its context and its first j + 1 tokens.
+            queries = [(t, ctx.seq_lens[r] - (qsl[r + 1] - t) + 1) for r in rows for t in range(qsl[r], qsl[r + 1])]
+            row_of = [r for r in rows for _ in range(qsl[r], qsl[r + 1])]
             groups = []
-            for members in [list(range(len(rows)))] if kernel else _group_by_length([ctx.seq_lens[r] for r in rows]):
-                rs = [rows[i] for i in members]
-                tokens = torch.tensor([qsl[r] for r in rs], dtype=torch.int64, device=device)
-                groups.append(DecodeGroup(tokens, *concat_slots([ctx.context_slots[r] for r in rs])))
+            for members in [list(range(len(queries)))] if kernel else _group_by_length([n for _, n in queries]):
+                tokens = torch.tensor([queries[i][0] for i in members], dtype=torch.int64, device=device)
+                slots = [ctx.context_slots[row_of[i]][: queries[i][1]] for i in members]
+                groups.append(DecodeGroup(tokens, *concat_slots(slots)))
             batch = DecodeBatch(set(rows), groups)
         ctx.memo.decode_batches[kernel] = batch
     return ctx.memo.decode_batches[kernel]

@@ -9,6 +9,7 @@ import torch
 
 from ctxpar.config import EngineConfig
 from ctxpar.device import torch_dtype
+from ctxpar.errors import CtxparError
 from ctxpar.models.loader import LoadedModel, load_model
 from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
 
@@ -21,6 +22,9 @@ class RankModel:
     num_blocks: int  # KV blocks per rank (logical blocks under DCP: block_size * D tokens each)
     kv_bytes_per_token_per_layer: int
     device: torch.device
+    # Speculative decoding's draft model (method "draft_model"): its KV cache has the
+    # target's block count and size, so a request's block table serves both.
+    draft: LoadedModel | None = None
 
 
 def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
@@ -45,4 +49,24 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
         device,
         config.dcp_size,
     )
-    return RankModel(loaded, num_blocks, kv_bytes_per_token_per_layer(model.kv_entry_shape, dtype), device)
+    draft = _load_draft(config, loaded, dtype, device)
+    return RankModel(loaded, num_blocks, kv_bytes_per_token_per_layer(model.kv_entry_shape, dtype), device, draft)
+
+
+def _load_draft(
+    config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> LoadedModel | None:
+    """The draft model of speculative decoding, checked against the target: drafts are
+    token ids, so both must have the same vocabulary."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None  # SpeculativeConfig checks it
+    draft = load_model(spec.model, dtype, device, spec.max_model_len)
+    vocab, draft_vocab = int(target.hf_config.vocab_size), int(draft.hf_config.vocab_size)
+    if draft_vocab != vocab:
+        raise CtxparError(
+            f"speculative_config model {spec.model} has a vocabulary of {draft_vocab} tokens, the target model "
+            f"{vocab}: a draft model must share the target's tokenizer; pick one of the same model family"
+        )
+    return draft

@@ -25,6 +25,9 @@ class StepPlan:
     # (R,) bool, or None for all False: the row wants the logits of every token it computes
     # (prompt logprobs), not only of its last one.
     all_logits: np.ndarray | None = None
+    # Run on the draft model (speculative decoding's draft_model), with its own KV cache
+    # at the same block ids, instead of the target model.
+    draft: bool = False
 
     @property
     def num_rows(self) -> int:

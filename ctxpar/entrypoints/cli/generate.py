@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> None:
             sys.stdout.flush()
         if args.verbose:
             print(prefix_cache_summary(llm.engine), file=sys.stderr)
+            if llm.engine.spec is not None:
+                print(spec_decode_summary(llm.engine), file=sys.stderr)
         if last is not None:
             _report(last)
 
@@ -126,6 +128,18 @@ def prefix_cache_summary(engine) -> str:
     return (
         f"prefix cache: {s.hits} of {s.queries} queried tokens hit ({s.hit_rate:.0%}), "
         f"{engine.block_manager.num_cached_blocks} blocks cached, {engine.block_manager.num_evictions} evicted"
+    )
+
+
+def spec_decode_summary(engine) -> str:
+    """One line of speculative decoding's counters: drafts, acceptance, tokens per verify step."""
+    c, s = engine.spec.config, engine.spec.stats
+    if not s.num_drafts:
+        return f"speculative decoding ({c.method}, k={c.num_speculative_tokens}): no drafts"
+    return (
+        f"speculative decoding ({c.method}, k={c.num_speculative_tokens}): {s.num_drafts} verify steps, "
+        f"{s.num_accepted_tokens} of {s.num_draft_tokens} drafted tokens accepted ({s.acceptance_rate:.0%}), "
+        f"mean accepted length {s.mean_accepted_length:.2f}, accepted per position {s.accepted_per_pos}"
     )
 
 

@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
     "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
     "structured": ("ctxpar.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
+    "spec": ("ctxpar.bench.spec", "speculative decoding (n-gram): decode tokens/s on vs off, copy and free text"),
     "throughput": ("ctxpar.bench.throughput", "offline throughput vs transformers"),
     "ttft": ("ctxpar.bench.ttft", "time to first token with PCP ranks vs one rank"),
 }

@@ -10,7 +10,17 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from ctxpar.engine.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineSnapshot, OutputEvent
+from ctxpar.engine.metrics import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    EngineSnapshot,
+    OutputEvent,
+    SpecDecodeCounts,
+)
+from ctxpar.engine.metrics import (
+    Counter as CounterValue,
+)
 
 
 class _CollectiveSeconds:
@@ -26,6 +36,24 @@ class _CollectiveSeconds:
         for group, s in self.seconds.items():
             c.add_metric([group], s)
         yield c
+
+
+class _SpecDecode:
+    """Speculative decoding's counters, read from the engine's totals (set by the engine thread)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.counts: SpecDecodeCounts | None = None
+
+    def collect(self):
+        families: dict[str, CounterMetricFamily] = {}
+        for m in self.counts.metrics("ctxpar", self.labels) if self.counts is not None else []:
+            assert isinstance(m, CounterValue)  # every spec_decode metric is a counter
+            if m.name not in families:
+                doc = "Speculative decoding (vLLM's spec_decode counters)"
+                families[m.name] = CounterMetricFamily(m.name, doc, labels=list(m.labels))
+            families[m.name].add_metric(list(m.labels.values()), m.value)
+        yield from families.values()
 
 
 class ServerMetrics:
@@ -73,6 +101,8 @@ class ServerMetrics:
         ).labels(**label)
         self.collectives = _CollectiveSeconds()
         r.register(self.collectives)
+        self.spec_decode = _SpecDecode(label)
+        r.register(self.spec_decode)
         self._label = label
 
     def record(self, event: OutputEvent) -> None:
@@ -92,6 +122,7 @@ class ServerMetrics:
         self.kv_usage.set(snapshot.kv_cache_usage)
         if snapshot.collective_seconds:
             self.collectives.seconds = snapshot.collective_seconds
+        self.spec_decode.counts = snapshot.spec_decode
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,140 @@
+"""Speculative decoding on rank 0: draft tokens before a step, verify them after it.
+
+The engine asks ``SpecDecoder.propose`` for drafts of the requests about to
+decode (n-gram lookup, ngram.py, or a draft model, draft.py); the scheduler
+turns each drafted request's row into 1 + k tokens (the last known token and
+the drafts) with logits at every position; after the
+step, ``verify`` keeps the accepted prefix plus one token (rejection.py), and
+the scheduler rolls the rejected drafts' KV back (Scheduler.rollback).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ctxpar.engine.request import Request
+from ctxpar.engine.sampler import logprobs_of
+from ctxpar.engine.spec_decode.draft import DraftModelProposer
+from ctxpar.engine.spec_decode.ngram import propose_ngram
+from ctxpar.engine.spec_decode.rejection import verify_row
+from ctxpar.outputs import Logprob
+from ctxpar.speculative_config import SpeculativeConfig
+
+# min_acceptance_rate: a request is judged over about this many recent drafts; below the
+# rate it pauses drafting for PAUSE_STEPS of its decode steps, then tries again.
+JUDGE_DRAFTS = 8
+PAUSE_STEPS = 16
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since the engine started, as vLLM counts them."""
+
+    num_drafts: int = 0  # verify rows (requests x steps with at least one draft)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts at position i accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verify row: the accepted drafts plus the one the target model adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class _Judge:
+    """One request's recent acceptance, for min_acceptance_rate."""
+
+    drafted: int = 0
+    accepted: int = 0
+    paused: int = 0  # decode steps left without drafts
+
+
+@dataclass
+class Verified:
+    """What one verify row emits: tokens (1 to k + 1) and, where wanted, their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+class SpecDecoder:
+    """Drafts, verification and their statistics for one engine."""
+
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
+        """draft_model: the proposer of method "draft_model" (None for "ngram")."""
+        self.config = config
+        self.draft_model = draft_model
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._judges: weakref.WeakKeyDictionary[Request, _Judge] = weakref.WeakKeyDictionary()
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Set ``spec_token_ids`` of the requests (each about to decode), possibly to no drafts."""
+        c = self.config
+        drafting = [r for r in requests if self._may_draft(r)]
+        for r in requests:
+            r.spec_token_ids = []
+        if not drafting:
+            return
+        if self.draft_model is not None:
+            self.draft_model.propose(drafting)
+            return
+        assert c.prompt_lookup_min is not None and c.prompt_lookup_max is not None  # set in __post_init__
+        seqs = [r.prompt_token_ids + r.output_token_ids for r in drafting]
+        drafts = propose_ngram(seqs, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        for r, d in zip(drafting, drafts):
+            r.spec_token_ids = d
+
+    def _may_draft(self, req: Request) -> bool:
+        if self.config.min_acceptance_rate <= 0:
+            return True
+        judge = self._judges.setdefault(req, _Judge())
+        if judge.paused:
+            judge.paused -= 1
+            return False
+        return True
+
+    def verify(self, requests: Sequence[Request], logits: torch.Tensor, starts: Sequence[int]) -> list[Verified]:
+        """Verify each request's drafts; its logits rows are ``logits[start : start + k + 1]``."""
+        out = []
+        for req, start in zip(requests, starts):
+            drafts = req.spec_token_ids
+            rows = logits[start : start + len(drafts) + 1]  # (k + 1, V)
+            probs = self.draft_model.probs.get(req) if self.draft_model is not None else None
+            q = probs[: len(drafts)] if probs is not None else None  # (k, V); the scheduler may have cut drafts
+            tokens = verify_row(rows, drafts, req.params, req.generator, req, q)
+            n = req.params.logprobs
+            if n is None and req.cumulative_logprob is not None:
+                n = 0  # best_of ranks samples by the sampled tokens' logprobs
+            lps: list[dict[int, Logprob] | None]
+            lps = list(logprobs_of(rows[: len(tokens)].cpu(), tokens, n)) if n is not None else [None] * len(tokens)
+            out.append(Verified(tokens, lps))
+        return out
+
+    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count one verify row: ``num_accepted`` of its ``num_drafts`` drafts kept."""
+        s, m = self.stats, req.metrics
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_pos[i] += 1
+        m.num_drafts += 1
+        m.num_draft_tokens += num_drafts
+        m.num_accepted_tokens += num_accepted
+        if self.config.min_acceptance_rate > 0:
+            judge = self._judges.setdefault(req, _Judge())
+            judge.drafted += num_drafts
+            judge.accepted += num_accepted
+            if judge.drafted >= JUDGE_DRAFTS:
+                if judge.accepted < self.config.min_acceptance_rate * judge.drafted:
+                    judge.paused = PAUSE_STEPS
+                judge.drafted = judge.accepted = 0
