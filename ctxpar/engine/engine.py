@@ -302,9 +302,7 @@ class Engine:
                 continue  # best_of: only the finished ranking means anything
             outputs.append(self._output(group))
             if group.finished:
-                del self.groups[group.request_id]
-                for req in group.samples:
-                    del self.requests[req.request_id]
+                self._forget(group)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -320,10 +318,14 @@ class Engine:
                 req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
             group.held = []
             failed.append(self._output(group))
-            del self.groups[group.request_id]
-            for req in group.samples:
-                del self.requests[req.request_id]
+            self._forget(group)
         return failed
+
+    def _forget(self, group: RequestGroup) -> None:
+        """Drop a finished group: its last output has been made."""
+        del self.groups[group.request_id]
+        for req in group.samples:
+            del self.requests[req.request_id]
 
     # -- outputs --------------------------------------------------------------
 

@@ -45,8 +45,9 @@ class StructuredOutputs:
         futures = [g.samples[0].grammar.compiled for g in self.compiling]  # type: ignore[union-attr]
         if block:
             wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
-        ready = [(g, f.exception()) for g, f in zip(self.compiling, futures) if f.done()]
-        self.compiling = [g for g, f in zip(self.compiling, futures) if not f.done()]
+        done = [f.done() for f in futures]  # read once: a compile may finish between two reads
+        ready = [(g, f.exception()) for g, f, d in zip(self.compiling, futures, done) if d]
+        self.compiling = [g for g, d in zip(self.compiling, done) if not d]
         return ready
 
     def mask(self, logits: torch.Tensor, requests: list[Request]) -> None:
