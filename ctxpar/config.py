@@ -95,6 +95,10 @@ class EngineConfig:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.speculative_config.method == "mtp":
+            # The mtp layer's KV at a position is computed from the target's hidden state
+            # there, which a prefix-cache hit never computes: with mtp, prompts are computed.
+            object.__setattr__(self, "enable_prefix_caching", False)
 
     def threads_per_rank(self) -> int | None:
         """Torch threads of each rank: num_threads, else the cores shared out among

@@ -16,9 +16,7 @@ from typing import Any
 from ctxpar.checks import check_float, check_int
 from ctxpar.errors import CtxparError
 
-# vLLM's method names; "mtp" is refused in this version, with the reason.
-METHODS = ("ngram", "draft_model", "mtp")
-NOT_YET = {"mtp": "DeepSeek next-token-prediction layers are not implemented yet"}
+METHODS = ("ngram", "draft_model", "mtp")  # vLLM's names
 MAX_SPECULATIVE_TOKENS = 64  # a verify row is 1 + k tokens; more only wastes compute
 
 
@@ -29,11 +27,14 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup: the tokens that followed the last earlier occurrence
         of the sequence's own suffix, searched over the prompt and the output so far), or
         "draft_model" (a smaller model with the same vocabulary, ``model``, run in the same
-        ranks with its own paged KV cache, drafts k tokens one at a time).
+        ranks with its own paged KV cache, drafts k tokens one at a time), or "mtp" (the
+        next-token-prediction layer a DeepSeek-V3 checkpoint carries, fed the target's
+        hidden states, drafts k tokens one at a time; models/deepseek_mtp.py).
     num_speculative_tokens: k, the most tokens drafted per request and step.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes searched, longest first; one
         given sets the other (as vLLM), neither gives 2 and 5.
-    model: the draft model's path (a Hugging Face directory or .gguf file), for "draft_model".
+    model: the draft model's path (a Hugging Face directory or .gguf file), for "draft_model";
+        for "mtp", the checkpoint that holds the layer (default: the target's).
     max_model_len: the draft model's own context limit (default: its own, at most the
         target's); a request longer than that is decoded without drafts.
     min_acceptance_rate: a request whose acceptance rate over its last drafts falls below
@@ -52,11 +53,6 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise CtxparError(
                 f"speculative_config method {self.method!r} is unknown; use one of {', '.join(map(repr, METHODS))}"
-            )
-        if self.method in NOT_YET:
-            raise CtxparError(
-                f"speculative_config method {self.method!r} is not supported: {NOT_YET[self.method]}; "
-                "use method='ngram'"
             )
         check_int(
             "speculative_config num_speculative_tokens",
@@ -78,8 +74,8 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
         if self.method == "draft_model" and self.model is None:
             raise CtxparError("speculative_config method 'draft_model' needs model: the draft model's path")
-        if self.method != "draft_model" and self.model is not None:
-            raise CtxparError(f"speculative_config model is only for method='draft_model'; drop it for {self.method!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise CtxparError("speculative_config model is only for method='draft_model' or 'mtp'; drop it for 'ngram'")
         check_int("speculative_config max_model_len", self.max_model_len, 2, none_ok=True)
         check_float("speculative_config min_acceptance_rate", self.min_acceptance_rate, 0.0, 1.0)
 

@@ -31,6 +31,7 @@ from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.engine.spec_decode import SpecDecoder, Verified
 from ctxpar.engine.spec_decode.draft import DraftModelProposer
+from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
@@ -78,8 +79,10 @@ class Engine:
         if draft is None:
             return SpecDecoder(spec)
         limit = min(draft.max_model_len, self.max_model_len)
-        execute, reserve = self.executor.execute, self.scheduler.reserve
-        return SpecDecoder(spec, DraftModelProposer(spec.num_speculative_tokens, limit, execute, reserve))
+        proposer = MTPProposer if spec.method == "mtp" else DraftModelProposer
+        return SpecDecoder(
+            spec, proposer(spec.num_speculative_tokens, limit, self.executor.execute, self.scheduler.reserve)
+        )
 
     # -- requests -----------------------------------------------------------
 
@@ -228,9 +231,15 @@ class Engine:
         step is simply scheduled again. The exception goes to the caller.
         """
         outputs = self._admit_compiled()
+        # Drafts and samples draw from the requests' generators: their states are saved
+        # first, so a failing step leaves every generator where it was.
+        rng_states = _saved_generators(self.scheduler.running, {})
         if self.spec is not None:
-            # No drafts for a constrained request: its grammar is advanced one sampled token at a time.
-            self.spec.propose([r for r in self.scheduler.running if r.is_decode_ready and r.grammar is None])
+            try:
+                self.spec.propose(self.scheduler.running)
+            except BaseException:
+                _restore_generators(rng_states)
+                raise
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
@@ -243,13 +252,16 @@ class Engine:
         if all_logits.any():
             verifies = plan.all_logits if plan.all_logits is not None else False  # verify rows (speculation)
             plan = batch.plan = dataclasses.replace(plan, all_logits=all_logits | verifies)
+        hidden_rows = self.spec.hidden_rows(batch.requests) if self.spec is not None else None
+        if hidden_rows is not None:  # the mtp layer is fed the target's hidden states
+            plan = batch.plan = dataclasses.replace(plan, hidden_rows=hidden_rows)
         sampling = [r for r, need in zip(batch.requests, plan.needs_logits) if need and not r.spec_token_ids]
         verifying = [r for r in batch.requests if r.spec_token_ids]
         generators = [r.generator for r in sampling + verifying]
-        # Rows sampled before a failing one have drawn from their generators already.
-        rng_states = [g.get_state() if g is not None else None for g in generators]
+        rng_states = _saved_generators(sampling, rng_states)  # requests admitted just now
         try:
-            logits = self.executor.execute(plan)
+            step_out = self.executor.execute(plan)
+            logits = step_out.logits
             sample_rows, prompt_chunks, verify_starts = split_logits(batch.requests, plan, logits)
             sample_logits = logits if sample_rows is None else logits[sample_rows]
             self.structured.mask(sample_logits, sampling)  # before anything reads them, as vLLM
@@ -265,16 +277,16 @@ class Engine:
                 [r.cumulative_logprob is not None for r in sampling],
             )
         except BaseException:
-            for g, state in zip(generators, rng_states):
-                if g is not None:
-                    assert state is not None  # saved above for each generator
-                    g.set_state(state)
+            _restore_generators(rng_states)
             raise
         # Success: record the tokens, then commit. In this order an interruption in
         # between still leaves a valid request (a known token not yet cached is recomputed).
         for req, token in zip(sampling, out.token_ids):
             req.output_token_ids.append(token)
         self.scheduler.commit(batch)
+        if step_out.hidden is not None:
+            assert self.spec is not None  # only the mtp layer asks for hidden states
+            self.spec.keep_hidden(batch.requests, plan, step_out.hidden)
         self.structured.accept(sampling, out.token_ids)
         self.num_steps += 1
         for chunk in prompt_chunks:
@@ -430,3 +442,18 @@ class Engine:
 def _detokenizer(req: Request) -> IncrementalDetokenizer:
     assert req.detokenizer is not None  # add_request gives each request one
     return req.detokenizer
+
+
+def _saved_generators(
+    requests: Sequence[Request], saved: dict[int, tuple[torch.Generator, torch.Tensor]]
+) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+    """``saved`` with the states of the requests' generators not in it yet (by generator id)."""
+    for r in requests:
+        if r.generator is not None:
+            saved.setdefault(id(r.generator), (r.generator, r.generator.get_state()))
+    return saved
+
+
+def _restore_generators(saved: dict[int, tuple[torch.Generator, torch.Tensor]]) -> None:
+    for g, state in saved.values():
+        g.set_state(state)

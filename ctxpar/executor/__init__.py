@@ -17,19 +17,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from ctxpar.config import EngineConfig
 from ctxpar.executor.preflight import check_launch
 from ctxpar.worker.loading import RankModel
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 class Executor(Protocol):
     rank_model: RankModel  # rank 0's model, tokenizer and KV-cache size
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """float32 logits (S, vocab) of the rows with needs_logits, in row order."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """The step's logits (and hidden states, where the plan asks for them), from rank 0."""
         ...
 
     def close(self) -> None: ...

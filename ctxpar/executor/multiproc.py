@@ -22,7 +22,6 @@ import traceback
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -44,7 +43,7 @@ from ctxpar.worker.loading import RankModel, load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.runners import Runners
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 
@@ -198,16 +197,16 @@ class MultiRankExecutor:
     # Why the ranks were stopped, once execute has stopped them; None while they run.
     _stopped_because: str | None = None
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> StepOutput:
         if self.group is None:
             why = self._stopped_because or "they were shut down after an earlier failure"
             raise RankFailure(f"the PCP ranks were stopped: {why}; create a new LLM")
         self._check_alive()
         try:
             self.group.broadcast_object(plan)
-            logits = self.runner.execute(plan)
-            assert logits is not None  # rank 0 always gets them
-            return logits
+            out = self.runner.execute(plan)
+            assert out is not None  # rank 0 always gets them
+            return out
         except Exception as e:
             why = self._why(e)
             self._stopped_because = f"a rank failed during a step ({why})"

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.runners import Runners
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 class UniProcExecutor:
@@ -22,11 +20,11 @@ class UniProcExecutor:
             self.rank_model, lambda model, _: ModelRunner(model, options, device)
         )
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> StepOutput:
         assert self.runner is not None, "execute after close"
-        logits = self.runner.execute(plan)
-        assert logits is not None  # rank 0 always gets them
-        return logits
+        out = self.runner.execute(plan)
+        assert out is not None  # rank 0 always gets them
+        return out
 
     def close(self) -> None:
         self.runner = None

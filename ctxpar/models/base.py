@@ -19,11 +19,15 @@ class CausalLM(Protocol):
     num_kv_layers: int
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: (n,) int64 -> hidden states (n, hidden_size)."""
+        """input_ids, positions: (n,) int64 -> hidden states (n, hidden_size). A model that
+        takes per-token input states (the mtp draft layer) has a fourth argument,
+        ``hidden`` (n, hidden_size), which the runner passes when the plan carries them."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(m, hidden_size) -> (m, vocab_size) float32 logits: ``linear(hidden, logits_weight())``."""
+    def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
+        """(m, hidden_size) -> (m, vocab_size) float32 logits: ``linear(hidden, logits_weight())``,
+        or with ``weight`` a row range of logits_weight() (ranks that compute a range of the
+        vocabulary each), the logits of that range."""
         ...
 
     def logits_weight(self) -> Weight:

@@ -31,10 +31,11 @@ from ctxpar.layers.rotary import RotaryEmbedding
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, variant: str) -> None:
+    def __init__(self, config, layer_idx: int, variant: str, cache_idx: int | None = None) -> None:
+        """cache_idx: which of the KV caches the layer uses (default: layer_idx)."""
         super().__init__()
         rope_interleaved = True if variant == "v2" else bool(getattr(config, "rope_interleave", True))
-        self.self_attn = MLAttention(config, layer_idx, rope_interleaved)
+        self.self_attn = MLAttention(config, layer_idx if cache_idx is None else cache_idx, rope_interleaved)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
@@ -138,8 +139,8 @@ class _DeepseekForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.logits_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
+        return linear(hidden, weight if weight is not None else self.logits_weight()).float()
 
     def logits_weight(self) -> Weight:
         return self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
@@ -162,56 +163,62 @@ class _DeepseekForCausalLM(nn.Module):
         n_mtp = getattr(self.config, "num_nextn_predict_layers", 0) or 0
         return bool(m) and self.config.num_hidden_layers <= int(m.group(1)) < self.config.num_hidden_layers + n_mtp
 
-    def _split_fused(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """transformers' in-memory fused expert tensors -> per-expert checkpoint names."""
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
-        if not m or tensor.dim() != 3:
-            return [(name, tensor)]
-        prefix, kind = m.groups()
-        out = []
-        for e in range(tensor.shape[0]):
-            if kind == "gate_up_proj":
-                gate, up = tensor[e].chunk(2, dim=0)
-                out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
-            else:
-                out.append((f"{prefix}.{e}.down_proj.weight", tensor[e]))
-        return out
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for hf_name, tensor in weights:
-            if self._ignored(hf_name):
+        load_named(self, ((n, t) for n, t in weights if not self._ignored(n)))
+
+
+def split_fused(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers' in-memory fused expert tensors -> per-expert checkpoint names."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
+    if not m or tensor.dim() != 3:
+        return [(name, tensor)]
+    prefix, kind = m.groups()
+    out = []
+    for e in range(tensor.shape[0]):
+        if kind == "gate_up_proj":
+            gate, up = tensor[e].chunk(2, dim=0)
+            out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+        else:
+            out.append((f"{prefix}.{e}.down_proj.weight", tensor[e]))
+    return out
+
+
+@torch.no_grad()
+def load_named(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``module``'s parameters of the same names; raises
+    CtxparError naming every missing or unexpected weight and any shape mismatch."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for hf_name, tensor in weights:
+        for name, t in split_fused(hf_name, tensor):
+            p = params.get(name)
+            if p is None:
+                unexpected.append(name)
                 continue
-            for name, t in self._split_fused(hf_name, tensor):
-                p = params.get(name)
-                if p is None:
-                    unexpected.append(name)
-                    continue
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CtxparError(
-                        f"{type(self).__name__}: weight {name} has shape {tuple(t.shape)}, "
-                        f"the config implies {tuple(p.shape)}"
-                    )
-                p.copy_(t.to(p.dtype))
-                loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if unexpected or missing:
-            msg = [f"{type(self).__name__}: checkpoint does not match the config."]
-            if missing:
-                msg.append(
-                    f"missing {len(missing)} weight(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+            if tuple(t.shape) != tuple(p.shape):
+                raise CtxparError(
+                    f"{type(module).__name__}: weight {name} has shape {tuple(t.shape)}, "
+                    f"the config implies {tuple(p.shape)}"
                 )
-            if unexpected:
-                msg.append(
-                    f"unexpected {len(unexpected)} weight(s): {', '.join(unexpected[:8])}"
-                    + (" ..." if len(unexpected) > 8 else "")
-                )
-                if any(n.endswith("weight_scale_inv") for n in unexpected):
-                    msg.append("(FP8 block-quantised checkpoints must be dequantised to bf16/fp32 first)")
-            raise CtxparError(" ".join(msg))
+            p.copy_(t.to(p.dtype))
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if unexpected or missing:
+        msg = [f"{type(module).__name__}: checkpoint does not match the config."]
+        if missing:
+            msg.append(
+                f"missing {len(missing)} weight(s): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+            )
+        if unexpected:
+            msg.append(
+                f"unexpected {len(unexpected)} weight(s): {', '.join(unexpected[:8])}"
+                + (" ..." if len(unexpected) > 8 else "")
+            )
+            if any(n.endswith("weight_scale_inv") for n in unexpected):
+                msg.append("(FP8 block-quantised checkpoints must be dequantised to bf16/fp32 first)")
+        raise CtxparError(" ".join(msg))
 
 
 class DeepseekV2ForCausalLM(_DeepseekForCausalLM):

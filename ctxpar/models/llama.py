@@ -142,9 +142,9 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, ctx)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(m, hidden) -> (m, vocab) float32."""
-        return linear(hidden, self.logits_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
+        """(m, hidden) -> (m, vocab) float32 (of weight's rows, a range of the vocabulary, if given)."""
+        return linear(hidden, weight if weight is not None else self.logits_weight()).float()
 
     def logits_weight(self) -> Weight:
         return self.lm_head if self.lm_head_packed is None else self.lm_head_packed

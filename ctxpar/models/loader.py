@@ -14,7 +14,7 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 
 from ctxpar.errors import CtxparError
 from ctxpar.models import gguf
+from ctxpar.models.deepseek_mtp import DeepseekMTP
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -82,6 +83,39 @@ def load_model(
     finally:
         if temporary:
             shutil.rmtree(hf_dir, ignore_errors=True)
+
+
+def load_mtp(path: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None) -> LoadedModel:
+    """The multi-token-prediction layer of the DeepSeek-V3 checkpoint at ``path``, as a
+    draft model (speculative_config method "mtp"; models/deepseek_mtp.py)."""
+    d = Path(path).expanduser() if path is not None else None
+    if d is None or not d.is_dir():
+        raise CtxparError(
+            f"speculative_config method 'mtp' reads the next-token-prediction layer of a Hugging Face "
+            f"checkpoint directory; {path or 'the default model'} is not one: use method 'ngram' instead"
+        )
+    config = _read_config(d, d)
+    layer = f"model.layers.{config.num_hidden_layers}."
+    files = _safetensors_files(d, d)
+    if (
+        model_class_for_config(config).__name__ != "DeepseekV3ForCausalLM"
+        or not getattr(config, "num_nextn_predict_layers", 0)
+        or layer + "eh_proj.weight" not in _tensor_names(files)
+    ):
+        raise CtxparError(
+            f"{d} has no next-token-prediction layer (a DeepSeek-V3 checkpoint with num_nextn_predict_layers >= 1 "
+            f"carries {layer}eh_proj and the rest), which speculative_config method 'mtp' needs: "
+            "use method 'ngram' or 'draft_model'"
+        )
+    with _default_dtype(dtype), torch.device(device):
+        model = DeepseekMTP(config)
+    model.to(device)
+    model.load_weights(
+        _iter_safetensors(files, lambda name: name.startswith((layer, "model.embed_tokens.", "lm_head.")))
+    )
+    model.eval()
+    model.pack_for_cpu()
+    return LoadedModel(model, None, config, _max_model_len(config, max_model_len, d), [], name=f"{d.name} (mtp)")
 
 
 def _load_hf_dir(
@@ -151,18 +185,32 @@ def _safetensors_files(d: Path, shown: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(
+    files: list[Path], keep: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of the files, reading only the tensors ``keep`` names."""
     from safetensors import safe_open
 
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
-                    yield key, sf.get_tensor(key)
+                    if keep(key):
+                        yield key, sf.get_tensor(key)
         except CtxparError:
             raise
         except Exception as e:
             raise CtxparError(f"cannot read weights file {f}: {e}; the file is corrupt or not safetensors") from e
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            names.update(sf.keys())
+    return names
 
 
 def _load_tokenizer(d: Path, shown: Path):

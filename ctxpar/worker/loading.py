@@ -10,7 +10,7 @@ import torch
 from ctxpar.config import EngineConfig
 from ctxpar.device import torch_dtype
 from ctxpar.errors import CtxparError
-from ctxpar.models.loader import LoadedModel, load_model
+from ctxpar.models.loader import LoadedModel, load_model, load_mtp
 from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
 
 
@@ -22,7 +22,7 @@ class RankModel:
     num_blocks: int  # KV blocks per rank (logical blocks under DCP: block_size * D tokens each)
     kv_bytes_per_token_per_layer: int
     device: torch.device
-    # Speculative decoding's draft model (method "draft_model"): its KV cache has the
+    # Speculative decoding's draft model (method "draft_model", or "mtp"'s layer): its KV cache has the
     # target's block count and size, so a request's block table serves both.
     draft: LoadedModel | None = None
 
@@ -57,10 +57,13 @@ def _load_draft(
     config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device
 ) -> LoadedModel | None:
     """The draft model of speculative decoding, checked against the target: drafts are
-    token ids, so both must have the same vocabulary."""
+    token ids, so both must have the same vocabulary. Method "mtp" drafts with the
+    target checkpoint's own next-token-prediction layer."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "mtp":
+        return load_mtp(spec.model or config.model, dtype, device, spec.max_model_len or target.max_model_len)
     assert spec.model is not None  # SpeculativeConfig checks it
     draft = load_model(spec.model, dtype, device, spec.max_model_len)
     vocab, draft_vocab = int(target.hf_config.vocab_size), int(draft.hf_config.vocab_size)

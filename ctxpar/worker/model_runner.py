@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ctxpar.layers.forward_context import DCPStep, ForwardContext
-from ctxpar.layers.linear import linear, row_parts
+from ctxpar.layers.linear import row_parts
 from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
 from ctxpar.parallel.comm import PCPGroup
@@ -30,7 +30,7 @@ from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 class ModelRunner:
@@ -57,11 +57,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step. Returns float32 logits (L, vocab) of the tokens of
-        ``plan.logits_token_indices()`` (the last token of each row with
-        needs_logits; every token of an all_logits row), in order, on rank 0;
-        None on the other ranks."""
+    def execute(self, plan: StepPlan) -> StepOutput | None:
+        """Run one step. Returns, on rank 0, the float32 logits (L, vocab) of the tokens
+        of ``plan.logits_token_indices()`` (the last token of each row with needs_logits;
+        every token of an all_logits row), in order, and the hidden states of
+        ``plan.hidden_token_indices()``; None on the other ranks."""
         layout = plan_pcp_layout(
             plan.num_scheduled_tokens,
             plan.num_computed_tokens,
@@ -113,18 +113,21 @@ class ModelRunner:
             dcp=dcp,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
+        extra = {}
+        if plan.hidden_states is not None:  # the mtp layer: the target's state at each position
+            extra["hidden"] = plan.hidden_states.to(self.device)[to_dev(rows.token_idx)]  # (n, H)
         if not led:
-            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
-            return self._logits_on_rank0(plan, layout, hidden, gathers)
+            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
+            return self._outputs_on_rank0(plan, layout, hidden, gathers)
         assert self.lead_threads is not None  # led
         torch.set_num_threads(self.lead_threads)
         try:
-            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx)  # (n, H)
-            logits = self._logits_on_rank0(plan, layout, hidden, gathers)
+            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
+            out = self._outputs_on_rank0(plan, layout, hidden, gathers)
         finally:
             torch.set_num_threads(self.threads)
         self._share_led_kv(plan, global_slots)
-        return logits
+        return out
 
     def _pcp_group(self) -> PCPGroup:
         """The group, for the collectives of a step: only a step of several ranks has
@@ -187,23 +190,26 @@ class ModelRunner:
             all_to_all=self._pcp_group().all_to_all,
         )
 
-    def _logits_on_rank0(
+    def _outputs_on_rank0(
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, gathers: bool
-    ) -> torch.Tensor | None:
-        # The sampled tokens, and every token of the rows that want prompt logprobs
-        # (a full restore of those rows only, never of every token), in global order.
-        wanted = plan.logits_token_indices()  # (L,)
-        where = layout.hidden_restore_idx[wanted]  # (L,) gathered position of the authoritative copy
+    ) -> StepOutput | None:
+        # The sampled tokens, every token of the rows that want prompt logprobs (a full
+        # restore of those rows only, never of every token), and every token of the
+        # hidden_rows, in global order.
+        logit_idx, hidden_idx = plan.logits_token_indices(), plan.hidden_token_indices()  # (L,), (K,)
+        wanted = np.union1d(logit_idx, hidden_idx) if len(hidden_idx) else logit_idx  # (W,) sorted
+        where = layout.hidden_restore_idx[wanted]  # (W,) gathered position of the authoritative copy
         if not gathers:
             # Rank 0 holds every authoritative copy itself (gathered position == local index).
             if self.rank != 0:
                 return None
-            return self.model.compute_logits(hidden[torch.from_numpy(where).to(self.device)])
+            picked = hidden[torch.from_numpy(where).to(self.device)]  # (W, H)
+            return self._output(picked, self.model.compute_logits(self._rows(picked, wanted, logit_idx)), wanted, plan)
         # Only the wanted tokens travel, each from the rank that computed it, to rank 0.
         group = self._pcp_group()
         n = layout.num_tokens_padded
         owner, local = where // n, where % n
-        # The l-th wanted token is the index_in_rank-th of its owner's list, in global order;
+        # The w-th wanted token is the index_in_rank-th of its owner's list, in global order;
         # width is rank-invariant, so every rank sends the same shape.
         index_in_rank, width = rank_order(owner, self.pcp_size)
         mine = local[owner == self.rank]
@@ -213,15 +219,30 @@ class ModelRunner:
         parts = row_parts(self.model.logits_weight(), self.pcp_size) if group.one_host else None
         if parts is None:
             received = group.gather_to_first(send)  # rank 0: (P, width, H); others: None
-            return None if received is None else self.model.compute_logits(received[pick])
+            if received is None:
+                return None
+            picked = received[pick]  # (W, H)
+            return self._output(picked, self.model.compute_logits(self._rows(picked, wanted, logit_idx)), wanted, plan)
         # Ranks sharing a host's memory bus each compute a range of the vocabulary for
-        # every wanted token (reading 1/P of the lm_head), and rank 0 joins the ranges.
-        picked = group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (L, H)
+        # every sampled token (reading 1/P of the lm_head), and rank 0 joins the ranges.
+        picked = group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (W, H)
+        sampled = self._rows(picked, wanted, logit_idx)  # (L, H)
         weight, lo, hi = parts[self.rank]
         widest = max(end - first for _, first, end in parts)
-        logits = picked.new_zeros((len(picked), widest), dtype=torch.float32)
-        logits[:, : hi - lo] = linear(picked, weight)
+        logits = sampled.new_zeros((len(sampled), widest), dtype=torch.float32)
+        logits[:, : hi - lo] = self.model.compute_logits(sampled, weight)
         received = group.gather_to_first(logits)  # rank 0: (P, L, widest)
         if received is None:
             return None
-        return torch.cat([received[k, :, : end - first] for k, (_, first, end) in enumerate(parts)], dim=1)
+        joined = torch.cat([received[k, :, : end - first] for k, (_, first, end) in enumerate(parts)], dim=1)
+        return self._output(picked, joined, wanted, plan)
+
+    def _rows(self, picked: torch.Tensor, wanted: np.ndarray, indices: np.ndarray) -> torch.Tensor:
+        """The rows of ``picked`` (W, H), the states of the ``wanted`` tokens, that hold ``indices``."""
+        if len(indices) == len(wanted):
+            return picked  # wanted is indices itself
+        return picked[torch.from_numpy(np.searchsorted(wanted, indices)).to(self.device)]
+
+    def _output(self, picked: torch.Tensor, logits: torch.Tensor, wanted: np.ndarray, plan: StepPlan) -> StepOutput:
+        hidden_idx = plan.hidden_token_indices()
+        return StepOutput(logits, self._rows(picked, wanted, hidden_idx) if len(hidden_idx) else None)

@@ -8,11 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ctxpar.worker.loading import RankModel
 from ctxpar.worker.model_runner import ModelRunner
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 class Runners:
@@ -28,7 +26,7 @@ class Runners:
         draft = rank_model.draft
         return cls(make(rank_model.loaded.model, False), make(draft.model, True) if draft is not None else None)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan) -> StepOutput | None:
         """ModelRunner.execute on the plan's model."""
         if plan.draft:
             if self.draft is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,15 @@ class StepPlan:
     # (R,) bool, or None for all False: the row wants the logits of every token it computes
     # (prompt logprobs), not only of its last one.
     all_logits: np.ndarray | None = None
-    # Run on the draft model (speculative decoding's draft_model), with its own KV cache
-    # at the same block ids, instead of the target model.
+    # Run on the draft model (speculative decoding's draft_model or mtp), with its own KV
+    # cache at the same block ids, instead of the target model.
     draft: bool = False
+    # (R,) bool, or None for all False: rank 0 also gets the final hidden state of every
+    # token of the row (the target's states feed the mtp draft layer).
+    hidden_rows: np.ndarray | None = None
+    # (T, H) per-token input hidden states for a model that takes them (the mtp layer: the
+    # target's state at each position), or None.
+    hidden_states: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -49,6 +56,14 @@ class StepPlan:
         offsets = np.concatenate(([0], np.cumsum(lengths)))
         return np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
 
+    def hidden_token_indices(self) -> np.ndarray:
+        """(K,) int64 global flat indices of every token of the ``hidden_rows`` rows, in order."""
+        if self.hidden_rows is None or not self.hidden_rows.any():
+            return np.zeros(0, dtype=np.int64)
+        ends = np.cumsum(self.num_scheduled_tokens)
+        starts = ends - self.num_scheduled_tokens
+        return np.concatenate([np.arange(a, b) for a, b in zip(starts[self.hidden_rows], ends[self.hidden_rows])])
+
     def __post_init__(self) -> None:
         if int(self.num_scheduled_tokens.sum()) != len(self.input_ids):
             raise ValueError("StepPlan: input_ids length must equal the sum of num_scheduled_tokens")
@@ -56,3 +71,11 @@ class StepPlan:
         # same rows to the runner (which returns their logits) and the engine (which samples them).
         if self.num_rows == 0 or self.num_scheduled_tokens.min() < 1:
             raise ValueError("StepPlan: every row must schedule at least one token")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What rank 0 gets back from a step."""
+
+    logits: torch.Tensor  # (L, vocab) float32, of plan.logits_token_indices()
+    hidden: torch.Tensor | None = None  # (K, H) final hidden states of plan.hidden_token_indices(), if any

@@ -224,7 +224,7 @@ def test_bad_speculative_config(models, tmp_path):
         ({"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2}, "vocabulary"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
         ({"method": "ngram", "model": str(other_vocab), "num_speculative_tokens": 2}, "only for method='draft_model'"),
-        ({"method": "mtp", "num_speculative_tokens": 1}, "not supported"),
+        ({"method": "mtp", "num_speculative_tokens": 1}, "next-token-prediction"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "unknown"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram"}, "num_speculative_tokens"),

@@ -72,7 +72,7 @@ def _runner(model_dir: str, group, job: Job):
 def run_single(model_dir: str, plans: list[StepPlan]) -> Result:
     """The reference: one rank in this process."""
     runner = _runner(model_dir, None, Job(model_dir, 1))
-    return Result([runner.execute(p).clone() for p in plans], [runner.kv_caches], [])
+    return Result([runner.execute(p).logits.clone() for p in plans], [runner.kv_caches], [])
 
 
 def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: list[StepPlan], out: str) -> None:
@@ -92,7 +92,7 @@ def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: l
                 logits, collectives = [], []
                 for p in plans:
                     before = group.num_collectives.copy()
-                    logits.append(runner.execute(p))
+                    logits.append(runner.execute(p).logits)
                     collectives.append(dict(group.num_collectives - before))
                 saved = {"logits": logits, "caches": runner.kv_caches, "collectives": collectives}
                 torch.save(saved, os.path.join(out, f"{size}.{j}.{rank}.pt"))

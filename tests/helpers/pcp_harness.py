@@ -86,7 +86,7 @@ def run_plans(
     )
     executor = start_executor(config)
     try:
-        return [executor.execute(plan).clone() for plan in plans]
+        return [executor.execute(plan).logits.clone() for plan in plans]
     finally:
         executor.close()
 

@@ -1,7 +1,8 @@
 """Speculative decoding on rank 0: draft tokens before a step, verify them after it.
 
 The engine asks ``SpecDecoder.propose`` for drafts of the requests about to
-decode (n-gram lookup, ngram.py, or a draft model, draft.py); the scheduler
+decode (n-gram lookup, ngram.py; a draft model, draft.py; or a DeepSeek-V3
+checkpoint's next-token-prediction layer, mtp.py); the scheduler
 turns each drafted request's row into 1 + k tokens (the last known token and
 the drafts) with logits at every position; after the
 step, ``verify`` keeps the accepted prefix plus one token (rejection.py), and
@@ -14,15 +15,18 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ctxpar.engine.request import Request
 from ctxpar.engine.sampler import logprobs_of
 from ctxpar.engine.spec_decode.draft import DraftModelProposer
+from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.spec_decode.ngram import propose_ngram
 from ctxpar.engine.spec_decode.rejection import verify_row
 from ctxpar.outputs import Logprob
 from ctxpar.speculative_config import SpeculativeConfig
+from ctxpar.worker.step_plan import StepPlan
 
 # min_acceptance_rate: a request is judged over about this many recent drafts; below the
 # rate it pauses drafting for PAUSE_STEPS of its decode steps, then tries again.
@@ -69,23 +73,25 @@ class Verified:
 class SpecDecoder:
     """Drafts, verification and their statistics for one engine."""
 
-    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | None = None) -> None:
-        """draft_model: the proposer of method "draft_model" (None for "ngram")."""
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | MTPProposer | None = None) -> None:
+        """draft_model: the proposer of method "draft_model" or "mtp" (None for "ngram")."""
         self.config = config
         self.draft_model = draft_model
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._judges: weakref.WeakKeyDictionary[Request, _Judge] = weakref.WeakKeyDictionary()
 
-    def propose(self, requests: Sequence[Request]) -> None:
-        """Set ``spec_token_ids`` of the requests (each about to decode), possibly to no drafts."""
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set ``spec_token_ids`` of the running requests, possibly to no drafts: only requests
+        about to decode draft, and not constrained ones (their grammar advances one sampled
+        token at a time)."""
         c = self.config
-        drafting = [r for r in requests if self._may_draft(r)]
-        for r in requests:
+        drafting = [r for r in running if r.is_decode_ready and r.grammar is None and self._may_draft(r)]
+        for r in running:
             r.spec_token_ids = []
-        if not drafting:
-            return
         if self.draft_model is not None:
-            self.draft_model.propose(drafting)
+            self.draft_model.propose(drafting, running)  # the mtp layer catches every request up
+            return
+        if not drafting:
             return
         assert c.prompt_lookup_min is not None and c.prompt_lookup_max is not None  # set in __post_init__
         seqs = [r.prompt_token_ids + r.output_token_ids for r in drafting]
@@ -101,6 +107,22 @@ class SpecDecoder:
             judge.paused -= 1
             return False
         return True
+
+    def hidden_rows(self, requests: Sequence[Request]) -> np.ndarray | None:
+        """(R,) bool: the rows of a target step whose hidden states the mtp layer needs
+        (those of requests that may draft); None for the other methods."""
+        if not isinstance(self.draft_model, MTPProposer):
+            return None
+        return np.array([r.grammar is None for r in requests])
+
+    def keep_hidden(self, requests: Sequence[Request], plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Hand the mtp layer a committed target step's hidden states (K, H) of its hidden_rows."""
+        assert isinstance(self.draft_model, MTPProposer) and plan.hidden_rows is not None  # from hidden_rows
+        at = 0
+        for req, row, c, q in zip(requests, plan.hidden_rows, plan.num_computed_tokens, plan.num_scheduled_tokens):
+            if row:
+                self.draft_model.keep(req, int(c), hidden[at : at + q])
+                at += q
 
     def verify(self, requests: Sequence[Request], logits: torch.Tensor, starts: Sequence[int]) -> list[Verified]:
         """Verify each request's drafts; its logits rows are ``logits[start : start + k + 1]``."""

@@ -30,7 +30,7 @@ import torch
 from ctxpar.engine.request import Request
 from ctxpar.engine.sampler import apply_filters, apply_logits_processing
 from ctxpar.engine.spec_decode.rejection import drafted_history
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 @dataclass
@@ -48,11 +48,11 @@ class DraftModelProposer:
         self,
         num_speculative_tokens: int,
         max_model_len: int,
-        execute: Callable[[StepPlan], torch.Tensor],
+        execute: Callable[[StepPlan], StepOutput],
         reserve: Callable[[Request, int], list[int] | None],
     ) -> None:
         """max_model_len: the draft's context limit; execute: runs a plan on every rank and
-        returns rank 0's logits; reserve(req, n): the request's block table grown to cover n
+        returns rank 0's outputs; reserve(req, n): the request's block table grown to cover n
         tokens (no preemption), or None when the free blocks do not allow it."""
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -61,8 +61,9 @@ class DraftModelProposer:
         self._kv: weakref.WeakKeyDictionary[Request, _DraftKV] = weakref.WeakKeyDictionary()
         self.probs: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
 
-    def propose(self, requests: Sequence[Request]) -> None:
-        """Set each request's ``spec_token_ids`` (and, for sampled ones, ``probs``: (k, V))."""
+    def propose(self, requests: Sequence[Request], running: Sequence[Request] = ()) -> None:
+        """Set each request's ``spec_token_ids`` (and, for sampled ones, ``probs``: (k, V)).
+        running: unused (the draft model catches a request up when it drafts for it)."""
         todo: list[tuple[Request, int, list[int]]] = []  # (request, drafts wanted, block table)
         for req in requests:
             req.spec_token_ids = []
@@ -81,7 +82,7 @@ class DraftModelProposer:
                 ids = req.token_ids(start, req.num_tokens) if step == 0 else [req.spec_token_ids[-1]]
                 c = start if step == 0 else req.num_tokens + step - 1
                 plan_rows.append((req, c, ids, table))
-            logits = self.execute(_plan(plan_rows))  # (R, V)
+            logits = self.execute(draft_plan(plan_rows)).logits  # (R, V)
             for (req, c, ids, _), row in zip(plan_rows, logits):
                 kv = self._kv[req]
                 kv.computed = c + len(ids)
@@ -89,7 +90,7 @@ class DraftModelProposer:
                     kv.drafts_from, kv.drafts = kv.computed, []
                 else:
                     kv.drafts.append(ids[0])
-                req.spec_token_ids.append(self._draw(req, row))
+                req.spec_token_ids.append(draw(req, row, self.probs))
 
     def _start(self, req: Request) -> int:
         """Where the request's catch-up starts: the end of its known tokens with draft KV."""
@@ -102,32 +103,43 @@ class DraftModelProposer:
         kv.computed = min(kv.computed, kv.drafts_from + agree, req.num_computed_tokens, req.num_tokens - 1)
         return kv.computed
 
-    def _draw(self, req: Request, logits: torch.Tensor) -> int:
-        """One draft from the draft model's (V,) logits, by the request's sampling settings."""
-        p = req.params
-        x = logits.float()
-        if p.processes_logits:
-            x = apply_logits_processing(x, p, drafted_history(req, req.spec_token_ids))
-        if p.greedy:
-            return int(torch.argmax(x))
-        q = torch.softmax(apply_filters(x, p), dim=-1)  # (V,)
-        token = int(torch.multinomial(q, 1, generator=req.generator))
-        previous = self.probs.get(req)
-        self.probs[req] = q[None] if previous is None else torch.cat([previous, q[None]])
-        return token
+
+def draw(req: Request, logits: torch.Tensor, probs: weakref.WeakKeyDictionary[Request, torch.Tensor]) -> int:
+    """The request's next draft from a draft model's (V,) logits, by its sampling settings;
+    for a sampled request the draft distribution q is appended to ``probs[req]`` ((j, V))."""
+    p = req.params
+    x = logits.float()
+    if p.processes_logits:
+        x = apply_logits_processing(x, p, drafted_history(req, req.spec_token_ids))
+    if p.greedy:
+        return int(torch.argmax(x))
+    q = torch.softmax(apply_filters(x, p), dim=-1)  # (V,)
+    token = int(torch.multinomial(q, 1, generator=req.generator))
+    previous = probs.get(req)
+    probs[req] = q[None] if previous is None else torch.cat([previous, q[None]])
+    return token
 
 
-def _plan(rows: list[tuple[Request, int, list[int], list[int]]]) -> StepPlan:
-    """A draft step: per row (request, tokens cached before, tokens to feed, block table)."""
+def draft_plan(
+    rows: list[tuple[Request, int, list[int], list[int]]],
+    needs_logits: np.ndarray | None = None,
+    hidden_states: torch.Tensor | None = None,
+) -> StepPlan:
+    """A draft step: per row (request, tokens cached before, tokens to feed, block table);
+    needs_logits (R,) bool (default: every row), hidden_states (T, H) for the mtp layer,
+    which also returns its output states of every token of the rows with logits."""
     q = np.array([len(ids) for _, _, ids, _ in rows], dtype=np.int64)
     c = np.array([c for _, c, _, _ in rows], dtype=np.int64)
     prompt = np.array([req.num_prompt_tokens for req, _, _, _ in rows], dtype=np.int64)
+    needs_logits = needs_logits if needs_logits is not None else np.ones(len(rows), dtype=bool)
     return StepPlan(
         input_ids=np.array([t for _, _, ids, _ in rows for t in ids], dtype=np.int64),
         num_scheduled_tokens=q,
         num_computed_tokens=c,
         is_prefilling=(q > 1) | (c < prompt),  # a one-token row past the prompt is laid out as a decode
-        needs_logits=np.ones(len(rows), dtype=bool),
+        needs_logits=needs_logits,
         block_tables=[np.asarray(table, dtype=np.int64) for _, _, _, table in rows],
         draft=True,
+        hidden_rows=needs_logits if hidden_states is not None else None,
+        hidden_states=hidden_states,
     )
