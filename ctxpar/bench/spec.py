@@ -9,6 +9,11 @@ checked):
 - free: open-ended prompts, where drafts are rarely right and must not cost
   much.
 
+With ``--draft-layers N`` the drafts come from a draft model instead (method
+"draft_model"): the target's own first N layers, its embeddings and head, written
+once as a Hugging Face checkpoint (a layer-skip self-draft: the same vocabulary,
+no second download).
+
 Decode speed is the tokens after the first over the time after the first token
 (the prefill is the same with and without speculation); the fastest of
 ``--repeat`` runs is kept. At P = 1 both engines (with and without
@@ -22,9 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import pydoc
+import shutil
+from pathlib import Path
 
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
+from ctxpar.errors import CtxparError
 
 FREE_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -46,6 +54,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default='{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 8}',
         help="the speculation measured (JSON, as ctxpar generate takes it)",
     )
+    p.add_argument(
+        "--draft-layers",
+        type=positive_int,
+        default=None,
+        help="draft with the target's first N layers (method draft_model; k from --speculative-config)",
+    )
+
+
+def _first_layers(model: str | None, layers: int) -> str:
+    """A checkpoint of the model's first ``layers`` layers with its embeddings, norm and head
+    (in ctxpar's cache, next to the converted GGUF); its directory."""
+    from safetensors.torch import load_file, save_file
+
+    from ctxpar.models import gguf
+    from ctxpar.models.loader import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    source, _ = gguf.gguf_to_hf_dir(path) if path.is_file() else (path, False)
+    out = gguf.cache_root() / f"{source.name}.first{layers}"
+    if not (out / "model.safetensors").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+        config = json.loads((source / "config.json").read_text())
+        if layers >= config["num_hidden_layers"]:
+            raise CtxparError(
+                f"--draft-layers {layers}: the model has {config['num_hidden_layers']} layers; pass fewer"
+            )
+        config["num_hidden_layers"] = layers
+        (out / "config.json").write_text(json.dumps(config))
+        state = {}
+        for f in source.glob("*.safetensors"):
+            state.update(load_file(f))
+        keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+        save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
 
 
 def _document(tokenizer, num_tokens: int) -> str:
@@ -97,6 +142,13 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
 
     spec = json.loads(args.speculative_config)
+    if args.draft_layers is not None:
+        k = spec.get("num_speculative_tokens", 4)
+        spec = {
+            "method": "draft_model",
+            "model": _first_layers(args.model, args.draft_layers),
+            "num_speculative_tokens": k,
+        }
     print(describe_machine(), flush=True)
     print(f"speculative_config: {spec}", flush=True)
     lengths = {"copy": args.copy_tokens, "free": args.free_tokens}
