@@ -325,8 +325,8 @@ def test_draft_model_drafts_are_its_greedy_continuation(models, reference):
         proposer = llm.engine.spec.draft_model
         propose = proposer.propose
 
-        def recording(requests):
-            propose(requests)
+        def recording(requests, running):
+            propose(requests, running)
             # Penalties count the request's own outputs: only plain greedy requests compare to a fresh run.
             plain = [r for r in requests if not r.params.processes_logits]
             seen.extend((r.prompt_token_ids + r.output_token_ids, list(r.spec_token_ids)) for r in plain)
