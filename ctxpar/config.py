@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
 from ctxpar.device import canonical_dtype
 from ctxpar.errors import CtxparError
+from ctxpar.hf_overrides import parse_hf_overrides
 from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
@@ -52,6 +54,9 @@ class EngineConfig:
     master_port: int | None = None  # None: a free port
     # Speculative decoding (vLLM's speculative_config): a dict or its JSON is parsed into one.
     speculative_config: SpeculativeConfig | None = None
+    # Changes to the checkpoint's config.json (vLLM's hf_overrides), e.g. rope scaling for
+    # contexts past the trained length: a dict or its JSON (ctxpar/hf_overrides.py).
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -95,6 +100,7 @@ class EngineConfig:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.speculative_config is not None and self.speculative_config.method == "mtp":
             # The mtp layer's KV at a position is computed from the target's hidden state
             # there, which a prefix-cache hit never computes: with mtp, prompts are computed.

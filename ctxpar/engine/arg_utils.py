@@ -80,6 +80,12 @@ FLAGS: dict[str, Flag] = {
         "JSON",
         parse=str,
     ),
+    "hf_overrides": Flag(
+        "changes to the checkpoint's config.json, as JSON, e.g. rope scaling for longer contexts: "
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\' (the context limit grows by the factor)',
+        "JSON",
+        parse=str,
+    ),
 }
 
 
@@ -109,6 +115,7 @@ class EngineArgs:
     master_addr: str = DEFAULTS.master_addr
     master_port: int | None = DEFAULTS.master_port
     speculative_config: Any = DEFAULTS.speculative_config  # a dict, its JSON or a SpeculativeConfig
+    hf_overrides: Any = DEFAULTS.hf_overrides  # a dict or its JSON
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text

@@ -80,7 +80,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "enable_lora": ((False,), NO_LORA),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype; leave kv_cache_dtype='auto'"),
-    "hf_overrides": ((None, {}), "edit the checkpoint's config.json instead"),
     "revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),
     "tokenizer_revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),
     "code_revision": ((None,), "ctxpar runs its own model code, never the checkpoint's"),
@@ -89,8 +88,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "runner": (("auto", "generate"), "ctxpar runs generative models only"),
     "tokenizer_mode": (("auto", "hf"), "ctxpar loads the Hugging Face tokenizer (tokenizer_mode='auto')"),
     "logits_processors": ((None, []), "ctxpar has no custom logits processors"),
-    "rope_scaling": ((None, {}), "set rope scaling in the checkpoint's config.json"),
-    "rope_theta": ((None,), "set rope_theta in the checkpoint's config.json"),
+    "rope_scaling": ((None, {}), "pass hf_overrides={'rope_scaling': {...}} (vLLM's current spelling)"),
+    "rope_theta": ((None,), "pass hf_overrides={'rope_theta': ...} (vLLM's current spelling)"),
     "worker_cls": (("auto",), "ctxpar's ranks run ctxpar's own worker"),
 }
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ctxpar.errors import CtxparError
+from ctxpar.hf_overrides import overridden_config_kwargs
 from ctxpar.models import gguf
 from ctxpar.models.deepseek_mtp import DeepseekMTP
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
@@ -61,9 +62,14 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+    path: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load the model at `path` (HF directory, .gguf file, or None for the default model)."""
+    """Load the model at `path` (HF directory, .gguf file, or None for the default model),
+    its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py)."""
     if path is None:
         gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -71,7 +77,7 @@ def load_model(
         if not p.exists():
             raise CtxparError(f"model path {p} does not exist; pass a Hugging Face model directory or a .gguf file")
         if p.is_dir():
-            return _load_hf_dir(p, dtype, torch.device(device), max_model_len, name=p.resolve().name)
+            return _load_hf_dir(p, dtype, torch.device(device), max_model_len, p.resolve().name, hf_overrides)
         if not gguf.is_gguf(p):
             raise CtxparError(
                 f"model file {p} is not a GGUF file (bad magic); pass a .gguf file or a Hugging Face model directory"
@@ -79,13 +85,19 @@ def load_model(
         gguf_path, name = p, p.stem
     hf_dir, temporary = gguf.gguf_to_hf_dir(gguf_path)
     try:
-        return _load_hf_dir(hf_dir, dtype, torch.device(device), max_model_len, name=name, shown=gguf_path)
+        return _load_hf_dir(hf_dir, dtype, torch.device(device), max_model_len, name, hf_overrides, shown=gguf_path)
     finally:
         if temporary:
             shutil.rmtree(hf_dir, ignore_errors=True)
 
 
-def load_mtp(path: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None) -> LoadedModel:
+def load_mtp(
+    path: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    hf_overrides: dict[str, Any] | None = None,
+) -> LoadedModel:
     """The multi-token-prediction layer of the DeepSeek-V3 checkpoint at ``path``, as a
     draft model (speculative_config method "mtp"; models/deepseek_mtp.py)."""
     d = Path(path).expanduser() if path is not None else None
@@ -94,7 +106,7 @@ def load_mtp(path: str | None, dtype: torch.dtype, device: torch.device, max_mod
             f"speculative_config method 'mtp' reads the next-token-prediction layer of a Hugging Face "
             f"checkpoint directory; {path or 'the default model'} is not one: use method 'ngram' instead"
         )
-    config = _read_config(d, d)
+    config = _read_config(d, d, hf_overrides)
     layer = f"model.layers.{config.num_hidden_layers}."
     files = _safetensors_files(d, d)
     if (
@@ -119,11 +131,17 @@ def load_mtp(path: str | None, dtype: torch.dtype, device: torch.device, max_mod
 
 
 def _load_hf_dir(
-    d: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None, name: str, shown: Path | None = None
+    d: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    name: str,
+    hf_overrides: dict[str, Any] | None,
+    shown: Path | None = None,
 ) -> LoadedModel:
     """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from)."""
     shown = shown or d
-    config = _read_config(d, shown)
+    config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
     files = _safetensors_files(d, shown)
     with _default_dtype(dtype), torch.device(device):
@@ -144,7 +162,7 @@ def _load_hf_dir(
     )
 
 
-def _read_config(d: Path, shown: Path):
+def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None):
     from transformers import AutoConfig
 
     cfg_file = d / "config.json"
@@ -154,7 +172,7 @@ def _read_config(d: Path, shown: Path):
             "*.safetensors weights and tokenizer files (or pass a .gguf file)"
         )
     try:
-        return AutoConfig.from_pretrained(str(d))
+        config = AutoConfig.from_pretrained(str(d))
     except Exception as e:
         archs: list[str] = []
         with contextlib.suppress(Exception):  # an unknown model_type: name the architecture instead
@@ -162,6 +180,20 @@ def _read_config(d: Path, shown: Path):
         if archs and archs[0] not in ARCHITECTURES:
             get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
         raise CtxparError(f"cannot read {cfg_file}: {e}") from e
+    if not hf_overrides:
+        return config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    try:  # rebuilt, so the config's own checks (rope parameters, ...) see the new values
+        config = AutoConfig.from_pretrained(str(d), **overridden_config_kwargs(config, hf_overrides))
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_type {rope_type!r} is unknown; known: {', '.join(ROPE_INIT_FUNCTIONS)}")
+        if hasattr(config, "validate_rope"):
+            config.validate_rope()
+    except Exception as e:
+        raise CtxparError(f"hf_overrides {hf_overrides} do not make a valid config of {shown}: {e}") from e
+    return config
 
 
 def _safetensors_files(d: Path, shown: Path) -> list[Path]:

@@ -66,10 +66,13 @@ def num_kv_blocks(
     needed = -(-max_model_len // logical)
     if blocks < needed:
         sharded = f", each sharded over {dcp_size} ranks" if dcp_size > 1 else ""
+        bytes_needed = needed * per_block
+        without_dcp = f" ({bytes_needed * dcp_size / 2**30:.2f} GiB without DCP)" if dcp_size > 1 else ""
         raise CtxparError(
             f"the KV cache holds {blocks} blocks ({blocks * logical} tokens), fewer than one request of "
             f"max_model_len={max_model_len} needs ({needed} blocks of {logical} tokens{sharded}, "
-            f"{per_block} bytes per rank); raise kv_cache_bytes / num_kv_blocks or lower max_model_len"
+            f"{per_block} bytes each per rank): {bytes_needed / 2**30:.2f} GiB per rank{without_dcp}; "
+            f"raise kv_cache_bytes to at least {bytes_needed} (or num_kv_blocks to {needed}) or lower max_model_len"
         )
     return int(blocks)
 

@@ -36,7 +36,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     if threads is not None:
         torch.set_num_threads(threads)
     dtype = torch_dtype(config.dtype)
-    loaded = load_model(config.model, dtype, device, config.max_model_len)
+    loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides)
     model = loaded.model
     num_blocks = num_kv_blocks(
         config.num_kv_blocks,
@@ -63,7 +63,8 @@ def _load_draft(
     if spec is None or spec.method == "ngram":
         return None
     if spec.method == "mtp":
-        return load_mtp(spec.model or config.model, dtype, device, spec.max_model_len or target.max_model_len)
+        limit = spec.max_model_len or target.max_model_len
+        return load_mtp(spec.model or config.model, dtype, device, limit, config.hf_overrides)
     assert spec.model is not None  # SpeculativeConfig checks it
     draft = load_model(spec.model, dtype, device, spec.max_model_len)
     vocab, draft_vocab = int(target.hf_config.vocab_size), int(draft.hf_config.vocab_size)
