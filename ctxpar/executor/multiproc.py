@@ -31,10 +31,10 @@ from ctxpar.errors import RankFailure
 from ctxpar.executor import startup
 from ctxpar.executor.shared_weights import share_weights
 from ctxpar.parallel.comm import (
-    DATA_TIMEOUT_S,
     STARTUP_TIMEOUT_S,
     PCPGroup,
     TorchrunEnv,
+    data_timeout_s,
     open_store,
     torchrun_env,
 )
@@ -231,7 +231,7 @@ class MultiRankExecutor:
 
     def _why(self, e: BaseException) -> str:
         """Why a collective failed: the ranks that died (read before close()
-        forgets them), else the error, which after DATA_TIMEOUT_S means a hung rank."""
+        forgets them), else the error, which after the collective timeout means a hung rank."""
         # A peer's closed socket can fail the collective before its process
         # is reaped: give the workers a moment to be seen dead.
         deadline = time.monotonic() + EXIT_GRACE_S
@@ -240,7 +240,7 @@ class MultiRankExecutor:
         dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
         if dead:
             return "; ".join(dead) + f" ({startup.first_line(e)})"
-        return f"{startup.first_line(e)} (a rank died, or was silent for {DATA_TIMEOUT_S} s)"
+        return f"{startup.first_line(e)} (a rank died, or was silent for {data_timeout_s():g} s)"
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)

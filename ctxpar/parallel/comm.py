@@ -42,9 +42,17 @@ from ctxpar.parallel.shm_channel import ShmChannel
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-DATA_TIMEOUT_S = 30  # a collective with a silent rank fails after this
+DATA_TIMEOUT_S = 30  # a collective with a silent rank fails after this (CTXPAR_COLLECTIVE_TIMEOUT_S)
 STARTUP_TIMEOUT_S = 600  # every rank must have loaded its model within this
 RENDEZVOUS_TIMEOUT_S = 30  # connecting to rank 0's (or torchrun's) store
+
+
+def data_timeout_s() -> float:
+    """Seconds after which a collective with a silent rank fails: DATA_TIMEOUT_S, or the
+    environment's CTXPAR_COLLECTIVE_TIMEOUT_S (read when a group forms: a hung rank is
+    told from a slow one only by time, and slow links or huge steps may need longer)."""
+    value = os.environ.get("CTXPAR_COLLECTIVE_TIMEOUT_S")
+    return float(value) if value else float(DATA_TIMEOUT_S)
 
 
 class PCPGroup:
@@ -52,19 +60,19 @@ class PCPGroup:
         """Form the groups. Called by every rank once all have loaded their
         models (the start-up handshake), so a short timeout suffices."""
         self.rank, self.size, self.device = rank, size, device
+        self.timeout_s = data_timeout_s()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=DATA_TIMEOUT_S)
-        )
-        self.data = dist.new_group(backend=backend, timeout=timedelta(seconds=DATA_TIMEOUT_S))
+        timeout = timedelta(seconds=self.timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        self.data = dist.new_group(backend=backend, timeout=timeout)
         # Timeouts are per process: rank 0 gives up on a silent worker after
-        # DATA_TIMEOUT_S, while workers wait for rank 0's next plan indefinitely.
-        control_timeout = timedelta(seconds=DATA_TIMEOUT_S) if rank == 0 else timedelta(days=365)
+        # the timeout, while workers wait for rank 0's next plan indefinitely.
+        control_timeout = timeout if rank == 0 else timedelta(days=365)
         self.control = dist.new_group(backend="gloo", timeout=control_timeout)
         self.store = store
         # Ranks of one CPU host exchange data through shared pages (and share their weights).
         one_host = device.type == "cpu" and on_one_host(store, rank, size)
-        self.shm = ShmChannel(store, rank, size, DATA_TIMEOUT_S) if one_host else None
+        self.shm = ShmChannel(store, rank, size, self.timeout_s) if one_host else None
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
