@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.grammar import RequestGrammar
+from ctxpar.engine.output_processor import OutputProcessor, make_output
 from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sampler import Sampler
@@ -36,7 +36,7 @@ from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.executor import start_executor
-from ctxpar.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ctxpar.outputs import RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
 
 logger = logging.getLogger("ctxpar")
@@ -53,7 +53,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len: int = self.loaded.max_model_len
         self.vocab_size: int = int(self.loaded.hf_config.vocab_size)
-        self.eos_token_ids: set[int] = set(self.loaded.eos_token_ids)
+        # Detokenizing, logprobs' text, stop conditions and outputs (it holds the EOS ids).
+        self.output_processor = OutputProcessor(self.tokenizer, set(self.loaded.eos_token_ids))
         self.kv_bytes_per_token_per_layer = rank_model.kv_bytes_per_token_per_layer
         self.num_blocks = rank_model.num_blocks
         # Under DCP a logical block (the unit allocated, counted and hashed for prefix
@@ -67,9 +68,17 @@ class Engine:
         self.spec = self._spec_decoder(config)
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
-        self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, decoded once per token id
         self._arrivals = itertools.count()
         self.num_steps = 0
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Generation stops at any of these (unless ignore_eos)."""
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.output_processor.eos_token_ids = ids
 
     def _spec_decoder(self, config: EngineConfig) -> SpecDecoder | None:
         spec = config.speculative_config
@@ -292,7 +301,7 @@ class Engine:
         for chunk in prompt_chunks:
             assert chunk.group.prompt_logprobs is not None  # the chunk's group wants prompt logprobs
             chunk.group.prompt_logprobs += [
-                self._with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)
+                self.output_processor.with_text(e, chunk.group.params.detokenize) for e in new_entries(chunk)
             ]
         now = time.perf_counter()
         touched: dict[str, RequestGroup] = {}
@@ -301,7 +310,8 @@ class Engine:
             assert req.group is not None  # add_request puts each request in a group
             touched[req.group.request_id] = req.group
         for req, lp in zip(sampling, out.logprobs):
-            self._check_new_token(req, lp, now)
+            if self.output_processor.add_token(req, lp, now):
+                self.scheduler.finish(req)
             group = req.group
             assert group is not None  # add_request puts each request in a group
             if req.index == 0 and group.held:
@@ -312,7 +322,7 @@ class Engine:
         for group in touched.values():
             if group.params.num_samples > group.params.n and not group.finished:
                 continue  # best_of: only the finished ranking means anything
-            outputs.append(self._output(group))
+            outputs.append(make_output(group))
             if group.finished:
                 self._forget(group)
         return outputs
@@ -329,7 +339,7 @@ class Engine:
             for req in group.samples:
                 req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
             group.held = []
-            failed.append(self._output(group))
+            failed.append(make_output(group))
             self._forget(group)
         return failed
 
@@ -338,18 +348,6 @@ class Engine:
         del self.groups[group.request_id]
         for req in group.samples:
             del self.requests[req.request_id]
-
-    # -- outputs --------------------------------------------------------------
-
-    def _with_text(self, lps: dict[int, Logprob], detokenize: bool) -> dict[int, Logprob]:
-        """Fill in each Logprob's decoded_token (the token decoded on its own, as vLLM)."""
-        if self.tokenizer is not None and detokenize:
-            for t, lp in lps.items():
-                text = self._token_texts.get(t)
-                if text is None:
-                    text = self._token_texts[t] = self.tokenizer.decode([t])
-                lp.decoded_token = text
-        return lps
 
     def _accept(self, req: Request, verified: Verified, now: float) -> None:
         """Append a verify row's tokens one by one, as if each had been sampled in a step of
@@ -360,76 +358,12 @@ class Engine:
         for token, lp in zip(verified.token_ids, verified.logprobs):
             req.output_token_ids.append(token)
             req.num_computed_tokens = req.num_tokens - 1  # the tokens before this one are cached
-            self._check_new_token(req, lp, now)
+            if self.output_processor.add_token(req, lp, now):
+                self.scheduler.finish(req)
             if req.finished:  # its blocks are freed already
                 req.spec_token_ids = []
                 return
         self.scheduler.rollback(req)
-
-    def _check_new_token(self, req: Request, logprobs: dict[int, Logprob] | None, now: float) -> None:
-        """Metrics, logprobs, text and stop conditions of the token just appended."""
-        token = req.output_token_ids[-1]
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        if logprobs is not None:
-            if req.cumulative_logprob is not None:
-                req.cumulative_logprob += logprobs[token].logprob
-            if req.logprobs is not None:
-                req.logprobs.append(self._with_text(logprobs, req.params.detokenize))
-        p = req.params
-        assert p.stop_token_ids is not None  # validated params: a list
-        detok = _detokenizer(req)
-        reason: str | None
-        stop: int | str | None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            # Like vLLM: EOS has no stop_reason, and a stop token adds text only with include_stop_str_in_output.
-            reason, stop = "stop", (token if token in p.stop_token_ids else None)
-            if p.include_stop_str_in_output:
-                detok.add(token)
-        else:
-            stop = detok.add(token)
-            reason = "stop" if stop is not None else None
-            if reason is None and req.num_tokens >= req.max_total_tokens:
-                reason = "length"
-        if reason is None and req.grammar is not None and req.grammar.terminated:
-            reason = "stop"  # the structure is complete and its end accepted (ignore_eos cannot go on)
-        if reason is None:
-            return
-        if not isinstance(stop, str):
-            detok.flush()
-        req.finish_reason, req.stop_reason = reason, stop
-        req.metrics.finished_time = now
-        self.scheduler.finish(req)
-
-    def _output(self, group: RequestGroup) -> RequestOutput:
-        samples = group.samples
-        if group.params.num_samples > group.params.n:
-            # best_of: the n samples with the highest cumulative logprob, best first.
-            # Each sample tracks its cumulative logprob (Request.__post_init__, num_samples > n).
-            samples = sorted(samples, key=lambda r: -cast(float, r.cumulative_logprob))[: group.params.n]
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=_detokenizer(req).visible_text(req.finished),
-                token_ids=list(req.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob,
-                logprobs=list(req.logprobs) if req.logprobs is not None else None,
-                finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason,
-            )
-            for i, req in enumerate(samples)
-        ]
-        first = group.samples[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.finished,
-            metrics=first.metrics,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
-        )
 
     def close(self) -> None:
         """Release the executor (and the worker ranks, if any)."""
@@ -437,11 +371,6 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None  # type: ignore[assignment]
-
-
-def _detokenizer(req: Request) -> IncrementalDetokenizer:
-    assert req.detokenizer is not None  # add_request gives each request one
-    return req.detokenizer
 
 
 def _saved_generators(
