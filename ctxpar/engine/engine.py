@@ -419,6 +419,10 @@ class Engine:
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )
 
+    def check_health(self) -> None:
+        """RankFailure if a rank is known to be lost (vLLM's check_health)."""
+        self.executor.check_health()
+
     def close(self) -> None:
         """Release the executor (and the worker ranks, if any)."""
         self.structured.close()

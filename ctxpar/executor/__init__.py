@@ -32,6 +32,10 @@ class Executor(Protocol):
         """float32 logits (S, vocab) of the rows with needs_logits, in row order."""
         ...
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank is known to be lost (checked between steps)."""
+        ...
+
     def close(self) -> None: ...
 
 
