@@ -122,6 +122,14 @@ class Server:
     def descendants(self) -> list[int]:
         return children(self.proc.pid)
 
+    def rank_pid(self) -> int:
+        """The PCP rank 1 process (spawned by rank 0; not multiprocessing's resource tracker)."""
+        for pid in self.descendants():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return pid
+        raise AssertionError("no PCP worker process found")
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Send ``sig``, then wait; returns the exit code. Raises if a child process (a PCP rank) outlives it."""
         kids = self.descendants()
