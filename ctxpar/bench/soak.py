@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> None:
         warm = plan(random.Random(args.seed), 4, 0.0, 0.0)
         send(host, port, warm, timeout=300)
         start_rss = rss()
-        print(f"P={args.pcp}, {args.concurrency} clients, {args.duration} s; RSS after warm-up {start_rss[0]:.0f} MiB")
+        clients = f"P={args.pcp}, {args.concurrency} clients, {args.duration} s"
+        print(f"{clients}; RSS after warm-up {start_rss[0]:.0f} MiB", flush=True)
 
         def client(i: int) -> None:
             rng = random.Random(args.seed * 1000 + i)
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> None:
                 k, errs = dict(tally.kinds), sum(tally.errors().values())
             r0, total = rss()
             served, left, refused = k.get("ok", 0), k.get("left", 0), k.get("refused", 0)
-            print(f"{time.monotonic() - t0:5.0f} {served:7d} {left:5d} {refused:8d} {errs:7d}  {r0:6.0f} / {total:.0f}")
+            elapsed = time.monotonic() - t0
+            print(f"{elapsed:5.0f} {served:7d} {left:5d} {refused:8d} {errs:7d}  {r0:6.0f} / {total:.0f}", flush=True)
 
         while (rest := stop - time.monotonic()) > 0:
             time.sleep(min(args.report_every, rest))

@@ -13,9 +13,9 @@ hostile or broken client cost the server a bounded amount and nobody else anythi
   ``timeout_client`` s without progress; dropping the stream closes its output
   generator, which aborts the request and frees its KV blocks.
 - When uvicorn's graceful shutdown runs out of time it cancels the requests
-  left; the cancellation ends them here, quietly: the process is stopping on
-  purpose, and the engine already ended their generation with an error event
-  (see ctxpar/entrypoints/cli/serve.py).
+  left (by then the engine has ended every generation with an error, see
+  shutdown.py: what is left waits on its client); the cancellation ends them
+  here, with a 503 for one not yet answered, instead of a traceback.
 """
 
 from __future__ import annotations
