@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_int, default=1800, metavar="S", help="seconds (default: 1800)")
     p.add_argument("--concurrency", type=positive_int, default=16, metavar="C", help="client threads (default: 16)")
     p.add_argument("--max-tokens", type=positive_int, default=64, metavar="N", help="most tokens asked (default: 64)")
+    p.add_argument(
+        "--max-prompt-words", type=positive_int, default=300, metavar="N", help="longest prompt (default: 300)"
+    )
     p.add_argument("--abort-rate", type=float, default=0.1, metavar="F", help="clients that leave early (0.1)")
     p.add_argument("--bad-rate", type=float, default=0.05, metavar="F", help="bad requests (0.05)")
     p.add_argument("--report-every", type=positive_int, default=30, metavar="S", help="seconds per line (30)")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
     rss = lambda: (rss_mb(server.pid) if server else 0.0, sum(map(rss_mb, pids())))  # noqa: E731
     tally, stop = Tally(), time.monotonic() + args.duration
     try:
-        warm = plan(random.Random(args.seed), 4, 0.0, 0.0)
+        warm = plan(random.Random(args.seed), args.max_prompt_words, 4, 0.0, 0.0)
         send(host, port, warm, timeout=300)
         start_rss = rss()
         clients = f"P={args.pcp}, {args.concurrency} clients, {args.duration} s"
@@ -134,7 +137,8 @@ def run(args: argparse.Namespace) -> None:
         def client(i: int) -> None:
             rng = random.Random(args.seed * 1000 + i)
             while time.monotonic() < stop:
-                tally.add(send(host, port, plan(rng, args.max_tokens, args.abort_rate, args.bad_rate), timeout=300))
+                p = plan(rng, args.max_prompt_words, args.max_tokens, args.abort_rate, args.bad_rate)
+                tally.add(send(host, port, p, timeout=300))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.concurrency)]
         for t in threads:

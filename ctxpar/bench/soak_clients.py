@@ -1,7 +1,7 @@
 """The soak's clients: each draws a random request from a mix, sends it over
 loopback, and classifies what came back against what that request should get.
 
-The mix: completions and chat, streamed or not, prompts of 5-300 words,
+The mix: completions and chat, streamed or not, prompts of 5..max_words words,
 1..max_tokens tokens, sometimes n=2, logprobs or sampling with a seed; a
 share of clients that leave early (a stream after a few events, a plain
 request after a fraction of a second); and a share of bad requests
@@ -46,14 +46,14 @@ class Outcome:
     latency: float | None = None  # seconds, of the "ok" ones
 
 
-def plan(rng: random.Random, max_tokens: int, abort_rate: float, bad_rate: float) -> Planned:
+def plan(rng: random.Random, max_words: int, max_tokens: int, abort_rate: float, bad_rate: float) -> Planned:
     """A random request of the mix."""
     draw = rng.random()
     if draw < bad_rate:
         return Planned("/v1/completions", rng.choice(BAD_BODIES), False, "refused", None)
     leaving = draw < bad_rate + abort_rate
     stream = leaving or rng.random() < 0.5
-    text = " ".join(rng.choices(WORDS, k=rng.randint(5, 300)))
+    text = " ".join(rng.choices(WORDS, k=rng.randint(min(5, max_words), max_words)))
     fields: dict = {"max_tokens": rng.randint(1, max_tokens), "stream": stream}
     if rng.random() < 0.5:
         fields.update(temperature=0.8, seed=rng.randint(0, 1 << 30), n=rng.choice([1, 1, 2]))
