@@ -61,14 +61,14 @@ class Shutdown:
             t.cancel()
 
     def _watch(self, pipe: int) -> None:
-        os.read(pipe, 1)
+        _next_signal(pipe)
         print(f"ctxpar: stopping; requests in flight get {self.grace:g} s", file=sys.stderr, flush=True)
         self.server.should_exit = True
         self._timers = [
             _timer(self.grace, self._end_requests),
             _timer(self.grace + STOP_MARGIN_S, self._kill, "did not stop in time"),
         ]
-        os.read(pipe, 1)
+        _next_signal(pipe)
         self._kill("a second signal")
 
     def _end_requests(self) -> None:
@@ -81,6 +81,12 @@ class Shutdown:
         for p in multiprocessing.active_children():
             p.kill()
         os._exit(1)
+
+
+def _next_signal(pipe: int) -> None:
+    """Wait for SIGINT or SIGTERM (the pipe gets every signal that has a Python handler: skip others)."""
+    while os.read(pipe, 1)[0] not in SIGNALS:
+        pass
 
 
 def _timer(seconds: float, call: Callable[..., None], *args: str) -> threading.Timer:
