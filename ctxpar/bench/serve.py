@@ -149,20 +149,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    """`ctxpar serve` on loopback with this benchmark's engine flags; returns once /health answers 200.
-    Prefix caching is off, as offline: each level resends the same prompts."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "ctxpar.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--pcp",
-        str(args.pcp),
-        "--no-prefix-caching",
-    ]
+def start_server(
+    args: argparse.Namespace, port: int, extra: tuple[str, ...] = ("--no-prefix-caching",)
+) -> subprocess.Popen:
+    """`ctxpar serve` on loopback with a benchmark's engine flags (args.model, .pcp, .threads)
+    and ``extra``; returns once /health answers 200. Here prefix caching is off, as
+    offline: each level resends the same prompts."""
+    cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp), *extra]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

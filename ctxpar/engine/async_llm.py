@@ -19,7 +19,9 @@ A generator that is closed, cancelled or abandoned before its request finishes
 aborts it (its KV blocks are freed within a step). If a step raises (a rank
 died, or a bug), the engine is not trusted again: ``errored`` becomes True,
 every waiting generator and every later call raises ``EngineDeadError`` with
-the reason (``dead_error``).
+the reason (``dead_error``). An idle loop asks the engine for its ranks'
+health at each wake-up, so a rank lost between requests is noticed within
+IDLE_POLL_S, not by the next request.
 """
 
 from __future__ import annotations
@@ -29,18 +31,19 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
+from ctxpar.errors import RankFailure
 from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
 
-IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run between waits)
+IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run, rank health is checked)
 
 Prepared = tuple[str | None, list[int], SamplingParams]  # LLMEngine.process_inputs' result
 
@@ -86,6 +89,7 @@ class AsyncLLM:
         self.llm_engine = llm_engine
         llm_engine.stat_loggers.extend(stat_loggers)
         self.dead_error: EngineDeadError | None = None  # why the engine stopped taking requests
+        self.num_rank_failures = 0  # ranks found lost (in a step, or by the idle health check)
         self._owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink (engine thread only)
@@ -124,6 +128,11 @@ class AsyncLLM:
 
     async def get_model_config(self) -> ModelConfig:
         return self.llm_engine.get_model_config()
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine failed (vLLM's check_health). A lost
+        rank is found by the engine thread: in a step, or at an idle wake-up."""
+        self._check_alive()
 
     async def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()  # totals and the snapshot the engine thread last took
@@ -195,6 +204,8 @@ class AsyncLLM:
                     try:
                         commands.append(self._inbox.get(timeout=IDLE_POLL_S))
                     except queue.Empty:
+                        if self.dead_error is None:
+                            self._guard(engine.check_health)
                         continue
                 while True:
                     try:
@@ -203,22 +214,29 @@ class AsyncLLM:
                         break
                 for cmd in commands:
                     if cmd[0] == "stop":
-                        self._fail_all("the engine was shut down")
+                        self._fail_all(cmd[1])
                         return
                     if self.dead_error is None:
                         getattr(self, "_do_" + cmd[0])(*cmd[1:])
                 if self.dead_error is not None or not engine.has_unfinished_requests():
                     continue
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # a dead rank (RankFailure) or a bug: the engine is not trusted again
-                    why = f"{type(e).__name__}: {e}"
-                    self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
-                    continue
-                for out in outputs:
+                outputs = self._guard(engine.step)
+                for out in outputs or []:
                     self._deliver(out)
         finally:
             self._running = False
+
+    def _guard(self, call: Callable[[], list[RequestOutput] | None]) -> list[RequestOutput] | None:
+        """call(), or None once it raised: a dead rank (RankFailure) or a bug, after
+        which the engine is not trusted again."""
+        try:
+            return call()
+        except Exception as e:
+            if isinstance(e, RankFailure):
+                self.num_rank_failures += 1
+            why = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
+            return None
 
     def _do_add(self, sink: _Sink, prepared: list[Prepared], arrival_time: float) -> None:
         added: list[str] = []
@@ -277,11 +295,11 @@ class AsyncLLM:
 
     # -- lifetime ---------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Fail what is in flight, stop the loop (and the engine, if this owns it).
-        An AsyncLLM left running ends with the process: its loop thread is a daemon,
-        and so are its spawned ranks."""
-        self._post(("stop",), check=False)
+    def shutdown(self, reason: str = "the engine was shut down") -> None:
+        """Fail what is in flight (with ``reason``), stop the loop (and the engine, if
+        this owns it). An AsyncLLM left running ends with the process: its loop
+        thread is a daemon, and so are its spawned ranks."""
+        self._post(("stop", reason), check=False)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         if self._owns_engine:

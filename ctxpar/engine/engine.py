@@ -365,6 +365,10 @@ class Engine:
                 return
         self.scheduler.rollback(req)
 
+    def check_health(self) -> None:
+        """RankFailure if a rank is known to be lost (vLLM's check_health)."""
+        self.executor.check_health()
+
     def close(self) -> None:
         """Release the executor (and the worker ranks, if any)."""
         self.structured.close()

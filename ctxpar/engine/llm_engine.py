@@ -153,6 +153,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self._engine.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank is known to be lost (as vLLM's, between steps)."""
+        self._engine.check_health()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._engine.groups)
 

@@ -30,6 +30,10 @@ class Executor(Protocol):
         """The step's logits (and hidden states, where the plan asks for them), from rank 0."""
         ...
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a rank is known to be lost (checked between steps)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -220,6 +220,13 @@ class MultiRankExecutor:
             self.close(graceful=False)
             raise
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a spawned rank has exited (an idle engine runs no
+        collective that would fail). Ranks under torchrun are other programs'
+        processes: their loss shows at the next step."""
+        if self.group is not None:
+            self._check_alive()
+
     def _dead(self) -> list[tuple[int, BaseProcess]]:
         return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
 

@@ -100,8 +100,35 @@ class Server:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics, parsed: {sample name: value} (label sets of one name: the last wins)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=60).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """The metrics once no request runs or waits and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["ctxpar:kv_cache_usage_perc"] == 0 and m["ctxpar:num_requests_running"] == 0:
+                if m["ctxpar:num_requests_waiting"] == 0:
+                    return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server is not idle after {timeout} s: {m}")
+            time.sleep(0.1)
+
     def descendants(self) -> list[int]:
         return children(self.proc.pid)
+
+    def rank_pid(self) -> int:
+        """The PCP rank 1 process (spawned by rank 0; not multiprocessing's resource tracker)."""
+        for pid in self.descendants():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return pid
+        raise AssertionError("no PCP worker process found")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Send ``sig``, then wait; returns the exit code. Raises if a child process (a PCP rank) outlives it."""

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
     "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
+    "soak": ("ctxpar.bench.soak", "the HTTP server under random request mixes and client aborts for a long time"),
     "structured": ("ctxpar.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
     "spec": ("ctxpar.bench.spec", "speculative decoding (n-gram): decode tokens/s on vs off, copy and free text"),
     "throughput": ("ctxpar.bench.throughput", "offline throughput vs transformers"),

@@ -3,8 +3,11 @@
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming with
 "stream": true), /tokenize, /detokenize, /health and /metrics (Prometheus).
 Many concurrent requests share each engine step. Ctrl-C or SIGTERM stops
-accepting, lets requests in flight finish for a few seconds, then stops the
-PCP ranks.
+accepting, lets requests in flight finish for --timeout-graceful-shutdown
+seconds (10), ends the rest with an error, then stops the PCP ranks: the
+process is gone within that time + 5 s in every case (a second signal: at
+once). Client limits (concurrency, queue, body size, slow clients) are flags
+below; /health says healthy, degraded (at those limits) or dead (503).
 
 examples:
   ctxpar serve
@@ -18,17 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import threading
 
-from ctxpar.checks import int_arg
+from ctxpar.checks import int_arg, positive_int
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.entrypoints.openai.limits import ServerLimits
 from ctxpar.entrypoints.openai.tools import TOOL_PARSERS
 from ctxpar.errors import CtxparError
-
-# After SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
-GRACEFUL_SHUTDOWN_S = 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model name clients send (default: --model as given, or the default model's name)",
     )
+    _add_limits(p.add_argument_group("client limits"))
     t = p.add_argument_group("tool calling")
     t.add_argument(
         "--enable-auto-tool-choice",
@@ -63,26 +64,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
 
 
+def _add_limits(g: argparse._ArgumentGroup) -> None:
+    d = ServerLimits()
+    g.add_argument(
+        "--limit-concurrency",
+        type=positive_int,
+        default=d.limit_concurrency,
+        metavar="N",
+        help=f"generation requests in the engine at once (default: {d.limit_concurrency}); more wait in the queue",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int_arg(0),
+        default=d.max_queued_requests,
+        metavar="N",
+        help=f"generation requests waiting for a slot (default: {d.max_queued_requests}); beyond, 503 with Retry-After",
+    )
+    g.add_argument(
+        "--max-body-size",
+        type=positive_int,
+        default=d.max_body_size,
+        metavar="BYTES",
+        help=f"largest request body (default: {d.max_body_size}, 16 MiB); larger: 413",
+    )
+    g.add_argument(
+        "--timeout-client",
+        type=positive_int,
+        default=d.timeout_client,
+        metavar="S",
+        help=f"seconds a client has to send its whole body (else 408), and a response waits for a client "
+        f"that reads none of it before the request is dropped (default: {d.timeout_client})",
+    )
+    g.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int_arg(0),
+        default=d.timeout_graceful_shutdown,
+        metavar="S",
+        help=f"after SIGINT/SIGTERM, seconds requests in flight get to finish (default: {d.timeout_graceful_shutdown})",
+    )
+
+
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
+    from ctxpar.entrypoints.openai.shutdown import UVICORN_MARGIN_S, Shutdown
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CtxparError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name
         parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-        state = ServerState(llm, name, args.api_key or None, parser)
+        limits = _limits(args)
+        state = ServerState(llm, name, args.api_key or None, parser, limits)
         config = uvicorn.Config(
             build_app(state),
             host=args.host,
             port=args.port,
             log_level="warning",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            # Past our own deadline, at which the engine ends what is left with an error (shutdown.py).
+            timeout_graceful_shutdown=limits.timeout_graceful_shutdown + UVICORN_MARGIN_S,
         )
         server = uvicorn.Server(config)
+        shutdown = Shutdown(server, state.engine_client, limits.timeout_graceful_shutdown)
+        shutdown.start()
 
         def http() -> None:
             try:
@@ -90,17 +140,11 @@ def run(args: argparse.Namespace) -> None:
             finally:
                 state.engine_client.shutdown()  # however uvicorn ended (signal, bind error), the engine loop ends too
 
-        def shut_down(signum: int, frame: object) -> None:
-            # Stop accepting; uvicorn lets requests in flight finish (the engine
-            # loop keeps stepping them) for GRACEFUL_SHUTDOWN_S, then cuts them.
-            server.should_exit = True
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, shut_down)
         thread = threading.Thread(target=http, name="ctxpar-http")
         thread.start()
         print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         state.engine_client.run_engine_loop()  # on the main thread, until the HTTP server has stopped
         thread.join()
+    shutdown.finish()  # the ranks are stopped: the watchdog has nothing left to do
     if not server.started:
         raise CtxparError(f"the HTTP server could not start on {args.host}:{args.port} (see the message above)")

@@ -4,7 +4,9 @@
 Handlers tokenize and validate a request completely before it reaches the
 engine (a bad one gets a 400 with the engine's own message and disturbs no
 other), submit it to the AsyncLLM (ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies
-or server-sent events. A client that disconnects aborts its requests.
+or server-sent events. A client that disconnects aborts its requests. In
+front of the routes, ClientGuard (guard.py) reads bodies within the limits
+and admits generation requests within the concurrency limits (limits.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ctxpar.engine.async_llm import AsyncLLM, ClientGone, EngineDeadError, Submission
+from ctxpar.entrypoints.openai import health as H
 from ctxpar.entrypoints.openai import responses as R
+from ctxpar.entrypoints.openai.guard import ClientGuard
+from ctxpar.entrypoints.openai.limits import Admission, ServerLimits
 from ctxpar.entrypoints.openai.metrics import ServerMetrics
 from ctxpar.entrypoints.openai.protocol import (
     ApiError,
@@ -38,10 +43,19 @@ from ctxpar.errors import CtxparError
 class ServerState:
     """What the routes share: the LLM (its engine and chat template), the async engine over
     it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name and key,
-    and the parser of tool_choice "auto" (None: "auto" is refused)."""
+    the parser of tool_choice "auto" (None: "auto" is refused) and the client limits."""
 
-    def __init__(self, llm, model_name: str, api_key: str | None, tool_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        llm,
+        model_name: str,
+        api_key: str | None,
+        tool_parser: str | None = None,
+        limits: ServerLimits = ServerLimits(),
+    ) -> None:
         self.llm = llm
+        self.limits = limits
+        self.admission = Admission(limits)
         self.tool_parser = tool_parser
         self.engine = llm.engine
         self.tokenizer = self.engine.tokenizer
@@ -49,6 +63,7 @@ class ServerState:
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
         self.engine_client = AsyncLLM(llm.llm_engine, start_engine_loop=False, stat_loggers=[self.metrics])
+        self.metrics.rank_failures.count = lambda: self.engine_client.num_rank_failures
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -80,10 +95,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="ctxpar")
     app.state.ctxpar = state
+    app.add_middleware(ClientGuard, limits=state.limits, admission=state.admission)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(CtxparError)
     async def _user_error(request: Request, e: CtxparError) -> JSONResponse:
@@ -110,10 +126,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        dead = state.engine_client.dead_error
-        if dead is not None:
-            return JSONResponse(ApiError(503, str(dead)).body(), status_code=503)
-        return Response(status_code=200)
+        status, body = H.report(state.engine_client, state.admission)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:

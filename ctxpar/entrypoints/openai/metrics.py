@@ -7,6 +7,8 @@ gauges are read from the engine's own bookkeeping without racing it; GET
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -56,6 +58,21 @@ class _SpecDecode:
         yield from families.values()
 
 
+class _RankFailures:
+    """PCP ranks found lost, read from the async engine's count when scraped."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.count: Callable[[], int] = lambda: 0  # ServerState points it at its AsyncLLM
+
+    def collect(self):
+        c = CounterMetricFamily(
+            "ctxpar:rank_failures", "PCP ranks found lost (in a step, or while idle)", labels=list(self.labels)
+        )
+        c.add_metric(list(self.labels.values()), self.count())
+        yield c
+
+
 class ServerMetrics:
     """The server's registry: a stat logger of the engine (ctxpar.engine.metrics.StatLogger)."""
 
@@ -103,6 +120,8 @@ class ServerMetrics:
         r.register(self.collectives)
         self.spec_decode = _SpecDecode(label)
         r.register(self.spec_decode)
+        self.rank_failures = _RankFailures(label)
+        r.register(self.rank_failures)
         self._label = label
 
     def record(self, event: OutputEvent) -> None:

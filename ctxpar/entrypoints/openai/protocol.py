@@ -30,13 +30,18 @@ class ApiError(Exception):
         400: "invalid_request_error",
         401: "invalid_request_error",
         404: "invalid_request_error",
+        408: "timeout_error",
+        413: "invalid_request_error",
         503: "service_unavailable",
         500: "internal_error",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}  # e.g. Retry-After on a 503 of an overloaded server
 
     def body(self) -> dict:
         return {

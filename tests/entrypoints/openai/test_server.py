@@ -8,12 +8,10 @@ process on the same checkpoint.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ctxpar import LLM, SamplingParams
 from helpers.server_harness import STOPPED, Server
@@ -57,8 +55,7 @@ def alone(llm, prompt, n: int) -> list[int]:
 
 
 def metrics(server) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", timeout=60).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return server.metrics()
 
 
 def test_models(server):
@@ -228,10 +225,7 @@ def test_64_concurrent_streams_each_equal_alone(server, llm):
 
 def _kv_freed_without_finishing(server, finished_before: float) -> None:
     """KV usage returns to zero and no request finished: the one in flight was aborted."""
-    deadline = time.monotonic() + 60
-    while (m := metrics(server))["ctxpar:kv_cache_usage_perc"] > 0 or m["ctxpar:num_requests_running"] > 0:
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
+    m = server.wait_idle()
     assert m.get("ctxpar:request_success_total", 0) == finished_before
 
 

@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -67,22 +66,13 @@ def test_64_concurrent_streams_equal_one_rank(server, model_dir):
     assert m["ctxpar:pcp_collective_seconds_total"] > 0
 
 
-def _worker(server) -> int:
-    """The PCP rank 1 process (spawned by rank 0; not multiprocessing's resource tracker)."""
-    for pid in server.descendants():
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            return pid
-    raise AssertionError("no PCP worker process found")
-
-
 def test_dead_rank_fails_requests_and_health(server):
     """Last in the module: it kills rank 1 under a stream in flight."""
     stream = server.openai().completions.create(
         model="tiny", prompt="hello", max_tokens=400, stream=True, temperature=0
     )
     next(iter(stream))
-    worker = _worker(server)
+    worker = server.rank_pid()
     os.kill(worker, signal.SIGKILL)
     while alive(worker):
         time.sleep(0.1)
