@@ -110,5 +110,16 @@ def int_arg(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def fraction(text: str) -> float:
+    """An argparse ``type=`` that accepts a number in [0, 1] (a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
 positive_int = int_arg(1)
 nonnegative_int = int_arg(0)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from ctxpar.checks import fraction
 from ctxpar.entrypoints.cli import main as cli
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
@@ -24,6 +25,7 @@ ZERO_ALLOWED = {
     ("prefix", "--requests"),
     ("prefix", "--seed"),
     ("serve", "--seed"),
+    ("soak", "--seed"),
     ("throughput", "--pcp-spread-min-rows"),
 }
 
@@ -36,8 +38,8 @@ def options(bench: str) -> list[argparse.Action]:
 
 
 def typed_actions(bench: str) -> list[argparse.Action]:
-    """The bench's options that take a typed value (every one of them is numeric)."""
-    return [a for a in options(bench) if a.type is not None]
+    """The bench's options that take an integer value (rates are fractions, tested below)."""
+    return [a for a in options(bench) if a.type is not None and a.type is not fraction]
 
 
 def required_args(bench: str) -> list[str]:
@@ -90,6 +92,8 @@ def test_zero_where_it_means_something_is_accepted(bench, option):
         ["bench", "throughput", "--threads", "100000"],
         ["bench", "ttft", "--lengths", "4096", "0"],  # each value of a list
         ["bench", "ttft", "--short", "16", "-4"],
+        ["bench", "soak", "--abort-rate", "1.5"],  # a rate is in [0, 1]
+        ["bench", "soak", "--bad-rate", "nan"],
     ],
 )
 def test_bench_refuses_other_bad_values(argv, capsys):
