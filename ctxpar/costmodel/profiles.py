@@ -41,6 +41,19 @@ _H100X8 = dict(
     tp_latency_s=10e-6,
 )
 
+# One rank = one core of the 2-core AVX2 development VM (AMD EPYC), fp32, as
+# `ctxpar calibrate --threads 1` measured it (2026-12-03 23:38 UTC, two other jobs
+# sharing the cores): GEMM 93.5 GFLOP/s, ctxpar's attention 40.0 GFLOP/s, memory
+# read 20.9 GB/s; 2-rank all-gather: shm 59 us + 0.38 GB/s, gloo 248 us + 0.29 GB/s.
+_CPU_CORE = dict(
+    gemm_flops=93.5e9,
+    attention_flops=40.0e9,
+    memory_bandwidth=20.9e9,
+    memory_bytes=24 * GIB,
+    weight_dtype="fp32",
+    activation_dtype="fp32",
+)
+
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100x8-ib": HardwareProfile(
         name="h100x8-ib",
@@ -55,6 +68,28 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         link_bandwidth=8 * 12.5 * GB,
         link_latency_s=50e-6,
         **_H100X8,  # type: ignore[arg-type]
+    ),
+    "cpu-core-shm": HardwareProfile(
+        name="cpu-core-shm",
+        description="one AVX2 core per rank, ranks on one host (ctxpar's shared-memory channel), fp32",
+        link_bandwidth=0.38 * GB,
+        link_latency_s=59e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
+    ),
+    "cpu-core-gloo": HardwareProfile(
+        name="cpu-core-gloo",
+        description="one AVX2 core per rank, ranks joined by gloo over loopback TCP, fp32",
+        link_bandwidth=0.29 * GB,
+        link_latency_s=248e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
+    ),
+    "cpu-core-10gbe": HardwareProfile(
+        name="cpu-core-10gbe",
+        description="one AVX2 core per rank, hosts joined by 10 Gbit/s Ethernet (gloo's measured latency), fp32",
+        link_bandwidth=1.25 * GB,
+        link_efficiency=0.9,
+        link_latency_s=248e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
     ),
 }
 
