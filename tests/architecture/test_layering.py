@@ -15,7 +15,18 @@ import ctxpar
 
 ROOT = Path(ctxpar.__file__).parent
 # Lowest first. Modules directly under ctxpar/ are the shared types and helpers.
-FLOORS = ["kernels", "parallel", "layers", "models", "worker", "executor", "engine", "entrypoints", "bench"]
+FLOORS = [
+    "kernels",
+    "parallel",
+    "layers",
+    "costmodel",
+    "models",
+    "worker",
+    "executor",
+    "engine",
+    "entrypoints",
+    "bench",
+]
 # The package's public re-exports may import from any floor.
 REEXPORTS = {"ctxpar", "ctxpar.cli"}
 

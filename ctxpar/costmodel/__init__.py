@@ -1,0 +1,23 @@
+"""The cost model: TTFT, decode step and memory per rank of a context-parallel
+layout, from a model's shape and a hardware profile (pure Python, no torch;
+``calibrate`` measures a profile and is imported on its own)."""
+
+from ctxpar.costmodel.estimate import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, layouts
+from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
+from ctxpar.costmodel.profiles import load_hardware
+from ctxpar.costmodel.shapes import ModelShape, load_model_shape, shape_from_hf_config
+from ctxpar.costmodel.timing import Breakdown
+
+__all__ = [
+    "DEFAULT_OUTPUT_TOKENS",
+    "Breakdown",
+    "Estimate",
+    "HardwareProfile",
+    "ModelShape",
+    "estimate",
+    "layouts",
+    "load_hardware",
+    "load_model_shape",
+    "profile_from_dict",
+    "shape_from_hf_config",
+]

@@ -1,0 +1,163 @@
+"""Measure this machine for the cost model: one rank's GEMM and attention FLOP/s,
+memory read bandwidth, and the collective cost between two local ranks.
+
+Each figure is the best of a few timed repetitions (a shared machine only ever
+makes things slower). Collectives are timed between two spawned processes for
+a small message (alpha: the latency) and a large one (beta: bytes/s), over
+gloo and over ctxpar's shared-memory channel (what ranks on one host use).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ctxpar.checks import machine_memory_bytes
+from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.layers.attention_math import causal_attention
+from ctxpar.machine import cpu_info
+
+GEMM_SHAPE = (1024, 1024, 1024)  # (tokens, in, out): a prefill-sized projection
+ATTN_SHAPE = (1024, 8, 64)  # (tokens, heads, head dim): causal, 2 query heads per KV head
+READ_BYTES = 256 << 20  # far beyond the caches
+SMALL, LARGE = 4 << 10, 16 << 20  # all-gather message per rank
+RUNS = {SMALL: 50, LARGE: 8}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor (as parallel/comm.py).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def best_time(fn: Callable[[], object], budget_s: float = 1.5, min_runs: int = 3) -> float:
+    """Fastest of repeated calls within ``budget_s`` (after one warm-up call)."""
+    fn()
+    best, t_end, runs = float("inf"), time.perf_counter() + budget_s, 0
+    while runs < min_runs or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best, runs = min(best, time.perf_counter() - t0), runs + 1
+    return best
+
+
+def best_of(fn: Callable[[], object], runs: int) -> float:
+    """Fastest of exactly ``runs`` calls: collectives need the same count on every rank."""
+    fn()
+    return min(_timed(fn) for _ in range(runs))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def gemm_flops(dtype: torch.dtype) -> float:
+    n, k, m = GEMM_SHAPE
+    a, w = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
+    return 2 * n * k * m / best_time(lambda: torch.nn.functional.linear(a, w))
+
+
+def attention_flops(dtype: torch.dtype) -> float:
+    """Causal attention at the cost model's count: pairs * 2 * H * (d_qk + d_v).
+    ctxpar's own path (its compiled kernel in fp32 on the CPU, PyTorch's otherwise)."""
+    n, h, d = ATTN_SHAPE
+    q, k, v = torch.randn(n, h, d, dtype=dtype), torch.randn(n, h // 2, d, dtype=dtype), torch.randn(n, h // 2, d)
+    v = v.to(dtype)
+    pairs = n * (n + 1) / 2
+    return pairs * 2 * h * 2 * d / best_time(lambda: causal_attention(q, k, v, d**-0.5))
+
+
+def read_bandwidth() -> float:
+    x = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    return READ_BYTES / best_time(lambda: x.sum())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, port: int, results: dict[str, float]) -> None:
+    """Rank ``rank`` of 2: time all-gathers of SMALL and LARGE bytes per rank."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    timings: dict[str, float] = {}
+    for size in (SMALL, LARGE):
+        x = torch.zeros(size // 4)
+        out = torch.empty(2 * x.numel())
+        timings[f"gloo_{size}"] = best_of(lambda: _all_gather(out, x), RUNS[size])
+    try:
+        from ctxpar.parallel.shm_channel import ShmChannel
+
+        shm = ShmChannel(store, rank, 2, timeout_s=30.0)
+        for size in (SMALL, LARGE):
+            x = torch.zeros(size // 4)
+            timings[f"shm_{size}"] = best_of(lambda: shm.all_gather(x), RUNS[size])
+    except Exception as e:  # no compiler, /dev/shm too small: gloo's figures still stand
+        timings["shm_error"] = float("nan")
+        print(f"  shared-memory channel unavailable: {e}", flush=True)
+    dist.barrier()
+    if rank == 0:
+        results.update(timings)
+    dist.destroy_process_group()
+
+
+def collective_costs() -> dict[str, float]:
+    """alpha (s) and beta (bytes/s) of a 2-rank all-gather, for gloo and shm."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_collective_worker, args=(_free_port(), results), nprocs=2, join=True)
+        t = dict(results)
+    costs: dict[str, float] = {}
+    for link in ("gloo", "shm"):
+        if f"{link}_{LARGE}" in t:
+            # Each rank receives one other rank's message: LARGE - SMALL more bytes took the time difference.
+            beta = (LARGE - SMALL) / max(t[f"{link}_{LARGE}"] - t[f"{link}_{SMALL}"], 1e-9)
+            costs[f"{link}_latency_s"], costs[f"{link}_bandwidth"] = t[f"{link}_{SMALL}"], beta
+    return costs
+
+
+def calibrate(threads: int, dtype: str, link: str, progress: Callable[[str], None]) -> HardwareProfile:
+    """Measure and return the profile of one rank running ``threads`` threads in ``dtype``."""
+    torch.set_num_threads(threads)
+    notes: dict[str, float] = {"threads": threads}
+    for name, torch_dtype in DTYPES.items():
+        notes[f"gemm_flops_{name}"] = gemm_flops(torch_dtype)
+        progress(f"GEMM {name}: {notes[f'gemm_flops_{name}'] / 1e9:.1f} GFLOP/s")
+        notes[f"attention_flops_{name}"] = attention_flops(torch_dtype)
+        progress(f"attention {name}: {notes[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s")
+    bandwidth = read_bandwidth()
+    progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
+    costs = collective_costs()
+    for name in ("gloo", "shm"):
+        if f"{name}_latency_s" in costs:
+            progress(
+                f"all-gather over {name}, 2 ranks: latency {costs[f'{name}_latency_s'] * 1e6:.0f} us, "
+                f"{costs[f'{name}_bandwidth'] / 1e9:.2f} GB/s"
+            )
+    notes.update(costs)
+    if f"{link}_latency_s" not in costs:
+        link = "gloo"
+    cpu = cpu_info()
+    return HardwareProfile(
+        name=f"calibrated-{socket.gethostname()}",
+        description=f"one rank of {threads} thread(s) on {cpu.model}, {dtype}, ranks joined by {link} "
+        f"(ctxpar calibrate, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        gemm_flops=notes[f"gemm_flops_{dtype}"],
+        attention_flops=notes[f"attention_flops_{dtype}"],
+        memory_bandwidth=bandwidth,
+        memory_bytes=float(machine_memory_bytes()),
+        link_bandwidth=costs[f"{link}_bandwidth"],
+        link_latency_s=costs[f"{link}_latency_s"],
+        weight_dtype=dtype,
+        activation_dtype=dtype,
+        notes=notes,
+    )

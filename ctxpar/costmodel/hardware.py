@@ -1,0 +1,105 @@
+"""What one context-parallel rank is, as the cost model needs it.
+
+A rank may be one CPU process, one GPU, or a whole node running tensor
+parallelism inside (Meta's setup: a rank = 8 H100 in TP8 over NVLink). Rates are
+per rank: peaks times efficiency factors give the rates the model uses, so a
+profile measured by ``ctxpar calibrate`` carries achieved rates and efficiency 1.
+
+Communication between CP ranks follows the alpha-beta model: a collective step
+costs ``link_latency_s + bytes / (link_bandwidth * link_efficiency)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ctxpar.errors import CtxparError
+
+DTYPE_BYTES = {"fp8": 1.0, "int8": 1.0, "q4": 0.5625, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gemm_flops: float  # peak FLOP/s per rank of GEMMs in the weight dtype
+    attention_flops: float  # peak FLOP/s per rank of attention (activation dtype)
+    memory_bandwidth: float  # bytes/s per rank (HBM or DRAM)
+    memory_bytes: float  # capacity per rank
+    link_bandwidth: float  # bytes/s per rank, one direction, between CP ranks
+    link_latency_s: float  # per collective step between CP ranks
+    weight_dtype: str = "bf16"
+    activation_dtype: str = "bf16"  # KV cache, queries, activations exchanged
+    gemm_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    link_efficiency: float = 1.0
+    # Fraction of a ring step's transfer that runs under that step's attention
+    # (1: a GPU's copy engines overlap them; 0: a blocking collective, as ctxpar's on CPU).
+    comm_overlap: float = 0.0
+    # Fixed cost of each ring step of pass-KV / pass-Q per layer: a partial attention's
+    # launch and its LSE merge (measured as the gap between P ranks and 1/P of one).
+    ring_step_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0  # fixed cost of one forward step (framework, launches)
+    tp_size: int = 1  # tensor-parallel devices inside one rank
+    tp_bandwidth: float = 0.0  # bytes/s per device for the TP all-reduces
+    tp_latency_s: float = 0.0
+    usable_memory_fraction: float = 0.9  # the rest: activations, workspace, fragmentation
+    notes: dict[str, float] = field(default_factory=dict)  # measurements kept for the record
+
+    def __post_init__(self) -> None:
+        positive = ("gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth")
+        for name in positive:
+            _check(self.name, name, getattr(self, name), 0.0, math.inf, open_lo=True)
+        for name in ("link_latency_s", "ring_step_overhead_s", "step_overhead_s", "tp_latency_s", "tp_bandwidth"):
+            _check(self.name, name, getattr(self, name), 0.0, math.inf)
+        for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency"):
+            _check(self.name, name, getattr(self, name), 0.0, 1.0, open_lo=True)
+        _check(self.name, "comm_overlap", self.comm_overlap, 0.0, 1.0)
+        _check(self.name, "usable_memory_fraction", self.usable_memory_fraction, 0.0, 1.0, open_lo=True)
+        for name in ("weight_dtype", "activation_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise CtxparError(f"hardware {self.name}: {name} must be one of {', '.join(DTYPE_BYTES)}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise CtxparError(f"hardware {self.name}: tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if self.tp_size > 1 and self.tp_bandwidth <= 0:
+            raise CtxparError(f"hardware {self.name}: tp_size > 1 needs tp_bandwidth > 0")
+
+    @property
+    def weight_bytes(self) -> float:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def act_bytes(self) -> float:
+        return DTYPE_BYTES[self.activation_dtype]
+
+    def link_time(self, nbytes: float, steps: int = 1) -> float:
+        """Seconds for ``steps`` collective steps moving ``nbytes`` in all (alpha-beta)."""
+        return steps * self.link_latency_s + nbytes / (self.link_bandwidth * self.link_efficiency)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+
+def _check(profile: str, name: str, value: object, lo: float, hi: float, open_lo: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < lo or (open_lo and value == lo) or value > hi:  # type: ignore[operator]
+        bound = f"> {lo}" if open_lo else f">= {lo}"
+        upper = "" if hi == math.inf else f" and <= {hi}"
+        raise CtxparError(f"hardware {profile}: {name} must be a number {bound}{upper}, got {value!r}")
+
+
+def profile_from_dict(data: dict[str, Any], origin: str) -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise CtxparError(f"hardware profile {origin}: expected a JSON object")
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CtxparError(f"hardware profile {origin}: unknown field(s) {', '.join(unknown)}")
+    try:
+        return HardwareProfile(**data)
+    except TypeError as e:  # a required field missing
+        raise CtxparError(f"hardware profile {origin}: {e}") from None

@@ -1,0 +1,110 @@
+"""Built-in hardware profiles (per CP rank).
+
+Peaks are vendors' datasheet figures; efficiency factors say what fraction is
+reached. The H100 profiles' GEMM and attention efficiencies and ring-step
+overhead were fitted once, jointly, to Meta's published TTFT table
+(costmodel/published.py; the fit and its residuals are in docs/benchmarks.md)
+and are not tuned per row. The CPU profiles are `ctxpar calibrate` runs on the
+2-core development VM (measured rates, efficiency 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
+from ctxpar.errors import CtxparError
+
+GB, GIB = 1e9, float(1 << 30)
+
+# One rank = a node of 8 H100 SXM 80GB running TP8 over NVLink (H100 datasheet: FP8 1979,
+# BF16 989 dense TFLOP/s, 3.35 TB/s HBM3; NVLink 4: 450 GB/s per direction per GPU).
+# Meta's setup: FP8 row-wise weights, BF16 attention and KV, ring pass-KV whose SendRecv
+# overlaps attention (comm_overlap 1).
+_H100X8 = dict(
+    gemm_flops=8 * 1979e12,
+    attention_flops=8 * 989e12,
+    memory_bandwidth=8 * 3.35e12,
+    memory_bytes=8 * 80 * GIB,
+    weight_dtype="fp8",
+    activation_dtype="bf16",
+    gemm_efficiency=0.29,
+    attention_efficiency=0.58,
+    memory_efficiency=0.80,  # typical share of HBM bandwidth a decode GEMV reaches
+    link_efficiency=0.80,  # typical NCCL bus bandwidth over a 400G NIC, ~40 of 50 GB/s
+    comm_overlap=1.0,
+    ring_step_overhead_s=0.6e-3,
+    step_overhead_s=0.0,
+    tp_size=8,
+    tp_bandwidth=450 * GB,
+    tp_latency_s=10e-6,
+)
+
+# One rank = one core of the 2-core AVX2 development VM (AMD EPYC), fp32, as
+# `ctxpar calibrate --threads 1` measured it (2026-12-03 23:38 UTC, two other jobs
+# sharing the cores): GEMM 93.5 GFLOP/s, ctxpar's attention 40.0 GFLOP/s, memory
+# read 20.9 GB/s; 2-rank all-gather: shm 59 us + 0.38 GB/s, gloo 248 us + 0.29 GB/s.
+_CPU_CORE = dict(
+    gemm_flops=93.5e9,
+    attention_flops=40.0e9,
+    memory_bandwidth=20.9e9,
+    memory_bytes=24 * GIB,
+    weight_dtype="fp32",
+    activation_dtype="fp32",
+)
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    "h100x8-ib": HardwareProfile(
+        name="h100x8-ib",
+        description="a node of 8 H100 SXM (TP8, NVLink), nodes joined by 400 Gb/s-per-GPU RDMA, FP8 weights",
+        link_bandwidth=8 * 50 * GB,  # 8 NICs of 400 Gb/s
+        link_latency_s=20e-6,
+        **_H100X8,  # type: ignore[arg-type]
+    ),
+    "h100x8-tcp": HardwareProfile(
+        name="h100x8-tcp",
+        description="as h100x8-ib, nodes joined by 100 Gb/s-per-GPU TCP/IP (Meta's second setup)",
+        link_bandwidth=8 * 12.5 * GB,
+        link_latency_s=50e-6,
+        **_H100X8,  # type: ignore[arg-type]
+    ),
+    "cpu-core-shm": HardwareProfile(
+        name="cpu-core-shm",
+        description="one AVX2 core per rank, ranks on one host (ctxpar's shared-memory channel), fp32",
+        link_bandwidth=0.38 * GB,
+        link_latency_s=59e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
+    ),
+    "cpu-core-gloo": HardwareProfile(
+        name="cpu-core-gloo",
+        description="one AVX2 core per rank, ranks joined by gloo over loopback TCP, fp32",
+        link_bandwidth=0.29 * GB,
+        link_latency_s=248e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
+    ),
+    "cpu-core-10gbe": HardwareProfile(
+        name="cpu-core-10gbe",
+        description="one AVX2 core per rank, hosts joined by 10 Gbit/s Ethernet (gloo's measured latency), fp32",
+        link_bandwidth=1.25 * GB,
+        link_efficiency=0.9,
+        link_latency_s=248e-6,
+        **_CPU_CORE,  # type: ignore[arg-type]
+    ),
+}
+
+
+def load_hardware(spec: str) -> HardwareProfile:
+    """A built-in profile name or a JSON file (as ``ctxpar calibrate`` writes)."""
+    if spec in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise CtxparError(
+            f"hardware {spec!r} is neither a built-in profile ({', '.join(sorted(BUILTIN_PROFILES))}) nor a JSON file"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CtxparError(f"cannot read hardware profile {path}: {e}") from None
+    return profile_from_dict(data, str(path))

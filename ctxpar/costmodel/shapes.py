@@ -1,0 +1,165 @@
+"""A model's shape as the cost model needs it, read from a Hugging Face config.json.
+
+Only counts: parameters (dense, per expert, embeddings), layers, heads and the
+bytes a token leaves in the KV cache. From them, per token and layer:
+
+- linear FLOPs = 2 * (parameters the token multiplies): dense parameters plus
+  its top-k experts' in an MoE layer;
+- attention FLOPs per (query, key) pair = 2 * H_q * (d_qk + d_v): Q.K^T and P.V;
+- KV-cache entries = 2 * H_kv * d_head for GQA (K and V), kv_lora_rank + d_rope
+  for MLA (DeepSeek stores one compressed latent per token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ctxpar.errors import CtxparError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    qk_head_dim: int  # per query head, rope part included (MLA: nope + rope)
+    v_head_dim: int
+    kv_entries_per_token: int  # values one token stores per layer in the KV cache
+    dense_params: int  # non-embedding parameters every token multiplies, all layers (shared experts, router included)
+    expert_params: int  # parameters of one routed expert (0: no MoE)
+    num_experts: int  # routed experts per MoE layer
+    experts_per_token: int
+    num_moe_layers: int
+    embedding_params: int
+    lm_head_params: int  # 0 when tied to the embedding
+    decode_qk_dim: int  # per-head dims a decode query multiplies a cached entry with (MLA: absorbed latent)
+    decode_v_dim: int
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "vocab_size", "num_heads", "qk_head_dim", "v_head_dim"):
+            if getattr(self, field) < 1:
+                raise CtxparError(f"model {self.name}: {field} must be >= 1, got {getattr(self, field)}")
+        if self.kv_entries_per_token < 1 or self.dense_params < 1:
+            raise CtxparError(f"model {self.name}: a model needs KV entries and dense parameters")
+        if self.num_moe_layers and not (0 < self.experts_per_token <= self.num_experts and self.expert_params > 0):
+            raise CtxparError(f"model {self.name}: MoE layers need 0 < experts_per_token <= num_experts")
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.dense_params
+            + self.num_moe_layers * self.num_experts * self.expert_params
+            + self.embedding_params
+            + self.lm_head_params
+        )
+
+    @property
+    def linear_params_per_token(self) -> int:
+        """Parameters one token multiplies (its experts only), without the LM head."""
+        return self.dense_params + self.num_moe_layers * self.experts_per_token * self.expert_params
+
+    def params_read(self, tokens: float) -> float:
+        """Non-embedding parameters a step of ``tokens`` tokens reads: the dense ones and
+        every routed expert hit at least once. With uniform routing an expert escapes
+        ``tokens`` tokens' top-k picks with probability (1 - k/E)^tokens."""
+        if not self.num_moe_layers:
+            return float(self.dense_params)
+        hit = self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** tokens)
+        return self.dense_params + self.num_moe_layers * hit * self.expert_params
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair in one layer, prefill form: 2*H*(d_qk + d_v)."""
+        return 2 * self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def decode_attention_flops_per_pair(self) -> int:
+        return 2 * self.num_heads * (self.decode_qk_dim + self.decode_v_dim)
+
+
+def _get(cfg: dict[str, Any], key: str, name: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CtxparError(f"model config {name}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    """ModelShape of a Llama/Qwen (GQA) or DeepSeek-V2/V3 (MLA, MoE) config.json."""
+    if not isinstance(cfg, dict):
+        raise CtxparError(f"model config {name}: expected a JSON object")
+    hidden, layers = _get(cfg, "hidden_size", name), _get(cfg, "num_hidden_layers", name)
+    heads = _get(cfg, "num_attention_heads", name)
+    vocab = _get(cfg, "vocab_size", name)
+    embedding = vocab * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else embedding
+    if "kv_lora_rank" in cfg:  # MLA (DeepSeek-V2/V3)
+        kv_rank, rope, nope = (_get(cfg, k, name) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"))
+        v_dim, qk_dim = _get(cfg, "v_head_dim", name), nope + rope
+        q_rank = cfg.get("q_lora_rank")
+        q_proj = hidden * heads * qk_dim if not q_rank else hidden * q_rank + q_rank * heads * qk_dim
+        attn = q_proj + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+        kv_entries, decode_qk, decode_v = kv_rank + rope, kv_rank + rope, kv_rank
+    else:  # GQA (Llama, Qwen2/3, SmolLM2)
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        qk_dim = v_dim = cfg.get("head_dim") or hidden // heads
+        attn = 2 * hidden * heads * qk_dim + 2 * hidden * kv_heads * qk_dim
+        kv_entries, decode_qk, decode_v = 2 * kv_heads * qk_dim, qk_dim, qk_dim
+    dense_mlp = 3 * hidden * _get(cfg, "intermediate_size", name)  # gate, up, down
+    experts = cfg.get("n_routed_experts") or 0
+    if experts:
+        moe_inter = _get(cfg, "moe_intermediate_size", name)
+        expert = 3 * hidden * moe_inter
+        first_dense = cfg.get("first_k_dense_replace", 0)
+        freq = cfg.get("moe_layer_freq", 1)
+        moe_layers = sum(1 for i in range(first_dense, layers) if i % freq == 0)
+        shared = (cfg.get("n_shared_experts") or 0) * expert + experts * hidden  # shared experts + router
+        dense = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * shared
+        top_k = _get(cfg, "num_experts_per_tok", name)
+    else:
+        expert, moe_layers, top_k, dense = 0, 0, 0, layers * (attn + dense_mlp)
+    return ModelShape(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=heads,
+        qk_head_dim=qk_dim,
+        v_head_dim=v_dim,
+        kv_entries_per_token=kv_entries,
+        dense_params=dense,
+        expert_params=expert,
+        num_experts=experts,
+        experts_per_token=top_k,
+        num_moe_layers=moe_layers,
+        embedding_params=embedding,
+        lm_head_params=lm_head,
+        decode_qk_dim=decode_qk,
+        decode_v_dim=decode_v,
+    )
+
+
+def load_model_shape(spec: str) -> ModelShape:
+    """A built-in name (``llama-3-405b``, ...), a config.json, or a model directory holding one."""
+    from ctxpar.costmodel.models import BUILTIN_MODELS
+
+    if spec in BUILTIN_MODELS:
+        return shape_from_hf_config(BUILTIN_MODELS[spec], spec)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CtxparError(
+            f"model {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_MODELS))}) "
+            "nor a config.json / model directory"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CtxparError(f"cannot read model config {path}: {e}") from None
+    return shape_from_hf_config(cfg, spec)

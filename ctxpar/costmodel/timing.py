@@ -1,0 +1,164 @@
+"""Time of one prefill and of one decode step on one rank, as a roofline with
+exposed communication.
+
+Each operation takes max(FLOPs / FLOP rate, bytes / memory rate) and is counted
+as compute or memory traffic by whichever bound it; collectives that cannot
+hide under attention add their exposed part. Symbols: B requests, T new tokens
+each after C cached ones, P PCP ranks, D DCP ranks (D = 1: every rank holds the
+whole KV cache; D = P: each holds 1/P of it), L layers, H query heads.
+
+Prefill, per rank (DualChunkSwap gives every rank B*T/P tokens and 1/P of the
+causal attention work, sum over new tokens of the keys each sees:
+B*(T*C + T*(T+1)/2)):
+
+- linear:    2 * params_per_token * B*T/P FLOPs; reads the weights once
+- attention: 2*H*(d_qk + d_v) FLOPs per (query, key) pair per layer
+- per layer and algorithm (kv, q, o: bytes per token of KV entries, queries,
+  partial outputs with their LSE; X = T + C where the context is sharded
+  (D = P), else T):
+  gather   all-gather of the others' KV, exposed:
+           (P-1) * alpha + (P-1)/P * B*X * kv / BW
+  pass-KV  a ring of P-1 steps, each passing B*X/P tokens' KV under 1/P of the
+           layer's attention: (P-1) * (max(0, step - overlap * attn/P) + ring_overhead)
+  pass-Q   the same ring passing B*T/P queries (D = P only), then an all-to-all
+           returning partial outputs: alpha + (P-1)/P * B*T * o / BW
+
+Decode step (B rows at the full context each): every rank reads all weights
+(the rows are replicated) and its share of the KV cache (1/D of it); under DCP
+each layer ends with one all-to-all of the partial outputs and LSEs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.costmodel.shapes import ModelShape
+
+LSE_BYTES = 4  # fp32 log-sum-exp per head and row, exchanged with the partial output
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds by cause; they add up to the total."""
+
+    compute_s: float = 0.0  # operations bound by FLOPs
+    memory_s: float = 0.0  # operations bound by memory traffic
+    tp_comm_s: float = 0.0  # tensor-parallel all-reduces inside a rank (a node of GPUs)
+    comm_s: float = 0.0  # communication between CP ranks not hidden under compute
+    overhead_s: float = 0.0  # fixed costs: ring steps' launches and merges, the framework's step
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.tp_comm_s + self.comm_s + self.overhead_s
+
+    def plus(
+        self,
+        *,
+        compute: float = 0.0,
+        memory: float = 0.0,
+        tp_comm: float = 0.0,
+        comm: float = 0.0,
+        overhead: float = 0.0,
+    ) -> Breakdown:
+        return Breakdown(
+            self.compute_s + compute,
+            self.memory_s + memory,
+            self.tp_comm_s + tp_comm,
+            self.comm_s + comm,
+            self.overhead_s + overhead,
+        )
+
+
+def _roofline(b: Breakdown, flops: float, flop_rate: float, nbytes: float, byte_rate: float) -> Breakdown:
+    """Add one operation: compute-bound or memory-bound, whichever takes longer."""
+    compute, memory = flops / flop_rate, nbytes / byte_rate
+    return b.plus(compute=compute) if compute >= memory else b.plus(memory=memory)
+
+
+def _tp_allreduces(m: ModelShape, h: HardwareProfile, tokens: float) -> float:
+    """Two ring all-reduces per layer of the tokens' hidden states among the rank's TP devices."""
+    if h.tp_size == 1:
+        return 0.0
+    nbytes = tokens * m.hidden_size * h.act_bytes * 2 * (h.tp_size - 1) / h.tp_size
+    return m.num_layers * 2 * (h.tp_latency_s + nbytes / h.tp_bandwidth)
+
+
+def _rates(h: HardwareProfile) -> tuple[float, float, float]:
+    return (
+        h.gemm_flops * h.gemm_efficiency,
+        h.attention_flops * h.attention_efficiency,
+        h.memory_bandwidth * h.memory_efficiency,
+    )
+
+
+def prefill_time(
+    m: ModelShape, h: HardwareProfile, new: int, cached: int, batch: int, pcp: int, dcp: int, algorithm: str
+) -> Breakdown:
+    """Time to first token: the prefill of ``new`` tokens per request after ``cached`` ones."""
+    gemm, attn_rate, mem = _rates(h)
+    head = m.vocab_size * m.hidden_size  # the LM head, for each request's last token
+    tokens = batch * new / pcp
+    b = _roofline(
+        Breakdown(),
+        2 * m.linear_params_per_token * tokens + 2 * head * batch,
+        gemm,
+        (m.params_read(tokens) + head) * h.weight_bytes,
+        mem,
+    )
+    pairs = batch * (new * cached + new * (new + 1) / 2) / pcp
+    kv_token = m.kv_entries_per_token * h.act_bytes
+    keys_read = batch * (cached + new) / (dcp if algorithm == "pass-Q" else 1)
+    before = b.compute_s + b.memory_s
+    b = _roofline(
+        b,
+        pairs * m.attention_flops_per_pair * m.num_layers,
+        attn_rate,
+        keys_read * kv_token * m.num_layers,
+        mem,
+    )
+    attn_layer = (b.compute_s + b.memory_s - before) / m.num_layers
+    b = b.plus(tp_comm=_tp_allreduces(m, h, tokens), overhead=h.step_overhead_s)
+    if pcp == 1:
+        return b
+    sharded = batch * (new + (cached if dcp > 1 else 0))  # tokens whose KV moves
+    if algorithm == "gather":
+        comm = h.link_time((pcp - 1) / pcp * sharded * kv_token, steps=pcp - 1)
+        return b.plus(comm=m.num_layers * comm)
+    if algorithm == "pass-KV":
+        step = h.link_time(sharded / pcp * kv_token)
+        tail = 0.0
+    elif algorithm == "pass-Q":
+        step = h.link_time(batch * new / pcp * m.num_heads * m.qk_head_dim * h.act_bytes)
+        out_token = m.num_heads * (m.v_head_dim * h.act_bytes + LSE_BYTES)
+        tail = h.link_time((pcp - 1) / pcp * batch * new * out_token)
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    exposed = (pcp - 1) * max(0.0, step - h.comm_overlap * attn_layer / pcp) + tail
+    return b.plus(comm=m.num_layers * exposed, overhead=m.num_layers * (pcp - 1) * h.ring_step_overhead_s)
+
+
+def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp: int) -> Breakdown:
+    """One decode step of ``batch`` rows, each at ``context`` tokens (its KV cache sharded over ``dcp`` ranks)."""
+    gemm, attn_rate, mem = _rates(h)
+    head = m.vocab_size * m.hidden_size
+    b = _roofline(
+        Breakdown(),
+        2 * (m.linear_params_per_token + head) * batch,
+        gemm,
+        (m.params_read(batch) + head) * h.weight_bytes,
+        mem,
+    )
+    keys = batch * context / dcp
+    b = _roofline(
+        b,
+        keys * m.decode_attention_flops_per_pair * m.num_layers,
+        attn_rate,
+        keys * m.kv_entries_per_token * h.act_bytes * m.num_layers,
+        mem,
+    )
+    b = b.plus(tp_comm=_tp_allreduces(m, h, batch), overhead=h.step_overhead_s)
+    if dcp > 1:
+        out_row = m.num_heads * (m.decode_v_dim * h.act_bytes + LSE_BYTES)
+        b = b.plus(comm=m.num_layers * h.link_time((dcp - 1) / dcp * batch * out_row))
+    return b

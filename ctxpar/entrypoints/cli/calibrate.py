@@ -1,0 +1,55 @@
+"""Measure this machine (GEMM and attention FLOP/s in fp32 and bf16, memory
+read bandwidth, all-gather latency and bandwidth between two local ranks over
+gloo and shared memory) and save a hardware profile for `ctxpar estimate
+--hardware PATH`. Takes about half a minute; one line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ctxpar.checks import max_threads, usable_cores
+from ctxpar.errors import CtxparError
+from ctxpar.machine import cpu_info
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="hardware-profile.json", help="where to write the profile JSON")
+    p.add_argument(
+        "--threads", type=int, default=None, help="threads of the rank measured (default: every usable core)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="the dtype the profile's FLOP/s are for "
+        "(default: what ctxpar picks here: bf16 on CPUs with native bf16, else fp32)",
+    )
+    p.add_argument(
+        "--link",
+        choices=("shm", "gloo"),
+        default="shm",
+        help="the link the profile's latency and bandwidth are for: shm (ranks on one host) or gloo (across hosts)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    threads = usable_cores() if args.threads is None else args.threads
+    if not 1 <= threads <= max_threads():
+        raise CtxparError(f"--threads must be in [1, {max_threads()}], got {threads}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
+    from ctxpar.costmodel.calibrate import calibrate
+    from ctxpar.device import auto_dtype
+
+    dtype = args.dtype or ("bf16" if auto_dtype("cpu") == "bfloat16" else "fp32")
+    print(f"CPU: {cpu_info().model}, {usable_cores()} usable cores, {threads} thread(s), {dtype}", flush=True)
+    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True))
+    try:
+        out.write_text(profile.to_json())
+    except OSError as e:
+        raise CtxparError(f"cannot write {out}: {e}") from None
+    print(f"profile written to {out}", file=sys.stderr)

@@ -1,0 +1,70 @@
+"""Predict TTFT, decode step and memory per rank for every context-parallel
+layout (P PCP ranks, D DCP ranks, pass-KV / pass-Q / gather) of one request
+shape on given hardware, and recommend the fastest that fits in memory.
+
+The model is a built-in name (llama-3-8b, llama-3-70b, llama-3-405b, qwen3-32b,
+deepseek-v3, smollm2-135m) or a config.json; the hardware a built-in profile
+(h100x8-ib, h100x8-tcp, cpu-*) or a JSON profile from `ctxpar calibrate`.
+The formulas are in ctxpar/costmodel/timing.py; docs/scaling.md shows what they
+predict and how far they were off where measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ctxpar.checks import nonnegative_int, positive_int
+from ctxpar.costmodel import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, load_hardware, load_model_shape
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in model name or a config.json / model directory")
+    p.add_argument("--hardware", required=True, help="built-in profile name or a profile JSON file")
+    p.add_argument("--context", type=positive_int, required=True, help="prompt tokens in all, cached ones included")
+    p.add_argument("--cached", type=nonnegative_int, default=0, help="prompt tokens already in the KV cache")
+    p.add_argument("--batch", type=positive_int, default=1, help="requests of this shape at once")
+    p.add_argument("--pcp", type=positive_int, nargs="+", help="PCP sizes to consider (default: 1 2 4 8 16)")
+    p.add_argument("--dcp", type=positive_int, nargs="+", help="DCP sizes to consider, 1 or P (default: both)")
+    p.add_argument(
+        "--output-tokens",
+        type=nonnegative_int,
+        default=DEFAULT_OUTPUT_TOKENS,
+        help="answer length the recommendation optimises for: least TTFT + N decode steps "
+        f"(default {DEFAULT_OUTPUT_TOKENS}; 0: TTFT alone)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
+
+
+def _row(e: Estimate) -> str:
+    t = e.ttft
+    mark = "<- recommended" if e.recommended else ("" if e.fits else "does not fit")
+    return (
+        f"{e.pcp:>3} {e.dcp:>3} {e.algorithm:>8} | {e.ttft_s:>10.3f} {t.compute_s:>8.3f} {t.memory_s:>7.3f} "
+        f"{t.tp_comm_s:>7.3f} {t.comm_s:>7.3f} {t.overhead_s:>8.3f} | "
+        f"{e.decode_ms:>9.2f} {1e3 * e.decode.comm_s:>7.2f} | "
+        f"{e.memory_gib_per_rank:>9.1f} {e.kv_bytes / 2**30:>8.1f}  {mark}"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    model, hardware = load_model_shape(args.model), load_hardware(args.hardware)
+    results = estimate(model, hardware, args.context, args.cached, args.batch, args.pcp, args.dcp, args.output_tokens)
+    if args.json:
+        print(json.dumps([e.to_dict() for e in results], indent=1))
+        return
+    print(
+        f"model {model.name}: {model.total_params / 1e9:.1f}B parameters; hardware {hardware.name}: "
+        f"{hardware.description}"
+    )
+    print(f"context {args.context} tokens ({args.cached} cached), batch {args.batch}")
+    print(
+        "  P   D     algo |   TTFT (s)  compute  memory TP comm CP comm overhead | decode ms CP comm | "
+        "GiB/rank   KV GiB"
+    )
+    for e in results:
+        print(_row(e))
+    if not any(e.recommended for e in results):
+        need = min(e.memory_gib_per_rank for e in results)
+        have = hardware.usable_memory_fraction * hardware.memory_bytes / 2**30
+        print(f"nothing fits: the smallest layout needs {need:.1f} GiB per rank, {have:.1f} GiB usable")
