@@ -92,7 +92,8 @@ def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: l
                 logits, collectives = [], []
                 for p in plans:
                     before = group.num_collectives.copy()
-                    logits.append(runner.execute(p).logits)
+                    step = runner.execute(p)
+                    logits.append(step.logits if step is not None else None)  # rank 0's only
                     collectives.append(dict(group.num_collectives - before))
                 saved = {"logits": logits, "caches": runner.kv_caches, "collectives": collectives}
                 torch.save(saved, os.path.join(out, f"{size}.{j}.{rank}.pt"))
