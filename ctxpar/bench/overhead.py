@@ -1,5 +1,5 @@
-"""Host-side work per step against the context length: nothing but attention may grow
-faster than the tokens, and what is not attention's should not grow at all.
+"""Host-side work per step against the context length: nothing may grow faster than
+the tokens (quadratic work belongs to attention alone).
 
 For each context length (default 8K, 32K and 128K cached tokens per request), B
 requests (default 8) are prefilled in one step, then ``--steps`` decode steps and
