@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
+    "long": ("ctxpar.bench.long", "exactness at 32K tokens: P ranks and D = P against one rank, SmolLM2's shapes"),
     "overhead": ("ctxpar.bench.overhead", "host work per step (scheduler, layout, slots) at 8K-128K cached tokens"),
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
     "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
