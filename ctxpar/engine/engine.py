@@ -225,7 +225,11 @@ class Engine:
         group.held = []
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.structured.compiling)
+        return self.scheduler.has_unfinished() or self.is_compiling_grammars()
+
+    def is_compiling_grammars(self) -> bool:
+        """Requests wait for their grammar (a step may then run nothing, briefly)."""
+        return bool(self.structured.compiling)
 
     # -- the loop -----------------------------------------------------------
 

@@ -289,3 +289,29 @@ def test_structural_tags(llm):
     check_json(m.group(1), schema)
     for part in re.findall(r"<f>(.*?)</f>", free.outputs[0].text, re.S):
         check_json(part, schema)
+
+
+def test_a_compile_slower_than_a_step_wait_is_waited_for(llm):
+    """A step waits for a grammar only briefly (the engine loop must stay responsive):
+    LLM.generate keeps stepping while a compile takes longer than that (a loaded
+    machine), instead of taking the empty steps for a stuck scheduler."""
+    import time
+
+    backend = llm.engine.structured.backend
+    compiler = backend.compiler
+
+    class Slow:
+        def compile_grammar(self, grammar):
+            time.sleep(0.5)  # ten times the step's wait
+            return compiler.compile_grammar(grammar)
+
+    backend.compiler, backend.cache = Slow(), {}
+    try:
+        [out] = llm.generate(
+            ["Pick one:"],
+            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["slow", "fast"])),
+            use_tqdm=False,
+        )
+    finally:
+        backend.compiler = compiler
+    assert out.outputs[0].text in ("slow", "fast")
