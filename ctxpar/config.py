@@ -57,6 +57,10 @@ class EngineConfig:
     # Changes to the checkpoint's config.json (vLLM's hf_overrides), e.g. rope scaling for
     # contexts past the trained length: a dict or its JSON (ctxpar/hf_overrides.py).
     hf_overrides: dict[str, Any] | None = None
+    # A lost spawned rank is respawned and the in-flight requests' KV restored, at most this
+    # many times per rank_recovery_window_s (0: a lost rank ends the engine, as before).
+    max_rank_recoveries: int = 3
+    rank_recovery_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -99,6 +103,10 @@ class EngineConfig:
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
         check_int("master_port", self.master_port, 1, 65535, none_ok=True)
+        check_int("max_rank_recoveries", self.max_rank_recoveries, 0)
+        window = self.rank_recovery_window_s
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
+            raise CtxparError(f"rank_recovery_window_s must be a positive number of seconds, got {window!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.speculative_config is not None and self.speculative_config.method == "mtp":

@@ -86,6 +86,12 @@ FLAGS: dict[str, Flag] = {
         "JSON",
         parse=str,
     ),
+    "max_rank_recoveries": Flag(
+        "a lost PCP rank is respawned and the requests in flight continue, at most N times per "
+        "--rank-recovery-window-s (0: a lost rank stops the engine)",
+        "N",
+    ),
+    "rank_recovery_window_s": Flag("the window of --max-rank-recoveries, in seconds", "SECONDS", parse=float),
 }
 
 
@@ -116,6 +122,8 @@ class EngineArgs:
     master_port: int | None = DEFAULTS.master_port
     speculative_config: Any = DEFAULTS.speculative_config  # a dict, its JSON or a SpeculativeConfig
     hf_overrides: Any = DEFAULTS.hf_overrides  # a dict or its JSON
+    max_rank_recoveries: int = DEFAULTS.max_rank_recoveries
+    rank_recovery_window_s: float = DEFAULTS.rank_recovery_window_s
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text

@@ -212,6 +212,16 @@ class BlockManager:
         self._hash = [None] * self.num_blocks
         return True
 
+    def forget_unreferenced(self) -> int:
+        """Forget the hashes of the cached blocks nobody references (their KV can no longer
+        be trusted: a lost rank held part of it); returns how many. Referenced blocks keep
+        theirs: their KV is restored with their requests'."""
+        stale = [(b, h) for b in self._free if (h := self._hash[b]) is not None]
+        for block, h in stale:
+            del self._cached[h]
+            self._hash[block] = None
+        return len(stale)
+
     def _evict(self, block: int) -> None:
         h = self._hash[block]
         if h is not None:

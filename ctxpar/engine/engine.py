@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.grammar import RequestGrammar
 from ctxpar.engine.output_processor import OutputProcessor, make_output
 from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
+from ctxpar.engine.recovery import RankRecovery, recompute_plans
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sampler import Sampler
 from ctxpar.engine.scheduler import Scheduler
@@ -34,10 +36,11 @@ from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
-from ctxpar.errors import CtxparError
+from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor import start_executor
 from ctxpar.outputs import RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 logger = logging.getLogger("ctxpar")
 
@@ -66,6 +69,7 @@ class Engine:
         self.sampler = Sampler()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.spec = self._spec_decoder(config)
+        self.recovery = RankRecovery(config.max_rank_recoveries, config.rank_recovery_window_s)
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._arrivals = itertools.count()
@@ -89,9 +93,7 @@ class Engine:
             return SpecDecoder(spec)
         limit = min(draft.max_model_len, self.max_model_len)
         proposer = MTPProposer if spec.method == "mtp" else DraftModelProposer
-        return SpecDecoder(
-            spec, proposer(spec.num_speculative_tokens, limit, self.executor.execute, self.scheduler.reserve)
-        )
+        return SpecDecoder(spec, proposer(spec.num_speculative_tokens, limit, self._execute, self.scheduler.reserve))
 
     # -- requests -----------------------------------------------------------
 
@@ -273,7 +275,7 @@ class Engine:
         generators = [r.generator for r in sampling + verifying]
         rng_states = _saved_generators(sampling, rng_states)  # requests admitted just now
         try:
-            step_out = self.executor.execute(plan)
+            step_out = self._execute(plan)
             logits = step_out.logits
             sample_rows, prompt_chunks, verify_starts = split_logits(batch.requests, plan, logits)
             sample_logits = logits if sample_rows is None else logits[sample_rows]
@@ -370,8 +372,91 @@ class Engine:
         self.scheduler.rollback(req)
 
     def check_health(self) -> None:
-        """RankFailure if a rank is known to be lost (vLLM's check_health)."""
-        self.executor.check_health()
+        """RankFailure if a rank is lost and cannot be recovered (vLLM's check_health).
+        A rank found lost while the engine is idle is recovered here, before a request needs it."""
+        try:
+            self.executor.check_health()
+        except RankFailure as e:
+            self._recover(e)
+
+    # -- a lost rank ----------------------------------------------------------------
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """executor.execute, recovering from lost ranks (then the step runs again)."""
+        while True:
+            try:
+                return self.executor.execute(plan)
+            except RankFailure as e:
+                self._recover(e)
+
+    def _recover(self, failure: RankFailure) -> None:
+        """Respawn the lost rank(s) and restore the KV they held (ctxpar/engine/recovery.py),
+        or, beyond max_rank_recoveries per window (or where it cannot be done), stop the
+        ranks and raise, as without recovery."""
+        rec = self.recovery
+        while True:
+            rec.rank_failures += 1
+            if rec.max_recoveries == 0:
+                self._give_up(failure, None)
+            if not rec.allow():
+                window = f"{rec.window_s:g} s"
+                self._give_up(failure, f"{rec.max_recoveries} recoveries within {window} already (max_rank_recoveries)")
+            if self.config.dcp_size > 1 and self.executor.rank_model.draft is not None:
+                self._give_up(failure, "a draft model's KV shard is not recomputed under DCP")
+            rec.recovering = True
+            t0 = time.perf_counter()
+            try:
+                try:
+                    lost = self.executor.restart_lost_ranks()
+                except RankFailure as e:
+                    self._give_up(failure, str(e))
+                try:
+                    what = self._restore(lost)
+                except RankFailure as e:  # another rank lost while restoring: recover again
+                    failure = e
+                    continue
+            finally:
+                rec.recovering = False
+            rec.recoveries += 1
+            logger.warning(
+                "recovered from a lost PCP rank (%s): respawned rank(s) %s, %s, in %.2f s",
+                failure,
+                ", ".join(map(str, lost)),
+                what,
+                time.perf_counter() - t0,
+            )
+            return
+
+    def _restore(self, lost: list[int]) -> str:
+        """Restore the KV of the requests in flight on the respawned ranks; says what it did."""
+        dropped = self.block_manager.forget_unreferenced()  # a lost rank's part of them is gone
+        held = [r for r in self.scheduler.running if r.num_computed_tokens > 0]
+        table = lambda r: np.asarray(self.block_manager.block_table(r.request_id), dtype=np.int64)
+        tokens = sum(r.num_computed_tokens for r in held)
+        if self.config.dcp_size == 1:  # every rank holds the whole cache: copy rank 0's
+            bs = self.block_manager.block_size
+            blocks = {b for r in held for b in table(r)[: -(-r.num_computed_tokens // bs)].tolist()}
+            self.executor.copy_kv(np.array(sorted(blocks), dtype=np.int64))
+            self.recovery.copied_tokens += tokens
+            return f"copied the KV of {tokens} tokens of {len(held)} requests, dropped {dropped} cached blocks"
+        recomputed = 0
+        for plan in recompute_plans(
+            held, table, lost, self.config.dcp_size, self.config.cp_interleave, self.config.max_num_batched_tokens
+        ):
+            self.executor.execute(plan)
+            recomputed += plan.num_tokens
+        self.recovery.recomputed_tokens += recomputed
+        return (
+            f"recomputed the lost shard ({recomputed} of {tokens} tokens of {len(held)} requests), "
+            f"dropped {dropped} cached blocks"
+        )
+
+    def _give_up(self, failure: RankFailure, why: str | None) -> NoReturn:
+        """Stop the ranks and raise the failure (with why it was not recovered)."""
+        self.executor.close(graceful=False)
+        if why is None:
+            raise failure
+        raise RankFailure(f"{failure}; not recovered: {why}") from failure
 
     def close(self) -> None:
         """Release the executor (and the worker ranks, if any)."""

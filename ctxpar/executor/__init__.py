@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from ctxpar.config import EngineConfig
 from ctxpar.executor.preflight import check_launch
 from ctxpar.worker.loading import RankModel
@@ -34,7 +36,18 @@ class Executor(Protocol):
         """Raise RankFailure if a rank is known to be lost (checked between steps)."""
         ...
 
-    def close(self) -> None: ...
+    def restart_lost_ranks(self) -> list[int]:
+        """After a RankFailure: respawn the lost ranks and form the group again (the
+        survivors keep their KV caches); returns the respawned ranks. RankFailure if not possible."""
+        ...
+
+    def copy_kv(self, block_ids: np.ndarray) -> None:
+        """Rank 0's KV of these blocks into every other rank's cache."""
+        ...
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks (politely, unless after a failure) and release them."""
+        ...
 
 
 def start_executor(config: EngineConfig) -> Executor:

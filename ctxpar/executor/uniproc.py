@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
+from ctxpar.errors import RankFailure
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
@@ -29,5 +32,11 @@ class UniProcExecutor:
     def check_health(self) -> None:
         pass  # one rank, this process: nothing to lose that would not end the caller too
 
-    def close(self) -> None:
+    def restart_lost_ranks(self) -> list[int]:
+        raise RankFailure("one rank in this process has no rank to lose")  # execute never raises RankFailure
+
+    def copy_kv(self, block_ids: np.ndarray) -> None:
+        pass  # the only cache is rank 0's
+
+    def close(self, graceful: bool = True) -> None:
         self.runner = None

@@ -16,6 +16,7 @@ collectives with the same shapes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
 from ctxpar.worker.step_plan import StepOutput, StepPlan
+
+COPY_SLOTS = 1024  # cache slots per piece of a KV copy (copy_blocks): what a led step of 1K tokens holds
 
 
 class ModelRunner:
@@ -141,21 +144,40 @@ class ModelRunner:
         so each still holds every token's KV."""
         if plan.num_tokens == 0:
             return
+
+        def my_slots() -> np.ndarray:
+            # Worked out only after the broadcast, on a core that rank 0's threads have left (it samples alone).
+            row, pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
+            return token_slots(plan.block_tables, row, pos, self.block_size)
+
+        self._broadcast_kv(plan.num_tokens, slots, my_slots)
+
+    def copy_blocks(self, block_ids: np.ndarray) -> None:
+        """Rank 0's KV of these blocks (every layer) into every other rank's cache, in
+        bounded pieces (a long context's KV would otherwise be copied whole in memory)."""
+        slots = (block_ids[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)  # (B * bs,)
+        piece = max(self.block_size, COPY_SLOTS // self.block_size * self.block_size)
+        for i in range(0, len(slots), piece):
+            part = slots[i : i + piece]
+            self._broadcast_kv(len(part), part, lambda: part)
+
+    def _broadcast_kv(self, n: int, slots: np.ndarray | None, my_slots: Callable[[], np.ndarray]) -> None:
+        """Every layer's cache entries at rank 0's ``slots`` (n,) into the other ranks'
+        caches at ``my_slots()`` (n,): rank 0 sends, the others receive and store."""
         first = self.kv_caches[0]
-        shape = (len(self.kv_caches), plan.num_tokens, *first.shape[1:])  # (layers, T, *entry)
+        shape = (len(self.kv_caches), n, *first.shape[1:])  # (layers, n, *entry)
         if self._led_buffer.numel() < math.prod(shape):  # reused: fresh pages each step cost more than the copy
             self._led_buffer = first.new_empty(2 * math.prod(shape))
         entries = self._led_buffer[: math.prod(shape)].view(shape)
         if self.rank == 0:
+            assert slots is not None  # rank 0 names what it sends
             at = torch.from_numpy(slots).to(self.device)
             for cache, out in zip(self.kv_caches, entries):
                 torch.index_select(cache, 0, at, out=out)
             self._pcp_group().broadcast_(entries)
             return
         self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
-        # Worked out only now, on a core that rank 0's threads have left (it samples alone).
-        row, pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
-        at = torch.from_numpy(token_slots(plan.block_tables, row, pos, self.block_size)).to(self.device)
+        at = torch.from_numpy(my_slots()).to(self.device)
         for cache, new in zip(self.kv_caches, entries):
             cache.index_copy_(0, at, new)
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from ctxpar.parallel.comm import PCPGroup
 from ctxpar.worker.loading import RankModel
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.step_plan import StepOutput, StepPlan
@@ -33,3 +36,16 @@ class Runners:
                 raise ValueError("a draft step, but this rank has no draft model")
             return self.draft.execute(plan)
         return self.target.execute(plan)
+
+    def models(self) -> list[ModelRunner]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    def copy_kv(self, block_ids: np.ndarray) -> None:
+        """Rank 0's KV of these blocks into every other rank's cache, for each model."""
+        for runner in self.models():
+            runner.copy_blocks(block_ids)
+
+    def rejoin(self, group: PCPGroup) -> None:
+        """Run in a re-formed group (after a lost rank was respawned), caches kept."""
+        for runner in self.models():
+            runner.group = group

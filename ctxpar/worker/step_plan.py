@@ -79,3 +79,12 @@ class StepOutput:
 
     logits: torch.Tensor  # (L, vocab) float32, of plan.logits_token_indices()
     hidden: torch.Tensor | None = None  # (K, H) final hidden states of plan.hidden_token_indices(), if any
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """A message of rank 0 besides step plans: copy rank 0's KV of these blocks (every
+    layer of every model's cache) into every other rank's. After a lost rank was
+    respawned, this restores its cache where every rank holds the whole cache."""
+
+    block_ids: np.ndarray  # (B,) int64
