@@ -38,7 +38,7 @@ from typing import Any
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
-from ctxpar.errors import RankFailure
+from ctxpar.engine.recovery import RankRecovery
 from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
@@ -89,7 +89,6 @@ class AsyncLLM:
         self.llm_engine = llm_engine
         llm_engine.stat_loggers.extend(stat_loggers)
         self.dead_error: EngineDeadError | None = None  # why the engine stopped taking requests
-        self.num_rank_failures = 0  # ranks found lost (in a step, or by the idle health check)
         self._owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink (engine thread only)
@@ -122,6 +121,12 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
+
+    @property
+    def rank_recovery(self) -> RankRecovery:
+        """Lost ranks found (in a step, or by the idle health check) and recovered, and
+        whether a recovery runs now (read from any thread: plain counters)."""
+        return self.llm_engine.rank_recovery
 
     async def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -232,8 +237,6 @@ class AsyncLLM:
         try:
             return call()
         except Exception as e:
-            if isinstance(e, RankFailure):
-                self.num_rank_failures += 1
             why = f"{type(e).__name__}: {e}"
             self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
             return None

@@ -62,6 +62,7 @@ class LLMEngine:
         elif own_tokenizer is not None:
             self.set_tokenizer(own_tokenizer)
         self.stats = EngineStats({"model_name": self.engine.loaded.name})
+        self.rank_recovery = self.engine.recovery  # kept after close: /health and /metrics read it
         self.stat_loggers: list[StatLogger] = [self.stats, *stat_loggers]
         self._events = EventTracker()
         self._shaper = OutputShaper()

@@ -105,7 +105,7 @@ def _serve(runner: Runners, group: PCPGroup) -> None:
         except Exception as e:
             if not _is_link_failure(e):
                 raise  # this rank's own failure: the caller shows the traceback
-            raise RankFailure(f"PCP rank {group.rank} lost its group ({startup.first_line(e)})") from e
+            raise RankFailure(f"PCP rank {group.rank} lost rank 0 or a peer ({startup.first_line(e)})") from e
 
 
 def _serve_until_stopped(
@@ -298,7 +298,7 @@ class MultiRankExecutor:
         self._leave(self._stopped_because or "a rank was lost")
         lost = self._lost_ranks()
         if not lost:
-            raise RankFailure(f"no rank died ({self._stopped_because}): a rank that hangs is not replaced")
+            raise RankFailure("no rank died: a rank that hangs, or fails by itself, is not replaced")
         self._generation += 1
         self._spawn(lost)
         assert self.store is not None  # spawned ranks: rank 0 hosts it

@@ -96,7 +96,10 @@ int64_t shm_barrier(int64_t* counters, int64_t stride, int64_t rank, int64_t siz
         continue;
       }
       if (t >= next_check) {
-        if (process_gone(pids[k])) return 1 + k;
+        // Every rank, not only k: a survivor waiting for a live rank 0 must still
+        // notice a lost peer (rank 0 then re-forms the group without answering).
+        for (int64_t j = 0; j < size; ++j)
+          if (process_gone(pids[j])) return 1 + j;
         if (t - start > timeout_s) return -1;
         next_check = t + CHECK_S;
       }

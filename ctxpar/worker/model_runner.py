@@ -152,6 +152,7 @@ class ModelRunner:
 
         self._broadcast_kv(plan.num_tokens, slots, my_slots)
 
+    @torch.inference_mode()  # the caches are inference tensors
     def copy_blocks(self, block_ids: np.ndarray) -> None:
         """Rank 0's KV of these blocks (every layer) into every other rank's cache, in
         bounded pieces (a long context's KV would otherwise be copied whole in memory)."""

@@ -141,7 +141,8 @@ def test_smollm2_two_ranks_logits_and_tokens():
 
 @pytest.mark.multiprocess
 def test_killed_worker_fails_fast_and_leaves_no_process(models):
-    llm = LLM(models["llama"], pcp_size=2)
+    """With recovery off (max_rank_recoveries=0; tests/executor/test_rank_recovery.py has it on)."""
+    llm = LLM(models["llama"], pcp_size=2, max_rank_recoveries=0)
     llm.generate(prompts(2), GREEDY, use_tqdm=False)
     (worker,) = multiprocessing.active_children()
     os.kill(worker.pid, signal.SIGKILL)

@@ -63,7 +63,7 @@ class ServerState:
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
         self.engine_client = AsyncLLM(llm.llm_engine, start_engine_loop=False, stat_loggers=[self.metrics])
-        self.metrics.rank_failures.count = lambda: self.engine_client.num_rank_failures
+        self.metrics.rank_recovery.source = lambda: self.engine_client.rank_recovery
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -23,6 +23,7 @@ from ctxpar.engine.metrics import (
 from ctxpar.engine.metrics import (
     Counter as CounterValue,
 )
+from ctxpar.engine.recovery import RankRecovery
 
 
 class _CollectiveSeconds:
@@ -58,19 +59,26 @@ class _SpecDecode:
         yield from families.values()
 
 
-class _RankFailures:
-    """PCP ranks found lost, read from the async engine's count when scraped."""
+class _RankRecovery:
+    """Lost PCP ranks, recoveries and the KV they restored, read from the engine's counts when scraped."""
+
+    COUNTERS = (
+        ("ctxpar:rank_failures", "rank_failures", "PCP ranks found lost (in a step, or while idle)"),
+        ("ctxpar:rank_recoveries", "recoveries", "Lost PCP ranks respawned with the requests in flight restored"),
+        ("ctxpar:recomputed_kv_tokens", "recomputed_tokens", "KV positions recomputed after a lost rank (DCP)"),
+        ("ctxpar:copied_kv_tokens", "copied_tokens", "KV positions copied to a respawned rank (no DCP)"),
+    )
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
-        self.count: Callable[[], int] = lambda: 0  # ServerState points it at its AsyncLLM
+        self.source: Callable[[], RankRecovery | None] = lambda: None  # ServerState points it at the engine's
 
     def collect(self):
-        c = CounterMetricFamily(
-            "ctxpar:rank_failures", "PCP ranks found lost (in a step, or while idle)", labels=list(self.labels)
-        )
-        c.add_metric(list(self.labels.values()), self.count())
-        yield c
+        recovery = self.source()
+        for name, attr, doc in self.COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), getattr(recovery, attr) if recovery is not None else 0)
+            yield c
 
 
 class ServerMetrics:
@@ -120,8 +128,8 @@ class ServerMetrics:
         r.register(self.collectives)
         self.spec_decode = _SpecDecode(label)
         r.register(self.spec_decode)
-        self.rank_failures = _RankFailures(label)
-        r.register(self.rank_failures)
+        self.rank_recovery = _RankRecovery(label)
+        r.register(self.rank_recovery)
         self._label = label
 
     def record(self, event: OutputEvent) -> None:

@@ -1,7 +1,8 @@
 """`ctxpar serve --pcp 2` at its limits, and /health: a full queue is a 503 with
 Retry-After (and /health says "degraded"); a rank killed while the server is
-idle turns /health to 503 "dead" within a second, without any request, and
-/metrics counts it."""
+idle is found within a second, without any request: /health says
+"recovering", then "healthy" once it is respawned; killed again beyond
+--max-rank-recoveries, /health turns to 503 "dead". /metrics counts both."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ LONG = {"prompt": "long", "max_tokens": 300, "ignore_eos": True, "stream": True}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     args = ["--threads", "1", "--pcp", "2", "--max-model-len", "512"]  # the default model, SmolLM2-135M
-    args += ["--limit-concurrency", "1", "--max-queued-requests", "1"]
+    args += ["--limit-concurrency", "1", "--max-queued-requests", "1", "--max-rank-recoveries", "1"]
     s = Server(args, log=tmp_path_factory.mktemp("limits_log") / "server.log")
     yield s
     assert s.stop() in STOPPED, s.log()  # and no rank outlives it
@@ -60,20 +61,38 @@ def test_full_queue_is_a_503_with_retry_after(server):
     assert health(server)[1]["status"] == "healthy"
 
 
-def test_health_notices_a_rank_killed_while_idle(server):
-    """Last: no request runs when rank 1 dies; /health says so by itself."""
-    status, body = health(server)
-    assert status == 200 and body["status"] == "healthy" and body["rank_failures"] == 0
+def kill_rank_and_wait(server, leaving: str) -> dict:
+    """Kill rank 1 while idle; /health's body once its status is no longer ``leaving``."""
     worker = server.rank_pid()
     os.kill(worker, signal.SIGKILL)
     t0 = time.monotonic()
-    while (h := health(server))[0] == 200:
-        assert time.monotonic() - t0 < 5, h
+    while (h := health(server))[1]["status"] == leaving:
+        assert time.monotonic() - t0 < 5, h  # found within the engine thread's idle poll
         time.sleep(0.05)
-    status, body = h
-    assert status == 503 and body["status"] == "dead" and body["rank_failures"] == 1
-    assert "PCP rank 1" in body["error"]["message"] and "SIGKILL" in body["error"]["message"]
     assert not alive(worker)
-    assert server.metrics()["ctxpar:rank_failures_total"] == 1
+    return h[1]
+
+
+def test_health_follows_a_rank_killed_while_idle(server):
+    """No request runs when rank 1 dies: /health finds it by itself, says "recovering"
+    while it is respawned, then "healthy" again; the second loss is beyond
+    --max-rank-recoveries 1: "dead", and requests get a 503 naming the failure."""
+    status, body = health(server)
+    assert status == 200 and body["status"] == "healthy" and body["rank_failures"] == 0
+    assert kill_rank_and_wait(server, "healthy")["status"] == "recovering"
+    t0 = time.monotonic()
+    while (h := health(server))[1]["status"] == "recovering":
+        assert time.monotonic() - t0 < 120, h
+        time.sleep(0.1)
+    assert h == (200, {**h[1], "status": "healthy", "rank_failures": 1, "rank_recoveries": 1})
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    body = kill_rank_and_wait(server, "healthy")
+    assert body["status"] == "dead" and body["rank_failures"] == 2 and body["rank_recoveries"] == 1
+    message = body["error"]["message"]
+    assert "PCP rank 1" in message and "SIGKILL" in message and "max_rank_recoveries" in message
+    m = server.metrics()
+    assert m["ctxpar:rank_failures_total"] == 2 and m["ctxpar:rank_recoveries_total"] == 1
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "PCP rank 1" in r.json()["error"]["message"]

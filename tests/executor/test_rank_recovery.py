@@ -1,0 +1,196 @@
+"""A rank SIGKILLed with requests in flight is respawned and its KV restored:
+every request finishes with exactly the tokens of an undisturbed run (greedy
+and seeded sampling), at P = 2 and 3, with and without DCP; beyond
+max_rank_recoveries the engine stops as without recovery.
+
+Kills land at points drawn from a seeded RNG: between steps (found by the
+check at the next step's start), or from a timer inside a step (a collective
+fails under the survivors: a KV all-gather, a plan broadcast, a gather of
+hidden states). Under DCP the lost rank's shard is recomputed from the
+tokens; a mutant that skips it (or that keeps serving prefix-cache blocks the
+lost rank held part of) gives other tokens.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar import SamplingParams
+from ctxpar.config import EngineConfig
+from ctxpar.engine.engine import Engine
+from ctxpar.engine.recovery import RankRecovery, lost_runs, recompute_plans
+from ctxpar.errors import RankFailure
+
+# Long prompts are chunked (budget 96) and split (>= 48 tokens); short ones replicated.
+LENGTHS = (260, 17, 150, 5, 90)
+CONFIG = dict(max_num_batched_tokens=96, pcp_min_tokens=48, num_kv_blocks=96)
+
+
+def params(i: int) -> SamplingParams:
+    if i % 2:  # seeded sampling: the generator's state must survive the failed step too
+        return SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+    return SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 256, size=n).tolist() for n in LENGTHS]
+
+
+def run(model: str, kills: dict[int, tuple[int, float]] | None = None, repeat_first: bool = False, **kw) -> tuple:
+    """Every prompt's tokens, and the engine's recovery counts. kills: {step: (rank, delay)}:
+    before that step, SIGKILL the rank after `delay` seconds (0: before the step starts).
+    repeat_first: the first prompt, finished before any kill, is asked again after the last
+    kill (a prefix-cache hit on blocks no request held when the rank was lost)."""
+    engine = Engine(EngineConfig(model, **CONFIG, **kw))
+    kills = kills or {}
+    out: dict[str, list[int]] = {}
+    try:
+        ps = prompts()
+        engine.add_request(ps[0], params(0), request_id="first")
+        while "first" not in out:
+            out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        for i, p in enumerate(ps[1:], start=1):
+            engine.add_request(p, params(i), request_id=str(i))
+        step = 0
+        while engine.has_unfinished_requests():
+            victim = None
+            if step in kills:
+                rank, delay = kills[step]
+                victim = engine.executor.procs[rank - 1]
+                timer = kill(victim.pid, delay)
+            if repeat_first and step == max(kills, default=0) + 1:
+                engine.add_request(ps[0], params(0), request_id="again")
+            out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            if victim is not None:  # dead now, if not found in this step then at the next one's start
+                timer.join()
+                victim.join(5)
+            step += 1
+        return out, engine.recovery
+    finally:
+        engine.close()
+
+
+def kill(pid: int, delay: float) -> threading.Timer:
+    """SIGKILL pid after delay seconds (0: now, and dead before the next step starts)."""
+    timer = threading.Timer(delay, os.kill, (pid, signal.SIGKILL))
+    timer.start()
+    if delay == 0:
+        timer.join()
+        time.sleep(0.2)  # its exit is seen by the check at the step's start
+    return timer
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dirs) -> str:
+    return str(tiny_model_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def undisturbed(model) -> dict[str, list[int]]:
+    out, _ = run(model, repeat_first=True)
+    assert out["again"] == out["first"]
+    return out
+
+
+def random_kills(seed: int, ranks: list[int], n: int) -> dict[int, tuple[int, float]]:
+    """n kills at early steps (prefill chunks, split prompts, decodes): before a step, or
+    1-30 ms into it. Two steps apart: a rank killed after its step's collectives is
+    recovered at the next step's start, and the next kill is meant for its successor."""
+    rng = np.random.default_rng(seed)
+    steps = sorted(rng.choice(np.arange(1, 10, 2), size=n, replace=False).tolist())
+    return {s: (int(rng.choice(ranks)), float(rng.choice([0.0, rng.uniform(0.001, 0.03)]))) for s in steps}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("pcp", "dcp", "seed"),
+    [(2, 1, 0), (2, 2, 1), (3, 3, 2)],
+    ids=["p2-full-kv", "p2-dcp", "p3-dcp"],
+)
+def test_lost_ranks_are_recovered_with_the_same_tokens(model, undisturbed, pcp, dcp, seed):
+    kills = random_kills(seed, list(range(1, pcp)), n=2)
+    out, rec = run(model, kills, repeat_first=True, pcp_size=pcp, dcp_size=dcp)
+    assert out == undisturbed, kills
+    assert rec.rank_failures == rec.recoveries == 2
+    if dcp > 1:  # the lost shard, not the whole context: about 1/D of the computed tokens
+        assert rec.recomputed_tokens > 0 and rec.copied_tokens == 0
+    else:
+        assert rec.copied_tokens > 0 and rec.recomputed_tokens == 0
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.multiprocess
+def test_failures_beyond_the_limit_stop_the_engine(model):
+    engine = Engine(EngineConfig(model, pcp_size=2, max_rank_recoveries=1, **CONFIG))
+    try:
+        engine.add_request(prompts()[0], params(0))
+        kill(engine.executor.procs[0].pid, 0)
+        engine.step()
+        assert engine.recovery.recoveries == 1
+        kill(engine.executor.procs[0].pid, 0)
+        with pytest.raises(RankFailure, match=r"rank 1 was killed by SIGKILL.*not recovered.*max_rank_recoveries"):
+            engine.step()
+        with pytest.raises(RankFailure, match="create a new LLM"):
+            engine.step()  # stopped for good
+        assert multiprocessing.active_children() == []
+    finally:
+        engine.close()
+
+
+# -- the pure parts -------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200), st.integers(2, 4), st.integers(1, 4), st.data())
+def test_lost_runs_are_exactly_the_lost_ranks_positions(n, size, interleave, data):
+    lost = data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=size - 1, unique=True))
+    starts, lengths = lost_runs(n, lost, size, interleave)
+    covered = [p for s, m in zip(starts.tolist(), lengths.tolist()) for p in range(s, s + m)]
+    assert covered == [p for p in range(n) if (p // interleave) % size in lost]  # in order, once each
+    assert (lengths > 0).all() and (np.diff(starts) > lengths[:-1]).all()  # maximal runs
+
+
+class _Req:
+    def __init__(self, tokens: list[int], computed: int) -> None:
+        self.tokens, self.num_computed_tokens = tokens, computed
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def test_recompute_plans_cover_the_runs_in_order_within_the_budget():
+    reqs = [_Req(list(range(100, 140)), 37), _Req(list(range(200, 210)), 10)]
+    plans = list(recompute_plans(reqs, lambda r: np.array([id(r) % 7]), [1], 2, 2, max_tokens=5))  # type: ignore[arg-type]
+    assert all(p.num_tokens <= 5 and not p.needs_logits.any() and p.is_prefilling.all() for p in plans)
+    rows = [
+        (int(t[0]), int(c), p.input_ids[o : o + q].tolist())
+        for p in plans
+        for t, c, q, o in zip(
+            p.block_tables,
+            p.num_computed_tokens,
+            p.num_scheduled_tokens,
+            np.cumsum(p.num_scheduled_tokens) - p.num_scheduled_tokens,
+        )
+    ]
+    for req in reqs:
+        mine = [(c, ids) for t, c, ids in rows if t == id(req) % 7]
+        positions = [c + i for c, ids in mine for i in range(len(ids))]
+        assert positions == [p for p in range(req.num_computed_tokens) if (p // 2) % 2 == 1]
+        assert all(ids == req.tokens[c : c + len(ids)] for c, ids in mine)
+
+
+def test_the_recovery_window():
+    rec = RankRecovery(max_recoveries=2, window_s=10.0)
+    assert rec.allow(0.0) and rec.allow(5.0) and not rec.allow(9.0)
+    assert rec.allow(10.5)  # the first one left the window
+    assert not RankRecovery(max_recoveries=0, window_s=10.0).allow(0.0)
