@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ctxpar import LLM, SamplingParams
-from helpers.server_harness import STOPPED, Server, alive
+from helpers.server_harness import STOPPED, Server
 from helpers.tiny_tokenizer import with_byte_tokenizer
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
