@@ -70,15 +70,20 @@ def measure_link(step_bytes: list[int], world: int) -> dict[str, float]:
     return times
 
 
-def _measure(llm: LLM, n: int, decode_tokens: int, vocab: int) -> dict[str, object]:
-    """TTFT, decode ms/token and the collective time of one prompt of n random tokens."""
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """The prompt of n tokens every configuration is given (random: a random model's input)."""
     import numpy as np
 
+    return np.random.default_rng(n).integers(0, vocab, n).tolist()
+
+
+def _measure(llm: LLM, n: int, decode_tokens: int, vocab: int) -> dict[str, object]:
+    """TTFT, decode ms/token and the collective time of one prompt of n random tokens."""
     from ctxpar import SamplingParams
 
     assert llm.engine is not None  # open: inside its with block
     group = getattr(llm.engine.executor, "group", None)
-    prompt = np.random.default_rng(n).integers(0, vocab, n).tolist()
+    prompt = prompt_ids(n, vocab)
     params = SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
     c0 = group.comm_seconds if group else 0.0
     g0 = group.num_collectives["all_gather"] if group else 0
@@ -119,9 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     with open(f"{args.model}/config.json") as f:
         layers = json.load(f)["num_hidden_layers"]
     kv = 2 * layers * (longest + 1024) * kv_bytes_per_token(args.model)  # every layer's KV, twice over
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": args.yarn_factor}} if args.yarn_factor > 1 else None
     with LLM(
         args.model,
-        hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": args.yarn_factor}},
+        hf_overrides=yarn,
         max_model_len=longest + args.decode_tokens + 16,
         pcp_size=args.pcp,
         dcp_size=args.dcp,
