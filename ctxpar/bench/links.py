@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ctxpar.bench import netns
-from ctxpar.bench.links_driver import SMALL_BYTES
+from ctxpar.bench.links_driver import SLACK, SMALL_BYTES
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError, RankFailure
 
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _driver_args(model: Path, args: argparse.Namespace, pcp: int, dcp: int) -> list[str]:
     from ctxpar.bench.long import TRAINED
 
-    factor = max(1.0, (max(args.lengths) + args.decode_tokens) / TRAINED)
+    factor = max(1.0, (max(args.lengths) + args.decode_tokens + SLACK) / TRAINED)  # the engine's max_model_len
     lengths = [str(n) for n in args.lengths]
     chunk = args.chunk or max(args.lengths)
     return [
@@ -172,7 +172,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
     dcps = [1] if args.no_dcp else [1, 2]
     head = " | ".join(f"{f'P=2 D={d} (s)':>12} | {'x':>5} | {'model x':>7}" for d in dcps)
     print(
-        f"\n{'link':>8} | {'prompt':>6} | {'P=1 (s)':>8} | {head} | {'per layer (ms)':>14} | {'comm':>5} | "
+        f"\n{'link':>8} | {'prompt':>6} | {'P=1 (s)':>8} | {head} | {'layer wait+gather ms':>20} | {'comm':>5} | "
         f"decode ms/token P=1 / {' / '.join(f'D={d}' for d in dcps)} | same tokens"
     )
     for link in args.links:
@@ -191,7 +191,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
             r = runs[link, 1][n]
             layer_ms = 1e3 * r["prefill_comm_s"] / max(r["prefill_all_gathers"], 1)
             print(
-                f"{link:>8} | {n:>6} | {one['ttft_s']:>8.2f} | {' | '.join(cols)} | {layer_ms:>14.1f} | "
+                f"{link:>8} | {n:>6} | {one['ttft_s']:>8.2f} | {' | '.join(cols)} | {layer_ms:>20.1f} | "
                 f"{r['prefill_comm_s'] / r['ttft_s']:>5.0%} | {' / '.join(decodes):>{19 + 6 * len(dcps)}} | "
                 f"{' '.join(same)}"
             )
@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> None:
         print("P=1 on core 0 ...", flush=True)
         cmd = ["taskset", "-c", "0", sys.executable, "-m", *_driver_args(model, args, 1, 1)]
         base, _ = _parse(_run_job([cmd], [_env()], args.timeout, "P=1"))
+        print("  [P=1] TTFT " + ", ".join(f"{n}: {r['ttft_s']:.2f} s" for n, r in sorted(base.items())), flush=True)
         runs: dict[tuple[str, int], dict[int, Result]] = {}
         links: dict[str, dict[str, float]] = {}
         with netns.linked_hosts() as hosts:
@@ -227,10 +228,16 @@ def run(args: argparse.Namespace) -> None:
                     print(f"{label} ({time.monotonic() - t0:.0f} s so far) ...", flush=True)
                     runs[link, dcp], measured = _run_pcp(hosts, model, args, dcp, label)
                     links.setdefault(link, measured)
+                    done = ", ".join(
+                        f"{n}: {r['ttft_s']:.2f} s ({base[n]['ttft_s'] / r['ttft_s']:.2f}x)"
+                        for n, r in sorted(runs[link, dcp].items())
+                    )
+                    print(f"  [{label}] TTFT {done}", flush=True)
         _print_tables(model, args, base, runs, links)
     print(
         f"\nx: P=1 TTFT / P=2 TTFT (measured); model x: what `ctxpar estimate` predicts (cpu-core-gloo compute, "
-        f"the link's measured latency + its class's published latency, measured GB/s). per layer: one KV "
-        f"all-gather in the engine's prefill at D=1 (waiting included); comm: their share of TTFT. "
+        f"the link's measured latency + its class's published latency, measured GB/s). layer wait+gather: one KV "
+        f"all-gather in the engine's prefill at D=1, waiting for the slower rank included (the link alone: the "
+        f"first table); comm: the prefill's collectives' share of TTFT. "
         f"Measure message sizes: {SMALL_BYTES} B and one layer's KV per rank."
     )

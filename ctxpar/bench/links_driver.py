@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ctxpar import LLM
 
 SMALL_BYTES = 4 << 10  # an all-gather this small costs the link's latency alone
+SLACK = 16  # max_model_len = longest prompt + decode tokens + this
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     with LLM(
         args.model,
         hf_overrides=yarn,
-        max_model_len=longest + args.decode_tokens + 16,
+        max_model_len=longest + args.decode_tokens + SLACK,
         pcp_size=args.pcp,
         dcp_size=args.dcp,
         num_threads=1,
