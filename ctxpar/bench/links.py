@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> None:
         f"chunks of {chunk} tokens, {args.decode_tokens} decode steps; one thread per rank",
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="ctxpar-links-") as tmp:
+    # The namespaces first: where they cannot be made, say so before minutes of P = 1.
+    with tempfile.TemporaryDirectory(prefix="ctxpar-links-") as tmp, netns.linked_hosts() as hosts:
         model = _model(Path(tmp), args.layers)
         t0 = time.monotonic()
         print("P=1 on core 0 ...", flush=True)
@@ -220,19 +221,18 @@ def run(args: argparse.Namespace) -> None:
         print("  [P=1] TTFT " + ", ".join(f"{n}: {r['ttft_s']:.2f} s" for n, r in sorted(base.items())), flush=True)
         runs: dict[tuple[str, int], dict[int, Result]] = {}
         links: dict[str, dict[str, float]] = {}
-        with netns.linked_hosts() as hosts:
-            for link in args.links:
-                netns.shape(hosts, link)
-                for dcp in [1] if args.no_dcp else [1, 2]:
-                    label = f"{link}, P=2 D={dcp}"
-                    print(f"{label} ({time.monotonic() - t0:.0f} s so far) ...", flush=True)
-                    runs[link, dcp], measured = _run_pcp(hosts, model, args, dcp, label)
-                    links.setdefault(link, measured)
-                    done = ", ".join(
-                        f"{n}: {r['ttft_s']:.2f} s ({base[n]['ttft_s'] / r['ttft_s']:.2f}x)"
-                        for n, r in sorted(runs[link, dcp].items())
-                    )
-                    print(f"  [{label}] TTFT {done}", flush=True)
+        for link in args.links:
+            netns.shape(hosts, link)
+            for dcp in [1] if args.no_dcp else [1, 2]:
+                label = f"{link}, P=2 D={dcp}"
+                print(f"{label} ({time.monotonic() - t0:.0f} s so far) ...", flush=True)
+                runs[link, dcp], measured = _run_pcp(hosts, model, args, dcp, label)
+                links.setdefault(link, measured)
+                done = ", ".join(
+                    f"{n}: {r['ttft_s']:.2f} s ({base[n]['ttft_s'] / r['ttft_s']:.2f}x)"
+                    for n, r in sorted(runs[link, dcp].items())
+                )
+                print(f"  [{label}] TTFT {done}", flush=True)
         _print_tables(model, args, base, runs, links)
     print(
         f"\nx: P=1 TTFT / P=2 TTFT (measured); model x: what `ctxpar estimate` predicts (cpu-core-gloo compute, "
