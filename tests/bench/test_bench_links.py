@@ -63,3 +63,18 @@ def test_without_root_a_clear_error(monkeypatch, capsys):
     assert cli.main(["bench", "links", "--lengths", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "root" in err and "Traceback" not in err
+
+
+def test_bench_links_prints_its_tables(capsys):
+    """The command end to end on one prompt and one link: the link's measured
+    bandwidth is the shaped one (2,048 tokens: a layer's KV, 1.5 MB, is well
+    past tbf's 125 KB bucket), the P = 2 rows have the one-rank tokens."""
+    argv = ["bench", "links", "--lengths", "2048", "--links", "1gbit", "--layers", "1", "--decode-tokens", "2"]
+    assert cli.main([*argv, "--timeout", "120"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ")
+    [link_row] = [line for line in out.splitlines() if line.strip().startswith("1gbit | 1 Gbit/s Ethernet")]
+    gbs = float(link_row.split("|")[3])
+    assert 0 < gbs < 0.2  # shaped: 1 Gbit/s is 0.125 GB/s
+    [row] = [line for line in out.splitlines() if line.strip().startswith("1gbit |   2048 |")]
+    assert row.endswith("yes yes"), row
