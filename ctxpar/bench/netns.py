@@ -1,0 +1,153 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair whose
+bandwidth is shaped with ``tc ... tbf``, and torchrun started inside each.
+
+Each namespace has its own network stack (interfaces, addresses, sockets), so
+ranks in two of them meet and exchange data only over the veth link, through
+the kernel's TCP stack, exactly as across machines; ``ip netns exec`` also
+gives each a mount namespace of its own, so ctxpar sees two hosts and uses
+gloo and private weights rather than the shared-memory channel.
+
+Needs root and iproute2. Everything made here carries this process's pid in
+its name and is removed on exit from ``linked_hosts`` (deleting a namespace
+deletes its end of the veth pair, and with it the pair).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ctxpar.errors import CtxparError
+
+SUBNET = "10.204.0"  # private; exists only inside the namespaces made here
+RDZV_PORT = 29620  # inside the namespaces: nothing else listens there
+
+# Link profiles: tbf rate (None: the veth unshaped) and what each stands for.
+LINKS: dict[str, tuple[str | None, str]] = {
+    "1gbit": ("1gbit", "1 Gbit/s Ethernet"),
+    "10gbit": ("10gbit", "10 Gbit/s Ethernet"),
+    "100gbit": ("100gbit", "100 Gbit/s Ethernet"),
+    # An RDMA NIC (200-400 Gbit/s, ~2 us) is faster than anything a veth can carry:
+    # TCP over veth is bounded by the copies one core makes, a few GB/s. So "rdma" is
+    # the veth unshaped, the fastest link this machine can give two namespaces.
+    "rdma": (None, "RDMA-class (veth unshaped: as fast as the kernel copies)"),
+}
+# Published one-way latencies of each link class (switch + NIC + stack, small message):
+# what netem would add on a kernel that has it; here they only enter the cost model.
+PUBLISHED_LATENCY_S = {"1gbit": 50e-6, "10gbit": 20e-6, "100gbit": 10e-6, "rdma": 2e-6}
+
+
+@dataclass(frozen=True)
+class Host:
+    namespace: str
+    device: str  # its end of the veth pair
+    address: str
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise CtxparError(f"`ip {' '.join(args)}` failed: {r.stderr.strip() or r.returncode}")
+
+
+def check_tools() -> None:
+    """A clear error (no traceback) where namespaces cannot be made here."""
+    if os.geteuid() != 0:
+        raise CtxparError("network namespaces and tc need root: run as root (or in CI, which runs as root)")
+    missing = [t for t in ("ip", "tc", "taskset") if shutil.which(t) is None]
+    if missing:
+        raise CtxparError(f"{', '.join(missing)} not found: install iproute2 (ip, tc) and util-linux (taskset)")
+
+
+@contextmanager
+def linked_hosts() -> Iterator[tuple[Host, Host]]:
+    """Two namespaces, 10.204.0.1 and .2, joined by one veth pair; removed afterwards."""
+    check_tools()
+    tag = str(os.getpid())
+    hosts = tuple(Host(f"ctxpar-links-{tag}-{i}", f"clk{tag}{i}", f"{SUBNET}.{i + 1}") for i in range(2))
+    made: list[str] = []
+    try:
+        for h in hosts:
+            _ip("netns", "add", h.namespace)
+            made.append(h.namespace)
+        _ip("link", "add", hosts[0].device, "type", "veth", "peer", "name", hosts[1].device)
+        for h in hosts:
+            _ip("link", "set", h.device, "netns", h.namespace)
+            _ip("-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", h.device)
+            _ip("-n", h.namespace, "link", "set", h.device, "up")
+            _ip("-n", h.namespace, "link", "set", "lo", "up")
+        yield hosts[0], hosts[1]
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def shape(hosts: tuple[Host, ...], link: str) -> None:
+    """Shape both directions of the link (each veth end's egress) to ``link``'s rate."""
+    rate = LINKS[link][0]
+    for h in hosts:
+        tc = ["ip", "netns", "exec", h.namespace, "tc", "qdisc"]
+        if rate is None:
+            subprocess.run([*tc, "del", "dev", h.device, "root"], capture_output=True, timeout=30)
+            continue
+        # The bucket holds 1 ms at the rate (at least 64 KiB, a GSO packet), so a
+        # collective's burst is not let through at the veth's own speed; the queue
+        # holds 50 ms, enough that TCP is paced by the rate rather than by drops.
+        bits = _rate_bits(rate)
+        burst = max(64 << 10, int(bits / 8 * 1e-3))
+        r = subprocess.run(
+            [*tc, "replace", "dev", h.device, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if r.returncode != 0:
+            raise CtxparError(f"tc tbf on {h.device} failed: {r.stderr.strip()} (is sch_tbf in this kernel?)")
+
+
+def _rate_bits(rate: str) -> float:
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    raise ValueError(rate)
+
+
+def torchrun_command(host: Host, node_rank: int, cpu: int, rdzv_id: str, module_args: list[str]) -> list[str]:
+    """Node ``node_rank`` of 2 in ``host``'s namespace, pinned to core ``cpu``,
+    meeting the other through torchrun's c10d rendezvous hosted on node 0."""
+    return [
+        "ip", "netns", "exec", host.namespace, "taskset", "-c", str(cpu),
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:{RDZV_PORT}", "--rdzv-id", rdzv_id,
+        # Node 0 hosts the rendezvous store: said outright, since torchrun's guess (the
+        # endpoint is one of this host's names or addresses) misses a namespace's address.
+        "--rdzv-conf", f"is_host={int(node_rank == 0)}",
+        "--node-rank", str(node_rank), "--local-addr", host.address, "--max-restarts", "0",
+        "-m", *module_args,
+    ]  # fmt: skip
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (torchrun starts its workers in sessions of their own)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return [pid] + [d for k in kids for d in process_tree(k)]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and its descendants (collected first: a dead parent's children are reparented)."""
+    for p in process_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
