@@ -1,0 +1,195 @@
+// y = x W^T (+ bias) against a block-quantized weight, for a decode step's few
+// rows: the weight stays as stored (4 or 8 bits a weight), so a step reads
+// 4-8x fewer bytes than against fp32, and a decode step is bound by reading
+// the weights.
+//
+// The weight: row o holds in/32 blocks of 32 weights, weight i of a block
+// = scale[group of i] * q[i] + offset[block] (ctxpar/layers/quant_blocks.py
+// decodes every GGUF format into this form). q is stored
+//   bits = 4: 16 bytes a block, q[i] in the low nibble of byte i (i < 16),
+//             q[i] in the high nibble of byte i - 16 (i >= 16), q in 0..15;
+//   bits = 8: 32 int8 a block.
+// scales: (out, in / group) float32, group 16 or 32; offsets (out, in / 32)
+// float32 or null (all zero).
+//
+// The activation row is quantized per block of 32 to int8 the way llama.cpp's
+// Q8 does (d = max|x| / 127, q = round(x / d)), so a block's product is one
+// integer dot product of 32 bytes by 32 bytes:
+//   sum_i w_i x_i ~= sum_g scale_g dx (sum_{i in g} q_i qx_i) + offset dx sum_i qx_i.
+// AVX2 does it with maddubs (u8 x s8 pairs -> s16) and madd (-> s32); VNNI's
+// dpbusd does both at once. Products cannot saturate s16: a 4-bit q times
+// |qx| <= 127 twice is < 2^12, and the 8-bit path multiplies |q| <= 128 by
+// |qx| <= 127 (llama.cpp's sign trick: maddubs(|q|, sign(qx, q))), twice
+// 32512 < 32767. Without AVX2 (the library is built per CPU, -march=native) a
+// scalar loop computes the same integers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QB = 32;  // weights per block
+constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
+
+// x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block.
+void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs) {
+  const int64_t nb = in / QB;
+  for (int64_t m = 0; m < n; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * x_stride + b * QB;
+      float amax = 0.0f;
+      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < QB; ++i) {
+        const int q = int(std::nearbyint(v[i] * id));  // round half to even, as cvtps does
+        xq[m * in + b * QB + i] = int8_t(q);
+        sum += q;
+      }
+      xd[m * nb + b] = d;
+      xs[m * nb + b] = d * float(sum);
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// The 8 int32 sums of a block, lane j = weights 4j..4j+3 (lanes 0-3: the first 16 weights).
+template <int bits>
+inline __m256i block_dot(__m256i w, __m256i x) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  if constexpr (bits == 4) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  // |q| as unsigned (|-128| = 0x80 reads as 128), the sign moved onto x.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+#endif
+}
+
+template <int bits>
+inline __m256i load_block(const uint8_t* q) {
+  if constexpr (bits == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // high nibbles -> weights 16..31
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// Output o for rows [m0, m0 + mr).
+template <int bits>
+void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const float* xd,
+             const float* xs, int64_t m0, int mr, int64_t in, float* res) {
+  const int64_t nb = in / QB, bytes = QB * bits / 8;
+  float off[MR] = {};
+#if defined(__AVX2__)
+  __m256 acc[MR];
+  for (int m = 0; m < mr; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w = load_block<bits>(wq + b * bytes);
+    const __m256 sw = group == QB ? _mm256_set1_ps(ws[b]) : _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      const __m256 s = _mm256_cvtepi32_ps(block_dot<bits>(w, x));
+      acc[m] = _mm256_fmadd_ps(s, _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * nb + b])), acc[m]);
+      if (wo) off[m] += wo[b] * xs[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m) res[m] = hsum8(acc[m]) + off[m];
+#else
+  float acc[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int q[QB];
+    for (int i = 0; i < QB; ++i) {
+      if constexpr (bits == 4) {
+        const uint8_t byte = wq[b * bytes + (i & 15)];
+        q[i] = i < 16 ? (byte & 15) : (byte >> 4);
+      } else {
+        q[i] = int8_t(wq[b * bytes + i]);
+      }
+    }
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const int8_t* x = xq + r * in + b * QB;
+      int lo = 0, hi = 0;  // the two halves: groups of 16 have a scale each
+      for (int i = 0; i < 16; ++i) lo += q[i] * x[i];
+      for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
+      const float s0 = group == QB ? ws[b] : ws[2 * b], s1 = group == QB ? ws[b] : ws[2 * b + 1];
+      acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
+      if (wo) off[m] += wo[b] * xs[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + off[m];
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
+// (out_features, in) as above; bias (out_features,) or null; out (n, out_features).
+void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
+                      const uint8_t* qs, const float* scales, int64_t group, const float* offsets, const float* bias,
+                      float* out) {
+  if (n == 0 || out_features == 0) return;
+  const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
+  std::vector<int8_t> xq(n * in);
+  std::vector<float> xd(n * nb), xs(n * nb);
+  quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data());
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < out_features; ++o) {
+    const uint8_t* wq = qs + o * row_bytes;
+    const float* ws = scales + o * row_scales;
+    const float* wo = offsets ? offsets + o * nb : nullptr;
+    for (int64_t m0 = 0; m0 < n; m0 += MR) {
+      const int mr = int(std::min<int64_t>(MR, n - m0));
+      float res[MR];
+      if (bits == 4)
+        row_dot<4>(wq, ws, group, wo, xq.data(), xd.data(), xs.data(), m0, mr, in, res);
+      else
+        row_dot<8>(wq, ws, group, wo, xq.data(), xd.data(), xs.data(), m0, mr, in, res);
+      for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
+    }
+  }
+}
+
+// Rows [first, first + rows) of the weight as float32 (rows, in): scale * q, then + offset
+// (two roundings, as ctxpar's and gguf's dequantizers). Prefill multiplies tiles of these.
+void quant_dequantize_f32(const uint8_t* qs, const float* scales, const float* offsets, int64_t bits, int64_t group,
+                          int64_t first, int64_t rows, int64_t in, float* out) {
+  const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = first + r;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = qs + o * row_bytes + b * (QB * bits / 8);
+      float* y = out + r * in + b * QB;
+      const float off = offsets ? offsets[o * nb + b] : 0.0f;
+      for (int i = 0; i < QB; ++i) {
+        const int v = bits == 4 ? (i < 16 ? (q[i] & 15) : (q[i - 16] >> 4)) : int(int8_t(q[i]));
+        const float s = scales[o * row_scales + (b * QB + i) / group];
+        const float w = s * float(v);
+        y[i] = offsets ? w + off : w;
+      }
+    }
+  }
+}
+
+}  // extern "C"
