@@ -86,6 +86,12 @@ FLAGS: dict[str, Flag] = {
         "JSON",
         parse=str,
     ),
+    "quantization": Flag(
+        "gguf: keep a .gguf file's quantized weights (Q4_0 ... Q6_K) and compute with them on the CPU, "
+        "reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
+        "none (the default): dequantize them when loading (the exact path)",
+        choices=("gguf", "none"),
+    ),
 }
 
 
@@ -116,6 +122,7 @@ class EngineArgs:
     master_port: int | None = DEFAULTS.master_port
     speculative_config: Any = DEFAULTS.speculative_config  # a dict, its JSON or a SpeculativeConfig
     hf_overrides: Any = DEFAULTS.hf_overrides  # a dict or its JSON
+    quantization: str | None = DEFAULTS.quantization  # "gguf", or None / "none"
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text

@@ -91,29 +91,49 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__)
+// sum_b a[b] * c[b] over n floats, in 8 lanes (the offsets' term: a float dot product).
+inline float dot(const float* a, const float* c, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), acc);
+  float s = hsum8(acc);
+  for (; b < n; ++b) s += a[b] * c[b];
+  return s;
+}
+#endif
+
 // Output o for rows [m0, m0 + mr).
 template <int bits>
 void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const float* xd,
              const float* xs, int64_t m0, int mr, int64_t in, float* res) {
   const int64_t nb = in / QB, bytes = QB * bits / 8;
-  float off[MR] = {};
 #if defined(__AVX2__)
-  __m256 acc[MR];
-  for (int m = 0; m < mr; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  // Two accumulators a row, for even and odd blocks: one would chain every block's
+  // fused multiply-add on the previous one's latency.
+  __m256 acc[2][MR];
+  for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* a) {
     const __m256i w = load_block<bits>(wq + b * bytes);
-    const __m256 sw = group == QB ? _mm256_set1_ps(ws[b]) : _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
+    const __m256 sw = group == QB ? _mm256_set1_ps(ws[b])
+                                  : _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
     for (int m = 0; m < mr; ++m) {
       const int64_t r = m0 + m;
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
       const __m256 s = _mm256_cvtepi32_ps(block_dot<bits>(w, x));
-      acc[m] = _mm256_fmadd_ps(s, _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * nb + b])), acc[m]);
-      if (wo) off[m] += wo[b] * xs[r * nb + b];
+      a[m] = _mm256_fmadd_ps(s, _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * nb + b])), a[m]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, acc[0]);
+    step(b + 1, acc[1]);
   }
-  for (int m = 0; m < mr; ++m) res[m] = hsum8(acc[m]) + off[m];
+  if (b < nb) step(b, acc[0]);
+  for (int m = 0; m < mr; ++m)
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
 #else
-  float acc[MR] = {};
+  float acc[MR] = {}, off[MR] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[QB];
     for (int i = 0; i < QB; ++i) {
@@ -180,14 +200,18 @@ void quant_dequantize_f32(const uint8_t* qs, const float* scales, const float* o
     const int64_t o = first + r;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* q = qs + o * row_bytes + b * (QB * bits / 8);
-      float* y = out + r * in + b * QB;
-      const float off = offsets ? offsets[o * nb + b] : 0.0f;
-      for (int i = 0; i < QB; ++i) {
-        const int v = bits == 4 ? (i < 16 ? (q[i] & 15) : (q[i - 16] >> 4)) : int(int8_t(q[i]));
-        const float s = scales[o * row_scales + (b * QB + i) / group];
-        const float w = s * float(v);
-        y[i] = offsets ? w + off : w;
+      const float* sc = scales + o * row_scales + b * QB / group;
+      const float s0 = sc[0], s1 = group == QB ? sc[0] : sc[1], off = offsets ? offsets[o * nb + b] : 0.0f;
+      float v[QB];
+      for (int i = 0; i < 16; ++i) {
+        v[i] = bits == 4 ? float(q[i] & 15) : float(int8_t(q[i]));
+        v[i + 16] = bits == 4 ? float(q[i] >> 4) : float(int8_t(q[i + 16]));
       }
+      float* y = out + r * in + b * QB;
+      for (int i = 0; i < 16; ++i) y[i] = s0 * v[i];
+      for (int i = 16; i < QB; ++i) y[i] = s1 * v[i];
+      if (offsets)
+        for (int i = 0; i < QB; ++i) y[i] += off;
     }
   }
 }

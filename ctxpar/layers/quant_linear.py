@@ -10,9 +10,9 @@ become float32, which holds the K-quants' products of two scales exactly);
 the 5- and 6-bit ones widen to 8 bits.
 
 ``linear`` runs a decode step's few rows through the integer kernel, and
-more rows (prefill) as float32 GEMMs over tiles of rows dequantized on the
-fly: at many rows the GEMM's reuse of each weight wins over integer dot
-products (docs/benchmarks.md, "Quantized weights").
+more rows (prefill) as float32 products over tiles of rows dequantized on
+the fly (through gemv.cpp's panel kernel): at many rows reusing each
+dequantized weight wins over integer dot products (docs/benchmarks.md, "Quantized weights").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ctxpar.layers.quant_blocks import Decoded
 
 # Rows at or above which a projection dequantizes tiles and multiplies in float32
 # (measured on SmolLM2's shapes, AVX2: docs/benchmarks.md, "Quantized weights").
-GEMM_MIN_ROWS = 16
+GEMM_MIN_ROWS = 32
 TILE_ROWS = 512  # weight rows per dequantized tile: 512 x 1536 floats = 3 MiB, within L2/L3
 
 
@@ -150,8 +150,22 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         for first in range(0, w.out_features, TILE_ROWS):
             end = min(w.out_features, first + TILE_ROWS)
             tile_bias = None if bias is None else bias[first:end].float()
-            out[:, first:end] = F.linear(x, w.dequantize(first, end), tile_bias)
+            out[:, first:end] = _tile_product(x, w.dequantize(first, end), tile_bias)
     return out.to(dtype)
+
+
+def _tile_product(x: torch.Tensor, tile: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (n, in) @ tile (rows, in)^T (+ bias): through the fp32 panel kernel (gemv.cpp)
+    where it runs, whose every output row is summed in one order whatever the
+    other rows (so P ranks' row subsets compute as one rank does), else F.linear."""
+    if not (_kernels_on() and x.device.type == "cpu"):
+        return F.linear(x, tile, bias)
+    rows, in_features = tile.shape
+    width = kernels.panel_width()
+    padded = tile.new_zeros(-(-rows // width) * width, in_features)
+    padded[:rows] = tile
+    panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()  # (panels, in, width)
+    return kernels.linear_packed(x, panels, rows, bias)
 
 
 def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
