@@ -6,7 +6,11 @@ its floor is those bytes over the memory bus's read bandwidth. For each
 setup: ms per decode step (batch 1) after 16 and after 2048 tokens of
 context, the bytes a step reads (the projections and the lm_head as held,
 plus the KV cache of the context), and the step as a multiple of its floor,
-at the measured read bandwidth and at a nominal 18 GB/s.
+at the measured read bandwidth and at a nominal 18 GB/s. Then the
+projections alone (every layer's and the lm_head, one token, timed outside
+the engine) against the floor of the weights' bytes: the part of a step that
+the weights' format decides; the rest of a step (attention, norms, the
+engine's host work) is the same for every format.
 """
 
 from __future__ import annotations
@@ -59,6 +63,39 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
+def projection_seconds(model: Any, repeat: int = 20) -> float:
+    """Best seconds of one token through every projection and the lm_head, each
+    layer's own weights (so they stream from memory, as in a decode step)."""
+    import torch
+
+    from ctxpar.layers.linear import linear
+
+    weights = [model.logits_weight()]
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
+    dtype = model.norm.weight.dtype
+    xs = [torch.randn(1, _in_features(w), dtype=dtype) for w in weights]
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for x, w in zip(xs, weights):
+            linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _in_features(w: Any) -> int:
+    from ctxpar.layers.linear import PanelWeight
+    from ctxpar.layers.quant_linear import QuantWeight
+
+    if isinstance(w, QuantWeight):
+        return w.in_features
+    if isinstance(w, PanelWeight):
+        return w.data.shape[1]
+    return int(w.shape[1])  # a plain or oneDNN-packed weight: (out, in)
+
+
 def _step_seconds(llm: Any, context: int, steps: int, repeat: int) -> tuple[float, float]:
     """Best seconds per decode step of one request after `context` tokens, and the
     best time of its prefill (a fresh random prompt each run: no prefix-cache hit)."""
@@ -94,7 +131,7 @@ def run(args: argparse.Namespace) -> None:
     bandwidth = read_bandwidth()
     print(describe_machine())
     print(f"memory read bandwidth (torch sum over 256 MiB, best of several): {bandwidth / 1e9:.1f} GB/s")
-    rows = []
+    rows, projections = [], []
     for name in args.setups:
         kwargs = dict(SETUPS[name], max_model_len=max(args.contexts) + args.steps + 8, num_threads=args.threads)
         with LLM(args.model, **kwargs) as llm:
@@ -103,6 +140,7 @@ def run(args: argparse.Namespace) -> None:
             cfg = llm.engine.loaded.hf_config
             kv_per_token = 2 * cfg.num_key_value_heads * model.layers[0].self_attn.head_dim * cfg.num_hidden_layers
             kv_per_token *= torch.finfo(model.norm.weight.dtype).bits // 8
+            projections.append((name, projection_seconds(model), weights))
             for context in args.contexts:
                 seconds, prefill = _step_seconds(llm, context, args.steps, args.repeat)
                 read = weights + kv_per_token * (context + args.steps // 2)
@@ -118,4 +156,13 @@ def run(args: argparse.Namespace) -> None:
             f"{name:>7} | {context:>7} | {seconds * 1e3:>8.2f} | {weights / 1e6:>10.1f} | {read / 1e6:>8.1f} | "
             f"{floor * 1e3:>22.2f} | {seconds / floor:>7.2f} | {nominal * 1e3:>18.2f} | {seconds / nominal:>7.2f} | "
             f"{prefill:>9.2f}"
+        )
+    print("\nprojections and lm_head alone, one token (best of 20)")
+    print(
+        f"{'weights':>7} | {'ms':>7} | {'weights MB':>10} | {'x floor (measured BW)':>21} | {'x floor (18 GB/s)':>17}"
+    )
+    for name, seconds, weights in projections:
+        print(
+            f"{name:>7} | {seconds * 1e3:>7.2f} | {weights / 1e6:>10.1f} | {seconds * bandwidth / weights:>21.2f} | "
+            f"{seconds * NOMINAL_BANDWIDTH / weights:>17.2f}"
         )

@@ -141,9 +141,10 @@ def _kernels_on() -> bool:
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype."""
     dtype = x.dtype
-    x = x.float()
+    if dtype != torch.float32:
+        x = x.float()
     n = x.shape[0]
-    if n < GEMM_MIN_ROWS and _kernels_on() and x.device.type == "cpu":
+    if n < GEMM_MIN_ROWS and x.device.type == "cpu" and _kernels_on():
         out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias)
     else:
         out = torch.empty(n, w.out_features, dtype=torch.float32)
@@ -151,7 +152,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
             end = min(w.out_features, first + TILE_ROWS)
             tile_bias = None if bias is None else bias[first:end].float()
             out[:, first:end] = _tile_product(x, w.dequantize(first, end), tile_bias)
-    return out.to(dtype)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _tile_product(x: torch.Tensor, tile: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
