@@ -39,8 +39,11 @@ namespace {
 constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
 
-// x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block.
-void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs) {
+// x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
+// and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
+// [first halves of 2p and 2p+1 | second halves of 2p and 2p+1] (an odd last block stays).
+void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
+                   int8_t* xp) {
   const int64_t nb = in / QB;
   for (int64_t m = 0; m < n; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -57,16 +60,33 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8
       xd[m * nb + b] = d;
       xs[m * nb + b] = d * float(sum);
     }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* q = xq + m * in + b * QB;
+      int8_t* y = xp + m * in + (b & ~int64_t(1)) * QB;
+      if (b == nb - 1 && nb % 2) {
+        std::copy(q, q + QB, y);
+      } else {
+        std::copy(q, q + 16, y + (b & 1) * 16);
+        std::copy(q + 16, q + QB, y + 32 + (b & 1) * 16);
+      }
+    }
   }
 }
 
 #if defined(__AVX2__)
+// VNNI's u8 x s8 dot product of 4 into s32 (AVX-512 VNNI with VL, or AVX-VNNI).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+
 // The 8 int32 sums of a block, lane j = weights 4j..4j+3 (lanes 0-3: the first 16 weights).
 template <int bits>
 inline __m256i block_dot(__m256i w, __m256i x) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  if constexpr (bits == 4) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#if defined(CTXPAR_DPBUSD)
+  if constexpr (bits == 4) return CTXPAR_DPBUSD(_mm256_setzero_si256(), w, x);
+  return CTXPAR_DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
@@ -105,14 +125,88 @@ inline float dot(const float* a, const float* c, int64_t n) {
 }
 #endif
 
+#if defined(__AVX2__)
+// The 4-bit weights two blocks at a time: blocks 2p and 2p+1 are 32 adjacent bytes,
+// whose low nibbles are both blocks' first 16 weights and high nibbles their last 16;
+// the activations are paired to match (quantize_rows' xp). One load, one shift, two
+// ands, two maddubs (an s16 lane sums 4 products: < 2^13), one madd, one convert and
+// one fused multiply-add serve two blocks, whose scales (weight x activation, for 8
+// blocks at once) one permute spreads over their halves of the vector. Half the
+// instructions of a block at a time: the kernel is compute-bound on AVX2.
+template <int mr>
+void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_t* xq, const int8_t* xp,
+                const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB, pairs = nb / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(CTXPAR_DPBUSD)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[2][mr];
+  for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  auto pair = [&](int64_t p, __m256i spread, const __m256* scales, __m256* a) __attribute__((always_inline)) {
+    _mm_prefetch(reinterpret_cast<const char*>(wq + p * 32) + 1024, _MM_HINT_T0);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + p * 32));
+    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    for (int m = 0; m < mr; ++m) {
+      const int8_t* x = xp + (m0 + m) * in + p * 64;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+#if defined(CTXPAR_DPBUSD)
+      const __m256 s = _mm256_cvtepi32_ps(CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb));
+#else
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+#endif
+      a[m] = _mm256_fmadd_ps(s, _mm256_permutevar8x32_ps(scales[m], spread), a[m]);
+    }
+  };
+  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {  // 8 blocks: their scales in one vector a row
+    __m256 scales[mr];
+    const __m256 wv = _mm256_loadu_ps(ws + 2 * p);
+    for (int m = 0; m < mr; ++m) scales[m] = _mm256_mul_ps(wv, _mm256_loadu_ps(xd + (m0 + m) * nb + 2 * p));
+    pair(p, spread[0], scales, acc[0]);
+    pair(p + 1, spread[1], scales, acc[1]);
+    pair(p + 2, spread[2], scales, acc[0]);
+    pair(p + 3, spread[3], scales, acc[1]);
+  }
+  for (; p < pairs; ++p) {  // fewer than 8 blocks left: their two scales a pair
+    __m256 scales[mr];
+    for (int m = 0; m < mr; ++m) {
+      const float* d = xd + (m0 + m) * nb + 2 * p;
+      scales[m] = _mm256_setr_ps(ws[2 * p] * d[0], ws[2 * p + 1] * d[1], 0, 0, 0, 0, 0, 0);
+    }
+    pair(p, spread[0], scales, acc[0]);
+  }
+  float tail[mr] = {};
+  if (nb % 2) {  // an odd last block alone, its weights as one block (16 bytes)
+    const int64_t b = nb - 1;
+    const __m256i w = load_block<4>(wq + b * 16);
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * ws[b] * xd[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m)
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
+}
+#endif
+
 // Output o for rows [m0, m0 + mr). mr is a template argument so that every loop over the
 // rows unrolls and the accumulators stay in registers (indexed by a run-time row
 // count they live on the stack, and each block's update waits on a store and a load).
 template <int bits, int mr>
-void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const float* xd,
-             const float* xs, int64_t m0, int64_t in, float* res) {
+void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const int8_t* xp,
+             const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, bytes = QB * bits / 8;
 #if defined(__AVX2__)
+  if constexpr (bits == 4) {
+    row_dot_q4<mr>(wq, ws, wo, xq, xp, xd, xs, m0, in, res);
+    return;
+  }
   // Two accumulators a row, for even and odd blocks: one would chain every block's
   // fused multiply-add on the previous one's latency.
   __m256 acc[2][mr];
@@ -139,6 +233,7 @@ void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo,
   for (int m = 0; m < mr; ++m)
     res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
 #else
+  (void)xp;  // the paired activations serve the AVX2 path only
   float acc[mr] = {}, off[mr] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[QB];
@@ -165,8 +260,8 @@ void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo,
 #endif
 }
 
-typedef void (*RowFn)(const uint8_t*, const float*, int64_t, const float*, const int8_t*, const float*,
-                      const float*, int64_t, int64_t, float*);
+typedef void (*RowFn)(const uint8_t*, const float*, int64_t, const float*, const int8_t*, const int8_t*,
+                      const float*, const float*, int64_t, int64_t, float*);
 
 template <int bits, int... R>
 constexpr std::array<RowFn, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
@@ -186,9 +281,9 @@ void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, i
   const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
   static const auto table4 = row_table<4>(std::make_integer_sequence<int, MR>());
   static const auto table8 = row_table<8>(std::make_integer_sequence<int, MR>());
-  std::vector<int8_t> xq(n * in);
+  std::vector<int8_t> xq(n * in), xp(n * in);
   std::vector<float> xd(n * nb), xs(n * nb);
-  quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data());
+  quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data(), xp.data());
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < out_features; ++o) {
     const uint8_t* wq = qs + o * row_bytes;
@@ -197,7 +292,8 @@ void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, i
     for (int64_t m0 = 0; m0 < n; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, n - m0));
       float res[MR];
-      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq.data(), xd.data(), xs.data(), m0, in, res);
+      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq.data(), xp.data(), xd.data(), xs.data(), m0, in,
+                                            res);
       for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
     }
   }
