@@ -73,3 +73,33 @@ def quant_dequantize(
         out.data_ptr(),
     )
     return out
+
+
+def quant_dequantize_panels(
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group: int,
+    first: int,
+    rows: int,
+) -> torch.Tensor:
+    """Rows [first, first + rows) as ``quant_dequantize`` gives them, in gemv.cpp's panel
+    layout (ceil(rows / panel_width), in, panel_width), the last panel zero-padded: what
+    ``kernels.linear_packed`` multiplies."""
+    in_features = qs.shape[1] * 8 // bits
+    width = kernels.panel_width()
+    out = torch.empty(-(-rows // width), in_features, width, dtype=torch.float32)
+    kernels._library().quant_dequantize_panels_f32(
+        qs.data_ptr(),
+        scales.data_ptr(),
+        0 if offsets is None else offsets.data_ptr(),
+        bits,
+        group,
+        first,
+        rows,
+        in_features,
+        width,
+        out.data_ptr(),
+    )
+    return out

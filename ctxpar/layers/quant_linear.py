@@ -11,12 +11,15 @@ the 5- and 6-bit ones widen to 8 bits.
 
 ``linear`` runs a decode step's few rows through the integer kernel, and
 more rows (prefill) as float32 products over tiles of rows dequantized on
-the fly (through gemv.cpp's panel kernel): at many rows reusing each
+the fly (dequantized straight into gemv.cpp's panel layout): at many rows reusing each
 dequantized weight wins over integer dot products (docs/benchmarks.md, "Quantized weights").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,9 +30,12 @@ from ctxpar import kernels
 from ctxpar.kernels import quant
 from ctxpar.layers.quant_blocks import Decoded
 
-# Rows at or above which a projection dequantizes tiles and multiplies in float32
-# (measured on SmolLM2's shapes, AVX2: docs/benchmarks.md, "Quantized weights").
-GEMM_MIN_ROWS = 32
+# Rows at or above which a projection dequantizes tiles and multiplies in float32:
+# the crossover measured on SmolLM2's shapes, AVX2, one core (~100 rows; at 64 the
+# integer kernel is 1.2x faster, at 256 the tiles 1.3x: docs/benchmarks.md).
+GEMM_MIN_ROWS = 96
+# The rows a path is picked by, where the caller sets it (``path_rows``); else each call's own.
+_PATH_ROWS: ContextVar[int | None] = ContextVar("ctxpar_quant_path_rows", default=None)
 TILE_ROWS = 512  # weight rows per dequantized tile: 512 x 1536 floats = 3 MiB, within L2/L3
 
 
@@ -138,35 +144,47 @@ def _kernels_on() -> bool:
     return kernels.enabled() and kernels._library() is not None
 
 
+@contextmanager
+def path_rows(rows: int | None) -> Iterator[None]:
+    """Within it, projections pick their path (integer kernel or dequantized tiles) by
+    `rows` instead of their own row count: a model's forward passes the step's global
+    token count, so a PCP rank computes each token the way one rank alone does (the two
+    paths round differently: int8 activations or float32). Both paths compute each
+    output row alone, so the same path gives the same row whatever the others."""
+    token = _PATH_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PATH_ROWS.reset(token)
+
+
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype."""
+    """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype; the path by ``path_rows`` if set."""
     dtype = x.dtype
     if dtype != torch.float32:
         x = x.float()
     n = x.shape[0]
-    if n < GEMM_MIN_ROWS and x.device.type == "cpu" and _kernels_on():
+    rows = _PATH_ROWS.get()
+    if (n if rows is None else rows) < GEMM_MIN_ROWS and x.device.type == "cpu" and _kernels_on():
         out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias)
     else:
         out = torch.empty(n, w.out_features, dtype=torch.float32)
         for first in range(0, w.out_features, TILE_ROWS):
             end = min(w.out_features, first + TILE_ROWS)
             tile_bias = None if bias is None else bias[first:end].float()
-            out[:, first:end] = _tile_product(x, w.dequantize(first, end), tile_bias)
+            out[:, first:end] = _tile_product(x, w, first, end, tile_bias)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _tile_product(x: torch.Tensor, tile: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (n, in) @ tile (rows, in)^T (+ bias): through the fp32 panel kernel (gemv.cpp)
-    where it runs, whose every output row is summed in one order whatever the
-    other rows (so P ranks' row subsets compute as one rank does), else F.linear."""
+def _tile_product(x: torch.Tensor, w: QuantWeight, first: int, end: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (n, in) @ w's rows [first, end)^T (+ bias): dequantized into the fp32 panel
+    kernel's layout (gemv.cpp) where it runs, whose every output row is summed in
+    one order whatever the other rows (so P ranks' row subsets compute as one rank
+    does); else dequantized for F.linear."""
     if not (_kernels_on() and x.device.type == "cpu"):
-        return F.linear(x, tile, bias)
-    rows, in_features = tile.shape
-    width = kernels.panel_width()
-    padded = tile.new_zeros(-(-rows // width) * width, in_features)
-    padded[:rows] = tile
-    panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()  # (panels, in, width)
-    return kernels.linear_packed(x, panels, rows, bias)
+        return F.linear(x, w.dequantize(first, end), bias)
+    panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, first, end - first)
+    return kernels.linear_packed(x, panels, end - first, bias)
 
 
 def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:

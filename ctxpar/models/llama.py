@@ -25,7 +25,7 @@ from ctxpar.layers.attention import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.quant_linear import QuantWeight, concat
+from ctxpar.layers.quant_linear import QuantWeight, concat, path_rows
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
@@ -138,8 +138,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""
         h = embedding(input_ids, self.embed_tokens, self.norm.weight.dtype)  # (n, hidden)
         cos, sin = self.rotary(positions)  # (n, hd/2) each, fp32
-        for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
+        with path_rows(ctx.step_tokens):  # quantized projections: one path for the step on every rank
+            for layer in self.layers:
+                h = layer(h, cos, sin, ctx)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:

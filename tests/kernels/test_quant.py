@@ -80,6 +80,10 @@ def test_kernel_layout_keeps_every_weight(name: str) -> None:
     assert torch.equal(w.dequantize(), want)
     assert torch.equal(w.dequantize(2, 7), want[2:7])
     assert torch.equal(w.rows(3, 8).dequantize(), want[3:8])
+    # In the fp32 panel kernel's layout (prefill's tiles): row r at [r // width][:, r % width], zero padding.
+    panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, 1, 7)
+    rows = panels.transpose(1, 2).reshape(-1, 768)
+    assert torch.equal(rows[:7], want[1:8]) and not rows[7:].any()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CTXPAR_KERNELS", "0")
         assert torch.equal(w.dequantize(), want)
@@ -160,7 +164,16 @@ def test_strided_rows_and_layer_paths() -> None:
     check(quant_linear.quant_linear(x, w), x.contiguous().numpy(), weights, np.zeros(1100))
     many = torch.randn(quant_linear.GEMM_MIN_ROWS, 256)
     exact = many.double() @ torch.from_numpy(weights).double().T
-    assert torch.allclose(quant_linear.quant_linear(many, w).double(), exact, rtol=1e-4, atol=1e-4)
+    tiles = quant_linear.quant_linear(many, w)
+    assert torch.allclose(tiles.double(), exact, rtol=1e-4, atol=1e-4)
+    # path_rows (a step's global token count) picks the path instead of the rows at hand;
+    # either path computes each row alone: a row's output is the same in any company.
+    with quant_linear.path_rows(1):
+        integer = quant_linear.quant_linear(many, w)
+    assert not torch.equal(integer, tiles)
+    assert torch.equal(integer[3:4], quant_linear.quant_linear(many[3:4], w))
+    with quant_linear.path_rows(quant_linear.GEMM_MIN_ROWS):
+        assert torch.equal(quant_linear.quant_linear(many[3:4], w), tiles[3:4])
 
 
 @pytest.mark.parametrize("field", ["scale", "offset"])

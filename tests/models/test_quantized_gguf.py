@@ -3,10 +3,10 @@ against the same file dequantized to fp32 (quantization=None, the path the
 tests against transformers check), through the real engine, at P = 1 and 2.
 
 - loading keeps every projection and the (tied, Q8_0) embedding as QuantWeights;
-- prompt logprobs: a prompt of >= GEMM_MIN_ROWS tokens is prefilled through
-  dequantized tiles in float32, so they equal the fp32 path's to float32
-  summation error (1e-3 leaves ~two orders of magnitude): the weights are
-  exactly the file's;
+- prompt logprobs: a step of >= GEMM_MIN_ROWS tokens (the three prompts'
+  prefill) goes through dequantized tiles in float32, so they equal the fp32
+  path's to float32 summation error (1e-3 leaves ~two orders of magnitude):
+  the weights are exactly the file's;
 - decode runs the integer kernel, whose activations are rounded to int8 per
   block of 32 (relative error up to 1/254 a block): the generated tokens'
   logprobs move by up to ~0.2 nats here (measured 0.16 at most), so the
@@ -14,7 +14,8 @@ tests against transformers check), through the real engine, at P = 1 and 2.
   differ by more than 1 nat (a smaller gap is within what that rounding moves);
 - P = 2 against P = 1 with the same quantization: a prompt that is not split
   (replicated on both ranks) gives the same tokens and logprobs to 1e-6 (the
-  kernels compute each output row alone, whatever the rows a rank holds). A
+  kernels compute each output row alone, whatever the rows a rank holds, and
+  the path is picked by the step's global token count, the same at P = 1). A
   split prompt's KV differs from one rank's by float32 rounding (~1e-6, as on
   the fp32 path), and rounding activations to int8 amplifies that: one element
   that lands on the other side of a rounding boundary moves a projection by a
