@@ -29,10 +29,13 @@ tests against transformers check), through the real engine, at P = 1 and 2.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
+from helpers.procs import shm_mappings
 
 pytestmark = pytest.mark.multiprocess  # the P = 2 run starts rank processes
 
@@ -50,17 +53,37 @@ GAP = 1.0
 RANKS_TOL = 1e-6
 
 
+def in_shared_pages(llm: LLM, weight: QuantWeight) -> bool:
+    """Whether every tensor of `weight` lies in a shared file that rank 1 maps too."""
+    [worker] = llm.engine.executor.procs
+    shared = set(shm_mappings(os.getpid())) & set(shm_mappings(worker.pid))
+    spans = [
+        (int(line.split()[0].split("-")[0], 16), int(line.split()[0].split("-")[1], 16))
+        for line in open(f"/proc/{os.getpid()}/maps")
+        if len(line.split()) >= 6 and line.split()[5] in shared
+    ]
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in weight.tensors())
+
+
 @pytest.fixture(scope="module")
 def outputs() -> dict[tuple[str | None, int], list]:
-    out = {}
+    out: dict = {}
     for quantization, pcp_size in [(None, 1), ("gguf", 1), ("gguf", 2)]:
         with LLM(quantization=quantization, pcp_size=pcp_size, max_model_len=1024, pcp_min_tokens=64) as llm:
+            model = llm.engine.loaded.model
             if pcp_size == 1:
-                model = llm.engine.loaded.model
                 kinds = {type(model.embed_tokens), type(model.layers[0].mlp.down_weight)}
                 assert (QuantWeight in kinds) == (quantization == "gguf"), kinds
+            elif llm.engine.executor.group.shm is not None:  # ranks on one host: one copy of the blocks
+                out["shared"] = [in_shared_pages(llm, w) for w in (model.lm_head, model.layers[7].mlp.down_weight)]
             out[quantization, pcp_size] = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return out
+
+
+def test_ranks_on_one_host_share_the_quantized_weights(outputs) -> None:
+    if "shared" not in outputs:
+        pytest.skip("CTXPAR_SHM=0: each rank keeps its own copy")
+    assert outputs["shared"] == [True, True]
 
 
 def test_the_long_prompt_takes_the_tile_path(outputs) -> None:
