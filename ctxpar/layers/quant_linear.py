@@ -50,6 +50,16 @@ class QuantWeight:
     bits: int  # 4 or 8
     group: int  # 16 or 32
 
+    def __post_init__(self) -> None:
+        # The kernel reads these through raw pointers: their layout is checked here, once.
+        rows, cols = self.qs.shape[0], self.qs.shape[1] * 8 // self.bits
+        assert self.bits in (4, 8) and self.group in (16, 32) and cols % 32 == 0, (self.bits, self.group, cols)
+        assert self.qs.dtype == torch.uint8 and self.scales.dtype == torch.float32
+        assert self.scales.shape == (rows, cols // self.group)
+        off = self.offsets
+        assert off is None or (off.dtype == torch.float32 and off.shape == (rows, cols // 32))
+        assert all(t.is_contiguous() for t in self.tensors())
+
     @property
     def out_features(self) -> int:
         return self.qs.shape[0]
