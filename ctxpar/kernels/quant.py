@@ -2,7 +2,7 @@
 stored (4 or 8 bits a weight, a float32 scale per group of 16 or 32, an
 optional float32 offset per 32), the activations quantized per block of 32
 to int8 inside the kernel; and the weight's rows dequantized to float32, for
-prefill's matrix products."""
+prefill's matrix products (quant_dequant.cpp)."""
 
 from __future__ import annotations
 
