@@ -61,6 +61,10 @@ class EngineConfig:
     # many times per rank_recovery_window_s (0: a lost rank ends the engine, as before).
     max_rank_recoveries: int = 3
     rank_recovery_window_s: float = 600.0
+    # vLLM's spelling: "gguf" keeps a .gguf file's quantized blocks (Q4_0 ... Q6_K) and
+    # computes with them (CPU kernels; docs/benchmarks.md, "Quantized weights"); None
+    # (or "none") dequantizes them to `dtype` when loading: the exact path, as before.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -109,6 +113,7 @@ class EngineConfig:
             raise CtxparError(f"rank_recovery_window_s must be a positive number of seconds, got {window!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
+        self._check_quantization()
         if self.speculative_config is not None and self.speculative_config.method == "mtp":
             # The mtp layer's KV at a position is computed from the target's hidden state
             # there, which a prefix-cache hit never computes: with mtp, prompts are computed.
@@ -120,6 +125,30 @@ class EngineConfig:
         if self.num_threads is None and self.pcp_size == 1:
             return None
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.pcp_size)
+
+    def _check_quantization(self) -> None:
+        """None (or "none": one spelling from here on, None) or "gguf" with a .gguf
+        model (the default model is one) on the CPU."""
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is None:
+            return
+        if self.quantization != "gguf":
+            raise CtxparError(
+                f"quantization={self.quantization!r} is not supported: ctxpar keeps a .gguf file's quantized "
+                "blocks (quantization='gguf') or dequantizes them (None, the default); pass an unquantized "
+                "checkpoint or a .gguf file"
+            )
+        if self.model is not None and os.path.isdir(self.model):
+            raise CtxparError(
+                f"quantization='gguf' keeps the blocks of a .gguf file; model {self.model!r} is a directory: "
+                "pass a .gguf file, or leave quantization=None"
+            )
+        if self.device == "cuda":
+            raise CtxparError(
+                "quantization='gguf' computes with CPU kernels: pass device='cpu', or leave quantization=None "
+                "(the GGUF is dequantized)"
+            )
 
     def _check_dcp(self) -> None:
         """D must be 1 or P (the DCP group is the PCP group), and a block must

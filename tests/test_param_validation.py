@@ -121,6 +121,10 @@ def test_seed_limits_are_torchs(seed):
         (dict(master_addr=""), ["master_addr", "''"]),
         (dict(master_addr=None), ["master_addr", "None"]),
         (dict(model=42), ["model", "42"]),
+        (dict(quantization="awq"), ["quantization='awq'", "'gguf'", "None"]),
+        (dict(quantization=4), ["quantization=4"]),
+        (dict(quantization="gguf", model="/"), ["quantization='gguf'", "directory", ".gguf"]),
+        (dict(quantization="gguf", device="cuda"), ["quantization='gguf'", "device='cpu'"]),
     ],
 )
 def test_bad_engine_config(kwargs, words):
@@ -140,6 +144,12 @@ def test_engine_config_edges_accepted():
         master_port=65535,
         num_kv_blocks=1,
     )
+
+
+def test_quantization_spellings():
+    assert EngineConfig().quantization is None
+    assert EngineConfig(quantization="none").quantization is None  # one spelling: None
+    assert EngineConfig(quantization="gguf").quantization == "gguf"  # the default model is a .gguf file
 
 
 def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():

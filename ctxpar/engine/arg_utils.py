@@ -92,6 +92,12 @@ FLAGS: dict[str, Flag] = {
         "N",
     ),
     "rank_recovery_window_s": Flag("the window of --max-rank-recoveries, in seconds", "SECONDS", parse=float),
+    "quantization": Flag(
+        "gguf: keep a .gguf file's quantized weights (Q4_0 ... Q6_K) and compute with them on the CPU, "
+        "reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
+        "none (the default): dequantize them when loading (the exact path)",
+        choices=("gguf", "none"),
+    ),
 }
 
 
@@ -124,6 +130,7 @@ class EngineArgs:
     hf_overrides: Any = DEFAULTS.hf_overrides  # a dict or its JSON
     max_rank_recoveries: int = DEFAULTS.max_rank_recoveries
     rank_recovery_window_s: float = DEFAULTS.rank_recovery_window_s
+    quantization: str | None = DEFAULTS.quantization  # "gguf", or None / "none"
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text

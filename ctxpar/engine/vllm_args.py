@@ -73,11 +73,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "pipeline_parallel_size": ((1,), "ctxpar has no pipeline parallelism; use pcp_size=N"),
     "data_parallel_size": ((1,), "ctxpar has no data parallelism; start one LLM per device"),
-    "quantization": (
-        (None,),
-        "ctxpar runs the checkpoint's weights as stored (a .gguf file is dequantised when loaded); "
-        "pass an unquantised checkpoint or a .gguf file",
-    ),
     "enable_lora": ((False,), NO_LORA),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype; leave kv_cache_dtype='auto'"),
     "revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),

@@ -8,8 +8,9 @@ still reads every weight through its own cores (docs/benchmarks.md, "Ranks
 on one host").
 
 Rank 0 copies its packed weights (layers/linear.py's PanelWeight, fp32 on
-the CPU) into a shared segment; every rank then points its PanelWeights at
-views of it, and frees its private copy. The weights are those of the same
+the CPU, and QuantWeight's blocks, scales and offsets) into a shared
+segment; every rank then points its weights at views of it, and frees its
+private copy. The weights are those of the same
 model files on every rank (the launcher checks the config), so which rank's
 copy is kept does not matter.
 """
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ctxpar.errors import RankFailure
-from ctxpar.layers.linear import panel_weights
+from ctxpar.layers.linear import shared_tensors
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.host_shm import SHM_DIR, free_bytes, shared_segment, wait_keys
 
@@ -33,8 +34,9 @@ def share_weights(model: nn.Module, group: PCPGroup, name: str = "weights") -> i
     """Point `model`'s packed weights at one shared copy (every rank calls this,
     with the same model). Returns the bytes shared (0: nothing to share).
     name: the segment's (and its store keys'), one per model a rank holds."""
-    weights = panel_weights(model)
-    sizes = [w.data.numel() * w.data.element_size() for w in weights]
+    holders = shared_tensors(model)
+    weights = [getattr(h, a) for h, a in holders]
+    sizes = [w.numel() * w.element_size() for w in weights]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
@@ -48,11 +50,11 @@ def share_weights(model: nn.Module, group: PCPGroup, name: str = "weights") -> i
 
     def fill(segment: torch.Tensor) -> None:
         for w, off, n in zip(weights, offsets, sizes):
-            segment[off : off + n].copy_(w.data.view(-1).view(torch.uint8))
+            segment[off : off + n].copy_(w.reshape(-1).view(torch.uint8))
 
     segment = shared_segment(group.store, group.rank, group.size, name, total, fill)
-    for w, off, n in zip(weights, offsets, sizes):
-        w.data = segment[off : off + n].view(w.data.dtype).view(w.data.shape)
+    for (holder, attr), w, off, n in zip(holders, weights, offsets, sizes):
+        setattr(holder, attr, segment[off : off + n].view(w.dtype).view(w.shape))
     return total
 
 

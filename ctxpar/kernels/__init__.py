@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built on first use.
 
 The kernels are the C++ files next to this one (decode and prefill
-attention; fp32 projections against packed weights; the layers' elementwise
+attention; fp32 projections against packed weights; projections against
+block-quantized weights, wrapped in ``quant.py``; the layers' elementwise
 steps, wrapped in ``elementwise.py``); they include no PyTorch header, so
 ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few
 seconds (a PyTorch extension takes a minute). The library lands in ``<cache>/kernels`` under a name that
@@ -47,6 +48,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
+    "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr], None),
+    "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr], None),
+    "quant_dequantize_panels_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }
 

@@ -98,6 +98,10 @@ class ForwardContext:
     # attend through ctxpar.layers.sharded_attention (context_slots unused). None: a full cache.
     dcp: DCPStep | None = None
     memo: StepMemo = field(default_factory=StepMemo)
+    # Tokens of the whole step, every rank's (no padding): a size every rank and one rank
+    # alone see alike, by which a layer may pick its kernel so that the path a token takes
+    # does not depend on the ranks (quantized projections: layers/quant_linear.py).
+    step_tokens: int | None = None
 
     @property
     def num_rows(self) -> int:

@@ -8,6 +8,10 @@
 - **bf16** weights are packed by oneDNN where the CPU has native bf16
   (AVX-512 BF16 / AMX): ~1.4-2x faster than fp32 there, decode included.
 
+Weights kept block-quantized (a GGUF loaded with ``quantization="gguf"``)
+are ``QuantWeight``s (layers/quant_linear.py); ``linear``, ``embedding``,
+``row_parts`` and ``shared_tensors`` take them like the others.
+
 With ``CTXPAR_KERNELS=0`` at load time, fp32 weights are packed by oneDNN
 too. Elsewhere (GPUs, bf16 without native support) weights stay as loaded
 and go through ``F.linear``. The packed weight replaces the parameter, so
@@ -24,6 +28,7 @@ from torch import nn
 
 from ctxpar import kernels
 from ctxpar.device import cpu_has_native_bf16
+from ctxpar.layers.quant_linear import TILE_ROWS, QuantWeight, quant_embedding, quant_linear
 
 
 @dataclass
@@ -42,11 +47,13 @@ class PanelWeight:
         return cls(padded.view(-1, width, in_features).transpose(1, 2).contiguous(), out_features)
 
 
-Weight = torch.Tensor | PanelWeight
+Weight = torch.Tensor | PanelWeight | QuantWeight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (n, in) @ weight (out, in)^T + bias -> (n, out), for plain or packed weights."""
+    """x (n, in) @ weight (out, in)^T + bias -> (n, out), for plain, packed or quantized weights."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
         return kernels.linear_packed(x, weight.data, weight.out_features, bias)
     if weight.is_mkldnn:
@@ -54,10 +61,18 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight, bias)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``ids`` (n,) of an embedding table (plain or quantized) -> (n, dim) in dtype."""
+    if isinstance(table, QuantWeight):
+        return quant_embedding(ids, table).to(dtype)
+    return F.embedding(ids, table)
+
+
+def can_pack(weight: Weight) -> bool:
     """Whether ``packed`` changes this weight: on the CPU, fp32, or bf16 where the
-    CPU computes it natively (elsewhere oneDNN emulates bf16, slowly)."""
-    if weight.device.type != "cpu":
+    CPU computes it natively (elsewhere oneDNN emulates bf16, slowly). Never a
+    quantized one: it is in its kernel's layout already."""
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return False
     if weight.dtype == torch.float32 and _kernel_packs():
         return True
@@ -65,11 +80,12 @@ def can_pack(weight: torch.Tensor) -> bool:
     return native and torch.backends.mkldnn.is_available()
 
 
-def packed(weight: torch.Tensor) -> Weight:
+def packed(weight: Weight) -> Weight:
     """The packed form of `weight` (out, in): a PanelWeight for fp32 with the
     kernels on, oneDNN's layout otherwise where it applies, else `weight` itself."""
     if not can_pack(weight):
         return weight
+    assert isinstance(weight, torch.Tensor)
     if weight.dtype == torch.float32 and _kernel_packs():
         return PanelWeight.pack(weight.detach())
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
@@ -87,17 +103,22 @@ def pack_weight(module: nn.Module, name: str) -> None:
     setattr(module, name, weight)
 
 
-def row_parts(weight: Weight, parts: int) -> list[tuple[PanelWeight, int, int]] | None:
-    """A packed `weight` (out, in) cut between panels into `parts` near-equal
-    ranges of output rows, as views: (the range's weight, first row, end row)
-    each; None for other weights. Each output computes exactly as uncut: the
-    kernel sums every output over the input in one fixed order, whatever the
-    panels and rows around it."""
+def row_parts(weight: Weight, parts: int) -> list[tuple[PanelWeight | QuantWeight, int, int]] | None:
+    """A packed or quantized `weight` (out, in) cut into `parts` near-equal ranges of
+    output rows, as views: (the range's weight, first row, end row) each; None for
+    other weights. Each output computes exactly as uncut: the kernels sum every
+    output over the input in one fixed order, whatever the rows around it (a
+    PanelWeight is cut between panels; a QuantWeight between the tiles its
+    prefill path dequantizes, so they are the same tiles)."""
+    if isinstance(weight, QuantWeight):
+        tiles = -(-weight.out_features // TILE_ROWS)
+        cuts = [min(weight.out_features, tiles * k // parts * TILE_ROWS) for k in range(parts + 1)]
+        return [(weight.rows(lo, hi), lo, hi) for lo, hi in zip(cuts, cuts[1:])]
     if not isinstance(weight, PanelWeight):
         return None
     width, panels = weight.data.shape[2], weight.data.shape[0]
     cuts = [panels * k // parts for k in range(parts + 1)]
-    out = []
+    out: list[tuple[PanelWeight | QuantWeight, int, int]] = []
     for lo, hi in zip(cuts, cuts[1:]):
         first = min(lo * width, weight.out_features)
         end = min(hi * width, weight.out_features)
@@ -109,3 +130,21 @@ def panel_weights(model: nn.Module) -> list[PanelWeight]:
     """Every PanelWeight held by `model`'s modules, in a fixed order (module
     registration, then attribute order): the same list on every rank."""
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, PanelWeight)]
+
+
+def shared_tensors(model: nn.Module) -> list[tuple[object, str]]:
+    """(holder, attribute) of every tensor of `model`'s packed and quantized weights
+    (a PanelWeight's data; a QuantWeight's qs, scales, offsets), each weight once
+    (tied embeddings hold one), in a fixed order: the same list on every rank."""
+    seen: set[int] = set()
+    out: list[tuple[object, str]] = []
+    for m in model.modules():
+        for v in vars(m).values():
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, PanelWeight):
+                out.append((v, "data"))
+            elif isinstance(v, QuantWeight):
+                out += [(v, a) for a in ("qs", "scales", "offsets") if getattr(v, a) is not None]
+    return out

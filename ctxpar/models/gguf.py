@@ -8,6 +8,10 @@ directory like any HF checkpoint. ``<cache>`` is $CTXPAR_CACHE or
 ~/.cache/ctxpar; the key hashes the file's absolute path, size and mtime.
 The directory appears atomically (built under a temporary name, then
 renamed), so ranks that convert concurrently never see half a cache.
+
+With ``quantization="gguf"`` the projections and the embedding are read
+from the GGUF itself instead, as blocks (``quantized_tensors``): the kernel's
+layout of each tensor (layers/quant_linear.py), built in about a second.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import numpy as np
 import torch
 
 from ctxpar.errors import CtxparError
+from ctxpar.layers.quant_blocks import FORMATS, decode
+from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.paths import cache_root
 
 FORMAT_VERSION = 1  # bump when the cached layout changes
@@ -201,3 +207,29 @@ def hf_tensors(reader, config, path: Path) -> Iterator[tuple[str, torch.Tensor]]
         elif ".self_attn.k_proj." in name:
             w = unpermute(w, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+def quantized_tensors(path: Path, config) -> dict[str, QuantWeight]:
+    """The GGUF's block-quantized 2-D tensors (formats of layers/quant_blocks.py)
+    under HF names, in the kernel's layout, Q and K rows un-permuted (a row
+    permutation moves whole rows of blocks). Other tensors (norms; F16/F32
+    weights) are not here: they load dequantized from the converted directory."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    out: dict[str, QuantWeight] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in FORMATS or len(t.shape) != 2:
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
+        cols, rows = int(t.shape[0]), int(t.shape[1])  # innermost first
+        raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)  # (rows, blocks * bytes)
+        if ".self_attn.q_proj." in name:
+            raw = unpermute(raw, config.num_attention_heads)
+        elif ".self_attn.k_proj." in name:
+            raw = unpermute(raw, config.num_key_value_heads)
+        out[name] = QuantWeight.from_decoded(decode(raw, kind, cols))
+    return out

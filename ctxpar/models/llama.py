@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.linear import Weight, can_pack, linear, pack_weight, packed
+from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.quant_linear import QuantWeight, concat, path_rows
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
@@ -136,10 +136,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""
-        h = F.embedding(input_ids, self.embed_tokens)  # (n, hidden)
+        h = embedding(input_ids, self.embed_tokens, self.norm.weight.dtype)  # (n, hidden)
         cos, sin = self.rotary(positions)  # (n, hd/2) each, fp32
-        for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
+        with path_rows(ctx.step_tokens):  # quantized projections: one path for the step on every rank
+            for layer in self.layers:
+                h = layer(h, cos, sin, ctx)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
@@ -156,11 +157,13 @@ class LlamaForCausalLM(nn.Module):
         (vocab x hidden) that runs ~2x slower at decode and ~4x at batch 16.
         It is packed as a copy (113 MB more for SmolLM2): tied embeddings still
         need the plain rows for the lookup, and ``lm_head`` stays the plain
-        parameter that was loaded.
+        parameter that was loaded. Quantized weights (QuantWeight) are in their
+        kernel's layout already and stay as they are.
         """
-        if not can_pack(self.embed_tokens):
+        if not can_pack(self.norm.weight):
             return
-        self.lm_head_packed = packed(self.lm_head)
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head_packed = packed(self.lm_head)
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)
@@ -200,17 +203,19 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Copy Hugging Face-named tensors in; CtxparError on a missing, unexpected or mis-shaped one.
 
         Rotary ``inv_freq`` buffers are ignored, and so is ``lm_head.weight``
-        when the embeddings are tied.
+        when the embeddings are tied. A QuantWeight (a GGUF's blocks kept
+        quantized) replaces its parameter (``_place_quantized``).
         """
         if self.lm_head_packed is not None:
             raise RuntimeError("the weights are packed for CPU already; load_weights must come before pack_for_cpu()")
         targets = self._targets()
         missing = set(targets)
         unexpected: list[str] = []
+        quantized: dict[int, list[tuple[int, QuantWeight]]] = {}  # id(param) -> (first row, rows) parts
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -221,7 +226,10 @@ class LlamaForCausalLM(nn.Module):
             expected = (rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise CtxparError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
-            param[start : start + rows].copy_(tensor)
+            if isinstance(tensor, QuantWeight):
+                quantized.setdefault(id(param), []).append((start, tensor))
+            else:
+                param[start : start + rows].copy_(tensor)
             missing.discard(name)
         if unexpected or missing:
             raise CtxparError(
@@ -229,6 +237,28 @@ class LlamaForCausalLM(nn.Module):
                 f"{len(missing)} missing tensor(s) {sorted(missing)[:5]}, "
                 f"{len(unexpected)} unexpected tensor(s) {sorted(unexpected)[:5]}"
             )
+        self._place_quantized(quantized)
+
+    def _place_quantized(self, quantized: dict[int, list[tuple[int, QuantWeight]]]) -> None:
+        """Each parameter whose rows all came quantized becomes one QuantWeight (the
+        parts of a fused one joined, layers/quant_linear.py's ``concat``), a plain
+        attribute in the parameter's place; one with float rows too gets the
+        quantized parts dequantized into it (the float path, as exact)."""
+        owners = {id(p): (m, n) for m in self.modules() for n, p in m._parameters.items() if p is not None}
+        for key, parts in quantized.items():
+            module, name = owners[key]
+            param = getattr(module, name)
+            parts.sort(key=lambda part: part[0])
+            if sum(w.out_features for _, w in parts) != param.shape[0]:
+                for start, w in parts:
+                    param[start : start + w.out_features].copy_(w.dequantize())
+                continue
+            joined = parts[0][1] if len(parts) == 1 else concat([w for _, w in parts])
+            for m in self.modules():  # every name it goes by (tied embeddings: embed_tokens and lm_head)
+                for n, p in list(m._parameters.items()):
+                    if p is param:
+                        delattr(m, n)
+                        setattr(m, n, joined)
 
 
 # Qwen2/Qwen3 are the same code; the config's model_type selects bias and q/k norm.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -67,9 +68,17 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load the model at `path` (HF directory, .gguf file, or None for the default model),
-    its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py)."""
+    its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py). quantization:
+    None dequantizes a GGUF to the dtype; "gguf" keeps its blocks quantized
+    (CPU only: the kernels are ctxpar/kernels/quant_gemv.cpp)."""
+    if quantization == "gguf" and torch.device(device).type != "cpu":
+        raise CtxparError(
+            f"quantization='gguf' computes with CPU kernels; device {device} cannot: leave quantization=None "
+            "(the GGUF is dequantized) or pass device='cpu'"
+        )
     if path is None:
         gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -77,6 +86,11 @@ def load_model(
         if not p.exists():
             raise CtxparError(f"model path {p} does not exist; pass a Hugging Face model directory or a .gguf file")
         if p.is_dir():
+            if quantization == "gguf":
+                raise CtxparError(
+                    f"quantization='gguf' keeps a .gguf file's blocks quantized; {p} is a Hugging Face directory: "
+                    "pass a .gguf file, or leave quantization=None"
+                )
             return _load_hf_dir(p, dtype, torch.device(device), max_model_len, p.resolve().name, hf_overrides)
         if not gguf.is_gguf(p):
             raise CtxparError(
@@ -85,7 +99,16 @@ def load_model(
         gguf_path, name = p, p.stem
     hf_dir, temporary = gguf.gguf_to_hf_dir(gguf_path)
     try:
-        return _load_hf_dir(hf_dir, dtype, torch.device(device), max_model_len, name, hf_overrides, shown=gguf_path)
+        return _load_hf_dir(
+            hf_dir,
+            dtype,
+            torch.device(device),
+            max_model_len,
+            name,
+            hf_overrides,
+            shown=gguf_path,
+            quantized_from=gguf_path if quantization == "gguf" else None,
+        )
     finally:
         if temporary:
             shutil.rmtree(hf_dir, ignore_errors=True)
@@ -138,16 +161,21 @@ def _load_hf_dir(
     name: str,
     hf_overrides: dict[str, Any] | None,
     shown: Path | None = None,
+    quantized_from: Path | None = None,
 ) -> LoadedModel:
-    """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from)."""
+    """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from);
+    `quantized_from`: the GGUF whose quantized tensors are kept as blocks, not read from `d`."""
     shown = shown or d
     config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
     files = _safetensors_files(d, shown)
+    quantized = gguf.quantized_tensors(quantized_from, config) if quantized_from is not None else {}
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config)
+        model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
     model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
-    model.load_weights(_iter_safetensors(files))
+    floats = _iter_safetensors(files, lambda name: name not in quantized)
+    model.load_weights(itertools.chain(floats, quantized.items()))
+    quantized.clear()  # the parts a fused weight was joined from
     model.eval()
     if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
         model.pack_for_cpu()

@@ -36,7 +36,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     if threads is not None:
         torch.set_num_threads(threads)
     dtype = torch_dtype(config.dtype)
-    loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides)
+    loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides, config.quantization)
     model = loaded.model
     num_blocks = num_kv_blocks(
         config.num_kv_blocks,

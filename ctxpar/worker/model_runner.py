@@ -114,6 +114,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
+            step_tokens=plan.num_tokens,
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         extra = {}

@@ -26,6 +26,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
     "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
+    "quant": (
+        "ctxpar.bench.quant",
+        "decode with a GGUF kept quantized vs dequantized to fp32 and bf16, as a multiple of its floor",
+    ),
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
     "long": ("ctxpar.bench.long", "exactness at 32K tokens: P ranks and D = P against one rank, SmolLM2's shapes"),
     "overhead": ("ctxpar.bench.overhead", "host work per step (scheduler, layout, slots) at 8K-128K cached tokens"),

@@ -1,0 +1,168 @@
+"""Decode with a GGUF's weights kept quantized (quantization="gguf") against the
+same file dequantized to fp32 and to bf16, on the real SmolLM2-135M Q4_1 GGUF.
+
+A decode step reads every weight once (and the KV cache of its context), so
+its floor is those bytes over the memory bus's read bandwidth. For each
+setup: ms per decode step (batch 1) after 16 and after 2048 tokens of
+context, the bytes a step reads (the projections and the lm_head as held,
+plus the KV cache of the context), and the step as a multiple of its floor,
+at the measured read bandwidth and at a nominal 18 GB/s. Then the
+projections alone (every layer's and the lm_head, one token, timed outside
+the engine) against the floor of the weights' bytes: the part of a step that
+the weights' format decides; the rest of a step (attention, norms, the
+engine's host work) is the same for every format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from ctxpar.bench.machine import describe_machine
+from ctxpar.checks import positive_int
+
+SETUPS: dict[str, dict[str, Any]] = {
+    "gguf": dict(quantization="gguf"),
+    "fp32": dict(quantization=None, dtype="float32"),
+    "bf16": dict(quantization=None, dtype="bfloat16"),
+}
+NOMINAL_BANDWIDTH = 18e9  # bytes/s: docs/DESIGN.md's figure for these machines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument(
+        "--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS), help="what to measure (default: all)"
+    )
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[16, 2048], help="tokens before the timed steps")
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per context (default: 16)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per context, the best kept (default: 3)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: all cores)")
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the weights a decode step reads: every projection and the lm_head
+    (as the model holds them: packed, quantized or plain), not the embedding
+    rows it looks up."""
+    from ctxpar.layers.linear import PanelWeight
+    from ctxpar.layers.quant_linear import QuantWeight
+
+    def size(w: Any) -> int:
+        if isinstance(w, QuantWeight):
+            return w.nbytes()
+        t = w.data if isinstance(w, PanelWeight) else w
+        return t.numel() * t.element_size()
+
+    total = size(model.logits_weight())
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        total += sum(size(w) for w in (a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight))
+    return total
+
+
+def projection_seconds(model: Any, repeat: int = 20) -> float:
+    """Best seconds of one token through every projection and the lm_head, each
+    layer's own weights (so they stream from memory, as in a decode step)."""
+    import torch
+
+    from ctxpar.layers.linear import linear
+
+    weights = [model.logits_weight()]
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight]
+    dtype = model.norm.weight.dtype
+    xs = [torch.randn(1, _in_features(w), dtype=dtype) for w in weights]
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for x, w in zip(xs, weights):
+            linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _in_features(w: Any) -> int:
+    from ctxpar.layers.linear import PanelWeight
+    from ctxpar.layers.quant_linear import QuantWeight
+
+    if isinstance(w, QuantWeight):
+        return w.in_features
+    if isinstance(w, PanelWeight):
+        return w.data.shape[1]
+    return int(w.shape[1])  # a plain or oneDNN-packed weight: (out, in)
+
+
+def _step_seconds(llm: Any, context: int, steps: int, repeat: int) -> tuple[float, float]:
+    """Best seconds per decode step of one request after `context` tokens, and the
+    best time of its prefill (a fresh random prompt each run: no prefix-cache hit)."""
+    from ctxpar import SamplingParams
+
+    engine = llm.engine
+    best, prefill = float("inf"), float("inf")
+    for r in range(repeat):
+        ids = np.random.default_rng(r).integers(0, engine.vocab_size, size=context).tolist()
+        engine.add_request(ids, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+        t0 = time.perf_counter()
+        while all(len(q.output_token_ids) == 0 for q in engine.requests.values()):
+            engine.step()  # the prefill
+        prefill = min(prefill, time.perf_counter() - t0)
+        engine.step()  # one decode step to warm up
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        best = min(best, (time.perf_counter() - t0) / steps)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return best, prefill
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from ctxpar import LLM
+    from ctxpar.costmodel.calibrate import read_bandwidth
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth()
+    print(describe_machine())
+    print(f"memory read bandwidth (torch sum over 256 MiB, best of several): {bandwidth / 1e9:.1f} GB/s")
+    rows, projections = [], []
+    for name in args.setups:
+        kwargs = dict(SETUPS[name], max_model_len=max(args.contexts) + args.steps + 8, num_threads=args.threads)
+        with LLM(args.model, **kwargs) as llm:
+            model = llm.engine.loaded.model
+            weights = weight_bytes(model)
+            cfg = llm.engine.loaded.hf_config
+            kv_per_token = 2 * cfg.num_key_value_heads * model.layers[0].self_attn.head_dim * cfg.num_hidden_layers
+            kv_per_token *= torch.finfo(model.norm.weight.dtype).bits // 8
+            projections.append((name, projection_seconds(model), weights))
+            for context in args.contexts:
+                seconds, prefill = _step_seconds(llm, context, args.steps, args.repeat)
+                read = weights + kv_per_token * (context + args.steps // 2)
+                rows.append((name, context, seconds, weights, read, prefill))
+                print(f"measured {name} after {context} tokens", flush=True)
+    print(f"\ndecode, batch 1, ms per step (best of {args.repeat} runs of {args.steps} steps)")
+    header = f"{'weights':>7} | {'context':>7} | {'ms/step':>8} | {'weights MB':>10} | {'read MB':>8} | "
+    header += f"{'floor ms (measured BW)':>22} | {'x floor':>7} | {'floor ms (18 GB/s)':>18} | {'x floor':>7} | "
+    print(header + f"{'prefill s':>9}")
+    for name, context, seconds, weights, read, prefill in rows:
+        floor, nominal = read / bandwidth, read / NOMINAL_BANDWIDTH
+        print(
+            f"{name:>7} | {context:>7} | {seconds * 1e3:>8.2f} | {weights / 1e6:>10.1f} | {read / 1e6:>8.1f} | "
+            f"{floor * 1e3:>22.2f} | {seconds / floor:>7.2f} | {nominal * 1e3:>18.2f} | {seconds / nominal:>7.2f} | "
+            f"{prefill:>9.2f}"
+        )
+    print("\nprojections and lm_head alone, one token (best of 20)")
+    print(
+        f"{'weights':>7} | {'ms':>7} | {'weights MB':>10} | {'x floor (measured BW)':>21} | {'x floor (18 GB/s)':>17}"
+    )
+    for name, seconds, weights in projections:
+        print(
+            f"{name:>7} | {seconds * 1e3:>7.2f} | {weights / 1e6:>10.1f} | {seconds * bandwidth / weights:>21.2f} | "
+            f"{seconds * NOMINAL_BANDWIDTH / weights:>17.2f}"
+        )

@@ -1,0 +1,105 @@
+"""Projections against block-quantized weights (quant_gemv.cpp): the weight as
+stored (4 or 8 bits a weight, a float32 scale per group of 16 or 32, an
+optional float32 offset per 32), the activations quantized per block of 32
+to int8 inside the kernel; and the weight's rows dequantized to float32, for
+prefill's matrix products (quant_dequant.cpp)."""
+
+from __future__ import annotations
+
+import torch
+
+from ctxpar import kernels
+
+
+def quant_linear(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (n, in) float32, rows contiguous -> x @ W^T (+ bias) (n, out) float32, W
+    (out, in) given as qs (out, in * bits / 8) uint8, scales (out, in / group),
+    offsets (out, in / 32) or None, all contiguous; in a multiple of 32."""
+    n, in_features = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    # Shapes and layouts are the caller's (layers/quant_linear.py builds them once, at load):
+    # a decode step makes ~120 of these calls, so only what is cheap is checked here.
+    assert x.dtype == torch.float32 and in_features % 32 == 0
+    out = torch.empty(n, qs.shape[0], dtype=torch.float32)
+    kernels._library().quant_linear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        n,
+        in_features,
+        qs.shape[0],
+        bits,
+        qs.data_ptr(),
+        scales.data_ptr(),
+        group,
+        0 if offsets is None else offsets.data_ptr(),
+        0 if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
+def quant_dequantize(
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group: int,
+    first: int = 0,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """Rows [first, first + rows) of the weight (as ``quant_linear`` takes it) as
+    float32 (rows, in): ``scale * q``, then ``+ offset``."""
+    rows = qs.shape[0] - first if rows is None else rows
+    in_features = qs.shape[1] * 8 // bits
+    out = torch.empty(rows, in_features, dtype=torch.float32)
+    kernels._library().quant_dequantize_f32(
+        qs.data_ptr(),
+        scales.data_ptr(),
+        0 if offsets is None else offsets.data_ptr(),
+        bits,
+        group,
+        first,
+        rows,
+        in_features,
+        out.data_ptr(),
+    )
+    return out
+
+
+def quant_dequantize_panels(
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group: int,
+    first: int,
+    rows: int,
+) -> torch.Tensor:
+    """Rows [first, first + rows) as ``quant_dequantize`` gives them, in gemv.cpp's panel
+    layout (ceil(rows / panel_width), in, panel_width), the last panel zero-padded: what
+    ``kernels.linear_packed`` multiplies."""
+    in_features = qs.shape[1] * 8 // bits
+    width = kernels.panel_width()
+    out = torch.empty(-(-rows // width), in_features, width, dtype=torch.float32)
+    kernels._library().quant_dequantize_panels_f32(
+        qs.data_ptr(),
+        scales.data_ptr(),
+        0 if offsets is None else offsets.data_ptr(),
+        bits,
+        group,
+        first,
+        rows,
+        in_features,
+        width,
+        out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,302 @@
+// y = x W^T (+ bias) against a block-quantized weight, for a decode step's few
+// rows: the weight stays as stored (4 or 8 bits a weight), so a step reads
+// 4-8x fewer bytes than against fp32, and a decode step is bound by reading
+// the weights.
+//
+// The weight: row o holds in/32 blocks of 32 weights, weight i of a block
+// = scale[group of i] * q[i] + offset[block] (ctxpar/layers/quant_blocks.py
+// decodes every GGUF format into this form). q is stored
+//   bits = 4: 16 bytes a block, q[i] in the low nibble of byte i (i < 16),
+//             q[i] in the high nibble of byte i - 16 (i >= 16), q in 0..15;
+//   bits = 8: 32 int8 a block.
+// scales: (out, in / group) float32, group 16 or 32; offsets (out, in / 32)
+// float32 or null (all zero).
+//
+// The activation row is quantized per block of 32 to int8 the way llama.cpp's
+// Q8 does (d = max|x| / 127, q = round(x / d)), so a block's product is one
+// integer dot product of 32 bytes by 32 bytes:
+//   sum_i w_i x_i ~= sum_g scale_g dx (sum_{i in g} q_i qx_i) + offset dx sum_i qx_i.
+// AVX2 does it with maddubs (u8 x s8 pairs -> s16) and madd (-> s32); VNNI's
+// dpbusd does both at once. Products cannot saturate s16: a 4-bit q times
+// |qx| <= 127 twice is < 2^12, and the 8-bit path multiplies |q| <= 128 by
+// |qx| <= 127 (llama.cpp's sign trick: maddubs(|q|, sign(qx, q))), twice
+// 32512 < 32767. Without AVX2 (the library is built per CPU, -march=native) a
+// scalar loop computes the same integers.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QB = 32;  // weights per block
+constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
+
+// x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
+// and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
+// [first halves of 2p and 2p+1 | second halves of 2p and 2p+1] (an odd last block stays).
+void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
+                   int8_t* xp) {
+  const int64_t nb = in / QB;
+  for (int64_t m = 0; m < n; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * x_stride + b * QB;
+      float amax = 0.0f;
+      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < QB; ++i) {
+        const int q = int(std::nearbyint(v[i] * id));  // round half to even, as cvtps does
+        xq[m * in + b * QB + i] = int8_t(q);
+        sum += q;
+      }
+      xd[m * nb + b] = d;
+      xs[m * nb + b] = d * float(sum);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* q = xq + m * in + b * QB;
+      int8_t* y = xp + m * in + (b & ~int64_t(1)) * QB;
+      if (b == nb - 1 && nb % 2) {
+        std::copy(q, q + QB, y);
+      } else {
+        std::copy(q, q + 16, y + (b & 1) * 16);
+        std::copy(q + 16, q + QB, y + 32 + (b & 1) * 16);
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// VNNI's u8 x s8 dot product of 4 into s32 (AVX-512 VNNI with VL, or AVX-VNNI).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+
+// The 8 int32 sums of a block, lane j = weights 4j..4j+3 (lanes 0-3: the first 16 weights).
+template <int bits>
+inline __m256i block_dot(__m256i w, __m256i x) {
+#if defined(CTXPAR_DPBUSD)
+  if constexpr (bits == 4) return CTXPAR_DPBUSD(_mm256_setzero_si256(), w, x);
+  return CTXPAR_DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  // |q| as unsigned (|-128| = 0x80 reads as 128), the sign moved onto x.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+#endif
+}
+
+template <int bits>
+inline __m256i load_block(const uint8_t* q) {
+  if constexpr (bits == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // high nibbles -> weights 16..31
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(__AVX2__)
+// sum_b a[b] * c[b] over n floats, in 8 lanes (the offsets' term: a float dot product).
+inline float dot(const float* a, const float* c, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), acc);
+  float s = hsum8(acc);
+  for (; b < n; ++b) s += a[b] * c[b];
+  return s;
+}
+#endif
+
+#if defined(__AVX2__)
+// The 4-bit weights two blocks at a time: blocks 2p and 2p+1 are 32 adjacent bytes,
+// whose low nibbles are both blocks' first 16 weights and high nibbles their last 16;
+// the activations are paired to match (quantize_rows' xp). One load, one shift, two
+// ands, two maddubs (an s16 lane sums 4 products: < 2^13), one madd, one convert and
+// one fused multiply-add serve two blocks, whose scales (weight x activation, for 8
+// blocks at once) one permute spreads over their halves of the vector. Half the
+// instructions of a block at a time: the kernel is compute-bound on AVX2.
+template <int mr>
+void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_t* xq, const int8_t* xp,
+                const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB, pairs = nb / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(CTXPAR_DPBUSD)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[2][mr];
+  for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  auto pair = [&](int64_t p, __m256i spread, const __m256* scales, __m256* a) __attribute__((always_inline)) {
+    _mm_prefetch(reinterpret_cast<const char*>(wq + p * 32) + 1024, _MM_HINT_T0);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + p * 32));
+    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    for (int m = 0; m < mr; ++m) {
+      const int8_t* x = xp + (m0 + m) * in + p * 64;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+#if defined(CTXPAR_DPBUSD)
+      const __m256 s = _mm256_cvtepi32_ps(CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb));
+#else
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+#endif
+      a[m] = _mm256_fmadd_ps(s, _mm256_permutevar8x32_ps(scales[m], spread), a[m]);
+    }
+  };
+  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {  // 8 blocks: their scales in one vector a row
+    __m256 scales[mr];
+    const __m256 wv = _mm256_loadu_ps(ws + 2 * p);
+    for (int m = 0; m < mr; ++m) scales[m] = _mm256_mul_ps(wv, _mm256_loadu_ps(xd + (m0 + m) * nb + 2 * p));
+    pair(p, spread[0], scales, acc[0]);
+    pair(p + 1, spread[1], scales, acc[1]);
+    pair(p + 2, spread[2], scales, acc[0]);
+    pair(p + 3, spread[3], scales, acc[1]);
+  }
+  for (; p < pairs; ++p) {  // fewer than 8 blocks left: their two scales a pair
+    __m256 scales[mr];
+    for (int m = 0; m < mr; ++m) {
+      const float* d = xd + (m0 + m) * nb + 2 * p;
+      scales[m] = _mm256_setr_ps(ws[2 * p] * d[0], ws[2 * p + 1] * d[1], 0, 0, 0, 0, 0, 0);
+    }
+    pair(p, spread[0], scales, acc[0]);
+  }
+  float tail[mr] = {};
+  if (nb % 2) {  // an odd last block alone, its weights as one block (16 bytes)
+    const int64_t b = nb - 1;
+    const __m256i w = load_block<4>(wq + b * 16);
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * ws[b] * xd[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m)
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
+}
+#endif
+
+// Output o for rows [m0, m0 + mr). mr is a template argument so that every loop over the
+// rows unrolls and the accumulators stay in registers (indexed by a run-time row
+// count they live on the stack, and each block's update waits on a store and a load).
+template <int bits, int mr>
+void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const int8_t* xp,
+             const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB, bytes = QB * bits / 8;
+#if defined(__AVX2__)
+  if constexpr (bits == 4) {
+    row_dot_q4<mr>(wq, ws, wo, xq, xp, xd, xs, m0, in, res);
+    return;
+  }
+  // Two accumulators a row, for even and odd blocks: one would chain every block's
+  // fused multiply-add on the previous one's latency.
+  __m256 acc[2][mr];
+  for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
+    // A row's blocks stream past once: ask for them ~1 KB ahead (a few percent here).
+    _mm_prefetch(reinterpret_cast<const char*>(wq + b * bytes) + 1024, _MM_HINT_T0);
+    const __m256i w = load_block<bits>(wq + b * bytes);
+    const __m256 sw = group == QB ? _mm256_set1_ps(ws[b])
+                                  : _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      const __m256 s = _mm256_cvtepi32_ps(block_dot<bits>(w, x));
+      a[m] = _mm256_fmadd_ps(s, _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * nb + b])), a[m]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, acc[0]);
+    step(b + 1, acc[1]);
+  }
+  if (b < nb) step(b, acc[0]);
+  for (int m = 0; m < mr; ++m)
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
+#else
+  (void)xp;  // the paired activations serve the AVX2 path only
+  float acc[mr] = {}, off[mr] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int q[QB];
+    for (int i = 0; i < QB; ++i) {
+      if constexpr (bits == 4) {
+        const uint8_t byte = wq[b * bytes + (i & 15)];
+        q[i] = i < 16 ? (byte & 15) : (byte >> 4);
+      } else {
+        q[i] = int8_t(wq[b * bytes + i]);
+      }
+    }
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const int8_t* x = xq + r * in + b * QB;
+      int lo = 0, hi = 0;  // the two halves: groups of 16 have a scale each
+      for (int i = 0; i < 16; ++i) lo += q[i] * x[i];
+      for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
+      const float s0 = group == QB ? ws[b] : ws[2 * b], s1 = group == QB ? ws[b] : ws[2 * b + 1];
+      acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
+      if (wo) off[m] += wo[b] * xs[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + off[m];
+#endif
+}
+
+typedef void (*RowFn)(const uint8_t*, const float*, int64_t, const float*, const int8_t*, const int8_t*,
+                      const float*, const float*, int64_t, int64_t, float*);
+
+template <int bits, int... R>
+constexpr std::array<RowFn, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
+  return {row_dot<bits, R + 1>...};
+}
+
+}  // namespace
+
+extern "C" {
+
+// x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
+// (out_features, in) as above; bias (out_features,) or null; out (n, out_features).
+void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
+                      const uint8_t* qs, const float* scales, int64_t group, const float* offsets, const float* bias,
+                      float* out) {
+  if (n == 0 || out_features == 0) return;
+  const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
+  static const auto table4 = row_table<4>(std::make_integer_sequence<int, MR>());
+  static const auto table8 = row_table<8>(std::make_integer_sequence<int, MR>());
+  std::vector<int8_t> xq(n * in), xp(n * in);
+  std::vector<float> xd(n * nb), xs(n * nb);
+  quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data(), xp.data());
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < out_features; ++o) {
+    const uint8_t* wq = qs + o * row_bytes;
+    const float* ws = scales + o * row_scales;
+    const float* wo = offsets ? offsets + o * nb : nullptr;
+    for (int64_t m0 = 0; m0 < n; m0 += MR) {
+      const int mr = int(std::min<int64_t>(MR, n - m0));
+      float res[MR];
+      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq.data(), xp.data(), xd.data(), xs.data(), m0, in,
+                                            res);
+      for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,154 @@
+"""GGUF quantized blocks decoded into one form: integers, a scale per group, an offset per 32.
+
+Every block format ctxpar keeps quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+the K-quants Q4_K, Q5_K, Q6_K) stores a weight as ``scale * q + offset`` for
+a small integer q, with one scale per group of 16 or 32 weights and one
+offset (or none) per 32. ``decode`` turns a tensor's raw bytes into exactly
+that: q (int8), the scales and the offsets as float32, computed the way
+llama.cpp's (and the gguf package's) dequantizers compute them, so
+``dequantize`` (``scale * q`` then ``+ offset``, rounded once each, as they do)
+gives their floats bit for bit. The kernel's layouts (layers/quant_linear.py)
+are built from this form.
+
+The formats (ggml-common.h): blocks of 32 for the legacy types, super-blocks
+of 256 for the K-quants, fp16 scales; element i of a 4-bit block of 32 is
+the low nibble of byte i (i < 16) or the high nibble of byte i - 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QK_K = 256  # weights per K-quant super-block
+
+
+@dataclass(frozen=True)
+class Format:
+    """A GGUF block type: weights and bytes per block, its q range, its group."""
+
+    name: str
+    block: int  # weights per block
+    nbytes: int  # bytes per block
+    bits: int  # q fits in an unsigned `bits`-bit integer once `zero` is added back
+    zero: int  # q as decoded = stored integer - zero (signed for Q8_0, Q4_0, Q5_0, Q6_K)
+    group: int  # weights per scale (16 for Q6_K, else 32)
+    has_offset: bool
+
+
+FORMATS: dict[str, Format] = {
+    "Q8_0": Format("Q8_0", 32, 34, 8, 128, 32, False),
+    "Q4_0": Format("Q4_0", 32, 18, 4, 0, 32, True),  # offset -8 d: q stays 0..15, a nibble
+    "Q4_1": Format("Q4_1", 32, 20, 4, 0, 32, True),
+    "Q5_0": Format("Q5_0", 32, 22, 5, 16, 32, False),
+    "Q5_1": Format("Q5_1", 32, 24, 5, 0, 32, True),
+    "Q4_K": Format("Q4_K", QK_K, 144, 4, 0, 32, True),
+    "Q5_K": Format("Q5_K", QK_K, 176, 5, 0, 32, True),
+    "Q6_K": Format("Q6_K", QK_K, 210, 6, 32, 16, False),
+}
+
+
+@dataclass
+class Decoded:
+    """Weights ``scale * q + offset`` of a (rows, cols) tensor, groups along each row."""
+
+    q: np.ndarray  # (rows, cols) int8
+    scales: np.ndarray  # (rows, cols // group) float32
+    offsets: np.ndarray | None  # (rows, cols // 32) float32, or None (all zero)
+    group: int  # weights per scale: 16 or 32
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(n, 2) uint8 little-endian fp16 -> (n, 1) float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """(n, k * width / 2) bytes -> (n, k * width): per run of width/2 bytes, the low
+    nibbles (width/2 weights), then the high ones."""
+    n = qs.shape[0]
+    runs = qs.reshape(n, -1, 1, width // 2) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (runs & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray, count: int, width: int) -> np.ndarray:
+    """Bit `j` of each byte (j < count), for runs of `width` bytes: (n, runs * width)
+    bytes -> (n, runs * count * width) 0/1, bit j's weights after bit j-1's."""
+    n = qh.shape[0]
+    shifts = np.arange(count, dtype=np.uint8).reshape(1, 1, count, 1)
+    return ((qh.reshape(n, -1, 1, width) >> shifts) & np.uint8(1)).reshape(n, -1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (n, 8) each:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3; bytes 8-11 hold the
+    low nibbles of scales 4-7 and mins 4-7, whose top 2 bits are the top bits
+    of bytes 0-3 and 4-7."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _decode_blocks(fmt: Format, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(n, nbytes) blocks -> q (n, block) int, scales (n, block/group), offsets (n, block/32) or None."""
+    n = b.shape[0]
+    if fmt.name == "Q8_0":
+        return b[:, 2:].view(np.int8), _f16(b[:, :2]), None
+    if fmt.name in ("Q4_0", "Q4_1"):
+        d = _f16(b[:, :2])
+        if fmt.name == "Q4_0":  # d (q - 8) = d q + (-8 d), both exact in float32
+            return _nibbles(b[:, 2:], 32), d, d * np.float32(-8)
+        return _nibbles(b[:, 4:], 32), d, _f16(b[:, 2:4])
+    if fmt.name in ("Q5_0", "Q5_1"):
+        start = 2 if fmt.name == "Q5_0" else 4
+        qh = np.ascontiguousarray(b[:, start : start + 4]).view(np.uint32)  # (n, 1): bit i is weight i's 5th
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+        q = _nibbles(b[:, start + 4 :], 32) | (high << np.uint8(4))
+        if fmt.name == "Q5_0":
+            return q.astype(np.int16) - 16, _f16(b[:, :2]), None
+        return q, _f16(b[:, :2]), _f16(b[:, 2:4])
+    if fmt.name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        scales, offsets = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+        if fmt.name == "Q4_K":  # 4 runs of 32 bytes: low nibbles = 32 weights, then high = the next 32
+            return _nibbles(b[:, 16:], 64), scales, offsets
+        q = _nibbles(b[:, 48:], 64) | (_high_bits(b[:, 16:48], 8, 32) << np.uint8(4))
+        return q, scales, offsets
+    if fmt.name == "Q6_K":
+        low = _nibbles(b[:, :128], 128)  # 2 halves of 64 bytes -> 128 weights each
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        high = ((b[:, 128:192].reshape(n, -1, 1, 32) >> shifts) & np.uint8(3)).reshape(n, -1)
+        q = (low | (high << np.uint8(4))).astype(np.int16) - 32
+        scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+        return q, scales, None
+    raise ValueError(f"no decoder for {fmt.name}")
+
+
+def decode(raw: np.ndarray, fmt_name: str, cols: int) -> Decoded:
+    """A GGUF tensor's bytes, (rows, cols / block * nbytes) uint8, as ``Decoded``."""
+    fmt = FORMATS[fmt_name]
+    if cols % fmt.block:
+        raise ValueError(f"{fmt_name} rows of {cols} weights are not whole blocks of {fmt.block}")
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.size // (cols // fmt.block * fmt.nbytes)
+    q, scales, offsets = _decode_blocks(fmt, raw.reshape(-1, fmt.nbytes))
+    return Decoded(
+        q=q.astype(np.int8).reshape(rows, cols),  # every format's q fits: -128..127
+        scales=np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, cols // fmt.group),
+        offsets=None if offsets is None else np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, -1),
+        group=fmt.group,
+    )
+
+
+def dequantize(d: Decoded) -> np.ndarray:
+    """The float32 weights (rows, cols): ``scale * q``, then ``+ offset`` (two roundings, as gguf)."""
+    rows, cols = d.q.shape
+    w = d.q.astype(np.float32).reshape(rows, -1, d.group) * d.scales[:, :, None]
+    w = w.reshape(rows, cols)
+    if d.offsets is not None:
+        w = (w.reshape(rows, -1, 32) + d.offsets[:, :, None]).reshape(rows, cols)
+    return w

@@ -1,0 +1,193 @@
+"""GGUF block decoders and the quantized-weight kernels, against outside references.
+
+- decoders (layers/quant_blocks.py): random blocks of every format with
+  finite fp16 scales, bit for bit against the gguf package's dequantizer;
+- the kernel layout (layers/quant_linear.py): repacked and dequantized (by
+  the C++ kernel and by the PyTorch path) it is still gguf's floats exactly;
+- the integer kernel (kernels/quant_gemv.cpp): against float64 products, for
+  the AVX2 build of this CPU and a build without AVX2 (its scalar loop).
+  Two references: the weights times the activations as the kernel quantizes
+  them (float64: only the kernel's float32 sums differ, ~1e-6 relative), and
+  the exact product within the bound of that quantization's rounding,
+  max|x| / 254 per block times the block's sum of |w|;
+- a scale or an offset changed by one part in a thousand fails those checks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from ctxpar import kernels
+from ctxpar.kernels import quant
+from ctxpar.layers import quant_linear
+from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
+from ctxpar.layers.quant_linear import QuantWeight, concat
+
+# Byte ranges of each format's fp16 fields (d, and m / dmin where there is one).
+FP16_FIELDS = {
+    "Q8_0": [0],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+ALL = sorted(FORMATS)
+
+
+def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, cols / block * nbytes) random bytes whose fp16 fields are finite values of
+    varied magnitude (random bytes would make some inf or NaN)."""
+    fmt = FORMATS[name]
+    blocks = rng.integers(0, 256, size=(rows * cols // fmt.block, fmt.nbytes), dtype=np.uint8)
+    for start in FP16_FIELDS[name]:
+        values = (rng.standard_normal(len(blocks)) * 10.0 ** rng.uniform(-4, 0, len(blocks))).astype(np.float16)
+        blocks[:, start : start + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, name: str) -> np.ndarray:
+    return gguf_dequantize(raw, GGMLQuantizationType[name])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_decoders_match_gguf_bit_for_bit(name: str) -> None:
+    rng = np.random.default_rng(ALL.index(name))
+    for rows, cols in [(1, FORMATS[name].block), (7, 512), (3, 1536)]:
+        raw = random_blocks(name, rows, cols, rng)
+        want = reference(raw, name).reshape(rows, cols)
+        got = dequantize(decode(raw, name, cols))
+        assert got.dtype == np.float32 and np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kernel_layout_keeps_every_weight(name: str) -> None:
+    """Repacked for the kernel, each weight sits where the kernel reads it: its dequantization
+    (C++ and PyTorch) is gguf's, exactly, and the layout decodes back to the same integers."""
+    rng = np.random.default_rng(100 + ALL.index(name))
+    raw = random_blocks(name, 9, 768, rng)
+    decoded = decode(raw, name, 768)
+    w = QuantWeight.from_decoded(decoded)
+    assert w.bits == (4 if FORMATS[name].bits == 4 else 8) and w.shape == (9, 768)
+    assert np.array_equal(w.decoded().q, decoded.q)
+    want = torch.from_numpy(reference(raw, name).reshape(9, 768))
+    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(w.dequantize(2, 7), want[2:7])
+    assert torch.equal(w.rows(3, 8).dequantize(), want[3:8])
+    # In the fp32 panel kernel's layout (prefill's tiles): row r at [r // width][:, r % width], zero padding.
+    panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, 1, 7)
+    rows = panels.transpose(1, 2).reshape(-1, 768)
+    assert torch.equal(rows[:7], want[1:8]) and not rows[7:].any()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CTXPAR_KERNELS", "0")
+        assert torch.equal(w.dequantize(), want)
+
+
+def test_concat_widens_without_changing_a_weight() -> None:
+    """A fused projection whose parts differ in format (Q4_K rows and Q6_K rows, as
+    llama.cpp's Q4_K_M files mix them) joins at 8 bits and groups of 16."""
+    rng = np.random.default_rng(7)
+    parts = {n: random_blocks(n, 4, 512, rng) for n in ("Q4_K", "Q6_K", "Q8_0")}
+    joined = concat([QuantWeight.from_decoded(decode(raw, n, 512)) for n, raw in parts.items()])
+    assert (joined.bits, joined.group) == (8, 16)
+    want = np.concatenate([reference(raw, n).reshape(4, 512) for n, raw in parts.items()])
+    assert torch.equal(joined.dequantize(), torch.from_numpy(want))
+
+
+@pytest.fixture(params=["native", "x86-64"])
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This CPU's build (AVX2, or VNNI where the CPU has it) and one without AVX2,
+    whose scalar loop CPUs without it run."""
+    if request.param != "native":
+        lib = kernels._library(request.param)
+        assert lib is not None
+        monkeypatch.setattr(kernels, "_library", lambda march="native": lib)
+    return request.param
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x (n, in) float32 as the kernel sees it: per block of 32, d = max|x| / 127 and
+    q = round-half-even(x * (1 / d)) in float32; returns d * q in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (d.astype(np.float64) * q).reshape(x.shape)
+
+
+def check(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
+    """y (n, out) against x (n, in) @ w (out, in)^T + bias in float64: within float32
+    summation error of the product with the kernel's activations, and within the
+    activations' rounding bound of the exact product."""
+    w64 = w.astype(np.float64)
+    emulated = quantized_activations(x) @ w64.T + bias
+    magnitude = np.abs(quantized_activations(x)) @ np.abs(w64).T + np.abs(bias)
+    assert np.all(np.abs(y.numpy() - emulated) <= 2e-6 * magnitude + 1e-30), "kernel vs emulated activations"
+    exact = x.astype(np.float64) @ w64.T + bias
+    step = np.abs(x.reshape(x.shape[0], -1, 32)).max(-1) / 254.0  # (n, in/32): half a quantization step
+    bound = step @ np.abs(w64).reshape(w.shape[0], -1, 32).sum(-1).T  # (n, out)
+    assert np.all(np.abs(y.numpy() - exact) <= bound * (1 + 1e-4) + 2e-6 * magnitude), "kernel vs exact product"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kernel_matches_float64_product(name: str, build: str) -> None:
+    rng = np.random.default_rng(200 + ALL.index(name))
+    shapes = [(1, 1, 256), (1, 37, 512), (3, 64, 1536), (5, 19, 256), (9, 8, 768)]
+    if FORMATS[name].block == 32:  # rows of 3, 7 and 10 blocks: an odd last block, fewer than 8 after the last 8
+        shapes += [(2, 5, 96), (1, 7, 224), (4, 3, 320)]
+    for n, out, cols in shapes:
+        raw = random_blocks(name, out, cols, rng)
+        w = QuantWeight.from_decoded(decode(raw, name, cols))
+        weights = reference(raw, name).reshape(out, cols)
+        x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+        x[:, :32] = 0  # an all-zero block: d = 0
+        bias = rng.standard_normal(out).astype(np.float32)
+        y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, torch.from_numpy(bias))
+        check(y, x, weights, bias.astype(np.float64))
+
+
+def test_strided_rows_and_layer_paths() -> None:
+    """Token rows with a stride (views the layers pass), and quant_linear's two paths:
+    the integer kernel below GEMM_MIN_ROWS rows, dequantized tiles at and above."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks("Q4_1", 1100, 256, rng)  # more rows than one tile
+    w = QuantWeight.from_decoded(decode(raw, "Q4_1", 256))
+    weights = reference(raw, "Q4_1").reshape(1100, 256)
+    wide = torch.randn(3, 300)
+    x = wide[:, 10:266]  # rows 300 floats apart
+    check(quant_linear.quant_linear(x, w), x.contiguous().numpy(), weights, np.zeros(1100))
+    many = torch.randn(quant_linear.GEMM_MIN_ROWS, 256)
+    exact = many.double() @ torch.from_numpy(weights).double().T
+    tiles = quant_linear.quant_linear(many, w)
+    assert torch.allclose(tiles.double(), exact, rtol=1e-4, atol=1e-4)
+    # path_rows (a step's global token count) picks the path instead of the rows at hand;
+    # either path computes each row alone: a row's output is the same in any company.
+    with quant_linear.path_rows(1):
+        integer = quant_linear.quant_linear(many, w)
+    assert not torch.equal(integer, tiles)
+    assert torch.equal(integer[3:4], quant_linear.quant_linear(many[3:4], w))
+    with quant_linear.path_rows(quant_linear.GEMM_MIN_ROWS):
+        assert torch.equal(quant_linear.quant_linear(many[3:4], w), tiles[3:4])
+
+
+@pytest.mark.parametrize("field", ["scale", "offset"])
+def test_a_changed_scale_or_offset_fails(field: str) -> None:
+    """The checks above are tight enough to see one scale or one offset of one block off
+    by one part in a thousand."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks("Q4_K", 16, 512, rng)
+    w = QuantWeight.from_decoded(decode(raw, "Q4_K", 512))
+    weights = reference(raw, "Q4_K").reshape(16, 512)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    target = w.scales if field == "scale" else w.offsets
+    assert target is not None
+    target[5, 3] *= 1.001
+    y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group)
+    with pytest.raises(AssertionError):
+        check(y, x, weights, np.zeros(16))

@@ -1,0 +1,131 @@
+"""The real SmolLM2 Q4_1 GGUF with its blocks kept quantized (quantization="gguf")
+against the same file dequantized to fp32 (quantization=None, the path the
+tests against transformers check), through the real engine, at P = 1 and 2.
+
+- loading keeps every projection and the (tied, Q8_0) embedding as QuantWeights;
+- prompt logprobs: a step of >= GEMM_MIN_ROWS tokens (the three prompts'
+  prefill) goes through dequantized tiles in float32, so they equal the fp32
+  path's to float32 summation error (1e-3 leaves ~two orders of magnitude):
+  the weights are exactly the file's;
+- decode runs the integer kernel, whose activations are rounded to int8 per
+  block of 32 (relative error up to 1/254 a block): the generated tokens'
+  logprobs move by up to ~0.2 nats here (measured 0.16 at most), so the
+  tolerance is 0.5, and greedy tokens agree wherever the fp32 path's top two
+  differ by more than 1 nat (a smaller gap is within what that rounding moves);
+- P = 2 against P = 1 with the same quantization: a prompt that is not split
+  (replicated on both ranks) gives the same tokens and logprobs to 1e-6 (the
+  kernels compute each output row alone, whatever the rows a rank holds, and
+  the path is picked by the step's global token count, the same at P = 1). A
+  split prompt's KV differs from one rank's by float32 rounding (~1e-6, as on
+  the fp32 path), and rounding activations to int8 amplifies that: one element
+  that lands on the other side of a rounding boundary moves a projection by a
+  whole step (max|x|/127 of its block), ~1/7 of all the rounding noise of that
+  projection, and the layers after it see more such flips. Its decode
+  logprobs differ by as much as the int8 rounding itself (~0.05 nats here;
+  chunked prefill on one rank moves them as much), so they are held to the
+  same DECODE_TOL, and its greedy tokens must agree where P = 1's top two
+  differ by more than GAP.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ctxpar import LLM, SamplingParams
+from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
+from helpers.procs import shm_mappings
+
+pytestmark = pytest.mark.multiprocess  # the P = 2 run starts rank processes
+
+PROMPTS = [
+    "The capital of France is",  # short: prefilled by the integer kernel too
+    "def fibonacci(n):\n    ",
+    "Context parallelism splits one long prompt across several ranks, so that the time to the first "
+    "token falls with the number of ranks while the answer stays the same. Explain how the prompt is "
+    "split, why each rank gets an early and a late chunk, and what the ranks exchange in each layer. " * 3,
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=0)
+PREFILL_TOL = 1e-3
+DECODE_TOL = 0.5
+GAP = 1.0
+RANKS_TOL = 1e-6
+
+
+def in_shared_pages(llm: LLM, weight: QuantWeight) -> bool:
+    """Whether every tensor of `weight` lies in a shared file that rank 1 maps too."""
+    [worker] = llm.engine.executor.procs
+    shared = set(shm_mappings(os.getpid())) & set(shm_mappings(worker.pid))
+    spans = [
+        (int(line.split()[0].split("-")[0], 16), int(line.split()[0].split("-")[1], 16))
+        for line in open(f"/proc/{os.getpid()}/maps")
+        if len(line.split()) >= 6 and line.split()[5] in shared
+    ]
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in weight.tensors())
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[tuple[str | None, int], list]:
+    out: dict = {}
+    for quantization, pcp_size in [(None, 1), ("gguf", 1), ("gguf", 2)]:
+        with LLM(quantization=quantization, pcp_size=pcp_size, max_model_len=1024, pcp_min_tokens=64) as llm:
+            model = llm.engine.loaded.model
+            if pcp_size == 1:
+                kinds = {type(model.embed_tokens), type(model.layers[0].mlp.down_weight)}
+                assert (QuantWeight in kinds) == (quantization == "gguf"), kinds
+            elif llm.engine.executor.group.shm is not None:  # ranks on one host: one copy of the blocks
+                out["shared"] = [in_shared_pages(llm, w) for w in (model.lm_head, model.layers[7].mlp.down_weight)]
+            out[quantization, pcp_size] = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return out
+
+
+def test_ranks_on_one_host_share_the_quantized_weights(outputs) -> None:
+    if "shared" not in outputs:
+        pytest.skip("CTXPAR_SHM=0: each rank keeps its own copy")
+    assert outputs["shared"] == [True, True]
+
+
+def test_the_long_prompt_takes_the_tile_path(outputs) -> None:
+    assert len(outputs[None, 1][2].prompt_token_ids) >= max(GEMM_MIN_ROWS, 128)
+
+
+def test_prefill_through_dequantized_tiles_equals_fp32(outputs) -> None:
+    exact, quant = outputs[None, 1][2], outputs["gguf", 1][2]
+    ids = exact.prompt_token_ids
+    worst = max(
+        abs(a[t].logprob - b[t].logprob)
+        for t, a, b in zip(ids[1:], exact.prompt_logprobs[1:], quant.prompt_logprobs[1:])
+    )
+    assert worst < PREFILL_TOL, worst
+
+
+def test_decode_with_int8_activations_stays_close(outputs) -> None:
+    compared = 0
+    for exact, quant in zip(outputs[None, 1], outputs["gguf", 1]):
+        a, b = exact.outputs[0], quant.outputs[0]
+        for k, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            lp = a.logprobs[k]
+            top = sorted((v.logprob for v in lp.values()), reverse=True)
+            if ta != tb:
+                assert top[0] - top[1] < GAP, f"token {k}: {ta} vs {tb} with a gap of {top[0] - top[1]:.2f}"
+                break  # the texts part here: later tokens have different contexts
+            assert abs(lp[ta].logprob - b.logprobs[k][tb].logprob) < DECODE_TOL
+            compared += 1
+    assert compared >= len(PROMPTS) * PARAMS.max_tokens // 2, compared
+    assert outputs["gguf", 1][0].outputs[0].text.strip().startswith("Paris")
+
+
+def test_two_ranks_equal_one_rank(outputs) -> None:
+    for i, (one, two) in enumerate(zip(outputs["gguf", 1], outputs["gguf", 2])):
+        split = len(one.prompt_token_ids) >= 64  # pcp_min_tokens
+        a, b = one.outputs[0], two.outputs[0]
+        if not split:
+            assert b.token_ids == a.token_ids and b.text == a.text
+        for k, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            top = sorted((v.logprob for v in a.logprobs[k].values()), reverse=True)
+            if ta != tb:
+                assert split and top[0] - top[1] < GAP, f"prompt {i} token {k}: {ta} vs {tb}"
+                break
+            diff = abs(a.logprobs[k][ta].logprob - b.logprobs[k][tb].logprob)
+            assert diff < (DECODE_TOL if split else RANKS_TOL), f"prompt {i} token {k}: {diff}"
