@@ -15,3 +15,8 @@ class CtxparError(ValueError):
 class RankFailure(RuntimeError):
     """A PCP rank died, hung or could not be reached: the engine cannot
     continue. Not the user's input: the CLI exits 1 (a CtxparError exits 2)."""
+
+
+class RanksStopped(RankFailure):
+    """The ranks were stopped after an earlier failure (or an interrupt): there is
+    nothing left to recover; create a new engine."""

@@ -36,7 +36,7 @@ from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
-from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.errors import CtxparError, RankFailure, RanksStopped
 from ctxpar.executor import start_executor
 from ctxpar.outputs import RequestMetrics, RequestOutput
 from ctxpar.sampling_params import SEED_MAX, SamplingParams
@@ -386,6 +386,8 @@ class Engine:
         while True:
             try:
                 return self.executor.execute(plan)
+            except RanksStopped:
+                raise  # stopped for good after an earlier failure
             except RankFailure as e:
                 self._recover(e)
 

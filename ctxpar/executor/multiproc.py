@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
-from ctxpar.errors import RankFailure
+from ctxpar.errors import RankFailure, RanksStopped
 from ctxpar.executor import recovery, startup
 from ctxpar.executor.shared_weights import share_weights
 from ctxpar.parallel.comm import (
@@ -263,7 +263,9 @@ class MultiRankExecutor:
         """Send ``msg`` to every rank and run it here too."""
         if self.group is None:
             why = self._stopped_because or "they were shut down after an earlier failure"
-            raise RankFailure(f"the PCP ranks were stopped: {why}; create a new LLM")
+            if not self.procs:  # closed: nothing left to recover
+                raise RanksStopped(f"the PCP ranks were stopped: {why}; create a new LLM")
+            raise RankFailure(f"the PCP ranks were stopped: {why}")
         self._check_alive()
         try:
             self.group.broadcast_object(msg)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import uuid
 import pytest
 
 from ctxpar import LLM, SamplingParams
+from ctxpar.bench.netns import kill_tree
 from helpers.workloads import long_prompts
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
@@ -97,24 +97,6 @@ def start_nodes(hosts, model: str, tmp_path, keep_going: bool) -> list[subproces
         pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(subprocess.Popen(cmd, **pipes, env=env, start_new_session=True))
     return procs
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (torchrun starts its workers in sessions of their own)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(k) for k in f.read().split()]
-    except FileNotFoundError:
-        return []
-    return [pid] + [d for k in kids for d in process_tree(k)]
-
-
-def kill_tree(pid: int) -> None:
-    for p in process_tree(pid):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
