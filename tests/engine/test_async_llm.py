@@ -131,7 +131,9 @@ def test_delta_generator_and_an_abandoned_one(text_dir, reference):
 
 @pytest.mark.multiprocess
 def test_a_lost_rank_fails_every_waiting_generator(text_dir):
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=text_dir, pcp_size=2, **SMALL))
+    """With recovery off (tests/executor/test_rank_recovery.py has it on)."""
+    args = AsyncEngineArgs(model=text_dir, pcp_size=2, max_rank_recoveries=0, **SMALL)
+    engine = AsyncLLM.from_engine_args(args)
 
     async def main():
         async def one(i):

@@ -100,8 +100,9 @@ def test_worker_killed_inside_a_step_fails_the_step_fast(model, dcp):
     """SIGKILL a worker while long prefills run (pcp_min_tokens=0: every step
     all-gathers; with the KV sharded, every layer also exchanges partial
     attention all-to-all): the collective rank 0 is in fails as soon as the
-    peer's sockets close, and the error names the rank and the signal."""
-    llm = LLM(model, pcp_size=2, dcp_size=dcp, pcp_min_tokens=0, max_num_batched_tokens=256)
+    peer's sockets close, and the error names the rank and the signal (recovery off:
+    tests/executor/test_rank_recovery.py has it on)."""
+    llm = LLM(model, pcp_size=2, dcp_size=dcp, pcp_min_tokens=0, max_num_batched_tokens=256, max_rank_recoveries=0)
     (worker,) = multiprocessing.active_children()
     killed: list[float] = []
 
