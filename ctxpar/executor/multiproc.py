@@ -122,7 +122,7 @@ def _serve_until_stopped(
         except RankFailure:
             group.close()
             generation += 1
-            recovery.await_recovery(store, generation)  # RankFailure: rank 0 is gone or gave up
+            recovery.await_recovery(store, generation, group.rank)  # RankFailure: rank 0 is gone or gave up
             gstore = recovery.generation_store(store, generation)
             startup.follow(gstore, group.rank, time.monotonic() + STARTUP_TIMEOUT_S)
             group = PCPGroup(group.rank, config.pcp_size, group.device, gstore)

@@ -40,8 +40,8 @@ def announce(store: dist.Store, generation: int) -> None:
     store.set(f"recover/{generation}", "")
 
 
-def await_recovery(store: dist.Store, generation: int) -> None:
-    """A survivor whose group broke: wait until rank 0 announces ``generation``.
+def await_recovery(store: dist.Store, generation: int, rank: int) -> None:
+    """Survivor ``rank``, whose group broke: wait until rank 0 announces ``generation``.
     RankFailure when rank 0 is gone (its store with it) or stays silent."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
@@ -52,4 +52,4 @@ def await_recovery(store: dist.Store, generation: int) -> None:
     except RankFailure:
         raise
     except Exception as e:  # the store's connection: rank 0 is gone
-        raise RankFailure(f"rank 0 is gone ({type(e).__name__})") from e
+        raise RankFailure(f"PCP rank {rank} lost rank 0 (its rendezvous store is gone: {type(e).__name__})") from e

@@ -216,7 +216,7 @@ def running(pid: int) -> bool:
 
 @pytest.mark.multiprocess
 def test_cli_dead_rank_exits_1_with_one_error_line(model):
-    proc = start_cli(model)
+    proc = start_cli(model, "--max-rank-recoveries", "0")  # recovery off: the fatal path
     wait_for_text(proc)
     (worker,) = spawned_workers(proc.pid)
     os.kill(worker, signal.SIGKILL)
