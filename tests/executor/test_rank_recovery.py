@@ -170,7 +170,8 @@ class _Req:
 
 def test_recompute_plans_cover_the_runs_in_order_within_the_budget():
     reqs = [_Req(list(range(100, 140)), 37), _Req(list(range(200, 210)), 10)]
-    plans = list(recompute_plans(reqs, lambda r: np.array([id(r) % 7]), [1], 2, 2, max_tokens=5))  # type: ignore[arg-type]
+    table = {id(r): np.array([i]) for i, r in enumerate(reqs)}  # block table [i]: tells the rows apart
+    plans = list(recompute_plans(reqs, lambda r: table[id(r)], [1], 2, 2, max_tokens=5))  # type: ignore[arg-type]
     assert all(p.num_tokens <= 5 and not p.needs_logits.any() and p.is_prefilling.all() for p in plans)
     rows = [
         (int(t[0]), int(c), p.input_ids[o : o + q].tolist())
@@ -182,8 +183,8 @@ def test_recompute_plans_cover_the_runs_in_order_within_the_budget():
             np.cumsum(p.num_scheduled_tokens) - p.num_scheduled_tokens,
         )
     ]
-    for req in reqs:
-        mine = [(c, ids) for t, c, ids in rows if t == id(req) % 7]
+    for i, req in enumerate(reqs):
+        mine = [(c, ids) for t, c, ids in rows if t == i]
         positions = [c + i for c, ids in mine for i in range(len(ids))]
         assert positions == [p for p in range(req.num_computed_tokens) if (p // 2) % 2 == 1]
         assert all(ids == req.tokens[c : c + len(ids)] for c, ids in mine)
