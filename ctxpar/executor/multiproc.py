@@ -315,10 +315,15 @@ class MultiRankExecutor:
         return lost
 
     def _lost_ranks(self) -> list[int]:
-        deadline = time.monotonic() + EXIT_GRACE_S  # a rank whose collective failed may still be exiting
+        self._await_exits()
+        return [r for r, _ in self._dead()]
+
+    def _await_exits(self) -> None:
+        """Give the workers a moment to be seen dead: a peer's closed socket can fail a
+        collective before its process is reaped."""
+        deadline = time.monotonic() + EXIT_GRACE_S
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        return [r for r, _ in self._dead()]
 
     def _leave(self, why: str) -> None:
         """Leave the broken group, keeping the surviving ranks (they wait for a
@@ -341,11 +346,7 @@ class MultiRankExecutor:
     def _why(self, e: BaseException) -> str:
         """Why a collective failed: the ranks that died (read before close()
         forgets them), else the error, which after the collective timeout means a hung rank."""
-        # A peer's closed socket can fail the collective before its process
-        # is reaped: give the workers a moment to be seen dead.
-        deadline = time.monotonic() + EXIT_GRACE_S
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._await_exits()
         dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
         if dead:
             return "; ".join(dead) + f" ({startup.first_line(e)})"
