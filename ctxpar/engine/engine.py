@@ -69,7 +69,12 @@ class Engine:
         self.sampler = Sampler()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.spec = self._spec_decoder(config)
-        self.recovery = RankRecovery(config.max_rank_recoveries, config.rank_recovery_window_s)
+        self.recovery = RankRecovery(
+            config.max_rank_recoveries,
+            config.rank_recovery_window_s,
+            pcp_size=config.pcp_size,
+            pcp_ranks=config.pcp_size,
+        )
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._arrivals = itertools.count()
@@ -393,8 +398,8 @@ class Engine:
 
     def _recover(self, failure: RankFailure) -> None:
         """Respawn the lost rank(s) and restore the KV they held (ctxpar/engine/recovery.py),
-        or, beyond max_rank_recoveries per window (or where it cannot be done), stop the
-        ranks and raise, as without recovery."""
+        or go on without them where they cannot come back; beyond max_rank_recoveries per
+        window (or where neither can be done), stop the ranks and raise, as without recovery."""
         rec = self.recovery
         while True:
             rec.rank_failures += 1
@@ -409,28 +414,30 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 try:
-                    lost = self.executor.restart_lost_ranks()
+                    regrouped = self.executor.recover_lost_ranks()
                 except RankFailure as e:
                     self._give_up(failure, str(e))
                 try:
-                    what = self._restore(lost)
+                    what = self._restore(regrouped.respawned)
                 except RankFailure as e:  # another rank lost while restoring: recover again
                     failure = e
                     continue
             finally:
                 rec.recovering = False
             rec.recoveries += 1
-            logger.warning(
-                "recovered from a lost PCP rank (%s): respawned rank(s) %s, %s, in %.2f s",
-                failure,
-                ", ".join(map(str, lost)),
-                what,
-                time.perf_counter() - t0,
-            )
+            rec.pcp_ranks = regrouped.size
+            if regrouped.why_not_respawned is None:
+                how = f"respawned rank(s) {', '.join(map(str, regrouped.respawned))}, {what}"
+            else:
+                gone = f"rank(s) {regrouped.lost} ({regrouped.why_not_respawned})"
+                how = f"went on with {regrouped.size} rank(s) without {gone}, {what}"
+            logger.warning("recovered from a lost PCP rank (%s): %s, in %.2f s", failure, how, time.perf_counter() - t0)
             return
 
-    def _restore(self, lost: list[int]) -> str:
+    def _restore(self, respawned: list[int]) -> str:
         """Restore the KV of the requests in flight on the respawned ranks; says what it did."""
+        if not respawned:  # the survivors hold the whole cache (without DCP) or lost nothing
+            return "nothing to restore: every rank left holds the whole KV cache"
         dropped = self.block_manager.forget_unreferenced()  # a lost rank's part of them is gone
         held = [r for r in self.scheduler.running if r.num_computed_tokens > 0]
         table = lambda r: np.asarray(self.block_manager.block_table(r.request_id), dtype=np.int64)
@@ -443,7 +450,7 @@ class Engine:
             return f"copied the KV of {tokens} tokens of {len(held)} requests, dropped {dropped} cached blocks"
         recomputed = 0
         for plan in recompute_plans(
-            held, table, lost, self.config.dcp_size, self.config.cp_interleave, self.config.max_num_batched_tokens
+            held, table, respawned, self.config.dcp_size, self.config.cp_interleave, self.config.max_num_batched_tokens
         ):
             self.executor.execute(plan)
             recomputed += plan.num_tokens

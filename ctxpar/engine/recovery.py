@@ -53,6 +53,8 @@ class RankRecovery:
     recomputed_tokens: int = 0  # KV positions recomputed (DCP: the lost shards)
     copied_tokens: int = 0  # KV positions copied from rank 0 (without DCP)
     recovering: bool = False  # while a recovery runs (/health says "recovering")
+    pcp_size: int = 1  # PCP ranks configured
+    pcp_ranks: int = 1  # PCP ranks serving now: fewer after one was lost for good (/health says "degraded")
     _times: deque[float] = field(default_factory=deque)
 
     def allow(self, now: float | None = None) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ctxpar.config import EngineConfig
 from ctxpar.executor.preflight import check_launch
+from ctxpar.executor.recovery import Regrouped
 from ctxpar.worker.loading import RankModel
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
@@ -36,9 +37,9 @@ class Executor(Protocol):
         """Raise RankFailure if a rank is known to be lost (checked between steps)."""
         ...
 
-    def restart_lost_ranks(self) -> list[int]:
-        """After a RankFailure: respawn the lost ranks and form the group again (the
-        survivors keep their KV caches); returns the respawned ranks. RankFailure if not possible."""
+    def recover_lost_ranks(self) -> Regrouped:
+        """After a RankFailure: respawn the lost ranks (or go on without them) and form
+        the group again (the survivors keep their KV caches). RankFailure if not possible."""
         ...
 
     def copy_kv(self, block_ids: np.ndarray) -> None:

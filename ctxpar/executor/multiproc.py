@@ -18,10 +18,9 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -30,8 +29,8 @@ import torch.multiprocessing as mp
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure, RanksStopped
-from ctxpar.executor import recovery, startup
-from ctxpar.executor.shared_weights import share_weights
+from ctxpar.executor import rank_worker, recovery, startup
+from ctxpar.executor.recovery import Members, Regrouped
 from ctxpar.parallel.comm import (
     STARTUP_TIMEOUT_S,
     PCPGroup,
@@ -40,11 +39,7 @@ from ctxpar.parallel.comm import (
     open_store,
     torchrun_env,
 )
-from ctxpar.parallel.shm_channel import PeerLost
-from ctxpar.worker.loading import RankModel, load_rank
-from ctxpar.worker.model_runner import ModelRunner
-from ctxpar.worker.options import RunnerOptions
-from ctxpar.worker.runners import Runners
+from ctxpar.worker.loading import load_rank
 from ctxpar.worker.step_plan import KVCopy, StepOutput, StepPlan
 
 __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
@@ -63,105 +58,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup, share: bool = True) -> Runners:
-    """share: map the host's one copy of the weights (every rank at start-up; a rank
-    respawned after a failure keeps its own copy, the others having shared theirs)."""
-    options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
-
-    def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
-        if group.one_host and share:  # one copy per host instead of one per rank
-            share_weights(model, group, "draft_weights" if is_draft else "weights")
-        return ModelRunner(model, options, group.device, group)
-
-    return Runners.build(rank_model, make)
-
-
-def _join(
-    config: EngineConfig, store: dist.Store, rank: int, rank_model: RankModel, share: bool = True
-) -> tuple[PCPGroup, Runners]:
-    """A worker with its model loaded: handshake, then (group, runner); share: see _make_runner."""
-    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-    group = PCPGroup(rank, config.pcp_size, rank_model.device, store)
-    return group, _make_runner(config, rank_model, group, share)
-
-
-def _serve(runner: Runners, group: PCPGroup) -> None:
-    """Run every message rank 0 sends (step plans, KV copies), until it sends None.
-
-    Raises RankFailure when a link fails: rank 0 or a peer went away (its
-    sockets close, or its process is seen dead), or rank 0 left the group to
-    recover from a lost rank; the wait for the next plan, or a collective of
-    the step under way, then fails at once.
-    """
-    while True:
-        try:
-            msg = group.broadcast_object()
-            if msg is None:
-                return
-            if isinstance(msg, KVCopy):
-                runner.copy_kv(msg.block_ids)
-            else:
-                runner.execute(cast(StepPlan, msg))
-        except Exception as e:
-            if not _is_link_failure(e):
-                raise  # this rank's own failure: the caller shows the traceback
-            raise RankFailure(f"PCP rank {group.rank} lost rank 0 or a peer ({startup.first_line(e)})") from e
-
-
-def _serve_until_stopped(
-    config: EngineConfig, store: dist.Store, runner: Runners, group: PCPGroup, generation: int
-) -> None:
-    """A spawned worker's life: serve; when the group breaks, wait for rank 0 to
-    re-form it (a lost rank respawned) and serve on, keeping this rank's KV cache.
-    Raises RankFailure when rank 0 is gone or gives up."""
-    while True:
-        try:
-            _serve(runner, group)
-            group.close()
-            return
-        except RankFailure:
-            group.close()
-            generation += 1
-            recovery.await_recovery(store, generation, group.rank)  # RankFailure: rank 0 is gone or gave up
-            gstore = recovery.generation_store(store, generation)
-            startup.follow(gstore, group.rank, time.monotonic() + STARTUP_TIMEOUT_S)
-            group = PCPGroup(group.rank, config.pcp_size, group.device, gstore)
-            runner.rejoin(group)
-
-
-def _is_link_failure(e: Exception) -> bool:
-    # gloo's transport errors surface as plain RuntimeErrors naming the transport.
-    return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
-
-
-def _worker_main(config: EngineConfig, rank: int, addr: str, port: int, prefix: str, generation: int) -> None:
-    """Entry point of a spawned rank. generation: 0 at start-up; g for a rank respawned
-    by rank 0's g-th recovery (it meets the others under that generation's keys)."""
-    # Started with SIGINT blocked (see _spawn): ignore it, then unblock.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    store = gstore = None
-    try:
-        store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
-        gstore = recovery.generation_store(store, generation)
-        gstore.set(f"started/{rank}", "")
-        rank_model = load_rank(config, resolve_device(config.device, rank))
-        group, runner = _join(config, gstore, rank, rank_model, share=generation == 0)
-    except Exception as e:
-        startup.report_failure(gstore, rank, e)
-        if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
-            print(f"ctxpar: PCP rank {rank} failed to start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    try:
-        _serve_until_stopped(config, store, runner, group, generation)
-    except RankFailure as e:  # rank 0 is gone: nothing to add to what it reports
-        print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except Exception:
-        print(f"ctxpar: PCP rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
 class MultiRankExecutor:
     """Rank 0's handle on all PCP ranks: execute(plan) runs the step everywhere."""
 
@@ -170,6 +66,7 @@ class MultiRankExecutor:
         under torchrun, where a non-zero rank serves here and never returns).
         The caller has run preflight.check_launch."""
         self.config = config
+        self.size = config.pcp_size  # ranks in the group: fewer after a rank lost for good
         self.procs: list[BaseProcess] = []  # rank r's process at index r - 1 (spawned ranks)
         self.group: PCPGroup | None = None
         self.store: dist.Store | None = None
@@ -183,7 +80,7 @@ class MultiRankExecutor:
         if env is not None:
             self.store = dist.PrefixStore(self._prefix, _torchrun_store(env))
             if rank != 0:
-                self._serve_torchrun_worker(config, rank)  # never returns
+                self._serve_torchrun_worker(env, rank)  # never returns
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = open_store(config.master_addr, config.master_port or 0, is_master=True)
@@ -192,7 +89,7 @@ class MultiRankExecutor:
         try:
             if env is None:
                 self._spawn(range(1, config.pcp_size))
-            self._form_group(fresh=True)
+            self._form_group(recovery.generation_store(self.store, 0), fresh=True)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
             startup.abandon(self.store, startup.first_line(e))
             why = self._why(e) if isinstance(e, Exception) else ""  # before close() forgets the processes
@@ -201,16 +98,14 @@ class MultiRankExecutor:
                 raise
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
 
-    def _form_group(self, fresh: bool) -> None:
-        """Meet every rank under this generation's keys and form the group; a fresh
-        runner at start-up, rank 0's own runner (and KV cache) kept after a recovery."""
-        assert self.store is not None  # set in __init__
-        store = recovery.generation_store(self.store, self._generation)
+    def _form_group(self, store: dist.Store, fresh: bool) -> None:
+        """Meet every rank under ``store``'s keys and form the group; a fresh runner at
+        start-up, rank 0's own runner (and KV cache) kept after a recovery."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        startup.lead(store, self.config.pcp_size, dict(enumerate(self.procs, start=1)), deadline)
-        self.group = PCPGroup(0, self.config.pcp_size, self.rank_model.device, store)
+        startup.lead(store, self.size, dict(enumerate(self.procs, start=1)), deadline)
+        self.group = PCPGroup(0, self.size, self.rank_model.device, store)
         if fresh:
-            self.runner = _make_runner(self.config, self.rank_model, self.group)
+            self.runner = rank_worker.make_runner(self.config, self.rank_model, self.group)
         else:
             self.runner.rejoin(self.group)
 
@@ -218,13 +113,13 @@ class MultiRankExecutor:
         ctx = mp.get_context("spawn")
         # The children inherit this thread's signal mask: with SIGINT blocked
         # while they start, a Ctrl-C during their imports cannot make them
-        # print a traceback; _worker_main ignores SIGINT and unblocks it.
+        # print a traceback; worker_main ignores SIGINT and unblocks it.
         # (Rank 0 still gets the Ctrl-C: its other threads take it.)
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for r in ranks:
-                args = (self.config, r, self.config.master_addr, self._port, self._prefix, self._generation)
-                p = ctx.Process(target=_worker_main, args=args, daemon=True)
+                args = (self.config, r, self.size, self.config.master_addr, self._port, self._prefix, self._generation)
+                p = ctx.Process(target=rank_worker.worker_main, args=args, daemon=True)
                 p.start()
                 if r <= len(self.procs):
                     self.procs[r - 1] = p  # a respawned rank
@@ -233,17 +128,19 @@ class MultiRankExecutor:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
-    def _serve_torchrun_worker(self, config: EngineConfig, rank: int) -> None:
-        """A non-zero torchrun rank: serve rank 0, then leave with the rest of
-        the program (or raise RankFailure if rank 0 goes away)."""
+    def _serve_torchrun_worker(self, env: TorchrunEnv, rank: int) -> None:
+        """A non-zero torchrun rank: serve rank 0 (through recoveries), then leave with
+        the rest of the program (or raise RankFailure if rank 0 goes away or goes on
+        without this rank)."""
         assert self.store is not None  # __init__ joined the store first
+        prefix = self._prefix
+        recovery.start_heartbeat(lambda: dist.PrefixStore(prefix, _torchrun_store(env)), rank)
         try:
-            self.group, self.runner = _join(config, self.store, rank, self.rank_model)
+            group, runner = rank_worker.join(self.config, self.store, rank, self.size, self.rank_model)
         except Exception as e:
             startup.report_failure(self.store, rank, e)
             raise
-        _serve(self.runner, self.group)
-        self.group.close()
+        rank_worker.serve_until_stopped(self.store, runner, group, 0)
         sys.exit(0)
 
     # Why the ranks were stopped, once execute has stopped them; None while they run.
@@ -263,7 +160,7 @@ class MultiRankExecutor:
         """Send ``msg`` to every rank and run it here too."""
         if self.group is None:
             why = self._stopped_because or "they were shut down after an earlier failure"
-            if not self.procs:  # closed: nothing left to recover
+            if self.store is None:  # closed: nothing left to recover
                 raise RanksStopped(f"the PCP ranks were stopped: {why}; create a new LLM")
             raise RankFailure(f"the PCP ranks were stopped: {why}")
         self._check_alive()
@@ -289,34 +186,73 @@ class MultiRankExecutor:
         if self.group is not None:
             self._check_alive()
 
-    def restart_lost_ranks(self) -> list[int]:
-        """After a RankFailure: respawn the ranks that died and form the group again
-        with the survivors, which kept their KV caches. Returns the respawned ranks
-        (their caches are empty: the caller restores them). Raises RankFailure when
-        that cannot be done: ranks under torchrun, a rank that hung instead of dying,
-        or a respawned rank that fails to start."""
-        if self._port == 0:
-            raise RankFailure("a rank under torchrun cannot be respawned by ctxpar; restart the job")
+    def recover_lost_ranks(self) -> Regrouped:
+        """After a RankFailure: find the lost ranks, respawn them (spawned ranks) or,
+        where that fails or cannot be done (torchrun's ranks), go on without them on
+        P - 1 ranks when every rank holds the whole KV cache (no DCP), and form the
+        group again with the survivors, which keep their KV caches. Raises
+        RankFailure when none of that can be done: a spawned rank that hung
+        instead of dying, or a lost rank under DCP that cannot come back."""
         self._leave(self._stopped_because or "a rank was lost")
-        lost = self._lost_ranks()
-        if not lost:
-            raise RankFailure("no rank died: a rank that hangs, or fails by itself, is not replaced")
+        assert self.store is not None  # not closed: close() comes after giving up
         self._generation += 1
+        g, spawned = self._generation, self._port != 0
+        ranks = list(range(1, self.size))
+        if spawned:
+            self._await_exits()
+        deadline = time.monotonic() + data_timeout_s() + EXIT_GRACE_S  # survivors' collectives fail by then
+        lost = recovery.find_lost(self.store, g, ranks, self._is_dead, deadline)
+        hung = [r for r in lost if spawned and self.procs[r - 1].is_alive()]
+        if hung:
+            raise RankFailure(f"PCP rank(s) {hung} hung instead of dying: a hung rank is not replaced")
+        why_not = "ranks under torchrun are started by torchrun, not by ctxpar"
+        if spawned or not lost:
+            try:
+                self._respawn(lost, g)
+                self._regroup(Members(list(range(self.size)), f"g{g}/"))
+                return Regrouped(lost=lost, respawned=lost, size=self.size, why_not_respawned=None)
+            except RankFailure as e:
+                why_not = f"respawning failed: {e}"
+        if self.config.dcp_size > 1:
+            raise RankFailure(
+                f"PCP rank(s) {lost} cannot come back ({why_not}), and under DCP each rank holds a shard of every "
+                "request's KV placed by position modulo D, which P - 1 ranks cannot take over"
+            )
+        self._regroup(Members([0, *(r for r in ranks if r not in lost)], f"g{g}/without/"))
+        return Regrouped(lost=lost, respawned=[], size=self.size, why_not_respawned=why_not)
+
+    def _respawn(self, lost: list[int], generation: int) -> None:
+        """Spawn the lost ranks again and wait until they have loaded the model (the
+        survivors are told to meet only once they have). RankFailure if one fails."""
+        assert self.store is not None
         self._spawn(lost)
-        assert self.store is not None  # spawned ranks: rank 0 hosts it
-        recovery.announce(self.store, self._generation)  # the survivors join this generation too
+        store = recovery.generation_store(self.store, generation)
         try:
-            self._form_group(fresh=False)
+            startup.await_ready(store, lost, {r: self.procs[r - 1] for r in lost}, time.monotonic() + STARTUP_TIMEOUT_S)
+        except RankFailure:
+            for r in lost:
+                self.procs[r - 1].kill()
+                self.procs[r - 1].join(timeout=5)
+            raise
+
+    def _regroup(self, members: Members) -> None:
+        """Tell the survivors who is in the group now, and form it (old rank
+        members.ranks[i] becomes rank i)."""
+        assert self.store is not None
+        recovery.announce(self.store, self._generation, members)
+        self.procs = [self.procs[r - 1] for r in members.ranks[1:]] if self._port != 0 else []
+        self.size = len(members.ranks)
+        try:
+            self._form_group(dist.PrefixStore(members.keys, self.store), fresh=False)
         except Exception as e:
             why = self._why(e)
             self._leave(f"recovering from a lost rank failed ({why})")
-            raise RankFailure(f"respawning PCP rank(s) {lost} failed: {why}") from e
+            raise RankFailure(f"re-forming the PCP group of ranks {members.ranks} failed: {why}") from e
         self._stopped_because = None
-        return lost
 
-    def _lost_ranks(self) -> list[int]:
-        self._await_exits()
-        return [r for r, _ in self._dead()]
+    def _is_dead(self, rank: int) -> bool | None:
+        """Whether a spawned rank's process has ended; None for torchrun's ranks (not ours to see)."""
+        return not self.procs[rank - 1].is_alive() if self._port != 0 else None
 
     def _await_exits(self) -> None:
         """Give the workers a moment to be seen dead: a peer's closed socket can fail a
@@ -357,6 +293,8 @@ class MultiRankExecutor:
         and leave the process group. Idempotent."""
         group, self.group = self.group, None
         graceful = graceful and group is not None  # without a group, the workers wait for a recovery
+        if group is None:  # torchrun's ranks waiting for a recovery: none is coming
+            recovery.abandon(self.store, self._generation + 1, self._stopped_because or "rank 0 shut down")
         if graceful and group is not None and all(p.is_alive() for p in self.procs):
             try:
                 group.broadcast_object(None)

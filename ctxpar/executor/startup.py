@@ -59,18 +59,23 @@ def lead(store: dist.Store, size: int, procs: dict[int, BaseProcess], deadline: 
     store says how the other ranks are doing). Raises RankFailure naming the
     first rank that failed or died, or the ranks still missing at the deadline.
     """
-    ready = [f"ready/{r}" for r in range(1, size)]
+    await_ready(store, list(range(1, size)), procs, deadline)
+    store.set("verdict", GO)
+
+
+def await_ready(store: dist.Store, ranks: list[int], procs: dict[int, BaseProcess], deadline: float) -> None:
+    """Rank 0: wait until ``ranks`` are ready (see lead)."""
+    ready = [f"ready/{r}" for r in ranks]
     while not store.check(ready):
-        for r in range(1, size):
+        for r in ranks:
             _raise_if_failed(store, r, procs.get(r))
         if time.monotonic() > deadline:
-            missing = [str(r) for r in range(1, size) if not store.check([f"ready/{r}"])]
+            missing = [str(r) for r in ranks if not store.check([f"ready/{r}"])]
             raise RankFailure(
                 f"PCP rank(s) {', '.join(missing)} not ready after {STARTUP_TIMEOUT_S} s "
                 "(still loading the model, or unable to reach rank 0)"
             )
         time.sleep(POLL_S)
-    store.set("verdict", GO)
 
 
 def _raise_if_failed(store: dist.Store, rank: int, proc: BaseProcess | None) -> None:

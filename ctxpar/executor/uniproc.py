@@ -7,6 +7,7 @@ import numpy as np
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
+from ctxpar.executor.recovery import Regrouped
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
@@ -32,7 +33,7 @@ class UniProcExecutor:
     def check_health(self) -> None:
         pass  # one rank, this process: nothing to lose that would not end the caller too
 
-    def restart_lost_ranks(self) -> list[int]:
+    def recover_lost_ranks(self) -> Regrouped:
         raise RankFailure("one rank in this process has no rank to lose")  # execute never raises RankFailure
 
     def copy_kv(self, block_ids: np.ndarray) -> None:

@@ -45,10 +45,7 @@ class ModelRunner:
         self.options = options
         self.block_size = options.block_size
         self.device = device
-        self.group = group
-        self.rank = group.rank if group is not None else 0
-        self.pcp_size = group.size if group is not None else 1
-        self.lead_threads = options.lead_threads if self.pcp_size > 1 else None
+        self.rejoin(group)
         self.spread_min_rows = options.spread_min_rows
         self.threads = torch.get_num_threads()
         self._led_buffer = torch.empty(0, dtype=options.dtype, device=device)  # led steps' KV, see _share_led_kv
@@ -58,6 +55,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model.num_kv_layers, options.num_blocks * options.block_size, model.kv_entry_shape, options.dtype, device
         )
+
+    def rejoin(self, group: PCPGroup | None) -> None:
+        """Run in this group: at start-up, and after a lost rank the re-formed one,
+        whose size is smaller when the lost rank was left out (never under DCP,
+        whose shards are placed by rank: the shard stays as built)."""
+        self.group = group
+        self.rank = group.rank if group is not None else 0
+        self.pcp_size = group.size if group is not None else 1
+        self.lead_threads = self.options.lead_threads if self.pcp_size > 1 else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:

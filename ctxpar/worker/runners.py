@@ -46,6 +46,6 @@ class Runners:
             runner.copy_blocks(block_ids)
 
     def rejoin(self, group: PCPGroup) -> None:
-        """Run in a re-formed group (after a lost rank was respawned), caches kept."""
+        """Run in a re-formed group (after a lost rank), caches kept."""
         for runner in self.models():
-            runner.group = group
+            runner.rejoin(group)

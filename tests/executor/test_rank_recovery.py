@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -46,12 +48,20 @@ def prompts() -> list[list[int]]:
     return [rng.integers(0, 256, size=n).tolist() for n in LENGTHS]
 
 
-def run(model: str, kills: dict[int, tuple[int, float]] | None = None, repeat_first: bool = False, **kw) -> tuple:
+def run(
+    model: str,
+    kills: dict[int, tuple[int, float]] | None = None,
+    repeat_first: bool = False,
+    started: Callable[[], None] = lambda: None,
+    **kw,
+) -> tuple:
     """Every prompt's tokens, and the engine's recovery counts. kills: {step: (rank, delay)}:
     before that step, SIGKILL the rank after `delay` seconds (0: before the step starts).
     repeat_first: the first prompt, finished before any kill, is asked again after the last
-    kill (a prefix-cache hit on blocks no request held when the rank was lost)."""
+    kill (a prefix-cache hit on blocks no request held when the rank was lost).
+    started: called once the ranks are up."""
     engine = Engine(EngineConfig(model, **CONFIG, **kw))
+    started()
     kills = kills or {}
     out: dict[str, list[int]] = {}
     try:
@@ -142,6 +152,35 @@ def test_failures_beyond_the_limit_stop_the_engine(model):
             engine.step()
         with pytest.raises(RankFailure, match="create a new LLM"):
             engine.step()  # stopped for good
+        assert multiprocessing.active_children() == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_cannot_come_back_is_left_out(model, undisturbed, tmp_path):
+    """The model's files vanish once the ranks are up, so a respawned rank fails to load
+    it: without DCP the engine goes on with the survivors (every one holds the whole
+    cache), P = 3 -> 2 -> 1, and the requests finish with the undisturbed tokens."""
+    copy = shutil.copytree(model, tmp_path / "model")
+    gone = lambda: copy.rename(tmp_path / "moved")  # noqa: E731
+    out, rec = run(str(copy), {1: (1, 0.0), 4: (1, 0.01)}, repeat_first=True, started=gone, pcp_size=3)
+    assert out == undisturbed
+    assert rec.rank_failures == rec.recoveries == 2 and rec.pcp_ranks == 1
+    assert rec.copied_tokens == rec.recomputed_tokens == 0  # nothing to restore
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.multiprocess
+def test_under_dcp_a_rank_that_cannot_come_back_stops_the_engine(model, tmp_path):
+    copy = shutil.copytree(model, tmp_path / "model")
+    engine = Engine(EngineConfig(str(copy), pcp_size=2, dcp_size=2, **CONFIG))
+    try:
+        copy.rename(tmp_path / "moved")
+        engine.add_request(prompts()[0], params(0))
+        kill(engine.executor.procs[0].pid, 0)
+        with pytest.raises(RankFailure, match=r"not recovered: PCP rank\(s\) \[1\] cannot come back.*under DCP"):
+            engine.step()
         assert multiprocessing.active_children() == []
     finally:
         engine.close()

@@ -2,7 +2,9 @@
 
 - "healthy" (200): serving.
 - "degraded" (200): serving, but at its limits: new generation requests are
-  refused with 503 + Retry-After until a slot or queue place frees.
+  refused with 503 + Retry-After until a slot or queue place frees; or
+  serving on fewer PCP ranks than configured, a lost rank having failed to
+  come back (restart the server to get them all again).
 - "recovering" (200): a lost PCP rank is being respawned and the KV of the
   requests in flight restored; they continue afterwards, new ones wait
   (the engine thread checks the spawned ranks at every idle wake-up, so a
@@ -27,12 +29,16 @@ def report(engine: AsyncLLM, admission: Admission) -> tuple[int, dict]:
         "requests_queued": admission.queued,
         "rank_failures": recovery.rank_failures,
         "rank_recoveries": recovery.recoveries,
+        "pcp_ranks": recovery.pcp_ranks,
     }
     dead = engine.dead_error
     if dead is not None:
         return 503, {"status": "dead", **counts, **ApiError(503, str(dead)).body()}
     if recovery.recovering:
         return 200, {"status": "recovering", **counts, "message": "a lost PCP rank is being replaced"}
+    if recovery.pcp_ranks < recovery.pcp_size:
+        message = f"serving on {recovery.pcp_ranks} of {recovery.pcp_size} PCP ranks: a lost rank could not come back"
+        return 200, {"status": "degraded", **counts, "message": message}
     if admission.full():
         return 200, {"status": "degraded", **counts, "message": "at its limits: new requests get 503 + Retry-After"}
     return 200, {"status": "healthy", **counts}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ctxpar.engine.metrics import (
     E2E_BUCKETS,
@@ -79,6 +79,13 @@ class _RankRecovery:
             c = CounterMetricFamily(name, doc, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), getattr(recovery, attr) if recovery is not None else 0)
             yield c
+        g = GaugeMetricFamily(
+            "ctxpar:pcp_ranks",
+            "PCP ranks serving now (fewer than configured after a rank lost for good)",
+            labels=list(self.labels),
+        )
+        g.add_metric(list(self.labels.values()), recovery.pcp_ranks if recovery is not None else 0)
+        yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,132 @@
+"""A PCP rank other than rank 0: join the group, run what rank 0 sends, and
+rejoin a re-formed group after a lost rank (recovery.py).
+
+Spawned ranks enter at ``worker_main``; ranks under torchrun serve inside
+MultiRankExecutor.__init__ through ``serve_until_stopped``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import traceback
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from ctxpar.config import EngineConfig
+from ctxpar.device import resolve_device
+from ctxpar.errors import RankFailure
+from ctxpar.executor import recovery, startup
+from ctxpar.executor.shared_weights import share_weights
+from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, PCPGroup, open_store
+from ctxpar.parallel.shm_channel import PeerLost
+from ctxpar.worker.loading import RankModel, load_rank
+from ctxpar.worker.model_runner import ModelRunner
+from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.runners import Runners
+from ctxpar.worker.step_plan import KVCopy, StepPlan
+
+
+def make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup, share: bool = True) -> Runners:
+    """share: map the host's one copy of the weights (every rank at start-up; a rank
+    respawned after a failure keeps its own copy, the others having shared theirs)."""
+    options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
+
+    def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
+        if group.one_host and share:  # one copy per host instead of one per rank
+            share_weights(model, group, "draft_weights" if is_draft else "weights")
+        return ModelRunner(model, options, group.device, group)
+
+    return Runners.build(rank_model, make)
+
+
+def join(
+    config: EngineConfig, store: dist.Store, rank: int, size: int, rank_model: RankModel, share: bool = True
+) -> tuple[PCPGroup, Runners]:
+    """A worker with its model loaded: handshake, then (group, runner); share: see make_runner."""
+    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
+    group = PCPGroup(rank, size, rank_model.device, store)
+    return group, make_runner(config, rank_model, group, share)
+
+
+def serve(runner: Runners, group: PCPGroup) -> None:
+    """Run every message rank 0 sends (step plans, KV copies), until it sends None.
+
+    Raises RankFailure when a link fails: rank 0 or a peer went away (its
+    sockets close, or its process is seen dead), or rank 0 left the group to
+    recover from a lost rank; the wait for the next plan, or a collective of
+    the step under way, then fails at once.
+    """
+    while True:
+        try:
+            msg = group.broadcast_object()
+            if msg is None:
+                return
+            if isinstance(msg, KVCopy):
+                runner.copy_kv(msg.block_ids)
+            else:
+                runner.execute(cast(StepPlan, msg))
+        except Exception as e:
+            if not is_link_failure(e):
+                raise  # this rank's own failure: the caller shows the traceback
+            raise RankFailure(f"PCP rank {group.rank} lost rank 0 or a peer ({startup.first_line(e)})") from e
+
+
+def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, generation: int) -> None:
+    """A worker's life: serve; when the group breaks, check in and wait for rank 0
+    to re-form it (a lost rank respawned, or left out), and serve on in it, keeping
+    this rank's KV cache. Raises RankFailure when rank 0 is gone, gives up, or
+    left this rank out."""
+    while True:
+        try:
+            serve(runner, group)
+            group.close()
+            return
+        except RankFailure as failure:
+            group.close()
+            generation += 1
+            recovery.check_in(store, generation, group.rank)
+            members = recovery.await_recovery(store, generation, group.rank, failure)
+            rank = members.new_rank(group.rank)
+            if rank is None:
+                raise RankFailure(f"{failure}; rank 0 found PCP rank {group.rank} lost and went on without it")
+            keys = dist.PrefixStore(members.keys, store)
+            startup.follow(keys, rank, time.monotonic() + STARTUP_TIMEOUT_S)
+            group = PCPGroup(rank, len(members.ranks), group.device, keys)
+            runner.rejoin(group)
+
+
+def is_link_failure(e: Exception) -> bool:
+    # gloo's transport errors surface as plain RuntimeErrors naming the transport.
+    return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
+
+
+def worker_main(config: EngineConfig, rank: int, size: int, addr: str, port: int, prefix: str, generation: int) -> None:
+    """Entry point of a spawned rank of a group of ``size``. generation: 0 at start-up; g
+    for a rank respawned by rank 0's g-th recovery (it meets the others under that
+    generation's keys)."""
+    # Started with SIGINT blocked (see MultiRankExecutor._spawn): ignore it, then unblock.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    store = gstore = None
+    try:
+        store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
+        gstore = recovery.generation_store(store, generation)
+        gstore.set(f"started/{rank}", "")
+        rank_model = load_rank(config, resolve_device(config.device, rank))
+        group, runner = join(config, gstore, rank, size, rank_model, share=generation == 0)
+    except Exception as e:
+        startup.report_failure(gstore, rank, e)
+        if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
+            print(f"ctxpar: PCP rank {rank} failed to start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    try:
+        serve_until_stopped(store, runner, group, generation)
+    except RankFailure as e:  # rank 0 is gone, or went on without this rank
+        print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        print(f"ctxpar: PCP rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
