@@ -69,7 +69,7 @@ from ctxpar import LLM, RankFailure, SamplingParams
 from helpers.workloads import long_prompts
 from test_two_hosts import GREEDY
 try:
-    with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:  # rank 1 serves in here
+    with LLM({model!r}, pcp_size=2, pcp_min_tokens=0, max_rank_recoveries=0) as llm:  # rank 1 serves in here
         outs = llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)
         print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
         while {keep_going}:  # long prefills until the other host goes away
@@ -80,11 +80,35 @@ except RankFailure as e:
 """
 
 
-def start_nodes(hosts, model: str, tmp_path, keep_going: bool) -> list[subprocess.Popen]:
+# Requests in flight when node 1 is lost: rank 0 goes on alone (recovery on).
+IN_FLIGHT_SCRIPT = """
+import json, sys
+sys.path[:0] = [{here!r}, {tests!r}]
+from ctxpar import LLM
+from helpers.workloads import long_prompts
+from test_two_hosts import GREEDY
+with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:
+    engine, out = llm.llm_engine, {{}}
+    for i, p in enumerate(long_prompts(3, 300)):
+        engine.add_request(str(i), p, GREEDY)
+    for _ in range(3):  # the prefills, split over both hosts, and two decodes
+        engine.step()
+    print("READY", flush=True)
+    sys.stdin.readline()  # node 1 is gone now
+    while engine.has_unfinished_requests():
+        out.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+    rec = llm.engine.recovery
+    print("TOKENS", json.dumps([out[str(i)] for i in range(3)]), rec.recoveries, rec.pcp_ranks, flush=True)
+"""
+
+
+def start_nodes(hosts, model: str, tmp_path, keep_going: bool | None) -> list[subprocess.Popen]:
+    """keep_going None: IN_FLIGHT_SCRIPT, else SCRIPT."""
     script = tmp_path / f"two_hosts_{keep_going}.py"
     here = os.path.dirname(__file__)
     tests = os.path.dirname(here)
-    script.write_text(textwrap.dedent(SCRIPT.format(here=here, tests=tests, model=model, keep_going=keep_going)))
+    text = SCRIPT if keep_going is not None else IN_FLIGHT_SCRIPT
+    script.write_text(textwrap.dedent(text.format(here=here, tests=tests, model=model, keep_going=keep_going)))
     procs = []
     for rank, (ns, dev) in enumerate(hosts):
         # gloo binds to the address of this interface, not the hostname's.
@@ -94,7 +118,7 @@ def start_nodes(hosts, model: str, tmp_path, keep_going: bool) -> list[subproces
             "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", ADDRS[0],
             "--master-port", str(MASTER_PORT), str(script),
         ]  # fmt: skip
-        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(subprocess.Popen(cmd, **pipes, env=env, start_new_session=True))
     return procs
 
@@ -141,10 +165,34 @@ def kill_host_and_wait(hosts, model: str, tmp_path, victim: int) -> tuple[float,
     return float(when) - killed, message
 
 
+def test_a_lost_host_leaves_rank_0_going_on_alone(hosts, tiny_model_dirs, tmp_path):
+    """Node 1 (rank 1 and its torchrun agent) is killed with requests in flight: rank 0's
+    next step fails, rank 1's heartbeat stops, and rank 0 goes on as a group of one
+    (torchrun's ranks are not ctxpar's to respawn) with the whole KV cache it holds:
+    the requests finish with one rank's tokens."""
+    model = str(tiny_model_dirs["llama"])
+    procs = start_nodes(hosts, model, tmp_path, keep_going=None)
+    try:
+        assert procs[0].stdout.readline() == "READY\n", procs[0].stderr.read()[-3000:]
+        kill_tree(procs[1].pid)
+        procs[1].wait(30)
+        procs[0].stdin.write("go\n")
+        procs[0].stdin.flush()
+        line = procs[0].stdout.readline()  # rank 0's torchrun then waits for node 1 at its exit: not awaited
+    finally:
+        stop(procs)
+    assert line.startswith("TOKENS "), procs[0].stderr.read()[-3000:]
+    tokens, recoveries, ranks = line[len("TOKENS ") :].rsplit(" ", 2)
+    assert (int(recoveries), int(ranks)) == (1, 1)
+    with LLM(model) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(long_prompts(3, 300), GREEDY, use_tqdm=False)]
+    assert json.loads(tokens) == want
+
+
 def test_killing_one_host_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path):
-    """Node 1 (rank 1 and its torchrun agent) is killed while rank 0 runs
-    long prefills: rank 0's collective fails as the link's sockets close and
-    it raises RankFailure within seconds, not after a timeout."""
+    """With recovery off: node 1 (rank 1 and its torchrun agent) is killed while
+    rank 0 runs long prefills: rank 0's collective fails as the link's sockets
+    close and it raises RankFailure within seconds, not after a timeout."""
     took, message = kill_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=1)
     assert took < 10
     assert "a PCP rank failed during a step" in message and ADDRS[1] in message  # names the peer host
