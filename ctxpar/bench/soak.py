@@ -4,7 +4,9 @@ against a live `ctxpar serve` for --duration seconds (default 30 minutes).
 C client threads (--concurrency) each send one random request after another
 (soak_clients.py: completions and chat, streamed or not, sampled or greedy,
 n = 1 or 2, logprobs; --abort-rate of them leave early, --bad-rate are bad
-requests that must get a 400). Every --report-every seconds a line gives
+requests that must get a 400). With --kill-rank-every S (P >= 2), a random
+rank other than rank 0 is SIGKILLed every S seconds: the server must recover
+it with no request lost (/health's counts are checked at the end). Every --report-every seconds a line gives
 requests served, aborted and refused, errors, and the server's RSS (rank 0,
 and all its processes). At the end: requests served, errors by kind, latency
 p50 / p99 of the served ones, RSS at the start (after a warm-up) and at the
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import random
+import signal
 import threading
 import time
 import urllib.parse
@@ -49,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bad-rate", type=fraction, default=0.05, metavar="F", help="bad requests (0.05)")
     p.add_argument("--report-every", type=positive_int, default=30, metavar="S", help="seconds per line (30)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the mix (default: 0)")
+    p.add_argument(
+        "--kill-rank-every",
+        type=positive_int,
+        metavar="S",
+        help="SIGKILL a random PCP rank (not rank 0) every S seconds; the server recovers it (needs --pcp >= 2)",
+    )
 
 
 def rss_mb(pid: int) -> float:
@@ -76,6 +87,30 @@ def process_tree(pid: int) -> list[int]:
         tree.append(p := todo.pop())
         todo += kids.get(p, [])
     return tree
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    """The server's spawned PCP ranks (rank 0 is the server process itself)."""
+    ranks = []
+    for pid in process_tree(server_pid)[1:]:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            continue  # gone meanwhile
+    return ranks
+
+
+def kill_ranks(server_pid: int, every: float, stop: float, rng: random.Random) -> list[float]:
+    """SIGKILL a random rank every ``every`` seconds until ``stop``; the kill times."""
+    kills = []
+    while time.monotonic() + every < stop:
+        time.sleep(every)
+        ranks = rank_pids(server_pid)
+        if ranks:
+            os.kill(rng.choice(ranks), signal.SIGKILL)
+            kills.append(time.monotonic())
+    return kills
 
 
 def idle_metrics(base: str, timeout: float) -> dict[str, float]:
@@ -120,6 +155,8 @@ def run(args: argparse.Namespace) -> None:
         raise CtxparError(f"--url must be an http:// loopback address (this benchmark sends load), got {args.url!r}")
     if args.abort_rate + args.bad_rate > 1:
         raise CtxparError("--abort-rate and --bad-rate must add up to at most 1")
+    if args.kill_rank_every is not None and (args.url or args.pcp < 2):
+        raise CtxparError("--kill-rank-every needs a server started here (no --url) with --pcp 2 or more")
     print(describe_machine())
     port = (url.port or 8000) if args.url else free_port()
     server = None if args.url else start_server(args, port, extra=())
@@ -141,6 +178,12 @@ def run(args: argparse.Namespace) -> None:
                 tally.add(send(host, port, p, timeout=300))
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.concurrency)]
+        kills: list[float] = []
+        if args.kill_rank_every is not None:
+            assert server is not None  # checked above
+            every, kill_rng = args.kill_rank_every, random.Random(args.seed)
+            killer = lambda: kills.extend(kill_ranks(server.pid, every, stop, kill_rng))  # noqa: E731
+            threads.append(threading.Thread(target=killer, daemon=True))
         for t in threads:
             t.start()
         t0 = time.monotonic()
@@ -162,11 +205,20 @@ def run(args: argparse.Namespace) -> None:
         line()
         m = idle_metrics(base, timeout=60)
         end_rss = rss()
+        health = json.loads(urllib.request.urlopen(base + "/health", timeout=30).read())
     finally:
         if server is not None:
             server.terminate()
             server.wait(60)
     report(tally, m, start_rss, end_rss, args.duration, percentile)
+    if args.kill_rank_every is not None:
+        recovered = health["rank_recoveries"] == len(kills) == health["rank_failures"]
+        print(
+            f"ranks killed {len(kills)}, found lost {health['rank_failures']}, recovered {health['rank_recoveries']}; "
+            f"/health {health['status']} on {health['pcp_ranks']} of {args.pcp} ranks"
+        )
+        if not recovered or health["status"] != "healthy":
+            raise SystemExit(1)
 
 
 def report(tally: Tally, m: dict[str, float], start: tuple, end: tuple, duration: int, percentile) -> None:
