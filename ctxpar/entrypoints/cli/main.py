@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "long": ("ctxpar.bench.long", "exactness at 32K tokens: P ranks and D = P against one rank, SmolLM2's shapes"),
     "overhead": ("ctxpar.bench.overhead", "host work per step (scheduler, layout, slots) at 8K-128K cached tokens"),
     "links": ("ctxpar.bench.links", "P = 2 on two namespaces over tbf-shaped links (1-100 Gbit/s, RDMA) vs one core"),
+    "recovery": ("ctxpar.bench.recovery", "a SIGKILLed rank: time to recover vs the prefill a restart redoes"),
     "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
     "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
     "soak": ("ctxpar.bench.soak", "the HTTP server under random request mixes and client aborts for a long time"),
