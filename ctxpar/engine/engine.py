@@ -62,6 +62,7 @@ class Engine:
         self.num_blocks = rank_model.num_blocks
         # Under DCP a logical block (the unit allocated, counted and hashed for prefix
         # caching) is block_size * D tokens; each rank stores block_size of them.
+        self.dcp_size = config.dcp_size  # fewer after a lost rank left out under DCP (_reshard)
         self.block_manager = BlockManager(
             self.num_blocks, config.block_size * config.dcp_size, config.enable_prefix_caching
         )
@@ -75,6 +76,8 @@ class Engine:
             pcp_size=config.pcp_size,
             pcp_ranks=config.pcp_size,
         )
+        # Requests failed alone when a recovery rebuilt the KV cache (_go_on); None: not rebuilt.
+        self._failed_alone: list[RequestOutput] | None = None
         self.requests: dict[str, Request] = {}  # by sample id (the request id when n == 1)
         self.groups: dict[str, RequestGroup] = {}  # by request id: what the caller added
         self._arrivals = itertools.count()
@@ -250,7 +253,7 @@ class Engine:
         keeps its computed-token count, its tokens and its RNG state, so the
         step is simply scheduled again. The exception goes to the caller.
         """
-        outputs = self._admit_compiled()
+        outputs = self._admit_compiled() + self._take_failed_alone()
         # Drafts and samples draw from the requests' generators: their states are saved
         # first, so a failing step leaves every generator where it was.
         rng_states = _saved_generators(self.scheduler.running, {})
@@ -296,6 +299,9 @@ class Engine:
                 sampling,
                 [r.cumulative_logprob is not None for r in sampling],
             )
+        except CacheRebuilt:  # a lost rank's recovery preempted every request: nothing ran
+            _restore_generators(rng_states)
+            return outputs + self._take_failed_alone()
         except BaseException:
             _restore_generators(rng_states)
             raise
@@ -346,12 +352,23 @@ class Engine:
             if error is None:
                 self.scheduler.add(group.samples[0])
                 continue
-            logger.error("request %s: its grammar failed to compile: %s", group.request_id, error)
-            for req in group.samples:
-                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
-            group.held = []
-            failed.append(make_output(group))
-            self._forget(group)
+            failed.append(self._fail_alone(group, f"its grammar failed to compile: {error}"))
+        return failed
+
+    def _fail_alone(self, group: RequestGroup, why: str) -> RequestOutput:
+        """Finish a request that cannot go on ("abort"), leaving the others be; its last output."""
+        logger.error("request %s: %s", group.request_id, why)
+        for req in group.samples:
+            if req in self.scheduler.waiting:
+                self.scheduler.waiting.remove(req)
+            req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        group.held = []
+        output = make_output(group)
+        self._forget(group)
+        return output
+
+    def _take_failed_alone(self) -> list[RequestOutput]:
+        failed, self._failed_alone = self._failed_alone or [], None
         return failed
 
     def _forget(self, group: RequestGroup) -> None:
@@ -387,7 +404,8 @@ class Engine:
     # -- a lost rank ----------------------------------------------------------------
 
     def _execute(self, plan: StepPlan) -> StepOutput:
-        """executor.execute, recovering from lost ranks (then the step runs again)."""
+        """executor.execute, recovering from lost ranks (then the step runs again; or,
+        where the recovery rebuilt the KV cache, CacheRebuilt: the step is scheduled anew)."""
         while True:
             try:
                 return self.executor.execute(plan)
@@ -395,6 +413,8 @@ class Engine:
                 raise  # stopped for good after an earlier failure
             except RankFailure as e:
                 self._recover(e)
+                if self._failed_alone is not None:
+                    raise CacheRebuilt from e
 
     def _recover(self, failure: RankFailure) -> None:
         """Respawn the lost rank(s) and restore the KV they held (ctxpar/engine/recovery.py),
@@ -408,7 +428,7 @@ class Engine:
             if not rec.allow():
                 window = f"{rec.window_s:g} s"
                 self._give_up(failure, f"{rec.max_recoveries} recoveries within {window} already (max_rank_recoveries)")
-            if self.config.dcp_size > 1 and self.executor.rank_model.draft is not None:
+            if self.dcp_size > 1 and self.executor.rank_model.draft is not None:
                 self._give_up(failure, "a draft model's KV shard is not recomputed under DCP")
             rec.recovering = True
             t0 = time.perf_counter()
@@ -418,7 +438,7 @@ class Engine:
                 except RankFailure as e:
                     self._give_up(failure, str(e))
                 try:
-                    what = self._restore(regrouped.respawned)
+                    what = self._restore(regrouped.respawned) if regrouped.respawned else self._go_on(regrouped.size)
                 except RankFailure as e:  # another rank lost while restoring: recover again
                     failure = e
                     continue
@@ -434,6 +454,34 @@ class Engine:
             logger.warning("recovered from a lost PCP rank (%s): %s, in %.2f s", failure, how, time.perf_counter() - t0)
             return
 
+    def _go_on(self, size: int) -> str:
+        """After lost ranks were left out: without DCP every rank left holds the whole cache,
+        so nothing is restored. Under DCP every request lost a shard placed by position
+        modulo D, which ``size`` ranks cannot take over: the cache is rebuilt for D = size
+        and the requests in flight recompute their KV (as preempted ones do); those whose
+        context no longer fits fail alone."""
+        if self.dcp_size == 1:
+            return "nothing to restore: every rank left holds the whole KV cache"
+        self.dcp_size = size
+        held = self.scheduler.preempt_all()
+        self.block_manager = BlockManager(
+            self.num_blocks, self.config.block_size * size, self.config.enable_prefix_caching
+        )
+        self.scheduler.block_manager = self.block_manager
+        capacity = self.num_blocks * self.block_manager.block_size
+        self.max_model_len = min(self.max_model_len, capacity)
+        self._failed_alone = []
+        for group in list(self.groups.values()):
+            longest = max(r.max_total_tokens for r in group.samples)
+            queued = any(r in self.scheduler.waiting for r in group.samples)  # not still compiling a grammar
+            if longest > capacity and queued:
+                why = f"no longer fits the KV cache of {capacity} tokens left on {size} rank(s)"
+                self._failed_alone.append(self._fail_alone(group, f"its context (up to {longest} tokens) {why}"))
+        return (
+            f"rebuilt the KV cache for DCP over {size} rank(s) ({capacity} tokens): {len(held)} requests recompute "
+            f"their KV, {len(self._failed_alone)} failed alone (their context no longer fits)"
+        )
+
     def _restore(self, respawned: list[int]) -> str:
         """Restore the KV of the requests in flight on the respawned ranks; says what it did."""
         if not respawned:  # the survivors hold the whole cache (without DCP) or lost nothing
@@ -442,7 +490,7 @@ class Engine:
         held = [r for r in self.scheduler.running if r.num_computed_tokens > 0]
         table = lambda r: np.asarray(self.block_manager.block_table(r.request_id), dtype=np.int64)
         tokens = sum(r.num_computed_tokens for r in held)
-        if self.config.dcp_size == 1:  # every rank holds the whole cache: copy rank 0's
+        if self.dcp_size == 1:  # every rank holds the whole cache: copy rank 0's
             bs = self.block_manager.block_size
             blocks = {b for r in held for b in table(r)[: -(-r.num_computed_tokens // bs)].tolist()}
             self.executor.copy_kv(np.array(sorted(blocks), dtype=np.int64))
@@ -450,7 +498,7 @@ class Engine:
             return f"copied the KV of {tokens} tokens of {len(held)} requests, dropped {dropped} cached blocks"
         recomputed = 0
         for plan in recompute_plans(
-            held, table, respawned, self.config.dcp_size, self.config.cp_interleave, self.config.max_num_batched_tokens
+            held, table, respawned, self.dcp_size, self.config.cp_interleave, self.config.max_num_batched_tokens
         ):
             self.executor.execute(plan)
             recomputed += plan.num_tokens
@@ -473,6 +521,11 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None  # type: ignore[assignment]
+
+
+class CacheRebuilt(Exception):
+    """A lost rank's recovery rebuilt the KV cache (DCP over fewer ranks) and preempted
+    every request: the step in flight is abandoned and scheduled anew."""
 
 
 def _saved_generators(

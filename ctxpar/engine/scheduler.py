@@ -247,6 +247,13 @@ class Scheduler:
         self._cache_computed(req)
         self.block_manager.free(req.request_id)
 
+    def preempt_all(self) -> list[Request]:
+        """Preempt every running request (its KV is to be recomputed); returns them."""
+        held = list(self.running)
+        for req in reversed(held):  # newest first: the oldest ends up in front of the queue
+            self._preempt(req)
+        return held
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)

@@ -188,11 +188,10 @@ class MultiRankExecutor:
 
     def recover_lost_ranks(self) -> Regrouped:
         """After a RankFailure: find the lost ranks, respawn them (spawned ranks) or,
-        where that fails or cannot be done (torchrun's ranks), go on without them on
-        P - 1 ranks when every rank holds the whole KV cache (no DCP), and form the
-        group again with the survivors, which keep their KV caches. Raises
-        RankFailure when none of that can be done: a spawned rank that hung
-        instead of dying, or a lost rank under DCP that cannot come back."""
+        where that fails or cannot be done (torchrun's ranks), go on without them,
+        and form the group again with the survivors, which keep their KV caches
+        (the engine decides what is left of them: Regrouped). Raises RankFailure
+        for a spawned rank that hung instead of dying."""
         self._leave(self._stopped_because or "a rank was lost")
         assert self.store is not None  # not closed: close() comes after giving up
         self._generation += 1
@@ -213,11 +212,6 @@ class MultiRankExecutor:
                 return Regrouped(lost=lost, respawned=lost, size=self.size, why_not_respawned=None)
             except RankFailure as e:
                 why_not = f"respawning failed: {e}"
-        if self.config.dcp_size > 1:
-            raise RankFailure(
-                f"PCP rank(s) {lost} cannot come back ({why_not}), and under DCP each rank holds a shard of every "
-                "request's KV placed by position modulo D, which P - 1 ranks cannot take over"
-            )
         self._regroup(Members([0, *(r for r in ranks if r not in lost)], f"g{g}/without/"))
         return Regrouped(lost=lost, respawned=[], size=self.size, why_not_respawned=why_not)
 

@@ -45,25 +45,26 @@ class ModelRunner:
         self.options = options
         self.block_size = options.block_size
         self.device = device
+        if options.dcp_size not in (1, group.size if group is not None else 1):
+            raise ValueError(f"dcp_size must be 1 or the group size, got {options.dcp_size}")
         self.rejoin(group)
         self.spread_min_rows = options.spread_min_rows
         self.threads = torch.get_num_threads()
         self._led_buffer = torch.empty(0, dtype=options.dtype, device=device)  # led steps' KV, see _share_led_kv
-        if options.dcp_size not in (1, self.pcp_size):
-            raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {options.dcp_size}")
-        self.shard = DCPShard(options.dcp_size, options.cp_interleave, self.rank) if options.dcp_size > 1 else None
         self.kv_caches = allocate_kv_caches(
             model.num_kv_layers, options.num_blocks * options.block_size, model.kv_entry_shape, options.dtype, device
         )
 
     def rejoin(self, group: PCPGroup | None) -> None:
         """Run in this group: at start-up, and after a lost rank the re-formed one,
-        whose size is smaller when the lost rank was left out (never under DCP,
-        whose shards are placed by rank: the shard stays as built)."""
+        smaller when the lost rank was left out. Under DCP the KV is then sharded
+        over the ranks left (the engine has the requests recompute it)."""
         self.group = group
         self.rank = group.rank if group is not None else 0
         self.pcp_size = group.size if group is not None else 1
         self.lead_threads = self.options.lead_threads if self.pcp_size > 1 else None
+        sharded = self.options.dcp_size > 1 and self.pcp_size > 1
+        self.shard = DCPShard(self.pcp_size, self.options.cp_interleave, self.rank) if sharded else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput | None:

@@ -172,18 +172,47 @@ def test_a_rank_that_cannot_come_back_is_left_out(model, undisturbed, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_under_dcp_a_rank_that_cannot_come_back_stops_the_engine(model, tmp_path):
+def test_under_dcp_the_ranks_left_reshard_and_recompute(model, tmp_path):
+    """P = D = 3 and rank 1 lost for good: its shard of every request is gone and two
+    ranks cannot take over a layout by position modulo 3, so the cache is rebuilt for
+    D = 2 (two thirds of the tokens) and the requests in flight recompute their KV:
+    they finish with one rank's tokens, and the one whose context no longer fits the
+    smaller cache fails alone."""
     copy = shutil.copytree(model, tmp_path / "model")
-    engine = Engine(EngineConfig(str(copy), pcp_size=2, dcp_size=2, **CONFIG))
+    ps = prompts()
+    jobs = {
+        "too long now": (ps[0][:100], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)),
+        "greedy": (ps[2], params(0)),
+        "seeded": (ps[4], params(1)),
+    }
+
+    def generate(engine: Engine, kill_at: int | None = None) -> dict:
+        for rid, (p, sp) in jobs.items():
+            engine.add_request(p, sp, request_id=rid)
+        out, step = {}, 0
+        while engine.has_unfinished_requests():
+            if step == kill_at:
+                kill(engine.executor.procs[0].pid, 0)
+            out.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+            step += 1
+        return out
+
+    engine = Engine(EngineConfig(model, **CONFIG))
     try:
-        copy.rename(tmp_path / "moved")
-        engine.add_request(prompts()[0], params(0))
-        kill(engine.executor.procs[0].pid, 0)
-        with pytest.raises(RankFailure, match=r"not recovered: PCP rank\(s\) \[1\] cannot come back.*under DCP"):
-            engine.step()
-        assert multiprocessing.active_children() == []
+        want = generate(engine)
     finally:
         engine.close()
+    # 8 blocks of 16 tokens on each of 3 ranks: 384 tokens, then 256 on 2.
+    engine = Engine(EngineConfig(str(copy), pcp_size=3, dcp_size=3, **dict(CONFIG, num_kv_blocks=8, max_model_len=384)))
+    try:
+        copy.rename(tmp_path / "moved")  # a respawned rank cannot load the model
+        got = generate(engine, kill_at=2)
+        assert engine.recovery.pcp_ranks == 2 and engine.dcp_size == 2 and engine.max_model_len == 256
+    finally:
+        engine.close()
+    assert got["too long now"].finish_reason == "abort"
+    assert {k: got[k].token_ids for k in ("greedy", "seeded")} == {k: want[k].token_ids for k in ("greedy", "seeded")}
+    assert multiprocessing.active_children() == []
 
 
 # -- the pure parts -------------------------------------------------------------------
