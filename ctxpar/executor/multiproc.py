@@ -73,6 +73,8 @@ class MultiRankExecutor:
         self._server: dist.TCPStore | None = None
         self._port = 0  # of rank 0's store, which respawned ranks join (spawned ranks only)
         self._generation = 0  # recoveries so far: ranks meet under recovery.generation_store
+        self._torchrun_ranks = list(range(config.pcp_size))  # torchrun's number of each rank now (heartbeats)
+        self._heartbeats: recovery.Heartbeats | None = None  # torchrun ranks' (rank 0 reads them)
         env = torchrun_env()
         rank = env.rank if env is not None else 0
         self.rank_model = load_rank(config, resolve_device(config.device, env.local_rank if env is not None else 0))
@@ -81,6 +83,7 @@ class MultiRankExecutor:
             self.store = dist.PrefixStore(self._prefix, _torchrun_store(env))
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
+            self._heartbeats = recovery.Heartbeats(self.store)
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = open_store(config.master_addr, config.master_port or 0, is_master=True)
@@ -180,11 +183,10 @@ class MultiRankExecutor:
             raise
 
     def check_health(self) -> None:
-        """Raise RankFailure if a spawned rank has exited (an idle engine runs no
-        collective that would fail). Ranks under torchrun are other programs'
-        processes: their loss shows at the next step."""
+        """Raise RankFailure if a rank is lost: a spawned rank's process has exited, or a
+        torchrun rank's heartbeat stopped (an idle engine runs no collective that would fail)."""
         if self.group is not None:
-            self._check_alive()
+            self._check_alive(heartbeats=True)
 
     def recover_lost_ranks(self) -> Regrouped:
         """After a RankFailure: find the lost ranks, respawn them (spawned ranks) or,
@@ -235,6 +237,7 @@ class MultiRankExecutor:
         assert self.store is not None
         recovery.announce(self.store, self._generation, members)
         self.procs = [self.procs[r - 1] for r in members.ranks[1:]] if self._port != 0 else []
+        self._torchrun_ranks = [self._torchrun_ranks[r] for r in members.ranks]
         self.size = len(members.ranks)
         try:
             self._form_group(dist.PrefixStore(members.keys, self.store), fresh=False)
@@ -244,9 +247,11 @@ class MultiRankExecutor:
             raise RankFailure(f"re-forming the PCP group of ranks {members.ranks} failed: {why}") from e
         self._stopped_because = None
 
-    def _is_dead(self, rank: int) -> bool | None:
-        """Whether a spawned rank's process has ended; None for torchrun's ranks (not ours to see)."""
-        return not self.procs[rank - 1].is_alive() if self._port != 0 else None
+    def _is_dead(self, rank: int) -> bool:
+        """Whether a spawned rank's process has ended, or a torchrun rank's heartbeat stopped."""
+        if self._heartbeats is not None:
+            return self._heartbeats.stopped(self._torchrun_ranks[rank])
+        return not self.procs[rank - 1].is_alive()
 
     def _await_exits(self) -> None:
         """Give the workers a moment to be seen dead: a peer's closed socket can fail a
@@ -266,10 +271,16 @@ class MultiRankExecutor:
     def _dead(self) -> list[tuple[int, BaseProcess]]:
         return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
 
-    def _check_alive(self) -> None:
-        dead = self._dead()
-        if dead:
-            why = ", ".join(f"PCP rank {r} {startup.exit_reason(p.exitcode)}" for r, p in dead)
+    def _check_alive(self, heartbeats: bool = False) -> None:
+        """heartbeats: read torchrun ranks' heartbeats too (store round trips: only when idle;
+        in a step, a lost rank fails the step's collectives anyway)."""
+        why = ""
+        if heartbeats and self._heartbeats is not None:
+            silent = [r for r in range(1, self.size) if self._is_dead(r)]
+            why = ", ".join(f"PCP rank {r}'s heartbeat stopped" for r in silent)
+        elif self._heartbeats is None:
+            why = ", ".join(f"PCP rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead())
+        if why:
             self._leave(why)
             raise RankFailure(why)
 

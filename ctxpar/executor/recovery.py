@@ -119,31 +119,40 @@ def await_recovery(store: dist.Store, generation: int, rank: int, failure: RankF
     return Members(value["ranks"], value["keys"])
 
 
-def find_lost(
-    store: dist.Store, generation: int, ranks: list[int], is_dead: Callable[[int], bool | None], deadline: float
-) -> list[int]:
-    """Rank 0, after the group broke: the ranks that will not check in to ``generation``.
+class Heartbeats:
+    """Rank 0's view of the torchrun ranks' heartbeats (``beat/r``, under each rank's
+    torchrun number): when each last changed, timed on rank 0's clock (no skew between
+    hosts). A value first seen now counts from now: a rank is found lost only after
+    HEARTBEAT_LOST_S of watching it stand still."""
 
-    is_dead(r): True/False where rank 0 sees the process (spawned ranks), None where
-    it does not (torchrun's): then a heartbeat that stands still for HEARTBEAT_LOST_S
-    says the rank is gone. Returns once every rank has checked in or been found lost;
-    ranks still silent at ``deadline`` (monotonic) are lost too: they hang.
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self._seen: dict[int, tuple[bytes, float]] = {}
+
+    def stopped(self, rank: int) -> bool:
+        key = f"beat/{rank}"
+        beat = self.store.get(key) if self.store.check([key]) else b""
+        now = time.monotonic()
+        if rank not in self._seen or self._seen[rank][0] != beat:
+            self._seen[rank] = (beat, now)
+        return now - self._seen[rank][1] > HEARTBEAT_LOST_S
+
+
+def find_lost(
+    store: dist.Store, generation: int, ranks: list[int], is_dead: Callable[[int], bool], deadline: float
+) -> list[int]:
+    """Rank 0, after the group broke: the ranks that will not check in to ``generation``,
+    found by is_dead(r) (a spawned rank's process has ended; a torchrun rank's heartbeat
+    stopped). Returns once every rank has checked in or been found lost; ranks still
+    silent at ``deadline`` (monotonic) are lost too: they hang.
     """
     pending = set(ranks)
     lost: list[int] = []
-    beats: dict[int, tuple[bytes, float]] = {}
     while pending:
         for r in sorted(pending):
             if checked_in(store, generation, r):
                 pending.discard(r)
-                continue
-            dead = is_dead(r)
-            if dead is None:  # torchrun's rank: its heartbeat
-                beat = store.get(f"beat/{r}") if store.check([f"beat/{r}"]) else b""
-                if r not in beats or beats[r][0] != beat:
-                    beats[r] = (beat, time.monotonic())  # timed on this clock: no skew between hosts
-                dead = time.monotonic() - beats[r][1] > HEARTBEAT_LOST_S
-            if dead:
+            elif is_dead(r):
                 pending.discard(r)
                 lost.append(r)
         if pending and time.monotonic() > deadline:

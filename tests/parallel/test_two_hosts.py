@@ -82,7 +82,7 @@ except RankFailure as e:
 
 # Requests in flight when node 1 is lost: rank 0 goes on alone (recovery on).
 IN_FLIGHT_SCRIPT = """
-import json, sys
+import json, sys, time
 sys.path[:0] = [{here!r}, {tests!r}]
 from ctxpar import LLM
 from helpers.workloads import long_prompts
@@ -95,6 +95,9 @@ with LLM({model!r}, pcp_size=2, pcp_min_tokens=0) as llm:
         engine.step()
     print("READY", flush=True)
     sys.stdin.readline()  # node 1 is gone now
+    while llm.engine.recovery.rank_failures == 0:  # idle (as a server between requests): heartbeats
+        llm.engine.check_health()
+        time.sleep(0.1)
     while engine.has_unfinished_requests():
         out.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
     rec = llm.engine.recovery
@@ -166,10 +169,10 @@ def kill_host_and_wait(hosts, model: str, tmp_path, victim: int) -> tuple[float,
 
 
 def test_a_lost_host_leaves_rank_0_going_on_alone(hosts, tiny_model_dirs, tmp_path):
-    """Node 1 (rank 1 and its torchrun agent) is killed with requests in flight: rank 0's
-    next step fails, rank 1's heartbeat stops, and rank 0 goes on as a group of one
-    (torchrun's ranks are not ctxpar's to respawn) with the whole KV cache it holds:
-    the requests finish with one rank's tokens."""
+    """Node 1 (rank 1 and its torchrun agent) is killed with requests in flight, between
+    steps: rank 0's idle health check sees rank 1's heartbeat stop, and rank 0 goes on
+    as a group of one (torchrun's ranks are not ctxpar's to respawn) with the whole KV
+    cache it holds: the requests finish with one rank's tokens."""
     model = str(tiny_model_dirs["llama"])
     procs = start_nodes(hosts, model, tmp_path, keep_going=None)
     try:

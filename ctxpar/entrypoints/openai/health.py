@@ -7,8 +7,9 @@
   come back (restart the server to get them all again).
 - "recovering" (200): a lost PCP rank is being respawned and the KV of the
   requests in flight restored; they continue afterwards, new ones wait
-  (the engine thread checks the spawned ranks at every idle wake-up, so a
-  rank killed between requests is found within a second, not by the next request).
+  (the engine thread checks the ranks at every idle wake-up: a spawned rank's
+  process, a torchrun rank's heartbeat; so a rank killed between requests is
+  found within a second, or about 3 s under torchrun, not by the next request).
 - "dead" (503): the engine failed (a rank lost beyond --max-rank-recoveries,
   or one that cannot be respawned). The body carries the reason in OpenAI's
   error shape; restart the server.
