@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=positive_int, default=4096, metavar="N", help="prompt tokens (default: 4096)")
     p.add_argument("--requests", type=positive_int, default=2, metavar="R", help="requests in flight (default: 2)")
     p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank")
+    p.add_argument("--cp-interleave", type=positive_int, default=1, metavar="I", help="DCP shard granularity (1)")
     p.add_argument("--decode-steps", type=positive_int, default=4, metavar="N", help="decode steps timed (4)")
 
 
@@ -39,6 +40,8 @@ def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
     from ctxpar import LLM, SamplingParams
 
     kw = {"num_threads": args.threads} if args.threads else {}
+    if dcp > 1:
+        kw["cp_interleave"] = args.cp_interleave
     with LLM(args.model, pcp_size=args.pcp, dcp_size=dcp, max_model_len=args.context + 64, **kw) as llm:
         engine, core = llm.llm_engine, llm.engine
         rng = np.random.default_rng(0)
