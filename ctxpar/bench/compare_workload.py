@@ -1,9 +1,10 @@
 """One engine's run of the fixed `ctxpar bench compare` workload, in its own process.
 
 Run as a script by any Python: ``python compare_workload.py ENGINE SPEC_JSON``
-with ENGINE "ctxpar" or "vllm". It imports nothing from ctxpar at module level,
-so the peer's Python (vLLM's own venv) runs the very same file and code. It
-prints one JSON line: load seconds, the figures, and the generated token ids.
+with ENGINE "ctxpar", "vllm" or "llama.cpp". It imports nothing from ctxpar at
+module level, so the peer's Python (the peer's own venv) runs the very same
+file and code. It prints one JSON line: load seconds, the figures, and the
+generated token ids.
 
 Every figure is the best of ``repeat`` runs (the least disturbed one):
 - ttft_<n>: one-token generation of an n-token prompt (prefill + first token)
@@ -12,11 +13,19 @@ Every figure is the best of ``repeat`` runs (the least disturbed one):
   so the prefill (whose run-to-run noise, ~0.3 s at 2K, would swamp K decode
   steps if two generate calls were subtracted) is outside it
 - batch: output tokens per second of the batch prompts x max_tokens, all at once
+  (llama-cpp-python runs one sequence at a time: its prompts go one by one)
+- ppl_<text>: perplexity of each text of ``spec["perplexity"]`` (token ids),
+  exp of the mean negative log-likelihood of tokens 1..n-1 given those before
+  (ctxpar: prompt_logprobs; llama.cpp: its logits of every position); with
+  ``spec["quantization"]`` ctxpar also gives ppl_<text>_dequantized, the same
+  file dequantized to fp32 (the quantization gap)
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 
@@ -25,11 +34,17 @@ def _engine(name: str, spec: dict):
     """(generate(prompts, max_tokens) -> list of token id lists,
     decode(prompt, K) -> (seconds for tokens 2..1+K, token ids), seconds to load)."""
     t0 = time.perf_counter()
+    if name == "llama.cpp":
+        return _llama_cpp(spec, t0)
     if name == "ctxpar":
         from ctxpar import LLM, SamplingParams
 
         llm = LLM(
-            model=spec["model"], enable_prefix_caching=False, max_model_len=spec["max_model_len"], dtype="float32"
+            model=spec["model"],
+            enable_prefix_caching=False,
+            max_model_len=spec["max_model_len"],
+            dtype="float32",
+            quantization=spec.get("quantization"),
         )
         engine = llm._engine
         add = lambda rid, ids, params: engine.add_request(ids, params, request_id=rid)
@@ -70,6 +85,60 @@ def _engine(name: str, spec: dict):
     return generate, decode, loaded
 
 
+def _llama_cpp(spec: dict, t0: float):
+    """_engine for llama-cpp-python: greedy, one sequence at a time, every core."""
+    from llama_cpp import Llama
+
+    threads = os.cpu_count() or 1
+    llm = Llama(
+        model_path=spec["model"], n_ctx=spec["max_model_len"], n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+    loaded = time.perf_counter() - t0
+
+    def tokens(prompt: list[int], n: int, first: list[float]) -> list[int]:
+        llm.reset()  # no prefix reuse between runs: each prompt is prefilled whole
+        out: list[int] = []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            first.append(time.perf_counter())
+            out.append(int(token))
+            if len(out) == n:  # ignore_eos: only the count stops it
+                return out
+        return out
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        return [tokens(p, max_tokens, []) for p in prompts]
+
+    def decode(prompt: list[int], k: int) -> tuple[float, list[int]]:
+        arrivals: list[float] = []
+        out = tokens(prompt, 1 + k, arrivals)
+        return time.perf_counter() - arrivals[0], out
+
+    return generate, decode, loaded
+
+
+def perplexity(name: str, spec: dict, ids: list[int], quantization: str | None) -> float:
+    """exp(mean NLL) of ids[1:] given the tokens before each (see the module's docstring)."""
+    if name == "llama.cpp":
+        import numpy as np
+        from llama_cpp import Llama
+
+        threads = os.cpu_count() or 1
+        llm = Llama(model_path=spec["model"], n_ctx=len(ids), n_threads=threads, logits_all=True, verbose=False)
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # (n-1, vocab): row t predicts ids[t+1]
+        top = logits.max(axis=1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        nll = lse - logits[np.arange(len(ids) - 1), ids[1:]]
+        return float(math.exp(nll.mean()))
+    from ctxpar import LLM, SamplingParams
+
+    with LLM(model=spec["model"], dtype="float32", quantization=quantization, max_model_len=len(ids) + 1) as llm:
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    entries = out[0].prompt_logprobs[1:]  # the first prompt token has none
+    nll = [-entry[token].logprob for entry, token in zip(entries, ids[1:])]
+    return math.exp(sum(nll) / len(nll))
+
+
 def _timed(fn) -> tuple[float, object]:
     t0 = time.perf_counter()
     result = fn()
@@ -96,6 +165,10 @@ def run(name: str, spec: dict) -> dict:
         best = min(best, dt)
     figures["batch"] = len(batch) * spec["batch_max_tokens"] / best
     tokens["batch"] = out
+    for text, ids in spec.get("perplexity", {}).items():
+        figures[f"ppl_{text}"] = perplexity(name, spec, ids, spec.get("quantization"))
+        if name == "ctxpar" and spec.get("quantization"):
+            figures[f"ppl_{text}_dequantized"] = perplexity(name, spec, ids, None)
     return {"engine": name, "load_s": loaded, "figures": figures, "tokens": tokens}
 
 

@@ -4,8 +4,11 @@ not installed here: it is a peer in its own venv), and bad setups are refused.""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from ctxpar.bench import compare, compare_workload
 from ctxpar.cli import main
@@ -22,17 +25,26 @@ def test_workload_runs_ctxpar_and_reports_every_figure(tiny_model_dirs):
         "batch_prompts": [[7, 8, 9], list(range(10, 30))],
         "batch_max_tokens": 5,
         "repeat": 1,
+        "perplexity": {"text": list(range(3, 90))},
     }
     res = compare_workload.run("ctxpar", spec)
-    assert set(res["figures"]) == {"ttft_40", "decode_40", "decode_4", "batch"}
+    assert set(res["figures"]) == {"ttft_40", "decode_40", "decode_4", "batch", "ppl_text"}
     assert all(v > 0 for v in res["figures"].values())
     assert [len(s) for s in res["tokens"]["batch"]] == [5, 5]
     assert [len(s) for s in res["tokens"]["decode_40"]] == [4]
+    # The perplexity against transformers' on the same weights and ids.
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    ids = torch.tensor([spec["perplexity"]["text"]])
+    with torch.no_grad():
+        want = math.exp(model(ids, labels=ids).loss.item())
+    assert res["figures"]["ppl_text"] == pytest.approx(want, rel=1e-4)
 
 
 def test_missing_peer_python_is_refused(capsys):
     assert main(["bench", "compare", "--peer-python", "/nonexistent/python"]) == 2
     assert "--peer-python /nonexistent/python does not exist" in capsys.readouterr().err
+    assert main(["bench", "compare", "--peer", "llama.cpp", "--peer-python", "/nonexistent/python"]) == 2
+    assert "the llama.cpp venv's python" in capsys.readouterr().err
 
 
 def test_busy_machine_is_refused_unless_allowed(monkeypatch):
