@@ -127,27 +127,27 @@ class EngineConfig:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.pcp_size)
 
     def _check_quantization(self) -> None:
-        """None (or "none": one spelling from here on, None) or "gguf" with a .gguf
-        model (the default model is one) on the CPU."""
+        """None (or "none": one spelling from here on, None), "gguf" with a .gguf model
+        (the default model is one), or "int8" (any model, quantized at load); on the CPU."""
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization is None:
             return
-        if self.quantization != "gguf":
+        if self.quantization not in ("gguf", "int8"):
             raise CtxparError(
                 f"quantization={self.quantization!r} is not supported: ctxpar keeps a .gguf file's quantized "
-                "blocks (quantization='gguf') or dequantizes them (None, the default); pass an unquantized "
-                "checkpoint or a .gguf file"
+                "blocks (quantization='gguf'), quantizes weights to int8 at load (quantization='int8'), or "
+                "computes in the dtype (None, the default)"
             )
-        if self.model is not None and os.path.isdir(self.model):
+        if self.quantization == "gguf" and self.model is not None and os.path.isdir(self.model):
             raise CtxparError(
                 f"quantization='gguf' keeps the blocks of a .gguf file; model {self.model!r} is a directory: "
-                "pass a .gguf file, or leave quantization=None"
+                "pass a .gguf file, quantization='int8' to quantize it at load, or leave quantization=None"
             )
         if self.device == "cuda":
             raise CtxparError(
-                "quantization='gguf' computes with CPU kernels: pass device='cpu', or leave quantization=None "
-                "(the GGUF is dequantized)"
+                f"quantization={self.quantization!r} computes with CPU kernels: pass device='cpu', or leave "
+                "quantization=None"
             )
 
     def _check_dcp(self) -> None:

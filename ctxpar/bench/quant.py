@@ -1,5 +1,7 @@
 """Decode with a GGUF's weights kept quantized (quantization="gguf") against the
-same file dequantized to fp32 and to bf16, on the real SmolLM2-135M Q4_1 GGUF.
+same file dequantized to fp32 and to bf16, and quantized at load to int8
+(quantization="int8", as any safetensors model can be), on the real
+SmolLM2-135M Q4_1 GGUF.
 
 A decode step reads every weight once (and the KV cache of its context), so
 its floor is those bytes over the memory bus's read bandwidth. For each
@@ -26,6 +28,7 @@ from ctxpar.checks import positive_int
 
 SETUPS: dict[str, dict[str, Any]] = {
     "gguf": dict(quantization="gguf"),
+    "int8": dict(quantization="int8", dtype="float32"),
     "fp32": dict(quantization=None, dtype="float32"),
     "bf16": dict(quantization=None, dtype="bfloat16"),
 }

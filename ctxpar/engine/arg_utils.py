@@ -95,8 +95,9 @@ FLAGS: dict[str, Flag] = {
     "quantization": Flag(
         "gguf: keep a .gguf file's quantized weights (Q4_0 ... Q6_K) and compute with them on the CPU, "
         "reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
-        "none (the default): dequantize them when loading (the exact path)",
-        choices=("gguf", "none"),
+        "int8: quantize any model's projection weights to int8 at load (a scale per 32 weights), same kernels; "
+        "none (the default): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
+        choices=("gguf", "int8", "none"),
     ),
 }
 

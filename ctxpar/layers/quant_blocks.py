@@ -144,6 +144,21 @@ def decode(raw: np.ndarray, fmt_name: str, cols: int) -> Decoded:
     )
 
 
+def quantize_int8(w: np.ndarray, group: int = 32) -> Decoded:
+    """Float weights (rows, cols) as int8 weight-only blocks (quantization="int8"): per group of
+    ``group`` weights of a row, scale = max |w| / 127 and q = round(w / scale) in -127..127, no
+    offset (Q8_0's form, with a float32 scale; a group, not a whole row, per scale: an outlier
+    costs only its own 32 weights their precision, at 4 more bytes per 32)."""
+    rows, cols = w.shape
+    if cols % group:
+        raise ValueError(f"int8 rows of {cols} weights are not whole groups of {group}")
+    g = np.asarray(w, dtype=np.float32).reshape(rows, cols // group, group)
+    scales = np.abs(g).max(axis=2) / np.float32(127)  # (rows, cols // group)
+    safe = np.where(scales > 0, scales, np.float32(1))  # an all-zero group: q = 0 whatever the scale
+    q = np.clip(np.rint(g / safe[:, :, None]), -127, 127).astype(np.int8)
+    return Decoded(q=q.reshape(rows, cols), scales=scales.astype(np.float32), offsets=None, group=group)
+
+
 def dequantize(d: Decoded) -> np.ndarray:
     """The float32 weights (rows, cols): ``scale * q``, then ``+ offset`` (two roundings, as gguf)."""
     rows, cols = d.q.shape

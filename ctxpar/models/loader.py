@@ -24,6 +24,8 @@ import torch
 
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import overridden_config_kwargs
+from ctxpar.layers.quant_blocks import quantize_int8
+from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.models import gguf
 from ctxpar.models.deepseek_mtp import DeepseekMTP
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
@@ -72,12 +74,13 @@ def load_model(
 ) -> LoadedModel:
     """Load the model at `path` (HF directory, .gguf file, or None for the default model),
     its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py). quantization:
-    None dequantizes a GGUF to the dtype; "gguf" keeps its blocks quantized
-    (CPU only: the kernels are ctxpar/kernels/quant_gemv.cpp)."""
-    if quantization == "gguf" and torch.device(device).type != "cpu":
+    None dequantizes a GGUF to the dtype; "gguf" keeps its blocks quantized;
+    "int8" quantizes the projection weights at load (both CPU only: the kernels
+    are ctxpar/kernels/quant_gemv.cpp)."""
+    if quantization is not None and torch.device(device).type != "cpu":
         raise CtxparError(
-            f"quantization='gguf' computes with CPU kernels; device {device} cannot: leave quantization=None "
-            "(the GGUF is dequantized) or pass device='cpu'"
+            f"quantization={quantization!r} computes with CPU kernels; device {device} cannot: leave "
+            "quantization=None or pass device='cpu'"
         )
     if path is None:
         gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
@@ -91,7 +94,15 @@ def load_model(
                     f"quantization='gguf' keeps a .gguf file's blocks quantized; {p} is a Hugging Face directory: "
                     "pass a .gguf file, or leave quantization=None"
                 )
-            return _load_hf_dir(p, dtype, torch.device(device), max_model_len, p.resolve().name, hf_overrides)
+            return _load_hf_dir(
+                p,
+                dtype,
+                torch.device(device),
+                max_model_len,
+                p.resolve().name,
+                hf_overrides,
+                int8=quantization == "int8",
+            )
         if not gguf.is_gguf(p):
             raise CtxparError(
                 f"model file {p} is not a GGUF file (bad magic); pass a .gguf file or a Hugging Face model directory"
@@ -108,6 +119,7 @@ def load_model(
             hf_overrides,
             shown=gguf_path,
             quantized_from=gguf_path if quantization == "gguf" else None,
+            int8=quantization == "int8",
         )
     finally:
         if temporary:
@@ -162,18 +174,27 @@ def _load_hf_dir(
     hf_overrides: dict[str, Any] | None,
     shown: Path | None = None,
     quantized_from: Path | None = None,
+    int8: bool = False,
 ) -> LoadedModel:
     """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from);
-    `quantized_from`: the GGUF whose quantized tensors are kept as blocks, not read from `d`."""
+    `quantized_from`: the GGUF whose quantized tensors are kept as blocks, not read from `d`;
+    int8: quantize the projection weights as they are read (``int8_weights``)."""
     shown = shown or d
     config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
+    if (quantized_from is not None or int8) and not hasattr(cls, "_place_quantized"):
+        raise CtxparError(
+            f"quantized weights run in Llama-style models (Llama, Qwen, SmolLM2); {shown} is a {cls.__name__}: "
+            "leave quantization=None"
+        )
     files = _safetensors_files(d, shown)
     quantized = gguf.quantized_tensors(quantized_from, config) if quantized_from is not None else {}
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
     model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
     floats = _iter_safetensors(files, lambda name: name not in quantized)
+    if int8:
+        floats = int8_weights(floats)
     model.load_weights(itertools.chain(floats, quantized.items()))
     quantized.clear()  # the parts a fused weight was joined from
     model.eval()
@@ -188,6 +209,23 @@ def _load_hf_dir(
         eos_token_ids=_eos_token_ids(d, config, tokenizer),
         name=name,
     )
+
+
+# The weights quantization="int8" quantizes: the projections and the embeddings
+# (the lm_head's, tied or not), which decode reads every step; norms and biases stay.
+INT8_WEIGHTS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def int8_weights(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """``weights`` with every one named by INT8_WEIGHTS (2-D, rows of whole groups of 32)
+    quantized to int8 blocks (layers/quant_blocks.py's ``quantize_int8``)."""
+    for name, w in weights:
+        if name.endswith(INT8_WEIGHTS) and w.dim() == 2 and w.shape[1] % 32 == 0:
+            yield name, QuantWeight.from_decoded(quantize_int8(w.float().numpy()), bits=8)
+        else:
+            yield name, w
 
 
 def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None):
