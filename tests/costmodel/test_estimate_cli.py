@@ -57,3 +57,16 @@ def test_errors_are_one_line_without_traceback(argv, message, capsys):
     assert main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_plot_has_a_line_per_p_and_the_published_points(tmp_path):
+    from ctxpar.costmodel.published import META_CP_TTFT
+
+    out = tmp_path / "plot.svg"
+    assert main(["estimate", "--model", "llama-3-405b", "--hardware", "h100x8-ib", "--context", "131072"]
+                + ["--plot", str(out), "--pcp", "1", "2", "4"]) == 0  # fmt: skip
+    text = out.read_text()
+    assert text.startswith("<svg") and text.rstrip().endswith("</svg>")
+    assert text.count("<polyline") == 3  # P = 1, 2, 4 over 8K..128K
+    measured = [pt for pt in META_CP_TTFT if pt.pcp in (1, 2, 4) and pt.context <= 131072]
+    assert text.count("<circle") == len(measured) + 1  # and the legend's

@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_OUTPUT_TOKENS}; 0: TTFT alone)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.svg",
+        help="instead, write an SVG of TTFT against context (8K, 16K, ... up to --context), one line per "
+        "P, with the published measurements of the model on the hardware as points",
+    )
 
 
 def _row(e: Estimate) -> str:
@@ -49,6 +55,17 @@ def _row(e: Estimate) -> str:
 
 def run(args: argparse.Namespace) -> None:
     model, hardware = load_model_shape(args.model), load_hardware(args.hardware)
+    if args.plot:
+        from pathlib import Path
+
+        from ctxpar.costmodel.plot import predicted, published_points, svg
+
+        contexts = [8192 << k for k in range(max(1, (args.context // 8192).bit_length()))]
+        lines = predicted(model, hardware, contexts, args.pcp or [1, 2, 4, 8, 16])
+        title = f"{model.name} on {hardware.name}: predicted TTFT, batch 1, full prefill"
+        Path(args.plot).write_text(svg(title, lines, published_points(model, hardware)))
+        print(f"wrote {args.plot}: {len(contexts)} contexts from 8K to {contexts[-1] // 1024}K")
+        return
     results = estimate(model, hardware, args.context, args.cached, args.batch, args.pcp, args.dcp, args.output_tokens)
     if args.json:
         print(json.dumps([e.to_dict() for e in results], indent=1))
