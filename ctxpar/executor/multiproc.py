@@ -210,10 +210,11 @@ class MultiRankExecutor:
         if spawned or not lost:
             try:
                 self._respawn(lost, g)
-                self._regroup(Members(list(range(self.size)), f"g{g}/"))
-                return Regrouped(lost=lost, respawned=lost, size=self.size, why_not_respawned=None)
             except RankFailure as e:
                 why_not = f"respawning failed: {e}"
+            else:
+                self._regroup(Members(list(range(self.size)), f"g{g}/"))
+                return Regrouped(lost=lost, respawned=lost, size=self.size, why_not_respawned=None)
         self._regroup(Members([0, *(r for r in ranks if r not in lost)], f"g{g}/without/"))
         return Regrouped(lost=lost, respawned=[], size=self.size, why_not_respawned=why_not)
 
@@ -239,9 +240,11 @@ class MultiRankExecutor:
         self.procs = [self.procs[r - 1] for r in members.ranks[1:]] if self._port != 0 else []
         self._torchrun_ranks = [self._torchrun_ranks[r] for r in members.ranks]
         self.size = len(members.ranks)
+        keys = dist.PrefixStore(members.keys, self.store)
         try:
-            self._form_group(dist.PrefixStore(members.keys, self.store), fresh=False)
+            self._form_group(keys, fresh=False)
         except Exception as e:
+            startup.abandon(keys, startup.first_line(e))  # the survivors waiting for the verdict leave
             why = self._why(e)
             self._leave(f"recovering from a lost rank failed ({why})")
             raise RankFailure(f"re-forming the PCP group of ranks {members.ranks} failed: {why}") from e
