@@ -70,8 +70,8 @@ def test_auto_picks_per_step() -> None:
     """Equal prompts: one whole on each rank (fewer rows, no rank reads every context);
     unequal ones, or more prompts than balance over disjoint groups: every prompt over all."""
     p2, p3 = derive_policy(MODEL, CPU, 2, 1), derive_policy(MODEL, CPU, 3, 1)
-    assert groups(p2, [1000, 1000], [0, 0]) == [(1, 1), (0, 1)] or groups(p2, [1000, 1000], [0, 0]) == [(0, 1), (1, 1)]
-    assert groups(p2, [256, 256], [8000, 8000]) is not None
+    assert sorted(groups(p2, [1000, 1000], [0, 0]) or []) == [(0, 1), (1, 1)]
+    assert sorted(groups(p2, [256, 256], [8000, 8000]) or []) == [(0, 1), (1, 1)]
     assert groups(p2, [4000, 500], [0, 0]) is None
     assert groups(p2, [300, 300, 300], [0, 0, 0]) is None
     assert groups(p2, [1000], [0]) is None  # one prompt: over all ranks
