@@ -23,6 +23,7 @@ MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste
 BLOCK_ID_BYTES = 40
 # Default DCP interleave (tokens per shard run); docs/benchmarks.md, "Decode context parallelism".
 CP_INTERLEAVE = 1
+PCP_SPLIT_MODES = ("auto", "all", "disjoint", "whole")  # pcp_split_mode (ctxpar/costmodel/policy.py)
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,20 @@ class EngineConfig:
     dcp_size: int = 1
     cp_interleave: int = CP_INTERLEAVE  # DCP shard granularity: position t lives on rank (t // I) % D
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
-    pcp_min_tokens: int = 128  # prefill rows shorter than this are replicated, not split (docs/benchmarks.md)
+    # Prefill rows shorter than this are replicated, not split. None: derived at start-up from
+    # the cost model for the model, P, D and hardware_profile (ctxpar/costmodel/policy.py).
+    pcp_min_tokens: int | None = None
     # Rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that
-    # split a row or have at least this many of them (docs/benchmarks.md); never under DCP. Ranks
-    # on one host (CPU) lead a step without a split row on rank 0 with all their threads instead.
-    pcp_spread_min_rows: int = 64
+    # split a row or have at least this many of them; never under DCP. Ranks on one host (CPU)
+    # lead a step without a split row on rank 0 with all their threads instead. None: derived.
+    pcp_spread_min_rows: int | None = None
+    # Over which ranks each split prompt goes, per step: "auto" (the cost model's choice),
+    # "all" (every one over all ranks), "disjoint" (each over its own group) or "whole" (each
+    # on one rank). Only "auto" and "all" under DCP.
+    pcp_split_mode: str = "auto"
+    # What the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file
+    # of `ctxpar calibrate`; None: ./hardware-profile.json if there, else a built-in CPU core's.
+    hardware_profile: str | None = None
     seed: int = 0
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
     num_threads: int | None = None  # torch threads per rank; None = cores / ranks
@@ -90,9 +100,16 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("pcp_size", self.pcp_size, 1)
-        check_int("pcp_min_tokens", self.pcp_min_tokens, 0)
-        check_int("pcp_spread_min_rows", self.pcp_spread_min_rows, 0)
+        check_int("pcp_min_tokens", self.pcp_min_tokens, 0, none_ok=True)
+        check_int("pcp_spread_min_rows", self.pcp_spread_min_rows, 0, none_ok=True)
         self._check_dcp()
+        modes = PCP_SPLIT_MODES if self.dcp_size == 1 else PCP_SPLIT_MODES[:2]  # DCP: every split row over all
+        if self.pcp_split_mode not in modes:
+            under = " under DCP (dcp_size > 1)" if self.dcp_size > 1 else ""
+            raise CtxparError(f"pcp_split_mode must be one of {', '.join(modes)}{under}, got {self.pcp_split_mode!r}")
+        profile = self.hardware_profile
+        if profile is not None and (not isinstance(profile, str) or not profile):
+            raise CtxparError(f"hardware_profile must be a profile name or a JSON file, got {profile!r}")
         check_int("seed", self.seed, 0, SEED_MAX)
         if self.max_logprobs != -1:
             check_int("max_logprobs", self.max_logprobs, 0, why=" or -1 (the whole vocabulary)")

@@ -44,6 +44,9 @@ class HardwareProfile:
     # launch and its LSE merge (measured as the gap between P ranks and 1/P of one).
     ring_step_overhead_s: float = 0.0
     step_overhead_s: float = 0.0  # fixed cost of one forward step (framework, launches)
+    # Fixed cost of one row's attention in one layer (its kernel call, its context's slots):
+    # what laying a step out in more, smaller rows costs (ctxpar/costmodel/policy.py).
+    row_overhead_s: float = 0.0
     tp_size: int = 1  # tensor-parallel devices inside one rank
     tp_bandwidth: float = 0.0  # bytes/s per device for the TP all-reduces
     tp_latency_s: float = 0.0
@@ -54,7 +57,8 @@ class HardwareProfile:
         positive = ("gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth")
         for name in positive:
             _check(self.name, name, getattr(self, name), 0.0, math.inf, open_lo=True)
-        for name in ("link_latency_s", "ring_step_overhead_s", "step_overhead_s", "tp_latency_s", "tp_bandwidth"):
+        nonnegative = ("link_latency_s", "ring_step_overhead_s", "step_overhead_s", "row_overhead_s", "tp_latency_s")
+        for name in (*nonnegative, "tp_bandwidth"):
             _check(self.name, name, getattr(self, name), 0.0, math.inf)
         for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency"):
             _check(self.name, name, getattr(self, name), 0.0, 1.0, open_lo=True)

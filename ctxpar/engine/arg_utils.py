@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpar.config import EngineConfig
+from ctxpar.config import PCP_SPLIT_MODES, EngineConfig
 from ctxpar.engine.vllm_args import HINTS, REFUSED, apply_vllm_args
 from ctxpar.errors import CtxparError
 
@@ -62,12 +62,27 @@ FLAGS: dict[str, Flag] = {
         "recompute every prompt in full)",
         aliases=("--no-prefix-caching",),
     ),
-    "pcp_min_tokens": Flag("prompts shorter than this are not split across ranks", "N"),
+    "pcp_min_tokens": Flag(
+        "prompts shorter than this are not split across ranks (default: derived from the cost model for the "
+        "model, P, D and --hardware-profile; --verbose prints it)",
+        "N",
+    ),
     "pcp_spread_min_rows": Flag(
         "rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that split a "
         "prompt or have at least N of them; not with --dcp. Ranks on one host lead a step without a split row "
-        "on rank 0 with all their threads instead",
+        "on rank 0 with all their threads instead (default: derived from the cost model)",
         "N",
+    ),
+    "pcp_split_mode": Flag(
+        "over which ranks each split prompt goes, chosen per step: auto (the cost model picks), all (every "
+        "prompt over all ranks), disjoint (each over its own group of ranks), whole (each on one rank)",
+        choices=PCP_SPLIT_MODES,
+    ),
+    "hardware_profile": Flag(
+        "hardware the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file from "
+        "ctxpar calibrate (default: ./hardware-profile.json if there, else a built-in CPU core's)",
+        "PROFILE",
+        parse=str,
     ),
     "seed": Flag("engine seed (requests without a seed of their own draw from it)", "S"),
     "max_logprobs": Flag("most logprobs a request may ask for; -1: the whole vocabulary", "N"),
@@ -120,8 +135,10 @@ class EngineArgs:
     dcp_size: int = DEFAULTS.dcp_size
     cp_interleave: int = DEFAULTS.cp_interleave
     enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching
-    pcp_min_tokens: int = DEFAULTS.pcp_min_tokens
-    pcp_spread_min_rows: int = DEFAULTS.pcp_spread_min_rows
+    pcp_min_tokens: int | None = DEFAULTS.pcp_min_tokens
+    pcp_spread_min_rows: int | None = DEFAULTS.pcp_spread_min_rows
+    pcp_split_mode: str = DEFAULTS.pcp_split_mode
+    hardware_profile: str | None = DEFAULTS.hardware_profile
     seed: int = DEFAULTS.seed
     max_logprobs: int = DEFAULTS.max_logprobs
     num_threads: int | None = DEFAULTS.num_threads

@@ -23,11 +23,13 @@ from ctxpar.config import EngineConfig
 from ctxpar.executor.preflight import check_launch
 from ctxpar.executor.recovery import Regrouped
 from ctxpar.worker.loading import RankModel
+from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
 class Executor(Protocol):
     rank_model: RankModel  # rank 0's model, tokenizer and KV-cache size
+    runner_options: RunnerOptions  # rank 0's (every rank derives the same): the PCP policy among them
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """The step's logits (and hidden states, where the plan asks for them), from rank 0."""

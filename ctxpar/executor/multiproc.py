@@ -109,6 +109,7 @@ class MultiRankExecutor:
         self.group = PCPGroup(0, self.size, self.rank_model.device, store)
         if fresh:
             self.runner = rank_worker.make_runner(self.config, self.rank_model, self.group)
+            self.runner_options = self.runner.target.options
         else:
             self.runner.rejoin(self.group)
 

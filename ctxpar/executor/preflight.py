@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
+from ctxpar.costmodel.profiles import load_hardware
 from ctxpar.device import resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.comm import port_in_use, torchrun_env
@@ -38,8 +39,11 @@ def check_launch(config: EngineConfig) -> None:
       included) and print everything once per process;
     - when spawning: a spawned rank re-importing a main module that creates
       an LLM (no main guard), more ranks than the machine holds, a
-      master_addr that is not this machine's and a busy master_port.
+      master_addr that is not this machine's and a busy master_port;
+    - a hardware_profile that is neither a built-in nor a readable profile file.
     """
+    if config.hardware_profile is not None:
+        load_hardware(config.hardware_profile)  # the PCP policy's, read by every rank at start-up
     env = torchrun_env()
     if env is not None:
         if env.world_size != config.pcp_size:

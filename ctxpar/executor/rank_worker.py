@@ -32,7 +32,9 @@ from ctxpar.worker.step_plan import KVCopy, StepPlan
 def make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup, share: bool = True) -> Runners:
     """share: map the host's one copy of the weights (every rank at start-up; a rank
     respawned after a failure keeps its own copy, the others having shared theirs)."""
-    options = RunnerOptions.from_config(config, rank_model.num_blocks, one_host=group.one_host)
+    options = RunnerOptions.from_config(
+        config, rank_model.num_blocks, rank_model.loaded.hf_config, one_host=group.one_host
+    )
 
     def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
         if group.one_host and share:  # one copy per host instead of one per rank

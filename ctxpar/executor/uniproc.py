@@ -18,7 +18,8 @@ from ctxpar.worker.step_plan import StepOutput, StepPlan
 class UniProcExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.rank_model = load_rank(config, resolve_device(config.device))
-        options = RunnerOptions.from_config(config, self.rank_model.num_blocks)
+        options = RunnerOptions.from_config(config, self.rank_model.num_blocks, self.rank_model.loaded.hf_config)
+        self.runner_options = options
         device = self.rank_model.device
         self.runner: Runners | None = Runners.build(
             self.rank_model, lambda model, _: ModelRunner(model, options, device)

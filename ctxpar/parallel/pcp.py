@@ -16,6 +16,13 @@ q = 10 tokens after c cached ones, P = 2 (chunks of 3, 3, 2, 2 tokens)::
     rank 0      [ chunk 0   ]                        [ chunk 3 ]   2 rows, 5 tokens
     rank 1                  [ chunk 1   +   chunk 2 ]              1 row,  5 tokens
 
+A split row may instead go over a contiguous group of w of the ranks
+(``split_ranks``, chosen per step by ctxpar/costmodel/policy.py): it is cut
+into 2w chunks dealt the same way within the group, and w = 1 computes it
+whole on one rank. Several long prompts of a step can so each take their own
+ranks instead of all sharing all of them; the index maps and their invariants
+are the same.
+
 Rows that are not split (decodes, and prefills shorter than ``replicate_below``)
 are, all of a step's together, either replicated or assigned, as
 ctxpar/parallel/pcp_spread.py decides from the step's rows. A replicated row
@@ -155,7 +162,7 @@ class PCPLayout:
         )
 
 
-def chunk_offsets(num_tokens: np.ndarray | int, pcp_size: int, chunk: np.ndarray | int) -> np.ndarray:
+def chunk_offsets(num_tokens: np.ndarray | int, pcp_size: np.ndarray | int, chunk: np.ndarray | int) -> np.ndarray:
     """Offset (within its row) where balanced chunk ``chunk`` of 2P starts; broadcasts.
 
     The first ``q mod 2P`` chunks are one token longer, so chunk i starts at
@@ -165,6 +172,11 @@ def chunk_offsets(num_tokens: np.ndarray | int, pcp_size: int, chunk: np.ndarray
     return chunk * base + np.minimum(chunk, rem)
 
 
+def split_mask(num_scheduled_tokens: np.ndarray, is_prefilling: np.ndarray, replicate_below: int) -> np.ndarray:
+    """(R,) bool: the rows a layout splits, prefilling rows of at least ``replicate_below`` tokens (and one)."""
+    return is_prefilling & (num_scheduled_tokens >= max(replicate_below, 1))
+
+
 def plan_pcp_layout(
     num_scheduled_tokens: np.ndarray,
     num_computed_tokens: np.ndarray,
@@ -172,6 +184,7 @@ def plan_pcp_layout(
     pcp_size: int,
     replicate_below: int = 0,
     spread_min_rows: int | None = None,
+    split_ranks: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> PCPLayout:
     """Lay out one step's R rows over ``pcp_size`` ranks with DualChunkSwap.
 
@@ -179,27 +192,46 @@ def plan_pcp_layout(
     tokens own nothing. Prefilling rows with at least ``replicate_below``
     tokens are split; the other rows are assigned to one rank each when
     ``pcp_spread.spreads(..., spread_min_rows)`` says so (None: never), else
-    replicated. Raises ValueError on invalid input.
+    replicated. ``split_ranks`` (first, width), each (R,) int: split row r goes
+    over ranks ``[first[r], first[r] + width[r])`` only, cut into 2 * width[r]
+    chunks dealt by DualChunkSwap within that group (width 1: the row whole on
+    one rank); None: every split row over all ranks. Entries of other rows are
+    ignored. Raises ValueError on invalid input.
     """
     q, c, prefilling = validate_inputs(
-        num_scheduled_tokens, num_computed_tokens, is_prefilling, pcp_size, replicate_below, spread_min_rows
+        num_scheduled_tokens,
+        num_computed_tokens,
+        is_prefilling,
+        pcp_size,
+        replicate_below,
+        spread_min_rows,
+        split_ranks,
     )
     P = pcp_size
     qsl = _exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
-    is_split = prefilling & (q >= max(replicate_below, 1))  # (R,)
+    is_split = split_mask(q, prefilling, replicate_below)  # (R,)
     unsplit = ~is_split & (q > 0)  # (R,)
     spread = spreads(int(unsplit.sum()), bool(is_split.any()), P, spread_min_rows)
     is_assigned = unsplit & spread
     rep_rows, own_rows = (unsplit & ~spread).nonzero()[0], is_assigned.nonzero()[0]  # (Rr,), (A,)
     split_rows = is_split.nonzero()[0]  # (S,)
 
-    # Chunk i of split row s spans [bounds[i, s], bounds[i+1, s]). Rank k owns chunk k ("head")
-    # and chunk 2P-1-k ("tail"), whose bounds are the same rows read backwards.
-    bounds = chunk_offsets(q[split_rows], P, np.arange(2 * P + 1)[:, None])  # (2P+1, S)
-    off = np.stack([bounds[:P], bounds[2 * P - 1 : P - 1 : -1]], axis=2)  # (P, S, 2) [head, tail]
-    end = np.stack([bounds[1 : P + 1], bounds[2 * P : P : -1]], axis=2)  # (P, S, 2)
-    end[P - 1, :, 0] = end[P - 1, :, 1]  # rank P-1: chunks P-1 and P touch, one row
-    end[P - 1, :, 1] = off[P - 1, :, 1]
+    # Split row s goes over the w ranks of its group; the group's j-th rank owns chunk j
+    # ("head") and chunk 2w-1-j ("tail") of the row's 2w chunks. Ranks outside own nothing.
+    qs = q[split_rows]  # (S,)
+    if split_ranks is None:
+        first, width = np.zeros_like(qs), np.full_like(qs, P)
+    else:
+        first, width = (np.asarray(a, dtype=np.int64)[split_rows] for a in split_ranks)
+    j = np.arange(P)[:, None] - first  # (P, S): each rank's index in each row's group
+    inside = (j >= 0) & (j < width)
+    j = np.clip(j, 0, width - 1)
+    off = np.stack([chunk_offsets(qs, width, j), chunk_offsets(qs, width, 2 * width - 1 - j)], axis=2)  # (P, S, 2)
+    end = np.stack([chunk_offsets(qs, width, j + 1), chunk_offsets(qs, width, 2 * width - j)], axis=2)
+    last = j == width - 1  # the group's last rank: its chunks w-1 and w touch, one row
+    end[:, :, 0] = np.where(last, end[:, :, 1], end[:, :, 0])
+    end[:, :, 1] = np.where(last, off[:, :, 1], end[:, :, 1])
+    end = np.where(inside[:, :, None], end, off)
     # (P, 2S): per rank, columns in (request, position) order
     off, length = off.reshape(P, -1), (end - off).reshape(P, -1)
     chunk_req = np.repeat(split_rows, 2)  # (2S,)

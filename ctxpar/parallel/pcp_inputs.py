@@ -12,6 +12,7 @@ def validate_inputs(
     pcp_size: int,
     replicate_below: int,
     spread_min_rows: int | None,
+    split_ranks: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check the inputs; return them as (int64, int64, bool) arrays."""
     arrays = [np.asarray(a) for a in (num_scheduled_tokens, num_computed_tokens, is_prefilling)]
@@ -37,4 +38,15 @@ def validate_inputs(
         raise ValueError("num_scheduled_tokens and num_computed_tokens must be >= 0")
     if not q.any():
         raise ValueError("no tokens scheduled: every row has num_scheduled_tokens == 0")
+    if split_ranks is not None:
+        _check_split_ranks(split_ranks, len(q), pcp_size)
     return q.astype(np.int64, copy=False), c.astype(np.int64, copy=False), prefilling.astype(bool, copy=False)
+
+
+def _check_split_ranks(split_ranks: tuple[np.ndarray, np.ndarray], rows: int, pcp_size: int) -> None:
+    """(first, width), each (R,) int: every row's group of ranks lies within [0, P)."""
+    first, width = (np.asarray(a) for a in split_ranks)
+    if first.shape != (rows,) or width.shape != (rows,) or first.dtype.kind not in "iu" or width.dtype.kind not in "iu":
+        raise ValueError(f"split_ranks must be two integer arrays of shape ({rows},)")
+    if first.min() < 0 or width.min() < 1 or (first + width).max() > pcp_size:
+        raise ValueError(f"split_ranks: every group [first, first + width) must lie in [0, {pcp_size}), width >= 1")

@@ -27,7 +27,7 @@ from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
-from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
+from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout, split_mask
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
@@ -79,6 +79,7 @@ class ModelRunner:
             self.pcp_size,
             replicate_below=self.options.pcp_min_tokens,
             spread_min_rows=self.spread_min_rows,
+            split_ranks=self._split_ranks(plan),
         )
         gathers = self.pcp_size > 1 and not layout.is_all_replicated  # some row split or assigned
         led = self.lead_threads is not None and not gathers
@@ -139,6 +140,15 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self._share_led_kv(plan, global_slots)
         return out
+
+    def _split_ranks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
+        """The policy's groups of ranks for this step's split rows (None: all ranks)."""
+        policy = self.options.policy
+        if policy is None or policy.pcp_size != self.pcp_size:  # P = 1, or fewer ranks left after a lost one
+            return None
+        q = plan.num_scheduled_tokens
+        split = split_mask(q, plan.is_prefilling, self.options.pcp_min_tokens)
+        return policy.split_ranks(q, plan.num_computed_tokens, split)
 
     def _pcp_group(self) -> PCPGroup:
         """The group, for the collectives of a step: only a step of several ranks has

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ctxpar.config import EngineConfig
+from ctxpar.costmodel.policy import PCPPolicy, derive_policy
+from ctxpar.costmodel.profiles import engine_hardware
+from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.device import torch_dtype
 from ctxpar.layers.sharded_context import GatherPolicy
 
@@ -19,6 +23,9 @@ class RunnerOptions:
     table's logical block is block_size * dcp_size tokens). dtype: the cache's.
 
     pcp_min_tokens: prefill rows shorter than this are not split.
+
+    policy: the PCP policy the thresholds came from (ctxpar/costmodel/policy.py), which
+    also picks, per step, the ranks each split row goes over; None: all of them.
 
     dcp_size: 1 (every rank holds the whole KV cache) or the group's size (each
     holds the shard of ctxpar.parallel.dcp_shard), with cp_interleave;
@@ -46,6 +53,7 @@ class RunnerOptions:
     context_gather: GatherPolicy = field(default_factory=GatherPolicy)
     spread_min_rows: int | None = None
     lead_threads: int | None = None
+    policy: PCPPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.dcp_size > 1:
@@ -55,21 +63,41 @@ class RunnerOptions:
             object.__setattr__(self, "spread_min_rows", sys.maxsize)  # led steps take what spreading would
 
     @classmethod
-    def from_config(cls, config: EngineConfig, num_blocks: int, one_host: bool = False) -> RunnerOptions:
-        """one_host: the ranks share one host's cores (they lead unsplit steps)."""
+    def from_config(
+        cls, config: EngineConfig, num_blocks: int, hf_config: Any, one_host: bool = False
+    ) -> RunnerOptions:
+        """hf_config: the model's (its shapes size the PCP policy); one_host: the ranks
+        share one host's cores (they lead unsplit steps)."""
         threads = config.threads_per_rank()
+        policy = pcp_policy(config, hf_config, one_host) if config.pcp_size > 1 else None
         return cls(
             num_blocks=num_blocks,
             block_size=config.block_size,
             dtype=torch_dtype(config.dtype),
-            pcp_min_tokens=config.pcp_min_tokens,
+            pcp_min_tokens=policy.min_tokens if policy is not None else 0,
             dcp_size=config.dcp_size,
             cp_interleave=config.cp_interleave,
             # Split rows gather their sharded context in rounds of one step's token budget.
             context_gather=GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
-            spread_min_rows=config.pcp_spread_min_rows,
+            spread_min_rows=policy.spread_min_rows if policy is not None else None,
             # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
             lead_threads=threads * config.pcp_size
             if one_host and threads is not None and config.pcp_size > 1
             else None,
+            policy=policy,
         )
+
+
+def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolicy:
+    """The PCP policy of P > 1 ranks: the thresholds config leaves None derived from the
+    cost model for the model's shapes, P, D and the hardware profile. Every rank derives
+    the same one from the same config and profile."""
+    return derive_policy(
+        shape_from_hf_config(hf_config.to_dict(), "the model"),
+        engine_hardware(config.hardware_profile, one_host),
+        config.pcp_size,
+        config.dcp_size,
+        config.pcp_min_tokens,
+        config.pcp_spread_min_rows,
+        config.pcp_split_mode,
+    )

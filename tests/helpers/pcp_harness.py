@@ -91,6 +91,14 @@ def run_plans(
         executor.close()
 
 
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Every step's logits within 1e-5 of the reference's (DESIGN.md section 7)."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"step {step}"
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
 def four_families(tiny_model_dirs: dict, root) -> dict[str, str]:
     """Tiny Llama and Qwen3 (GQA) and DeepSeek-V2 / V3 (MLA) model directories, by name."""
     from helpers.deepseek_configs import tiny_deepseek_configs

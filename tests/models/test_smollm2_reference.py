@@ -80,7 +80,7 @@ def outputs() -> dict[int, list]:
     with LLM(max_num_batched_tokens=BUDGET) as llm:
         convs = conversations(llm.get_tokenizer())
         out[1] = llm.chat(convs, PARAMS, use_tqdm=False)
-    # pcp_min_tokens (default 128) replicates the short tail chunks and splits the rest.
+    # The default PCP policy (docs/scaling.md) decides which chunks are split, and over which ranks.
     with LLM(pcp_size=2, max_num_batched_tokens=BUDGET) as llm:
         out[2] = llm.chat(convs, PARAMS, use_tqdm=False)
     return out

@@ -47,6 +47,7 @@ def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs, capsys):
         _describe(llm, 0.0)  # what `ctxpar generate --verbose` prints first
         shown = capsys.readouterr().err
         assert f"{BYTES_PER_TOKEN // 2:g} bytes per token per rank" in shown and "384 tokens in all" in shown
+        assert "P=2, D=2): pcp_min_tokens=50 (set), pcp_spread_min_rows=never (DCP" in shown
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
         # The long request alone takes 19 of the 24 logical blocks: the others were preempted.
         assert engine.scheduler.num_preemptions > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.pcp_harness import four_families, run_plans, scripted_plans
+from helpers.pcp_harness import assert_same_logits, four_families, run_plans, scripted_plans
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
 
@@ -20,13 +20,6 @@ def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 def single_rank_logits(model_dirs) -> dict[str, list[torch.Tensor]]:
     plans = scripted_plans(vocab=256)
     return {name: run_plans(d, plans, pcp_size=1) for name, d in model_dirs.items()}
-
-
-def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape, f"step {step}"
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=lambda m: f"step {step}: {m}")
 
 
 @pytest.mark.parametrize("pcp_size", [2, 3, 4])

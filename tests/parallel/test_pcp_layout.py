@@ -2,7 +2,9 @@
 
 Batches mix decodes (1 token, not prefilling, cached context), fresh prefills,
 continued prefills (cached context), prefills shorter than 2P, rows with no
-tokens, and random ``replicate_below`` and ``spread_min_rows`` thresholds.
+tokens, random ``replicate_below`` and ``spread_min_rows`` thresholds, and
+split rows over all ranks or each over its own random group of ranks
+(``split_ranks``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ class Batch:
     P: int
     replicate_below: int
     spread_min_rows: int | None
+    split_ranks: tuple[np.ndarray, np.ndarray] | None = None  # (first, width) per row; None: all ranks
+
+    def group(self, r: int) -> tuple[int, int]:
+        """(first, width): the ranks split row r goes over."""
+        return (0, self.P) if self.split_ranks is None else (int(self.split_ranks[0][r]), int(self.split_ranks[1][r]))
 
     @property
     def qsl(self) -> np.ndarray:
@@ -50,7 +57,9 @@ class Batch:
         return ~self.split & (self.q > 0) & ~self.assigned
 
     def plan(self) -> PCPLayout:
-        return plan_pcp_layout(self.q, self.c, self.pre, self.P, self.replicate_below, self.spread_min_rows)
+        return plan_pcp_layout(
+            self.q, self.c, self.pre, self.P, self.replicate_below, self.spread_min_rows, self.split_ranks
+        )
 
 
 @st.composite
@@ -70,7 +79,14 @@ def batches(draw: st.DrawFn) -> Batch:
     q, c, pre = (np.array(col) for col in zip(*rows))
     replicate_below = draw(st.sampled_from([0, 0, 1, 2 * P, 64]))
     spread_min_rows = draw(st.sampled_from([None, None, 0, 1, 4, 16]))
-    return Batch(q.astype(np.int64), c.astype(np.int64), pre.astype(bool), P, replicate_below, spread_min_rows)
+    split_ranks = None
+    if draw(st.booleans()):  # each row over a group [first, first + width) of the ranks
+        width = np.array(draw(st.lists(st.integers(1, P), min_size=len(q), max_size=len(q))))
+        first = np.array([draw(st.integers(0, P - w)) for w in width])
+        split_ranks = first.astype(np.int64), width.astype(np.int64)
+    return Batch(
+        q.astype(np.int64), c.astype(np.int64), pre.astype(bool), P, replicate_below, spread_min_rows, split_ranks
+    )
 
 
 def all_rows(layout: PCPLayout) -> list[RankRows]:
@@ -174,24 +190,26 @@ def test_assigned_rows_on_one_rank_balanced(b: Batch) -> None:
 
 @given(batches())
 def test_chunk_lengths_differ_by_at_most_one(b: Batch) -> None:
-    """On ranks < P-1 each row is one chunk; rank P-1's single row is two touching chunks.
+    """A row split over the w ranks [f, f+w) of its group is cut into 2w chunks: on
+    ranks f..f+w-2 each is one row, rank f+w-1's single row is two touching chunks,
+    and ranks outside the group have none of it.
 
-    All chunks of a row have q // 2P or q // 2P + 1 tokens, longer ones first.
+    All chunks of a row have q // 2w or q // 2w + 1 tokens, longer ones first.
     """
     ranks = all_rows(b.plan())
+
+    def pieces(rows: RankRows, r: int) -> list[tuple[int, int]]:
+        mine = (rows.req_idx == r) & ~rows.is_replicated & (rows.num_tokens > 0)
+        return list(zip(rows.start_pos[mine], rows.num_tokens[mine]))
+
     for r in np.flatnonzero(b.split):
-        base = b.q[r] // (2 * b.P)
-        chunks = sorted(
-            (start, num)
-            for rows in ranks[: b.P - 1]
-            for req, start, num in zip(rows.req_idx, rows.start_pos, rows.num_tokens)
-            if req == r and num > 0
-        )
-        lengths = [num for _, num in chunks]
+        f, w = b.group(r)
+        base = b.q[r] // (2 * w)
+        assert not any(pieces(ranks[k], r) for k in range(b.P) if not f <= k < f + w)
+        lengths = [num for _, num in sorted(p for k in range(f, f + w - 1) for p in pieces(ranks[k], r))]
         assert set(lengths) <= {base, base + 1}
         assert lengths == sorted(lengths, reverse=True)
-        last = ranks[b.P - 1]
-        merged = last.num_tokens[(last.req_idx == r) & ~last.is_replicated & (last.num_tokens > 0)]
+        merged = [num for _, num in pieces(ranks[f + w - 1], r)]
         assert len(merged) <= 1 and all(2 * base <= m <= 2 * base + 2 for m in merged)
 
 
@@ -222,11 +240,29 @@ def test_attention_work_is_balanced(b: Batch) -> None:
     layout = b.plan()
     work = np.array([(rows.positions + 1)[~rows.is_padding].sum() for rows in all_rows(layout)])
     np.testing.assert_array_equal(work, layout.attention_work())
+    if b.split_ranks is not None:  # groups of ranks: balanced within each (test_groups_are_balanced)
+        return
     q, c = b.q[b.assigned], b.c[b.assigned]
     w = q * c + q * (q + 1) // 2
     bound = (b.c + 2 * b.q)[b.split].sum() + sum(3 * w[q == t].max() for t in set(q.tolist()))
     assert work.max() - work.min() <= bound
     assert np.abs(work - work.mean()).max() <= bound
+
+
+@given(batches())
+def test_groups_are_balanced(b: Batch) -> None:
+    """Each split row's attention work over the w ranks of its group differs by at most
+    c + 2q (test_attention_work_is_balanced's bound, with w for P), and is 0 elsewhere."""
+    work = np.zeros((len(b.q), b.P), dtype=np.int64)  # (R, P): each row's work on each rank
+    for rows in all_rows(b.plan()):
+        for i, r in enumerate(rows.req_idx):
+            if b.split[r]:
+                work[r, rows.rank] += (rows.positions[rows.query_start_loc[i] : rows.query_start_loc[i + 1]] + 1).sum()
+    for r in np.flatnonzero(b.split):
+        f, w = b.group(r)
+        group = work[r, f : f + w]
+        assert group.sum() == work[r].sum()
+        assert group.max() - group.min() <= b.c[r] + 2 * b.q[r]
 
 
 @given(batches())
@@ -270,6 +306,16 @@ def test_invalid_input_raises(q: list, c: list, pre: list, P: int, below: int | 
     below, spread = below if isinstance(below, tuple) else (below, None)
     with pytest.raises(ValueError, match=match):
         plan_pcp_layout(np.array(q), np.array(c), np.array(pre), P, below, spread)
+
+
+@pytest.mark.parametrize(
+    ("first", "width", "match"),
+    [([0], [3], "must lie in"), ([-1], [1], "must lie in"), ([1], [0], "width >= 1"), ([0, 0], [1, 1], "shape")],
+)
+def test_invalid_split_ranks_raise(first: list, width: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        groups = np.array(first), np.array(width)
+        plan_pcp_layout(np.array([4]), np.array([0]), np.array([True]), 2, split_ranks=groups)
 
 
 def test_rank_out_of_range() -> None:

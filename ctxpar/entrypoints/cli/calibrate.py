@@ -11,12 +11,17 @@ import sys
 from pathlib import Path
 
 from ctxpar.checks import max_threads, usable_cores
+from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
 from ctxpar.errors import CtxparError
 from ctxpar.machine import cpu_info
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="hardware-profile.json", help="where to write the profile JSON")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_PROFILE_FILE,
+        help="where to write the profile JSON (the engine derives its PCP policy from ./hardware-profile.json)",
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="threads of the rank measured (default: every usable core)"
     )

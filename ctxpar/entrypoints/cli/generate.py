@@ -116,6 +116,10 @@ def _describe(llm, load_s: float) -> None:
         f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, {sharding} "
         f"= {tokens} tokens in all, {kv_mib:.0f} MiB per rank",
     ]
+    options = engine.executor.runner_options
+    if options.policy is not None:
+        led = " (ranks on one host lead steps without a split row)" if options.lead_threads is not None else ""
+        lines.append(options.policy.describe() + led)
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "decode with a GGUF kept quantized vs dequantized to fp32 and bf16, as a multiple of its floor",
     ),
     "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
+    "policy": ("ctxpar.bench.policy", "the automatic PCP policy vs fixed settings: mixed, long and short workloads"),
     "long": ("ctxpar.bench.long", "exactness at 32K tokens: P ranks and D = P against one rank, SmolLM2's shapes"),
     "overhead": ("ctxpar.bench.overhead", "host work per step (scheduler, layout, slots) at 8K-128K cached tokens"),
     "links": ("ctxpar.bench.links", "P = 2 on two namespaces over tbf-shaped links (1-100 Gbit/s, RDMA) vs one core"),

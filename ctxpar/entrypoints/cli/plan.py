@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from ctxpar.checks import check_int
-from ctxpar.config import EngineConfig
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
 
@@ -25,6 +24,7 @@ MAX_POSITION = (1 << 31) - 1  # far beyond any model's context; keeps attention 
 MAX_PCP = 1024
 MAX_STEP_SLOTS = 1 << 24  # ~128 MiB per int64 index map of the layout
 MAX_VIEW_LINES = 1 << 17  # one line per row of each rank: beyond this the text view is unreadable and slow
+SPREAD_MIN_ROWS = 64  # a fixed example: the engine's own comes from the cost model
 MAX_PNG_RANKS = 64  # the figure grows with the ranks: beyond this it exceeds what matplotlib will draw
 
 
@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spread-min-rows",
         type=int,
-        default=EngineConfig.pcp_spread_min_rows,
+        default=SPREAD_MIN_ROWS,
         metavar="N",
         help="give unsplit rows (decodes, short prompts) to one rank each in steps that split a prompt or "
-        f"have at least N of them, as the engine does (default: {EngineConfig.pcp_spread_min_rows})",
+        f"have at least N of them, as the engine does (default: {SPREAD_MIN_ROWS}; the engine derives its own "
+        "from the cost model: ctxpar generate --verbose prints it)",
     )
     parser.add_argument("--png", metavar="FILE", help="also draw the layout to this PNG file (needs matplotlib)")
 
