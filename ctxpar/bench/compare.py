@@ -217,6 +217,8 @@ def _report(results: dict[str, list[dict]], busy_seen: list[float], peer: str) -
         c = best(r["figures"][key] for r in results["ctxpar"])
         ratio = c / v
         verdict = ("faster" if ratio > 1 else "slower") if higher else ("faster" if ratio < 1 else "slower")
+        if key.startswith("ppl_"):  # not a speed: within 1% is the same quality
+            verdict = "same" if abs(ratio - 1) <= 0.01 else ("lower" if ratio < 1 else "higher")
         print(f"{label:42} {v:9.3g} {unit:<2} {c:9.3g} {unit:<2} {ratio:8.2f}x ({verdict})")
     for key in results["ctxpar"][0]["figures"]:
         if key.endswith("_dequantized"):  # ctxpar's own fp32 run of the same file: the quantization gap
