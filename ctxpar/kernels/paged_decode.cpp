@@ -18,6 +18,9 @@
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
 //   MLA  (num_slots, E) latents: slot_stride E, head_stride 0, v_offset 0
 //        (Hk = 1; the value is the first Dv entries of the key)
+// and a quantized cache's rows of 1-byte codes and float32 scales (kv_codes.h),
+// dequantized in the inner loops: a key's score is its scale times q · codes, and
+// a value's weight is multiplied by its scale before the weighted sum.
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace {
@@ -44,11 +48,11 @@ inline v8 reduce8(const v8* a) {
          __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// One query head (dim floats, scaled) against eight keys -> their eight scores.
+// One query head (floats [from, to), scaled) against eight keys -> their eight scores.
 template <typename T>
-inline v8 dot8(const float* q, const T* const* k, int64_t dim) {
+inline v8 dot8(const float* q, const T* const* k, int64_t from, int64_t to) {
   v8 acc[8] = {};
-  for (int64_t c = 0; c < dim; c += 8) {
+  for (int64_t c = from; c < to; c += 8) {
     const v8 qc = load8(q + c);
     for (int i = 0; i < 8; ++i) acc[i] += qc * load8(k[i] + c);
   }
@@ -84,11 +88,15 @@ struct Task {
   int64_t row, head, first, last;  // keys [first, last) of the row's slots
 };
 
+// T: float, bfloat16 (uint16_t) or a quantized cache's codes, whose scales `sc` says
+// where to find (null otherwise).
 template <typename T>
 void attend(const float* q, const T* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
-            int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
+            int64_t head_stride, int64_t v_offset, const Scales* sc, float scale, float* out, float* lse) {
+  constexpr bool quantized = sizeof(T) == 1;
   const int64_t g = heads / kv_heads;  // query heads per KV head
+  const int64_t split = quantized ? sc->split : dim;
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(rows * kv_heads + 1);
   for (int64_t b = 0; b < rows; ++b)
@@ -105,6 +113,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   {
     std::vector<float> qs(g * dim), scores(g * CHUNK);
     std::vector<const T*> keys(CHUNK), values(CHUNK);
+    std::vector<float> k_scale(CHUNK), k_scale2(CHUNK), v_scale(CHUNK);  // quantized: per key of the task
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
@@ -112,16 +121,27 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
       const float* qt = q + (task.row * heads + task.head * g) * dim;
       for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
       for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
-        const T* slot = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
-        keys[s] = slot;
-        values[s] = slot + v_offset;
+        const T* row = cache + slots[task.first + std::min(s, n - 1)] * slot_stride;
+        keys[s] = row + task.head * head_stride;
+        values[s] = keys[s] + v_offset;
+        if constexpr (quantized) {
+          const int64_t i = task.head * sc->head;
+          k_scale[s] = scale_at(row, *sc, i);
+          k_scale2[s] = split < dim ? scale_at(row, *sc, i + 1) : 0.0f;
+          v_scale[s] = scale_at(row, *sc, sc->value + i);
+        }
       }
       float* o = part_out.data() + t * g * value_dim;
       for (int64_t j = 0; j < g; ++j) {
         float* sj = scores.data() + j * CHUNK;
         for (int64_t s = 0; s < n8; s += 8) {
-          const v8 sc = dot8(qs.data() + j * dim, keys.data() + s, dim);
-          std::memcpy(sj + s, &sc, sizeof sc);
+          const float* qj = qs.data() + j * dim;
+          v8 score = dot8(qj, keys.data() + s, 0, split);
+          if constexpr (quantized) {
+            score *= load8(k_scale.data() + s);
+            if (split < dim) score += dot8(qj, keys.data() + s, split, dim) * load8(k_scale2.data() + s);
+          }
+          std::memcpy(sj + s, &score, sizeof score);
         }
         for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
         v8 top8 = load8(sj);
@@ -137,6 +157,8 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
         const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
                             ((total8[2] + total8[6]) + (total8[3] + total8[7]));
         part_lse[t * g + j] = (top + std::log2(total)) * LN2;
+        if constexpr (quantized)
+          for (int64_t s = 0; s < n; ++s) sj[s] *= v_scale[s];  // each value's scale, folded into its weight
         float* oj = o + j * value_dim;
         for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
           weighted_values_any(sj, values.data(), n, c, std::min<int64_t>(64, value_dim - c), oj + c);
@@ -181,8 +203,8 @@ extern "C" {
 void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
                       int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
-  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
-         out, lse);
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
+         scale, out, lse);
 }
 
 // The same over a bfloat16 cache (q, out and lse stay float32).
@@ -190,7 +212,24 @@ void paged_decode_bf16(const float* q, const uint16_t* cache, const int64_t* slo
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
                        int64_t slot_stride, int64_t head_stride, int64_t v_offset, float scale, float* out,
                        float* lse) {
-  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
-         out, lse);
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
+         scale, out, lse);
+}
+
+// The same over a quantized cache of byte rows (strides in bytes): code 0 int8, 1
+// float8_e4m3fn, 2 float8_e5m2; the scales as kv_codes.h's Scales.
+void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slots, const int64_t* starts,
+                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
+                        int64_t slot_stride, int64_t head_stride, int64_t v_offset, int64_t code,
+                        int64_t scale_offset, int64_t scale_head, int64_t scale_value, int64_t split, float scale,
+                        float* out, float* lse) {
+  const Scales sc{scale_offset, scale_head, scale_value, split};
+  auto run = [&](auto* codes) {
+    attend(q, codes, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, &sc,
+           scale, out, lse);
+  };
+  if (code == 0) run(reinterpret_cast<const int8_t*>(cache));
+  if (code == 1) run(reinterpret_cast<const E4M3*>(cache));
+  if (code == 2) run(reinterpret_cast<const E5M2*>(cache));
 }
 }

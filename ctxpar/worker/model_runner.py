@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ctxpar.layers.forward_context import DCPStep, ForwardContext
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import row_parts
 from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
@@ -55,8 +56,14 @@ class ModelRunner:
         if options.dcp_size not in (1, self.pcp_size):
             raise ValueError(f"dcp_size must be 1 or the group size {self.pcp_size}, got {options.dcp_size}")
         self.shard = DCPShard(options.dcp_size, options.cp_interleave, self.rank) if options.dcp_size > 1 else None
+        self.kv_quant = KVQuant.of(options.kv_cache_dtype, tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))
         self.kv_caches = allocate_kv_caches(
-            model.num_kv_layers, options.num_blocks * options.block_size, model.kv_entry_shape, options.dtype, device
+            model.num_kv_layers,
+            options.num_blocks * options.block_size,
+            model.kv_entry_shape,
+            options.dtype,
+            device,
+            self.kv_quant,
         )
 
     @torch.inference_mode()
@@ -112,6 +119,7 @@ class ModelRunner:
             write_src=None if writes.all() else to_dev(write_src),
             write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
+            kv_quant=self.kv_quant,
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
             step_tokens=plan.num_tokens,
