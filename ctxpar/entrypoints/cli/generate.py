@@ -113,10 +113,16 @@ def _describe(llm, load_s: float) -> None:
     lines = [
         f"model: {engine.loaded.name} ({type(model).__name__}), {model.num_kv_layers} layers, loaded in {load_s:.1f} s",
         f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}, DCP ranks: {D}",
-        f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, {sharding} "
-        f"= {tokens} tokens in all, {kv_mib:.0f} MiB per rank",
+        f"KV cache ({cfg.kv_cache_dtype}): entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, "
+        f"{sharding} = {tokens} tokens in all, {kv_mib:.0f} MiB per rank, "
+        f"{tokens_per_gib(per_tok * model.num_kv_layers, D)} tokens per GiB of KV per rank",
     ]
     print("\n".join(lines), file=sys.stderr)
+
+
+def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:
+    """Tokens one GiB of KV cache per rank holds: each rank stores 1/D of every token under DCP."""
+    return 2**30 * dcp_size // bytes_per_token
 
 
 def prefix_cache_summary(engine) -> str:
