@@ -46,6 +46,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_f32, _ptr, _ptr], None),
     "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 14 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
+    "kv_quantize": ([_ptr, _i64, _i64, _ptr] + [_i64] * 4 + [_ptr], None),
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
@@ -313,6 +314,20 @@ def prefill_attention_quant(
     pointers = (q.data_ptr(), rows.data_ptr())
     _library().prefill_attention_quant(*pointers, *sizes, *scales, scale, out.data_ptr(), lse.data_ptr())
     return out, lse
+
+
+def kv_quantize(
+    x: torch.Tensor, runs: torch.Tensor, codes: torch.dtype, scale_offset: int, row_bytes: int
+) -> torch.Tensor:
+    """KV entries (n, width) float32 (rows contiguous) -> (n, row_bytes) uint8 quantized rows
+    (ctxpar/layers/kv_quant.py's layout): runs (R,) int64 the widths that share a scale."""
+    n = x.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(n, row_bytes, dtype=torch.uint8)
+    args = (runs.data_ptr(), len(runs), CODES[codes], scale_offset, row_bytes, out.data_ptr())
+    _library().kv_quantize(x.data_ptr(), n, x.stride(0), *args)
+    return out
 
 
 def panel_width() -> int:

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from ctxpar import kernels
 
 CODE_DTYPES = {
     "int8": torch.int8,
@@ -82,10 +85,22 @@ class KVQuant:
             return [flat.view(flat.shape[0], len(self.runs), self.runs[0])]
         return [part.unsqueeze(1) for part in flat.split(list(self.runs), dim=1)]
 
+    @cached_property
+    def _runs(self) -> torch.Tensor:
+        return torch.tensor(self.runs, dtype=torch.int64)
+
     def quantize(self, entries: torch.Tensor) -> torch.Tensor:
-        """(n, *entry_shape) float -> (n, row_bytes) uint8 rows."""
-        n = entries.shape[0]
-        flat = entries.reshape(n, self.width).float()
+        """(n, *entry_shape) float -> (n, row_bytes) uint8 rows: on the CPU in one pass
+        of the compiled kernel, elsewhere with PyTorch's ops (``quantize_torch``),
+        which round alike (to nearest, ties to even)."""
+        flat = entries.reshape(entries.shape[0], self.width).float()
+        if flat.device.type == "cpu" and kernels.enabled() and kernels._library() is not None:
+            return kernels.kv_quantize(flat, self._runs, self.codes, self.scale_offset, self.row_bytes)
+        return self.quantize_torch(flat)
+
+    def quantize_torch(self, flat: torch.Tensor) -> torch.Tensor:
+        """(n, width) float32 -> (n, row_bytes) uint8 rows, with PyTorch's ops."""
+        n = flat.shape[0]
         parts = self._split(flat)
         amax = torch.cat([p.abs().amax(-1) for p in parts], dim=1)  # (n, runs)
         scales = amax / QMAX[self.codes]
@@ -95,7 +110,7 @@ class KVQuant:
         codes = codes.clamp_(-qmax, qmax)  # a rounding past qmax would be NaN in fp8
         if self.codes == torch.int8:
             codes = codes.round_()
-        rows = torch.zeros(n, self.row_bytes, dtype=torch.uint8, device=entries.device)
+        rows = torch.zeros(n, self.row_bytes, dtype=torch.uint8, device=flat.device)
         rows[:, : self.width] = codes.to(self.codes).view(torch.uint8)
         rows[:, self.scale_offset :] = scales.contiguous().view(torch.uint8)
         return rows

@@ -85,6 +85,12 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype if quant is None else torch.uint8, device=device) for _ in range(num_layers)]
 
 
+def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:
+    """Tokens one GiB of KV cache per rank holds (bytes_per_token: every layer's entry);
+    under DCP each rank stores 1/D of every token."""
+    return 2**30 * dcp_size // bytes_per_token
+
+
 def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slot of each position of one request. block_table: (B,), positions: (m,) -> (m,) int64."""
     return block_table[positions // block_size] * block_size + positions % block_size

@@ -84,3 +84,17 @@ def test_bytes_per_token() -> None:
 def test_unknown_kv_cache_dtype_names_the_allowed_ones() -> None:
     with pytest.raises(CtxparError, match=r"kv_cache_dtype must be one of 'auto', 'fp8', .*'int8', got 'q4_0'"):
         EngineConfig(kv_cache_dtype="q4_0")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape, runs", LAYOUTS)
+def test_the_compiled_quantizer_writes_pytorchs_bytes(name, shape, runs) -> None:
+    """The CPU kernel and PyTorch's ops (the path elsewhere) round alike, ties and
+    the largest codes included: the same bytes, so ranks of either kind agree."""
+    quant = KVQuant.of(name, shape, runs)
+    x = entries(64, shape, seed=3)
+    # Exact ties of the codes' grids: halfway between int8 steps and between fp8 neighbours.
+    x.view(64, -1)[2, :4] = torch.tensor([127.0, 2.5, -0.5, 1.0 + 2.0**-4]) * x.view(64, -1)[2, :64].abs().max() / 127
+    flat = x.reshape(64, -1)
+    assert torch.equal(quant.quantize(x), quant.quantize_torch(flat))
+    assert torch.equal(quant.quantize(x[::2]), quant.quantize_torch(flat[::2]))  # strided tokens

@@ -19,6 +19,7 @@ import sys
 import time
 
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.worker.kv_cache import tokens_per_gib
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 
@@ -118,11 +119,6 @@ def _describe(llm, load_s: float) -> None:
         f"{tokens_per_gib(per_tok * model.num_kv_layers, D)} tokens per GiB of KV per rank",
     ]
     print("\n".join(lines), file=sys.stderr)
-
-
-def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:
-    """Tokens one GiB of KV cache per rank holds: each rank stores 1/D of every token under DCP."""
-    return 2**30 * dcp_size // bytes_per_token
 
 
 def prefix_cache_summary(engine) -> str:
