@@ -18,8 +18,8 @@
 //
 // Over a quantized cache's rows (kv_codes.h) each block of BK keys is
 // dequantized as it is reached, K^T into a (D x BK) tile and V into (BK x Dv)
-// rows: the context is never dequantized whole, and the cost is a few percent of
-// the block's products (one conversion per value against M multiply-adds).
+// rows: the context is never dequantized whole. A block is converted once per
+// task, one conversion per value against the M rows' multiply-adds with it.
 
 #include <algorithm>
 #include <cmath>

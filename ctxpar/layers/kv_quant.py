@@ -20,8 +20,8 @@ The cache of a layer is then (num_slots, row_bytes) uint8, one row per token:
 Rows are opaque bytes to everything that moves them (the cache writes, PCP's
 all-gather, DCP's context gather, prefix-cache reuse, a led step's broadcast), so
 those send the quantized bytes, never floats. The compiled attention kernels read
-rows in place and dequantize as they go (ctxpar/kernels); other paths call
-``dequantize`` on the rows they attend.
+rows in place and dequantize a run of keys at a time (ctxpar/kernels); other
+paths call ``dequantize`` on the rows they attend.
 """
 
 from __future__ import annotations
@@ -102,11 +102,10 @@ class KVQuant:
         """(n, width) float32 -> (n, row_bytes) uint8 rows, with PyTorch's ops."""
         n = flat.shape[0]
         parts = self._split(flat)
-        amax = torch.cat([p.abs().amax(-1) for p in parts], dim=1)  # (n, runs)
-        scales = amax / QMAX[self.codes]
+        qmax = QMAX[self.codes]
+        scales = torch.cat([p.abs().amax(-1) for p in parts], dim=1) / qmax  # (n, runs)
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)  # an all-zero run: codes 0, scale 0
         codes = torch.cat([(p * inv_p.unsqueeze(-1)).flatten(1) for p, inv_p in zip(parts, self._per_part(inv))], 1)
-        qmax = QMAX[self.codes]
         codes = codes.clamp_(-qmax, qmax)  # a rounding past qmax would be NaN in fp8
         if self.codes == torch.int8:
             codes = codes.round_()

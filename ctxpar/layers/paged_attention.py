@@ -21,9 +21,10 @@ The index tensors of the decode batch are the same for every layer of a step,
 so they are built once and kept in the step's ``StepMemo``.
 
 A quantized cache (ctxpar/layers/kv_quant.py) is read by the same kernels, which
-dequantize as they go; its prefill rows all take the compiled kernel (even short
-ones: any other path would dequantize the row's context first). Only where no
-kernel runs (a GPU, ``CTXPAR_KERNELS=0``) are the rows' contexts dequantized.
+dequantize a run of keys at a time; its prefill rows all take the compiled kernel
+(even short ones: any other path would dequantize the row's context first). Only
+where no kernel runs (a GPU, ``CTXPAR_KERNELS=0``, head widths the kernels'
+vectors do not divide) are the rows' contexts dequantized.
 """
 
 from __future__ import annotations
