@@ -142,7 +142,11 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
     std::vector<float> qs(g * dim), scores(g * CHUNK);
     std::vector<const T*> keys(CHUNK), values(CHUNK);
     std::vector<const float*> fkeys(quantized ? CHUNK : 0), fvalues(quantized ? CHUNK : 0);
-    std::vector<float> kd(quantized ? CHUNK * dim : 0), vd(quantized ? CHUNK * value_dim : 0);
+    // Dequantized keys and values of a task: kept per thread between calls (MLA's
+    // 256 x 576 floats would otherwise be a fresh mapping, page faults and all, per call).
+    static thread_local std::vector<float> kd, vd;
+    if (quantized && kd.size() < size_t(CHUNK * dim)) kd.resize(CHUNK * dim);
+    if (quantized && vd.size() < size_t(CHUNK * value_dim)) vd.resize(CHUNK * value_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
