@@ -33,6 +33,7 @@ from functools import cached_property
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import kv_cache as kv_kernels
 
 CODE_DTYPES = {
     "int8": torch.int8,
@@ -95,7 +96,7 @@ class KVQuant:
         which round alike (to nearest, ties to even)."""
         flat = entries.reshape(entries.shape[0], self.width).float()
         if flat.device.type == "cpu" and kernels.enabled() and kernels._library() is not None:
-            return kernels.kv_quantize(flat, self._runs, self.codes, self.scale_offset, self.row_bytes)
+            return kv_kernels.kv_quantize(flat, self._runs, self.codes, self.scale_offset, self.row_bytes)
         return self.quantize_torch(flat)
 
     def quantize_torch(self, flat: torch.Tensor) -> torch.Tensor:

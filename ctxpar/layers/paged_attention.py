@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
 from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
@@ -119,8 +120,8 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
         kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D), or (S, row_bytes) quantized
         if quant is None:
             causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
-        elif kernels.prefill_quant_usable(q[a:b], quant):
-            kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
+        elif kv_kernels.prefill_quant_usable(q[a:b], quant):
+            kv_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
         else:
             kv = quant.dequantize(kv).to(q.dtype)
             causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
