@@ -24,6 +24,9 @@ BLOCK_ID_BYTES = 40
 # Default DCP interleave (tokens per shard run); docs/benchmarks.md, "Decode context parallelism".
 CP_INTERLEAVE = 1
 PCP_SPLIT_MODES = ("auto", "all", "disjoint", "whole")  # pcp_split_mode (ctxpar/costmodel/policy.py)
+# The KV cache's storage (vLLM's spellings, plus "int8"): "auto" keeps the model's dtype;
+# the others are 1-byte codes with a float32 scale per token per head (ctxpar/layers/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # KV cache size in blocks; overrides kv_cache_bytes
     kv_cache_bytes: int = 1 << 30  # KV cache size per rank when num_kv_blocks is None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     pcp_size: int = 1  # prefill context-parallel ranks
@@ -97,6 +101,11 @@ class EngineConfig:
                 f"(the KV tensors far more); at most {host // BLOCK_ID_BYTES} blocks, lower num_kv_blocks"
             )
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CtxparError(
+                f"kv_cache_dtype must be one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("pcp_size", self.pcp_size, 1)

@@ -2,7 +2,8 @@
 and costs, against the same ranks each holding a full replica (D = 1).
 
 (a) capacity: the tokens a fixed kv_cache_bytes per rank holds at D = 1 and
-    D = P, and how many long requests fit at once;
+    D = P (and per GiB of KV per rank, with --kv-cache-dtype's storage), and
+    how many long requests fit at once;
 (b) decode step time at a long context, batch 1 and batch B, for P = 1,
     P = 2 with D = 1 and P = 2 with D = 2 (for each interleave given), with
     the share of the step spent in collectives. The B requests share one
@@ -30,6 +31,7 @@ import time
 import numpy as np
 
 from ctxpar.checks import positive_int
+from ctxpar.config import KV_CACHE_DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cp_interleave values at D=2 (default: 1 16)",
     )
     p.add_argument("--kv-cache-mib", type=positive_int, default=1024, help="KV cache per rank (default: 1024)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV-cache storage (default: auto)")
 
 
 def _decode_steps(llm, ids: list[int], batch: int, steps: int) -> tuple[float, float]:
@@ -253,9 +256,15 @@ def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) ->
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
+    from ctxpar.worker.kv_cache import tokens_per_gib
 
     n = args.context
-    common = dict(max_model_len=n + args.steps + 8, max_num_batched_tokens=2048, kv_cache_bytes=args.kv_cache_mib << 20)
+    common = dict(
+        max_model_len=n + args.steps + 8,
+        max_num_batched_tokens=2048,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     setups = [("P=1", dict(pcp_size=1), False), ("P=2 D=1", dict(pcp_size=2), True)]
     setups += [(f"P=2 D=2 I={i}", dict(pcp_size=2, dcp_size=2, cp_interleave=i), True) for i in args.interleave]
     rows, capacity = {}, {}
@@ -265,17 +274,18 @@ def run(args: argparse.Namespace) -> None:
             D = e.config.dcp_size
             tokens = e.num_blocks * e.config.block_size * D
             per_request = -(-(n + args.steps + 2) // (e.config.block_size * D))
-            capacity[name] = (tokens, e.num_blocks // per_request)
+            per_gib = tokens_per_gib(e.kv_bytes_per_token_per_layer * e.loaded.model.num_kv_layers, D)
+            capacity[name] = (tokens, per_gib, e.num_blocks // per_request)
             ids = np.random.default_rng(0).integers(0, e.vocab_size, size=n - 1).tolist()
             decode = {b: _decode_steps(llm, ids, b, args.steps) for b in args.batch}
             first = _ttft(llm, e.vocab_size, n, args.repeat, seed=1) if ttft else None
             rows[name] = (decode, first)
             print(f"measured {name}", flush=True)
 
-    print(f"\n(a) KV capacity at {args.kv_cache_mib} MiB per rank")
-    print(f"{'setup':>14} | {'tokens':>9} | {f'{n}-token requests at once':>26}")
-    for name, (tokens, fit) in capacity.items():
-        print(f"{name:>14} | {tokens:>9} | {fit:>26}")
+    print(f"\n(a) KV capacity at {args.kv_cache_mib} MiB per rank, KV cache {args.kv_cache_dtype}")
+    print(f"{'setup':>14} | {'tokens':>9} | {'tokens per GiB per rank':>23} | {f'{n}-token requests at once':>26}")
+    for name, (tokens, per_gib, fit) in capacity.items():
+        print(f"{name:>14} | {tokens:>9} | {per_gib:>23} | {fit:>26}")
 
     print(f"\n(b) decode step at a {n}-token context (ms per step; collectives' share)")
     print(f"{'setup':>14} | " + " | ".join(f"{f'batch {b}':>18}" for b in args.batch))

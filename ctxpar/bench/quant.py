@@ -13,6 +13,11 @@ projections alone (every layer's and the lm_head, one token, timed outside
 the engine) against the floor of the weights' bytes: the part of a step that
 the weights' format decides; the rest of a step (attention, norms, the
 engine's host work) is the same for every format.
+
+``--kv-cache-dtypes auto int8 fp8`` runs each setup with each KV-cache storage
+(ctxpar/layers/kv_quant.py), one engine each, their runs interleaved, and adds
+each step's ratio to the same weights' first storage (auto): after 2048 tokens
+the KV cache is the part of a step's bytes that quantizing it shrinks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int
+from ctxpar.config import KV_CACHE_DTYPES
 
 SETUPS: dict[str, dict[str, Any]] = {
     "gguf": dict(quantization="gguf"),
@@ -44,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per context (default: 16)")
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per context, the best kept (default: 3)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        choices=KV_CACHE_DTYPES,
+        default=["auto"],
+        help="KV-cache storages, each setup with each (default: auto); the first is the ratios' baseline",
+    )
 
 
 def weight_bytes(model: Any) -> int:
@@ -99,31 +112,31 @@ def _in_features(w: Any) -> int:
     return int(w.shape[1])  # a plain or oneDNN-packed weight: (out, in)
 
 
-def _step_seconds(llm: Any, context: int, steps: int, repeat: int) -> tuple[float, float]:
-    """Best seconds per decode step of one request after `context` tokens, and the
-    best time of its prefill (a fresh random prompt each run: no prefix-cache hit)."""
+def _step_seconds(llm: Any, context: int, steps: int, seed: int) -> tuple[float, float]:
+    """Seconds per decode step of one request after `context` tokens, and the time of
+    its prefill (a fresh random prompt per seed: no prefix-cache hit)."""
     from ctxpar import SamplingParams
 
     engine = llm.engine
-    best, prefill = float("inf"), float("inf")
-    for r in range(repeat):
-        ids = np.random.default_rng(r).integers(0, engine.vocab_size, size=context).tolist()
-        engine.add_request(ids, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
-        t0 = time.perf_counter()
-        while all(len(q.output_token_ids) == 0 for q in engine.requests.values()):
-            engine.step()  # the prefill
-        prefill = min(prefill, time.perf_counter() - t0)
-        engine.step()  # one decode step to warm up
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        best = min(best, (time.perf_counter() - t0) / steps)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return best, prefill
+    ids = np.random.default_rng(seed).integers(0, engine.vocab_size, size=context).tolist()
+    engine.add_request(ids, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while all(len(q.output_token_ids) == 0 for q in engine.requests.values()):
+        engine.step()  # the prefill
+    prefill = time.perf_counter() - t0
+    engine.step()  # one decode step to warm up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds, prefill
 
 
 def run(args: argparse.Namespace) -> None:
+    import contextlib
+
     import torch
 
     from ctxpar import LLM
@@ -135,30 +148,41 @@ def run(args: argparse.Namespace) -> None:
     print(describe_machine())
     print(f"memory read bandwidth (torch sum over 256 MiB, best of several): {bandwidth / 1e9:.1f} GB/s")
     rows, projections = [], []
+    kvs = args.kv_cache_dtypes
     for name in args.setups:
         kwargs = dict(SETUPS[name], max_model_len=max(args.contexts) + args.steps + 8, num_threads=args.threads)
-        with LLM(args.model, **kwargs) as llm:
-            model = llm.engine.loaded.model
+        with contextlib.ExitStack() as stack:
+            # One engine per KV storage, open together: their runs interleave, so a change
+            # of the machine's load between runs reaches every storage alike.
+            llms = {kv: stack.enter_context(LLM(args.model, kv_cache_dtype=kv, **kwargs)) for kv in kvs}
+            model = llms[kvs[0]].engine.loaded.model
             weights = weight_bytes(model)
-            cfg = llm.engine.loaded.hf_config
-            kv_per_token = 2 * cfg.num_key_value_heads * model.layers[0].self_attn.head_dim * cfg.num_hidden_layers
-            kv_per_token *= torch.finfo(model.norm.weight.dtype).bits // 8
             projections.append((name, projection_seconds(model), weights))
             for context in args.contexts:
-                seconds, prefill = _step_seconds(llm, context, args.steps, args.repeat)
-                read = weights + kv_per_token * (context + args.steps // 2)
-                rows.append((name, context, seconds, weights, read, prefill))
+                best = {kv: (float("inf"), float("inf")) for kv in kvs}  # (s/step, prefill s)
+                for r in range(args.repeat):
+                    for kv in kvs:
+                        seconds, prefill = _step_seconds(llms[kv], context, args.steps, seed=r)
+                        best[kv] = (min(best[kv][0], seconds), min(best[kv][1], prefill))
+                for kv in kvs:
+                    engine = llms[kv].engine
+                    read = weights + engine.kv_bytes_per_token_per_layer * model.num_kv_layers * (
+                        context + args.steps // 2
+                    )
+                    ratio = best[kv][0] / best[kvs[0]][0]
+                    rows.append((name, kv, context, best[kv][0], ratio, weights, read, best[kv][1]))
                 print(f"measured {name} after {context} tokens", flush=True)
     print(f"\ndecode, batch 1, ms per step (best of {args.repeat} runs of {args.steps} steps)")
-    header = f"{'weights':>7} | {'context':>7} | {'ms/step':>8} | {'weights MB':>10} | {'read MB':>8} | "
-    header += f"{'floor ms (measured BW)':>22} | {'x floor':>7} | {'floor ms (18 GB/s)':>18} | {'x floor':>7} | "
-    print(header + f"{'prefill s':>9}")
-    for name, context, seconds, weights, read, prefill in rows:
+    first = f"x KV {args.kv_cache_dtypes[0]}"
+    header = f"{'weights':>7} | {'KV':>8} | {'context':>7} | {'ms/step':>8} | {first:>9} | {'weights MB':>10} | "
+    header += f"{'read MB':>8} | {'floor ms (measured BW)':>22} | {'x floor':>7} | {'floor ms (18 GB/s)':>18} | "
+    print(header + f"{'x floor':>7} | {'prefill s':>9}")
+    for name, kv, context, seconds, ratio, weights, read, prefill in rows:
         floor, nominal = read / bandwidth, read / NOMINAL_BANDWIDTH
         print(
-            f"{name:>7} | {context:>7} | {seconds * 1e3:>8.2f} | {weights / 1e6:>10.1f} | {read / 1e6:>8.1f} | "
-            f"{floor * 1e3:>22.2f} | {seconds / floor:>7.2f} | {nominal * 1e3:>18.2f} | {seconds / nominal:>7.2f} | "
-            f"{prefill:>9.2f}"
+            f"{name:>7} | {kv:>8} | {context:>7} | {seconds * 1e3:>8.2f} | {ratio:>9.2f} | {weights / 1e6:>10.1f} | "
+            f"{read / 1e6:>8.1f} | {floor * 1e3:>22.2f} | {seconds / floor:>7.2f} | {nominal * 1e3:>18.2f} | "
+            f"{seconds / nominal:>7.2f} | {prefill:>9.2f}"
         )
     print("\nprojections and lm_head alone, one token (best of 20)")
     print(

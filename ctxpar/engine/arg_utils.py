@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpar.config import PCP_SPLIT_MODES, EngineConfig
+from ctxpar.config import KV_CACHE_DTYPES, PCP_SPLIT_MODES, EngineConfig
 from ctxpar.engine.vllm_args import HINTS, REFUSED, apply_vllm_args
 from ctxpar.errors import CtxparError
 
@@ -52,6 +52,11 @@ FLAGS: dict[str, Flag] = {
         "KV-cache size in blocks (default: as many as fit in --kv-cache-bytes)", "N", ("--kv-cache-blocks",)
     ),
     "kv_cache_bytes": Flag("KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES"),
+    "kv_cache_dtype": Flag(
+        "KV-cache storage: auto (the model's dtype), or 1 byte a value with a float32 scale per token per "
+        "head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (about 4x the tokens of a float32 cache)",
+        choices=KV_CACHE_DTYPES,
+    ),
     "max_num_seqs": Flag("most requests running at once", "N"),
     "max_num_batched_tokens": Flag("tokens per step; longer prompts are prefilled in chunks", "N"),
     "pcp_size": Flag("prefill context-parallel ranks", "P", ("--pcp",)),
@@ -129,6 +134,7 @@ class EngineArgs:
     block_size: int = DEFAULTS.block_size
     num_kv_blocks: int | None = DEFAULTS.num_kv_blocks
     kv_cache_bytes: int = DEFAULTS.kv_cache_bytes
+    kv_cache_dtype: str = DEFAULTS.kv_cache_dtype
     max_num_seqs: int = DEFAULTS.max_num_seqs
     max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
     pcp_size: int = DEFAULTS.pcp_size

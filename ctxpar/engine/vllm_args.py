@@ -74,7 +74,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), "ctxpar has no pipeline parallelism; use pcp_size=N"),
     "data_parallel_size": ((1,), "ctxpar has no data parallelism; start one LLM per device"),
     "enable_lora": ((False,), NO_LORA),
-    "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype; leave kv_cache_dtype='auto'"),
     "revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),
     "tokenizer_revision": ((None,), "ctxpar loads local files only: check out that revision and pass its directory"),
     "code_revision": ((None,), "ctxpar runs its own model code, never the checkpoint's"),

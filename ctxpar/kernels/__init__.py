@@ -3,7 +3,8 @@
 The kernels are the C++ files next to this one (decode and prefill
 attention; fp32 projections against packed weights; projections against
 block-quantized weights, wrapped in ``quant.py``; the layers' elementwise
-steps, wrapped in ``elementwise.py``); they include no PyTorch header, so
+steps, wrapped in ``elementwise.py``; a quantized KV cache's writes and
+prefill reads, wrapped in ``kv_cache.py``); they include no PyTorch header, so
 ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few
 seconds (a PyTorch extension takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
@@ -27,6 +28,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -41,8 +43,11 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {  # name: (argument types, result type)
     "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
     "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
+    "paged_decode_quant": ([_ptr] * 4 + [_i64] * 13 + [_f32, _ptr, _ptr], None),
     "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_f32, _ptr, _ptr], None),
+    "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 14 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
+    "kv_quantize": ([_ptr, _i64, _i64, _ptr] + [_i64] * 4 + [_ptr], None),
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
@@ -53,6 +58,22 @@ SIGNATURES = {  # name: (argument types, result type)
     "quant_dequantize_panels_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }
+
+
+# A quantized cache's code dtypes, by the number the kernels know them by (kv_codes.h).
+CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+class QuantRows(Protocol):
+    """A quantized cache's row format as the kernels read it (ctxpar.layers.kv_quant.KVQuant):
+    rows of 1-byte codes, the entry's values in order, then float32 scales at scale_offset."""
+
+    @property
+    def codes(self) -> torch.dtype: ...
+    @property
+    def entry_shape(self) -> tuple[int, ...]: ...
+    @property
+    def scale_offset(self) -> int: ...
 
 
 def enabled() -> bool:
@@ -118,11 +139,12 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
 
 def usable(cache: torch.Tensor, *widths: int) -> bool:
     """Whether the kernels serve attention over this cache with keys and values
-    of these widths: a contiguous float32 or bfloat16 CPU tensor, widths that are
-    multiples of 8 (the kernel's vectors), kernels enabled and built."""
+    of these widths: a contiguous float32, bfloat16 or quantized (uint8 rows) CPU
+    tensor, widths that are multiples of 8 (the kernel's vectors), kernels enabled
+    and built."""
     return (
         cache.device.type == "cpu"
-        and cache.dtype in (torch.float32, torch.bfloat16)
+        and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
         and cache.is_contiguous()
         and all(w % 8 == 0 for w in widths)
         and enabled()
@@ -139,57 +161,68 @@ def paged_decode(
     value_dim: int,
     strides: tuple[int, int, int],
     scale: float,
+    scales: tuple[QuantRows, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over that row's cache slots, read in place.
 
     q (B, H, D); cache: a ``usable`` cache; slots (N,) int64 the rows' slots
     back to back, row b's at [starts[b], starts[b+1]) (starts (B+1,) int64);
     strides: in cache elements, (per slot, per KV head, from a key to its
-    value). Query head i uses KV head i // (H / kv_heads). Returns out
-    (B, H, value_dim) and lse (B, H), float32; a row without keys gets out 0
-    and lse -inf.
+    value). Query head i uses KV head i // (H / kv_heads). scales, for a
+    quantized cache: its format and kv_codes.h's (head, value, split) scale
+    indices. Returns out (B, H, value_dim) and lse (B, H), float32; a row
+    without keys gets out 0 and lse -inf.
     """
     rows, heads, dim = q.shape
     q = q.to(torch.float32).contiguous()
     slots, starts = slots.contiguous(), starts.contiguous()
     out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
     lse = torch.empty(rows, heads, dtype=torch.float32)
-    kernel = _library().paged_decode_f32 if cache.dtype == torch.float32 else _library().paged_decode_bf16
-    kernel(
-        q.data_ptr(),
-        cache.data_ptr(),
-        slots.data_ptr(),
-        starts.data_ptr(),
-        rows,
-        heads,
-        kv_heads,
-        dim,
-        value_dim,
-        *strides,
-        scale,
-        out.data_ptr(),
-        lse.data_ptr(),
-    )
+    pointers = (q.data_ptr(), cache.data_ptr(), slots.data_ptr(), starts.data_ptr())
+    sizes = (rows, heads, kv_heads, dim, value_dim, *strides)
+    if scales is not None:
+        fmt, *indices = scales
+        quant_args = (CODES[fmt.codes], fmt.scale_offset, *indices)
+        _library().paged_decode_quant(*pointers, *sizes, *quant_args, scale, out.data_ptr(), lse.data_ptr())
+    else:
+        kernel = _library().paged_decode_f32 if cache.dtype == torch.float32 else _library().paged_decode_bf16
+        kernel(*pointers, *sizes, scale, out.data_ptr(), lse.data_ptr())
     return out, lse
 
 
 def gqa_paged_decode(
-    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, scale: float
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+    quant: QuantRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` over a GQA cache (num_slots, 2, Hk, D): K and V of slot s
-    at s*2*Hk*D + h*D and Hk*D further on. Returns out (B, H, D), lse (B, H)."""
-    Hk, D = cache.shape[2], cache.shape[3]
-    return paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), scale)
+    at s*2*Hk*D + h*D and Hk*D further on; or over its quantized rows
+    (num_slots, row_bytes) in the same order, one scale per K or V head (K heads'
+    first). Returns out (B, H, D), lse (B, H)."""
+    _, Hk, D = quant.entry_shape if quant is not None else cache.shape[1:]
+    slot_stride = cache[0].numel()
+    scales = (quant, 1, Hk, D) if quant is not None else None
+    return paged_decode(q, cache, slots, starts, Hk, D, (slot_stride, D, Hk * D), scale, scales)
 
 
 def latent_paged_decode(
-    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, value_dim: int, scale: float
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    value_dim: int,
+    scale: float,
+    quant: QuantRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` over MLA latents (num_slots, E): one key per slot shared
-    by every head, whose first value_dim entries are the value. Returns out
-    (B, H, value_dim), lse (B, H)."""
-    E = cache.shape[-1]
-    return paged_decode(q, cache, slots, starts, 1, value_dim, (E, 0, 0), scale)
+    by every head, whose first value_dim entries are the value; or over their
+    quantized rows, the latent (the first value_dim) with one scale, the rope
+    key with another. Returns out (B, H, value_dim), lse (B, H)."""
+    scales = (quant, 0, 0, value_dim) if quant is not None else None
+    return paged_decode(q, cache, slots, starts, 1, value_dim, (cache[0].numel(), 0, 0), scale, scales)
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -18,6 +18,8 @@
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
 //   MLA  (num_slots, E) latents: slot_stride E, head_stride 0, v_offset 0
 //        (Hk = 1; the value is the first Dv entries of the key)
+// and a quantized cache's rows of 1-byte codes and float32 scales (kv_codes.h),
+// each task's run of keys dequantized once, in the kernel, into floats in cache.
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace {
@@ -84,10 +87,43 @@ struct Task {
   int64_t row, head, first, last;  // keys [first, last) of the row's slots
 };
 
+// Keys [first, first + n8) of `slots` of one KV head of a quantized cache, dequantized
+// (codes times their scales) into kd (n8 x dim) and, unless the value is the key's
+// start under the same scale (MLA's latent), vd (n8 x value_dim); keys and values
+// point at each key's and value's floats. Padding past n repeats key n - 1.
+template <typename T>
+void dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t n8, int64_t head, int64_t dim,
+                     int64_t value_dim, int64_t slot_stride, int64_t head_stride, int64_t v_offset, const Scales& sc,
+                     float* kd, float* vd, const float** keys, const float** values) {
+  const bool shared = v_offset == 0 && sc.value == 0 && value_dim <= sc.split;
+  for (int64_t s = 0; s < n8; ++s) {
+    const T* row = cache + slots[std::min(s, n - 1)] * slot_stride;
+    const T* key = row + head * head_stride;
+    const int64_t i = head * sc.head;
+    const float k0 = scale_at(row, sc, i), k1 = sc.split < dim ? scale_at(row, sc, i + 1) : 0.0f;
+    float* ks = kd + s * dim;
+    for (int64_t c = 0; c < dim; c += 8) storev(ks + c, load8(key + c) * (c < sc.split ? k0 : k1));
+    keys[s] = ks;
+    if (shared) {
+      values[s] = ks;
+      continue;
+    }
+    float* vs = vd + s * value_dim;
+    const float v0 = scale_at(row, sc, sc.value + i);
+    for (int64_t c = 0; c < value_dim; c += 8) storev(vs + c, load8(key + v_offset + c) * v0);
+    values[s] = vs;
+  }
+}
+
+// T: float, bfloat16 (uint16_t) or a quantized cache's codes, whose scales `sc` says
+// where to find (null otherwise). A quantized task's keys and values are dequantized
+// once into floats (a run of at most CHUNK keys, in L2) for its g query heads,
+// instead of converting each code g times.
 template <typename T>
 void attend(const float* q, const T* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
-            int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
+            int64_t head_stride, int64_t v_offset, const Scales* sc, float scale, float* out, float* lse) {
+  constexpr bool quantized = sizeof(T) == 1;
   const int64_t g = heads / kv_heads;  // query heads per KV head
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(rows * kv_heads + 1);
@@ -105,42 +141,57 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   {
     std::vector<float> qs(g * dim), scores(g * CHUNK);
     std::vector<const T*> keys(CHUNK), values(CHUNK);
+    std::vector<const float*> fkeys(quantized ? CHUNK : 0), fvalues(quantized ? CHUNK : 0);
+    // Dequantized keys and values of a task: kept per thread between calls (MLA's
+    // 256 x 576 floats would otherwise be a fresh mapping, page faults and all, per call).
+    static thread_local std::vector<float> kd, vd;
+    if (quantized && kd.size() < size_t(CHUNK * dim)) kd.resize(CHUNK * dim);
+    if (quantized && vd.size() < size_t(CHUNK * value_dim)) vd.resize(CHUNK * value_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
       const int64_t n = task.last - task.first, n8 = (n + 7) / 8 * 8;
       const float* qt = q + (task.row * heads + task.head * g) * dim;
       for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
-      for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
-        const T* slot = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
-        keys[s] = slot;
-        values[s] = slot + v_offset;
-      }
       float* o = part_out.data() + t * g * value_dim;
-      for (int64_t j = 0; j < g; ++j) {
-        float* sj = scores.data() + j * CHUNK;
-        for (int64_t s = 0; s < n8; s += 8) {
-          const v8 sc = dot8(qs.data() + j * dim, keys.data() + s, dim);
-          std::memcpy(sj + s, &sc, sizeof sc);
+      // The task's g query heads over its keys and values (pointers to T, or to floats).
+      auto heads_over = [&](const auto* const* key, const auto* const* value) {
+        for (int64_t j = 0; j < g; ++j) {
+          float* sj = scores.data() + j * CHUNK;
+          for (int64_t s = 0; s < n8; s += 8) {
+            const v8 sc8 = dot8(qs.data() + j * dim, key + s, dim);
+            std::memcpy(sj + s, &sc8, sizeof sc8);
+          }
+          for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
+          v8 top8 = load8(sj);
+          for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
+          float top = top8[0];
+          for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
+          v8 total8 = {};
+          for (int64_t s = 0; s < n8; s += 8) {
+            const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
+            std::memcpy(sj + s, &e, sizeof e);
+            total8 += e;
+          }
+          const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
+                              ((total8[2] + total8[6]) + (total8[3] + total8[7]));
+          part_lse[t * g + j] = (top + std::log2(total)) * LN2;
+          float* oj = o + j * value_dim;
+          for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
+            weighted_values_any(sj, value, n, c, std::min<int64_t>(64, value_dim - c), oj + c);
+          for (int64_t i = 0; i < value_dim; ++i) oj[i] /= total;
         }
-        for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
-        v8 top8 = load8(sj);
-        for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
-        float top = top8[0];
-        for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
-        v8 total8 = {};
-        for (int64_t s = 0; s < n8; s += 8) {
-          const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
-          std::memcpy(sj + s, &e, sizeof e);
-          total8 += e;
+      };
+      if constexpr (quantized) {
+        dequantize_task(cache, slots + task.first, n, n8, task.head, dim, value_dim, slot_stride, head_stride,
+                        v_offset, *sc, kd.data(), vd.data(), fkeys.data(), fvalues.data());
+        heads_over(fkeys.data(), fvalues.data());
+      } else {
+        for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
+          keys[s] = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
+          values[s] = keys[s] + v_offset;
         }
-        const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
-                            ((total8[2] + total8[6]) + (total8[3] + total8[7]));
-        part_lse[t * g + j] = (top + std::log2(total)) * LN2;
-        float* oj = o + j * value_dim;
-        for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
-          weighted_values_any(sj, values.data(), n, c, std::min<int64_t>(64, value_dim - c), oj + c);
-        for (int64_t i = 0; i < value_dim; ++i) oj[i] /= total;
+        heads_over(keys.data(), values.data());
       }
     }
 
@@ -181,8 +232,8 @@ extern "C" {
 void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
                       int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
-  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
-         out, lse);
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
+         scale, out, lse);
 }
 
 // The same over a bfloat16 cache (q, out and lse stay float32).
@@ -190,7 +241,24 @@ void paged_decode_bf16(const float* q, const uint16_t* cache, const int64_t* slo
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
                        int64_t slot_stride, int64_t head_stride, int64_t v_offset, float scale, float* out,
                        float* lse) {
-  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, scale,
-         out, lse);
+  attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
+         scale, out, lse);
+}
+
+// The same over a quantized cache of byte rows (strides in bytes): code 0 int8, 1
+// float8_e4m3fn, 2 float8_e5m2; the scales as kv_codes.h's Scales.
+void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slots, const int64_t* starts,
+                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
+                        int64_t slot_stride, int64_t head_stride, int64_t v_offset, int64_t code,
+                        int64_t scale_offset, int64_t scale_head, int64_t scale_value, int64_t split, float scale,
+                        float* out, float* lse) {
+  const Scales sc{scale_offset, scale_head, scale_value, split};
+  auto run = [&](auto* codes) {
+    attend(q, codes, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, &sc,
+           scale, out, lse);
+  };
+  if (code == 0) run(reinterpret_cast<const int8_t*>(cache));
+  if (code == 1) run(reinterpret_cast<const E4M3*>(cache));
+  if (code == 2) run(reinterpret_cast<const E5M2*>(cache));
 }
 }

@@ -15,12 +15,18 @@
 // Both products run as tiles of ROWS rows x 4 vectors whose accumulators stay
 // in registers: each step broadcasts one float of the left operand and fuses
 // it into 4 vectors of the right one.
+//
+// Over a quantized cache's rows (kv_codes.h) each block of BK keys is
+// dequantized as it is reached, K^T into a (D x BK) tile and V into (BK x Dv)
+// rows: the context is never dequantized whole. A block is converted once per
+// task, one conversion per value against the M rows' multiply-adds with it.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace {
@@ -67,39 +73,62 @@ inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, con
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-}  // namespace
+// Keys [s0, s0 + keys) of KV head h of a quantized cache, dequantized: K^T into
+// kt (dim x BK, padding keys 0) and V into vb (keys x value_dim). k: the rows
+// (k_stride bytes apart, K of head h at h * dim, scales as `sc`), v = k + V's offset.
+template <typename T>
+void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int64_t keys, int64_t h, int64_t dim,
+                      int64_t value_dim, const Scales& sc, float* kt, float* vb) {
+  for (int64_t s = 0; s < BK; ++s) {
+    if (s >= keys) {
+      for (int64_t d = 0; d < dim; ++d) kt[d * BK + s] = 0.0f;
+      continue;
+    }
+    const T* row = k + (s0 + s) * k_stride;
+    const float ks = scale_at(row, sc, h * sc.head), vs = scale_at(row, sc, sc.value + h * sc.head);
+    for (int64_t d = 0; d < dim; d += 8) {
+      const v8 x = load8(row + h * dim + d) * ks;
+      for (int i = 0; i < 8; ++i) kt[(d + i) * BK + s] = x[i];
+    }
+    for (int64_t d = 0; d < value_dim; d += 8) {
+      const v8 x = load8(v + (s0 + s) * k_stride + h * value_dim + d) * vs;
+      std::memcpy(vb + s * value_dim + d, &x, sizeof x);
+    }
+  }
+}
 
-extern "C" {
-
-// q (L, H, D) with q_stride floats between tokens; k, v: key/value s of KV
-// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; causal:
-// query i sees keys up to S - L + i (L <= S), else every key; out (L, H, Dv)
-// contiguous; lse (L, H) or null. D and Dv multiples of the vector width W
-// (Dv of 4W).
-void prefill_attention_f32(const float* q, const float* k, const float* v, int64_t L, int64_t S, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
-                           int64_t v_stride, int64_t causal, float scale, float* out, float* lse) {
+// T float, or a quantized cache's codes with its scales `sc` (null for float):
+// prefill_attention_f32 / prefill_attention_quant below.
+template <typename T>
+void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
+             int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
+             const Scales* sc, float scale, float* out, float* lse) {
+  constexpr bool quantized = sizeof(T) == 1;
   // Query i sees keys up to offset + i: bottom-right causal, or every key.
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
-  // K^T per KV head, zero-padded to whole blocks: (kv_heads, dim, S_pad).
-  std::vector<float> kt(kv_heads * dim * S_pad, 0.0f);
+  // Float keys: K^T per KV head, zero-padded to whole blocks, packed once per call:
+  // (kv_heads, dim, S_pad). Quantized keys are dequantized block by block instead.
+  std::vector<float> kt(quantized ? 0 : kv_heads * dim * S_pad, 0.0f);
   const int64_t q_blocks = (L + BQ - 1) / BQ;
 
 #pragma omp parallel
   {
+    if constexpr (!quantized) {
 #pragma omp for collapse(2)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t s0 = 0; s0 < S; s0 += BK)
-        for (int64_t s = s0; s < std::min(S, s0 + BK); ++s)
-          for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t s0 = 0; s0 < S; s0 += BK)
+          for (int64_t s = s0; s < std::min(S, s0 + BK); ++s)
+            for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
+    }
 
     // Per-row state, padded to whole vectors (the extra rows' block maxima stay 0: finite).
     std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim);
     // Row sums stay W partial sums per row until the end (no horizontal add per block).
     std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
     std::vector<const float*> v_rows(BK);
+    std::vector<float> kt_block(quantized ? dim * BK : 0), v_block(quantized ? BK * value_dim : 0);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t nb = 0; nb < q_blocks; ++nb)
@@ -113,13 +142,22 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
-        const float* kt_h = kt.data() + h * dim * S_pad;
+
         const int64_t last_pos = offset + i0 + n - 1;  // the block's last query sees keys up to here
         for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
+          const float* kt_s0 = kt.data() + h * dim * S_pad + s0;  // row d of K^T at kt_s0 + d * kt_ld
+          int64_t kt_ld = S_pad;
+          if constexpr (quantized) {
+            dequantize_block(k, v, k_stride, s0, keys, h, dim, value_dim, *sc, kt_block.data(), v_block.data());
+            kt_s0 = kt_block.data(), kt_ld = BK;
+            for (int64_t s = 0; s < keys; ++s) v_rows[s] = v_block.data() + s * value_dim;
+          } else {
+            for (int64_t s = 0; s < keys; ++s) v_rows[s] = v + (s0 + s) * v_stride + h * value_dim;
+          }
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
-              tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_h + d * S_pad + s0 + c; }, dim,
+              tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
                            nullptr, scores.data() + m * BK + c, BK);
           // Online softmax. Every row sees key 0, so after the first block its
           // running max is finite and no rescale below is 2^(-inf - -inf).
@@ -147,7 +185,6 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
             }
             storev(totals.data() + m * W, sum);
           }
-          for (int64_t s = 0; s < keys; ++s) v_rows[s] = v + (s0 + s) * v_stride + h * value_dim;
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < value_dim; c += TILE)
               tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys,
@@ -163,6 +200,39 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
           }
       }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q (L, H, D) with q_stride floats between tokens; k, v: key/value s of KV
+// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; causal:
+// query i sees keys up to S - L + i (L <= S), else every key; out (L, H, Dv)
+// contiguous; lse (L, H) or null. D and Dv multiples of the vector width W
+// (Dv of 4W).
+void prefill_attention_f32(const float* q, const float* k, const float* v, int64_t L, int64_t S, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
+                           int64_t v_stride, int64_t causal, float scale, float* out, float* lse) {
+  prefill(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, nullptr, scale, out,
+          lse);
+}
+
+// The same over S rows of a quantized cache (row_bytes apart; K of head h at byte
+// h * D, V at v_offset + h * Dv; code 0 int8, 1 float8_e4m3fn, 2 float8_e5m2; the
+// scales as kv_codes.h's Scales, one per K or V head).
+void prefill_attention_quant(const float* q, const uint8_t* rows, int64_t L, int64_t S, int64_t heads,
+                             int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t row_bytes,
+                             int64_t v_offset, int64_t causal, int64_t code, int64_t scale_offset, int64_t scale_head,
+                             int64_t scale_value, float scale, float* out, float* lse) {
+  const Scales sc{scale_offset, scale_head, scale_value, dim};
+  auto run = [&](auto* codes) {
+    prefill(q, codes, codes + v_offset, L, S, heads, kv_heads, dim, value_dim, q_stride, row_bytes, row_bytes, causal,
+            &sc, scale, out, lse);
+  };
+  if (code == 0) run(reinterpret_cast<const int8_t*>(rows));
+  if (code == 1) run(reinterpret_cast<const E4M3*>(rows));
+  if (code == 2) run(reinterpret_cast<const E5M2*>(rows));
 }
 
 // Whether prefill_attention_f32 takes these widths (they depend on the vector width).

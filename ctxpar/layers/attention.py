@@ -24,6 +24,7 @@ import torch
 from ctxpar import kernels
 from ctxpar.layers.attention_math import attention_lse, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.sharded_attention import sharded_attention
 
@@ -54,7 +55,7 @@ class AttentionKind(Protocol):
         ...
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor
+        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
     ) -> Partials | None:
         """One-query rows over their shards in one kernel call, or None where the
         kernel cannot read this cache: ctxpar.layers.sharded_attention.Decode."""
@@ -93,8 +94,8 @@ class GQA:
         return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor
+        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
     ) -> Partials | None:
         if not paged_kernel(cache, self.head_dim):
             return None
-        return kernels.gqa_paged_decode(q, cache, slots, starts, self.scale)
+        return kernels.gqa_paged_decode(q, cache, slots, starts, self.scale, quant)

@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 
 from ctxpar.layers.attention_ops import padded_slot_table
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.sharded_context import SplitContext
 
 
@@ -91,7 +92,9 @@ class ForwardContext:
     # Cache writes: rows of the (gathered) KV entries to store, and where.
     write_src: torch.Tensor | None  # (W,) int64 index into the entries; None = all of them, in order
     write_slots: torch.Tensor  # (W,) int64 flat slot in each layer's cache
-    kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape)
+    kv_caches: list[torch.Tensor]  # per layer: (num_slots, *kv_entry_shape), or quantized rows
+    # The cache's quantization (ctxpar/layers/kv_quant.py); None: entries stored as computed.
+    kv_quant: KVQuant | None = None
     # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Decode context parallelism: the cache holds this rank's shard only, and the layers
@@ -118,9 +121,20 @@ def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: i
     ranks' chunks of this very step, which is why every rank gathers and
     writes before anyone attends.
     """
+    entries = to_cache(entries, ctx)  # quantized before the gather: ranks exchange the bytes they store
     if ctx.gather is not None:
         entries = ctx.gather(entries)  # (P*n, *E)
     return store_kv(entries, ctx, layer_idx)
+
+
+def to_cache(entries: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """(n, *E) entries as the cache stores them: (n, row_bytes) quantized rows, or unchanged."""
+    return entries if ctx.kv_quant is None else ctx.kv_quant.quantize(entries)
+
+
+def from_cache(rows: torch.Tensor, ctx: ForwardContext, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (m, ...) read back as (m, *E) entries of ``dtype`` (dequantized: a copy)."""
+    return (rows if ctx.kv_quant is None else ctx.kv_quant.dequantize(rows)).to(dtype)
 
 
 def store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:

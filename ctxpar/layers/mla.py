@@ -39,7 +39,8 @@ from torch import nn
 from ctxpar import kernels
 from ctxpar.layers.attention import attend
 from ctxpar.layers.attention_math import attention_lse, causal_attention, paged_kernel, takes_kernel
-from ctxpar.layers.forward_context import ForwardContext
+from ctxpar.layers.forward_context import ForwardContext, from_cache
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
 from ctxpar.layers.rotary import apply_rotary
@@ -134,11 +135,11 @@ class MLAttention(nn.Module):
         n, h = q.shape[0], self.num_heads
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         out = q.new_zeros(n, h, self.v_head_dim)
-        kernel = paged_kernel(cache, cache.shape[-1], self.kv_lora_rank)
+        kernel = paged_kernel(cache, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank)
         dec = decode_batch(ctx, kernel) if ATTENTION_PATH != "expanded" else None
         for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
-            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel)
+            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel, ctx.kv_quant)
             out.index_copy_(0, grp.tokens, self._unabsorb(o))
         batched = dec.rows if dec is not None else set()
         qsl = ctx.query_start_loc
@@ -148,7 +149,8 @@ class MLAttention(nn.Module):
                 continue
             absorbed = ATTENTION_PATH == "absorbed" or (ATTENTION_PATH == "auto" and b - a == 1)
             attend_row = self._absorbed if absorbed else self._expanded
-            context = cache.index_select(0, ctx.context_slots[r]).to(q.dtype)
+            # Up-projecting (expanded) needs float latents: a quantized row's are dequantized.
+            context = from_cache(cache.index_select(0, ctx.context_slots[r]), ctx, q.dtype)
             out[a:b] = attend_row(q_nope[a:b], q_pe[a:b], context)
         return out
 
@@ -187,13 +189,13 @@ class MLAttention(nn.Module):
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor
+        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One-query latent rows over their shards in the compiled kernel, then W_UV, as
         ``attend_lse`` (``AttentionKind.decode_lse``)."""
-        if not paged_kernel(cache, cache.shape[-1], self.kv_lora_rank):
+        if not paged_kernel(cache, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank):
             return None
-        o, lse = kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale)
+        o, lse = kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale, quant)
         return self._unabsorb(o.to(q.dtype)), lse
 
     def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,12 @@
 
 The index tensors of the decode batch are the same for every layer of a step,
 so they are built once and kept in the step's ``StepMemo``.
+
+A quantized cache (ctxpar/layers/kv_quant.py) is read by the same kernels, which
+dequantize a run of keys at a time; its prefill rows all take the compiled kernel
+(even short ones: any other path would dequantize the row's context first). Only
+where no kernel runs (a GPU, ``CTXPAR_KERNELS=0``, head widths the kernels'
+vectors do not divide) are the rows' contexts dequantized.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from __future__ import annotations
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
 from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
+from ctxpar.layers.kv_quant import KVQuant
 
 MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real keys
 # Without the kernel, longer one-query rows attend one by one: there the gather
@@ -85,10 +93,11 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
 
 
 def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
-    """q (n, H, D) of the local tokens, cache (num_slots, 2, Hk, D) already
-    holding this step's entries -> attention output (n, H, D); padding tokens
-    (after the last row) get zeros."""
+    """q (n, H, D) of the local tokens, cache (num_slots, 2, Hk, D) (or its
+    quantized rows) already holding this step's entries -> attention output
+    (n, H, D); padding tokens (after the last row) get zeros."""
     n, _, D = q.shape
+    quant = ctx.kv_quant
     qsl = ctx.query_start_loc
     out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
     out[qsl[-1] :].zero_()  # padding tokens
@@ -97,34 +106,56 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     for grp in dec.groups if dec is not None else []:
         q_rows = q.index_select(0, grp.tokens)
         if kernel:
-            o, _ = kernels.gqa_paged_decode(q_rows, cache, grp.slots, grp.starts, scale)
+            o, _ = kernels.gqa_paged_decode(q_rows, cache, grp.slots, grp.starts, scale, quant)
         else:
             table, lengths = grp.padded
-            k, v = gather_paged_kv(cache, table)  # (B, Hk, S, D) each
-            o, _ = decode_attention(q_rows, k, v, lengths, scale)
+            k, v = _padded_kv(cache, table, quant)  # (B, Hk, S, D) each
+            o, _ = decode_attention(q_rows, k.to(q.dtype), v.to(q.dtype), lengths, scale)
         out.index_copy_(0, grp.tokens, o.to(out.dtype))
     single = dec.rows if dec is not None else set()
     for r in range(ctx.num_rows):
         a, b = qsl[r], qsl[r + 1]
         if b - a < 1 or r in single:
             continue
-        kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D)
-        causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
+        kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D), or (S, row_bytes) quantized
+        if quant is None:
+            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
+        elif kv_kernels.prefill_quant_usable(q[a:b], quant):
+            kv_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
+        else:
+            kv = quant.dequantize(kv).to(q.dtype)
+            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
     return out
 
 
+def _padded_kv(cache: torch.Tensor, table: torch.Tensor, quant: KVQuant | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (B, Hk, S, D) each at the slots of a (B, S) table (the path without the kernel)."""
+    if quant is None:
+        return gather_paged_kv(cache, table)
+    B, S = table.shape
+    kv = quant.dequantize(cache.index_select(0, table.view(-1))).view(B, S, *quant.entry_shape)  # (B, S, 2, Hk, D)
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
 def latent_decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, grp: DecodeGroup, value_dim: int, scale: float, kernel: bool
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    grp: DecodeGroup,
+    value_dim: int,
+    scale: float,
+    kernel: bool,
+    quant: KVQuant | None,
 ) -> torch.Tensor:
     """MLA decode in latent space for a group of one-query rows: q (B, H, E)
-    against cached entries (num_slots, E) that serve as the single shared key,
-    whose first value_dim values are the value. Returns (B, H, value_dim).
-    kernel: ``paged_kernel`` for this cache and these widths."""
+    against cached entries (num_slots, E) (or their quantized rows) that serve
+    as the single shared key, whose first value_dim values are the value.
+    Returns (B, H, value_dim). kernel: ``paged_kernel`` for this cache and these widths."""
     if kernel:
-        out, _ = kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale)
+        out, _ = kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale, quant)
         return out.to(q.dtype)
     table, lengths = grp.padded
     B, S = table.shape
-    k = cache.index_select(0, table.view(-1)).view(B, 1, S, cache.shape[-1]).to(q.dtype)
+    rows = cache.index_select(0, table.view(-1))
+    k = (rows if quant is None else quant.dequantize(rows)).view(B, 1, S, q.shape[-1]).to(q.dtype)
     out, _ = decode_attention(q, k, k[..., :value_dim], lengths, scale)
     return out

@@ -36,17 +36,28 @@ import torch
 
 from ctxpar.layers.attention_math import bottom_right_causal, merge_attention
 from ctxpar.layers.attention_ops import concat_slots
-from ctxpar.layers.forward_context import DCPStep, ForwardContext, OneQueryRows, StepMemo, store_kv
+from ctxpar.layers.forward_context import (
+    DCPStep,
+    ForwardContext,
+    OneQueryRows,
+    StepMemo,
+    from_cache,
+    store_kv,
+    to_cache,
+)
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.sharded_context import gathered_context_attention, gathers_context
 
 # attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
 # causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
 Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
-# decode(q (B, H, Dq), cache, slots (N,), starts (B + 1,)) -> (out (B, H, Do), lse (B, H))
+# decode(q (B, H, Dq), cache, slots (N,), starts (B + 1,), quant) -> (out (B, H, Do), lse (B, H))
 # float32: one query per row over the cache slots slots[starts[b]:starts[b + 1]] (none:
 # out 0, lse -inf), all rows in one call of the compiled kernel; or None where the kernel
 # cannot serve this cache (then each row goes through `attend`).
-Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+Decode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None], tuple[torch.Tensor, torch.Tensor] | None
+]
 
 
 def sharded_attention(
@@ -68,6 +79,7 @@ def sharded_attention(
     """
     step, split = ctx.dcp, ctx.dcp.split_context
     n, heads = q.shape[0], q.shape[1]
+    entries = to_cache(entries, ctx)  # quantized (if so) before any gather: ranks exchange stored bytes
     gather_context = split is not None and gathers_context(
         split.policy, split.context_tokens, q, entries, out_dim, len(step.send_idx), step.replicated_context
     )
@@ -78,25 +90,30 @@ def sharded_attention(
     if ctx.gather is not None:  # split step: one all-gather carries the KV entries (and the queries)
         e_shape, e_width = entries.shape[1:], entries[0].numel()
         if pass_q:
-            both = ctx.gather(torch.cat([entries.reshape(n, -1), q.reshape(n, -1).to(entries.dtype)], dim=1))
+            # Quantized rows are bytes: the queries travel as their bytes too, exactly.
+            as_bytes = ctx.kv_quant is not None
+            q_part = q.contiguous().view(torch.uint8) if as_bytes else q.to(entries.dtype)
+            both = ctx.gather(torch.cat([entries.reshape(n, -1), q_part.reshape(n, -1)], dim=1))
             entries = both[:, :e_width].reshape(-1, *e_shape)
-            q_space = both[:, e_width:].reshape(-1, *q.shape[1:]).to(q.dtype)
+            q_rest = both[:, e_width:].contiguous()
+            q_space = (q_rest.view(q.dtype) if as_bytes else q_rest).reshape(-1, *q.shape[1:]).to(q.dtype)
         else:
             entries = ctx.gather(entries)
     cache = store_kv(entries, ctx, layer_idx)
+    read = lambda rows: from_cache(rows, ctx, q.dtype)  # noqa: E731  cache rows -> float entries
     # Parts: context shard by shard (exchanged), gathered context, new keys.
     outs = torch.zeros(3, n, heads, out_dim, dtype=torch.float32, device=q.device)
     lses = torch.full((3, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if step.replicated_context or pass_q:
         skip = split.rows if gather_context else frozenset()
-        outs[0], lses[0] = _context_partials(q_space, cache, step, attend, decode, out_dim, skip, ctx.memo)
+        outs[0], lses[0] = _context_partials(q_space, cache, ctx, attend, decode, out_dim, skip)
     if gather_context:
-        outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim)
+        outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim, read)
     qsl = ctx.query_start_loc
     for r, idx in enumerate(step.new_key_idx):
         a, b = qsl[r], qsl[r + 1]
         if b > a:
-            q_row, kv = local_q[a:b], entries.index_select(0, idx)  # the row's queries are its last new keys
+            q_row, kv = local_q[a:b], read(entries.index_select(0, idx))  # the row's queries are its last new keys
             outs[2, a:b], lses[2, a:b] = bottom_right_causal(
                 b - a, len(idx), lambda keys, causal: attend(q_row, kv[keys], causal)
             )
@@ -106,33 +123,35 @@ def sharded_attention(
 def _context_partials(
     q_space: torch.Tensor,
     cache: torch.Tensor,
-    step: DCPStep,
+    ctx: ForwardContext,
     attend: Attend,
     decode: Decode,
     out_dim: int,
     skip: frozenset[int],
-    memo: StepMemo,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's attention over my shard of its row's context (but the
     ``skip`` rows': their context is gathered), exchanged so that each rank
     gets its local tokens' partials from every rank, merged: (n, H, out_dim), (n, H).
     One-query rows (decodes) go through ``decode`` together, the others row by row."""
+    step = ctx.dcp
+    assert step is not None  # under DCP
     T, heads = len(step.query_idx), q_space.shape[1]
     # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens.
     partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q_space.device)
     partial[:, :, out_dim] = float("-inf")
     qsl = step.query_start_loc
     done: set[int] = set()
-    single = _one_query_rows(step, skip, memo)
+    single = _one_query_rows(step, skip, ctx.memo)
     if single is not None:
         tokens = single.tokens
-        res = decode(q_space.index_select(0, step.query_idx[tokens]), cache, single.slots, single.starts)
+        q_single = q_space.index_select(0, step.query_idx[tokens])
+        res = decode(q_single, cache, single.slots, single.starts, ctx.kv_quant)
         if res is not None:
             partial[tokens, :, :out_dim], partial[tokens, :, out_dim] = res
             done = set(single.rows)
     for r, slots in enumerate(step.shard_slots):
         if len(slots) and r not in skip and r not in done:  # an empty shard: nothing computed, lse -inf sent
-            kv = cache.index_select(0, slots).to(q_space.dtype)
+            kv = from_cache(cache.index_select(0, slots), ctx, q_space.dtype)
             out, lse = attend(q_space.index_select(0, step.query_idx[qsl[r] : qsl[r + 1]]), kv, False)
             partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])

@@ -177,7 +177,9 @@ def moved_bytes(
     same value on every rank, so every rank computes the same bytes.
     """
     n, others = q.shape[0], ranks - 1
-    queries = others * n * q[0].numel() * entries.element_size()
+    # Queries travel in the entries' dtype, or as their own bytes beside quantized (uint8) rows.
+    q_bytes = q.element_size() if entries.dtype == torch.uint8 else entries.element_size()
+    queries = others * n * q[0].numel() * q_bytes
     partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
     context = others / ranks * context_tokens * entries[0].numel() * entries.element_size()
     return context, queries + partials
@@ -202,19 +204,27 @@ def gathers_context(
 
 
 def gathered_context_attention(
-    q: torch.Tensor, cache: torch.Tensor, split: SplitContext, gather, attend, out_dim: int
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    split: SplitContext,
+    gather,
+    attend,
+    out_dim: int,
+    read: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """My local queries of the split rows over their whole gathered context,
     unmasked (every query sees all of its context): out (n, H, out_dim), lse
     (n, H); other tokens get out 0 and lse -inf.
 
-    gather: the group's all-gather; attend: ctxpar.layers.sharded_attention.Attend.
+    gather: the group's all-gather; attend: ctxpar.layers.sharded_attention.Attend;
+    read: cache rows -> float entries (a quantized cache's rows travel as bytes and
+    are dequantized one round at a time).
     """
     n, heads = q.shape[0], q.shape[1]
     out = torch.zeros(n, heads, out_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     for rnd in split.rounds:  # every rank runs every round: its collective is global
-        kv = gather(cache.index_select(0, rnd.send_slots)).index_select(0, rnd.order).to(q.dtype)
+        kv = read(gather(cache.index_select(0, rnd.send_slots)).index_select(0, rnd.order))
         for a, b, tokens in rnd.pieces:
             if len(tokens):
                 o, l = attend(q.index_select(0, tokens), kv[a:b], False)

@@ -16,6 +16,9 @@ class CausalLM(Protocol):
     # for MHA/GQA, (kv_lora_rank + qk_rope_head_dim,) for MLA. The paged cache
     # allocates (num_slots, *kv_entry_shape) per layer and knows nothing else.
     kv_entry_shape: tuple[int, ...]
+    # Widths of the entry's runs that share one scale in a quantized cache
+    # (ctxpar/layers/kv_quant.py): one per K or V head for GQA, latent and rope key for MLA.
+    kv_scale_runs: tuple[int, ...]
     num_kv_layers: int
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

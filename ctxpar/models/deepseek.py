@@ -127,6 +127,7 @@ class _DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim).to(device)
         self.kv_entry_shape = (config.kv_lora_rank + config.qk_rope_head_dim,)
+        self.kv_scale_runs = (config.kv_lora_rank, config.qk_rope_head_dim)
         self.num_kv_layers = config.num_hidden_layers
         self.lm_head_packed: Weight | None = None  # see pack_for_cpu
 

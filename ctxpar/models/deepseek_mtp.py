@@ -65,6 +65,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
         self.prefix = f"model.layers.{config.num_hidden_layers}."
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim).to(device)
         self.kv_entry_shape = (config.kv_lora_rank + config.qk_rope_head_dim,)
+        self.kv_scale_runs = (config.kv_lora_rank, config.qk_rope_head_dim)
         self.num_kv_layers = 1
         self.head_packed: Weight | None = None  # see pack_for_cpu
 

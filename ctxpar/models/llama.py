@@ -23,6 +23,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
+from ctxpar.layers.kv_quant import default_runs
 from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import QuantWeight, concat, path_rows
@@ -128,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         attn = self.layers[0].self_attn
         self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
+        self.kv_scale_runs = default_runs(self.kv_entry_shape)  # one scale per K or V head
         self.num_kv_layers: int = config.num_hidden_layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)

@@ -1,4 +1,5 @@
-"""Paged KV-cache tensors: one flat (num_slots, *kv_entry_shape) tensor per layer.
+"""Paged KV-cache tensors: one flat (num_slots, *kv_entry_shape) tensor per layer
+(a quantized cache: (num_slots, row_bytes) uint8 rows, ctxpar/layers/kv_quant.py).
 
 A slot is ``block_id * block_size + offset``. The cache knows only bytes per
 token per layer, so GQA layers (K and V per KV head) and MLA layers (latent +
@@ -7,17 +8,12 @@ rope key) share this code.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
-
-
-def kv_bytes_per_token_per_layer(kv_entry_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(kv_entry_shape) * torch.empty((), dtype=dtype).element_size()
+from ctxpar.layers.kv_quant import KVQuant
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -31,9 +27,8 @@ def num_kv_blocks(
     num_kv_blocks: int | None,
     kv_cache_bytes: int,
     block_size: int,
-    kv_entry_shape: tuple[int, ...],
+    bytes_per_token_per_layer: int,
     num_layers: int,
-    dtype: torch.dtype,
     max_model_len: int,
     device: torch.device,
     dcp_size: int = 1,
@@ -48,7 +43,7 @@ def num_kv_blocks(
     Runs before the block manager or the cache tensors exist, so an absurd size
     is refused at once instead of after (or while) allocating it.
     """
-    per_block = block_size * num_layers * kv_bytes_per_token_per_layer(kv_entry_shape, dtype)
+    per_block = block_size * num_layers * bytes_per_token_per_layer
     memory = device_memory_bytes(device)
     if num_kv_blocks is None and kv_cache_bytes > memory:
         raise CtxparError(
@@ -78,9 +73,22 @@ def num_kv_blocks(
 
 
 def allocate_kv_caches(
-    num_layers: int, num_slots: int, kv_entry_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    num_layers: int,
+    num_slots: int,
+    kv_entry_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: KVQuant | None = None,
 ) -> list[torch.Tensor]:
-    return [torch.zeros((num_slots, *kv_entry_shape), dtype=dtype, device=device) for _ in range(num_layers)]
+    """Per layer (num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_slots, row_bytes) uint8 rows."""
+    shape = (num_slots, *kv_entry_shape) if quant is None else (num_slots, quant.row_bytes)
+    return [torch.zeros(shape, dtype=dtype if quant is None else torch.uint8, device=device) for _ in range(num_layers)]
+
+
+def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:
+    """Tokens one GiB of KV cache per rank holds (bytes_per_token: every layer's entry);
+    under DCP each rank stores 1/D of every token."""
+    return 2**30 * dcp_size // bytes_per_token
 
 
 def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -10,8 +10,9 @@ import torch
 from ctxpar.config import EngineConfig
 from ctxpar.device import torch_dtype
 from ctxpar.errors import CtxparError
+from ctxpar.layers.kv_quant import kv_bytes_per_token_per_layer
 from ctxpar.models.loader import LoadedModel, load_model, load_mtp
-from ctxpar.worker.kv_cache import kv_bytes_per_token_per_layer, num_kv_blocks
+from ctxpar.worker.kv_cache import num_kv_blocks
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,21 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     dtype = torch_dtype(config.dtype)
     loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides, config.quantization)
     model = loaded.model
+    per_token = kv_bytes_per_token_per_layer(
+        tuple(model.kv_entry_shape), tuple(model.kv_scale_runs), dtype, config.kv_cache_dtype
+    )
     num_blocks = num_kv_blocks(
         config.num_kv_blocks,
         config.kv_cache_bytes,
         config.block_size,
-        tuple(model.kv_entry_shape),
+        per_token,
         model.num_kv_layers,
-        dtype,
         loaded.max_model_len,
         device,
         config.dcp_size,
     )
     draft = _load_draft(config, loaded, dtype, device)
-    return RankModel(loaded, num_blocks, kv_bytes_per_token_per_layer(model.kv_entry_shape, dtype), device, draft)
+    return RankModel(loaded, num_blocks, per_token, device, draft)
 
 
 def _load_draft(

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ctxpar.layers.forward_context import DCPStep, ForwardContext
+from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import row_parts
 from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
@@ -51,8 +52,14 @@ class ModelRunner:
         self.spread_min_rows = options.spread_min_rows
         self.threads = torch.get_num_threads()
         self._led_buffer = torch.empty(0, dtype=options.dtype, device=device)  # led steps' KV, see _share_led_kv
+        self.kv_quant = KVQuant.of(options.kv_cache_dtype, tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))
         self.kv_caches = allocate_kv_caches(
-            model.num_kv_layers, options.num_blocks * options.block_size, model.kv_entry_shape, options.dtype, device
+            model.num_kv_layers,
+            options.num_blocks * options.block_size,
+            model.kv_entry_shape,
+            options.dtype,
+            device,
+            self.kv_quant,
         )
 
     def rejoin(self, group: PCPGroup | None) -> None:
@@ -120,6 +127,7 @@ class ModelRunner:
             write_src=None if writes.all() else to_dev(write_src),
             write_slots=to_dev(global_slots[token_of[write_src]]),
             kv_caches=self.kv_caches,
+            kv_quant=self.kv_quant,
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
             step_tokens=plan.num_tokens,

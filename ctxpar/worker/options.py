@@ -20,7 +20,8 @@ from ctxpar.layers.sharded_context import GatherPolicy
 @dataclass(frozen=True)
 class RunnerOptions:
     """num_blocks, block_size: the paged cache (per rank; under DCP a block
-    table's logical block is block_size * dcp_size tokens). dtype: the cache's.
+    table's logical block is block_size * dcp_size tokens). dtype: the cache's,
+    unless kv_cache_dtype quantizes it (ctxpar/layers/kv_quant.py).
 
     pcp_min_tokens: prefill rows shorter than this are not split.
 
@@ -47,6 +48,7 @@ class RunnerOptions:
     num_blocks: int
     block_size: int
     dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: the cache's storage
     pcp_min_tokens: int = 0
     dcp_size: int = 1
     cp_interleave: int = 1
@@ -74,6 +76,7 @@ class RunnerOptions:
             num_blocks=num_blocks,
             block_size=config.block_size,
             dtype=torch_dtype(config.dtype),
+            kv_cache_dtype=config.kv_cache_dtype,
             pcp_min_tokens=policy.min_tokens if policy is not None else 0,
             dcp_size=config.dcp_size,
             cp_interleave=config.cp_interleave,

@@ -47,7 +47,7 @@ def tokens(outs) -> list[list[int]]:
         ({"quantization": "awq"}, ["quantization='awq'", ".gguf"]),
         ({"enable_lora": True}, ["enable_lora=True", "merge"]),
         ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2"]),
-        ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype='fp8'"]),
+        ({"kv_cache_dtype": "fp4"}, ["kv_cache_dtype", "'fp4'", "'int8'", "'fp8_e5m2'"]),
         ({"revision": "main"}, ["revision='main'", "local"]),
         ({"tokenizer_mode": "mistral"}, ["tokenizer_mode='mistral'"]),
         ({"generation_config": "/nonexistent/dir"}, ["generation_config", "generation_config.json", "'vllm'"]),

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 
-def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: int):
+def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: int, kv_quant=None):
     """ForwardContext of one sequence computing positions [start, start + length).
 
     The flat cache slot of a token is its position, so the context of the row
     is slots arange(start + length) and the new entries go to their positions.
+    kv_quant: the caches' quantization (ctxpar.layers.kv_quant.KVQuant), if any.
     """
     from ctxpar.layers.forward_context import ForwardContext
 
@@ -23,15 +24,21 @@ def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: i
         write_src=None,
         write_slots=torch.arange(start, start + length),
         kv_caches=kv_caches,
+        kv_quant=kv_quant,
     )
 
 
 class SingleSequence:
     """Feeds one sequence through a CausalLM chunk by chunk with a flat KV cache."""
 
-    def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> None:
+        from ctxpar.layers.kv_quant import KVQuant
+        from ctxpar.worker.kv_cache import allocate_kv_caches
+
         self.model = model
-        self.kv_caches = [torch.zeros(max_len, *model.kv_entry_shape, dtype=dtype) for _ in range(model.num_kv_layers)]
+        self.kv_quant = KVQuant.of(kv_cache_dtype, tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))
+        shape, layers = tuple(model.kv_entry_shape), model.num_kv_layers
+        self.kv_caches = allocate_kv_caches(layers, max_len, shape, dtype, torch.device("cpu"), self.kv_quant)
         self.pos = 0
 
     @torch.inference_mode()
@@ -39,7 +46,7 @@ class SingleSequence:
         """Append token ids (list or (n,) tensor) and return their logits (n, vocab)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = ids.shape[0]
-        ctx = single_sequence_context(self.kv_caches, self.pos, n)
+        ctx = single_sequence_context(self.kv_caches, self.pos, n, self.kv_quant)
         hidden = self.model.forward(ids, torch.arange(self.pos, self.pos + n), ctx)
         self.pos += n
         return self.model.compute_logits(hidden)

@@ -19,21 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar import kernels
-from helpers.attention_reference import TOL, reference
-
-
-def paged(lengths: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Rows' slots in blocks handed out in a random order, back to back, their
-    starts, and the number of slots the cache needs."""
-    num_blocks = sum(-(-s // block_size) for s in lengths) + 2
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    slots = []
-    for s in lengths:
-        blocks = torch.tensor([free.pop() for _ in range(-(-s // block_size))], dtype=torch.int64)
-        pos = torch.arange(s)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    starts = torch.cumsum(torch.tensor([0] + lengths), 0)
-    return torch.cat(slots).long(), starts, num_blocks * block_size
+from helpers.attention_reference import TOL, paged, reference
 
 
 def test_kernel_builds_here() -> None:

@@ -19,6 +19,7 @@ import sys
 import time
 
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.worker.kv_cache import tokens_per_gib
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 
@@ -113,8 +114,9 @@ def _describe(llm, load_s: float) -> None:
     lines = [
         f"model: {engine.loaded.name} ({type(model).__name__}), {model.num_kv_layers} layers, loaded in {load_s:.1f} s",
         f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}, DCP ranks: {D}",
-        f"KV cache: entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, {sharding} "
-        f"= {tokens} tokens in all, {kv_mib:.0f} MiB per rank",
+        f"KV cache ({cfg.kv_cache_dtype}): entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, "
+        f"{sharding} = {tokens} tokens in all, {kv_mib:.0f} MiB per rank, "
+        f"{tokens_per_gib(per_tok * model.num_kv_layers, D)} tokens per GiB of KV per rank",
     ]
     options = engine.executor.runner_options
     if options.policy is not None:

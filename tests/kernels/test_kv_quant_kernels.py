@@ -1,0 +1,113 @@
+"""The attention kernels over a quantized KV cache (ctxpar/layers/kv_quant.py)
+against float64 attention over the same cache dequantized (from its bytes, by
+helpers.attention_reference.dequantize64): exact up to float32 rounding, for
+every code type, GQA and MLA's latent rows in decode, causal and unmasked
+prefill, native and AVX2 builds."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctxpar import kernels
+from ctxpar.kernels import kv_cache as kv_kernels
+from ctxpar.layers.kv_quant import KVQuant, default_runs
+from helpers.attention_reference import TOL, dequantize64, paged, reference
+
+NAMES = st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2"])
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def quantized_cache(quant: KVQuant, num_slots: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of random entries (of uneven magnitudes, so that runs' scales differ) and
+    their float64 dequantization (num_slots, *E)."""
+    x = torch.randn(num_slots, *quant.entry_shape, generator=g)
+    x *= torch.exp(0.5 * torch.randn(num_slots, *quant.entry_shape, generator=g))
+    rows = quant.quantize(x)
+    return rows, dequantize64(rows, quant.codes, quant.runs).view(num_slots, *quant.entry_shape)
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(
+    name=NAMES,
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([8, 64]),
+    lengths=st.lists(st.integers(0, 600), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_gqa_decode_over_quantized_rows(name, kv_heads, group, head_dim, lengths, seed, march) -> None:
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D = kv_heads, kv_heads * group, head_dim
+    shape = (2, Hk, D)
+    quant = KVQuant.of(name, shape, default_runs(shape))
+    slots, starts, num_slots = paged(lengths, 16, g)
+    rows, kv = quantized_cache(quant, num_slots, g)
+    q = torch.randn(len(lengths), H, D, generator=g)
+    assert kernels.usable(rows, D)
+    out, lse = kernels.gqa_paged_decode(q, rows, slots, starts, D**-0.5, quant)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
+            continue
+        ctx = kv[slots[starts[b] : starts[b + 1]]]
+        want, want_lse = reference(q[b : b + 1], ctx[:, 0], ctx[:, 1], D**-0.5)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(
+    name=NAMES,
+    heads=st.sampled_from([1, 4]),
+    widths=st.sampled_from([(40, 32), (576, 512)]),
+    lengths=st.lists(st.integers(1, 400), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_mla_latent_decode_over_quantized_rows(name, heads, widths, lengths, seed, march) -> None:
+    """The latent and the rope key have a scale each: the key's score takes both,
+    the value (the latent) only the first."""
+    g = torch.Generator().manual_seed(seed)
+    E, r = widths
+    quant = KVQuant.of(name, (E,), (r, E - r))
+    slots, starts, num_slots = paged(lengths, 16, g)
+    rows, kv = quantized_cache(quant, num_slots, g)
+    q = torch.randn(len(lengths), heads, E, generator=g)
+    out, lse = kernels.latent_paged_decode(q, rows, slots, starts, r, 0.1, quant)
+    for b in range(len(lengths)):
+        k = kv[slots[starts[b] : starts[b + 1]]][:, None]  # (S, 1, E)
+        want, want_lse = reference(q[b : b + 1], k, k[..., :r], 0.1)
+        torch.testing.assert_close(out[b].double(), want[0], **TOL)
+        torch.testing.assert_close(lse[b].double(), want_lse[0], **TOL)
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(
+    name=NAMES,
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3]),
+    chunk=st.integers(1, 130),
+    context=st.sampled_from([0, 1, 64, 200]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_over_quantized_rows(name, kv_heads, group, chunk, context, causal, seed, march) -> None:
+    """A chunk after `context` cached keys read from gathered quantized rows, as
+    gqa_paged_attention passes them (q a view of a fused projection); causal or
+    unmasked (DCP's shards): a query that sees every key is the last position."""
+    g = torch.Generator().manual_seed(seed)
+    Hk, H, D, L = kv_heads, kv_heads * group, 64, chunk
+    S = context + L
+    shape = (2, Hk, D)
+    quant = KVQuant.of(name, shape, default_runs(shape))
+    rows, kv = quantized_cache(quant, S, g)
+    q = torch.randn(L, H + 2 * Hk, D, generator=g)[:, :H]
+    assert kv_kernels.prefill_quant_usable(q, quant)
+    out, lse = kv_kernels.prefill_attention_quant(q, rows, quant, D**-0.5, causal)
+    for i in range(L) if not causal else [None]:
+        qi, keys = (q, S) if i is None else (q[i : i + 1], S)
+        want, want_lse = reference(qi, kv[:keys, 0], kv[:keys, 1], D**-0.5)
+        got, got_lse = (out, lse) if i is None else (out[i : i + 1], lse[i : i + 1])
+        torch.testing.assert_close(got.double(), want, **TOL)
+        torch.testing.assert_close(got_lse.double(), want_lse, **TOL)
