@@ -62,7 +62,12 @@ def unsplit_step(llm: LLM, rows: int) -> Counter:
     across hosts replicated (none) or, from pcp_spread_min_rows rows, assigned."""
     if llm.engine.executor.group.shm is not None:
         return Counter(broadcast=1)
-    return gathering_step(llm) if rows >= llm.engine.config.pcp_spread_min_rows else Counter()
+    return gathering_step(llm) if rows >= spread_min_rows(llm) else Counter()
+
+
+def spread_min_rows(llm: LLM) -> int:
+    """pcp_spread_min_rows as the PCP policy derived it (the config leaves it None)."""
+    return llm.engine.executor.runner_options.policy.spread_min_rows
 
 
 def step_collectives(llm: LLM) -> tuple[Counter, np.ndarray, np.ndarray]:
@@ -109,11 +114,11 @@ def test_a_split_step_gathers_once_per_layer_then_for_sampling(llm):
 
 
 def test_a_step_of_many_unsplit_rows(llm):
-    """pcp_spread_min_rows (default) short prompts, then as many decodes: across hosts
-    each step assigns its rows, one rank each, and gathers like a split step; on
-    one host rank 0 leads them."""
+    """pcp_spread_min_rows (derived by the PCP policy) short prompts, then as many decodes:
+    across hosts each step assigns its rows, one rank each, and gathers like a split step;
+    on one host rank 0 leads them."""
     engine = llm.engine
-    rows = llm.engine.config.pcp_spread_min_rows
+    rows = spread_min_rows(llm)
     for i in range(rows):
         engine.add_request(list(range(i, i + 20)), GREEDY)
     for prefilling in (True, False):
