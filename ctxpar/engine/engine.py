@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from ctxpar.config import EngineConfig
-from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.grammar import RequestGrammar
 from ctxpar.engine.output_processor import OutputProcessor, make_output
@@ -59,12 +58,8 @@ class Engine(RankLoss):
         self.output_processor = OutputProcessor(self.tokenizer, set(self.loaded.eos_token_ids))
         self.kv_bytes_per_token_per_layer = rank_model.kv_bytes_per_token_per_layer
         self.num_blocks = rank_model.num_blocks
-        # Under DCP a logical block (the unit allocated, counted and hashed for prefix
-        # caching) is block_size * D tokens; each rank stores block_size of them.
-        self.dcp_size = config.dcp_size  # fewer after a lost rank left out under DCP (_reshard)
-        self.block_manager = BlockManager(
-            self.num_blocks, config.block_size * config.dcp_size, config.enable_prefix_caching
-        )
+        self.dcp_size = config.dcp_size  # fewer after a lost rank left out under DCP (RankLoss._go_on)
+        self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))

@@ -52,6 +52,13 @@ class RankLoss:
     # why, for the engine to fail alone (Engine._take_unfit); None: not rebuilt.
     _unfit: list[tuple[RequestGroup, str]] | None
 
+    def _block_manager(self) -> BlockManager:
+        """The block manager of ``dcp_size``: under DCP a logical block (the unit allocated,
+        counted and hashed for prefix caching) is block_size * D tokens; each rank stores
+        block_size of them."""
+        c = self.config
+        return BlockManager(self.num_blocks, c.block_size * self.dcp_size, c.enable_prefix_caching)
+
     def check_health(self) -> None:
         """RankFailure if a rank is lost and cannot be recovered (vLLM's check_health).
         A rank found lost while the engine is idle is recovered here, before a request needs it."""
@@ -123,9 +130,7 @@ class RankLoss:
             return "nothing to restore: every rank left holds the whole KV cache"
         self.dcp_size = size
         held = self.scheduler.preempt_all()
-        self.block_manager = BlockManager(
-            self.num_blocks, self.config.block_size * size, self.config.enable_prefix_caching
-        )
+        self.block_manager = self._block_manager()
         self.scheduler.block_manager = self.block_manager
         capacity = self.num_blocks * self.block_manager.block_size
         self.max_model_len = min(self.max_model_len, capacity)

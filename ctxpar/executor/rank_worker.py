@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 
 from ctxpar.config import EngineConfig
@@ -48,9 +49,15 @@ def join(
     config: EngineConfig, store: dist.Store, rank: int, size: int, rank_model: RankModel, share: bool = True
 ) -> tuple[PCPGroup, Runners]:
     """A worker with its model loaded: handshake, then (group, runner); share: see make_runner."""
-    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-    group = PCPGroup(rank, size, rank_model.device, store)
+    group = meet(store, rank, size, rank_model.device)
     return group, make_runner(config, rank_model, group, share)
+
+
+def meet(store: dist.Store, rank: int, size: int, device: torch.device) -> PCPGroup:
+    """Handshake under ``store``'s keys (startup.follow), then form the group: at
+    start-up, and again each time rank 0 re-forms it after a lost rank."""
+    startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
+    return PCPGroup(rank, size, device, store)
 
 
 def serve(runner: Runners, group: PCPGroup) -> None:
@@ -94,9 +101,7 @@ def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, gen
             rank = members.new_rank(group.rank)
             if rank is None:
                 raise RankFailure(f"{failure}; rank 0 found PCP rank {group.rank} lost and went on without it")
-            keys = dist.PrefixStore(members.keys, store)
-            startup.follow(keys, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-            group = PCPGroup(rank, len(members.ranks), group.device, keys)
+            group = meet(dist.PrefixStore(members.keys, store), rank, len(members.ranks), group.device)
             runner.rejoin(group)
 
 
