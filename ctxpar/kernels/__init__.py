@@ -53,9 +53,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
-    "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr], None),
-    "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr], None),
-    "quant_dequantize_panels_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
+    "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr], None),
+    "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
+    "quant_dequantize_panels_f32": ([_ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }
 

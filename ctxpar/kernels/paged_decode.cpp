@@ -6,25 +6,34 @@
 // context out of the cache and then calling a kernel: here each key and value
 // is read once, straight from its cache slot.
 //
-// Inner loops work on eight floats at a time (vec.h): eight keys' dot products
-// reduce together, the softmax weights are 2^t polynomials (vec.h), and a
-// value block's accumulators stay in registers over the keys.
+// Work is cut into tasks of (row, run of at most CHUNK keys), every KV head of
+// the run in one task, so one long row still keeps every thread busy and a
+// task reads its keys' cache rows whole and in order (prefetched ahead); each
+// task leaves a partial (out, lse) per query head and a second pass merges a
+// row's runs exactly by log-sum-exp.
 //
-// Work is cut into tasks of (row, KV head, run of at most CHUNK keys) so that
-// one long row still keeps every thread busy; each task leaves a partial
-// (out, lse) and a second pass merges a row's runs exactly by log-sum-exp.
+// A decode step is bound by the bytes it reads and, once those are in cache,
+// by converting and multiplying them, so the inner loops are register-blocked
+// over the G query heads that share a KV head (GQA's group): eight keys are
+// converted to floats once per vector of eight of their values and multiplied
+// into G x 8 accumulators (scores), and a value vector once into G x 8 output
+// accumulators (weighted values), instead of once per query head. A quantized
+// cache's codes (kv_codes.h) are read as they are: a key's scale multiplies its
+// eight-key block of dot products, a value's scale is folded into its softmax
+// weight. Where the group is large (MLA: every query head shares the one
+// latent key), a run of keys is dequantized once into floats instead.
 //
 // The cache is addressed by strides, so one kernel serves
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
 //   MLA  (num_slots, E) latents: slot_stride E, head_stride 0, v_offset 0
 //        (Hk = 1; the value is the first Dv entries of the key)
-// and a quantized cache's rows of 1-byte codes and float32 scales (kv_codes.h),
-// each task's run of keys dequantized once, in the kernel, into floats in cache.
+// and a quantized cache's rows of 1-byte codes and float32 scales (kv_codes.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kv_codes.h"
@@ -33,6 +42,14 @@
 namespace {
 
 constexpr int64_t CHUNK = 256;  // keys per task (a multiple of 8)
+// Query heads blocked per pass over the keys: 3 x 8 accumulators fit AVX-512's 32
+// vector registers; with 16 (AVX2) one head a pass keeps them out of memory.
+#if defined(__AVX512VL__)
+constexpr int G_MAX = 3;
+#else
+constexpr int G_MAX = 1;
+#endif
+constexpr int64_t PREFETCH = 16;  // keys ahead whose cache rows are prefetched
 
 // Eight vectors -> one vector of their horizontal sums (a transposing add tree).
 inline v8 reduce8(const v8* a) {
@@ -47,44 +64,57 @@ inline v8 reduce8(const v8* a) {
          __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// One query head (dim floats, scaled) against eight keys -> their eight scores.
-template <typename T>
-inline v8 dot8(const float* q, const T* const* k, int64_t dim) {
-  v8 acc[8] = {};
-  for (int64_t c = 0; c < dim; c += 8) {
-    const v8 qc = load8(q + c);
-    for (int i = 0; i < 8; ++i) acc[i] += qc * load8(k[i] + c);
-  }
-  return reduce8(acc);
+// Dot products of G query heads (rows of q, `stride` apart, scaled) with eight keys over
+// their values [c0, c1): out[j] = the eight keys' sums for head j.
+template <int G, typename T>
+inline void dots(const float* q, int64_t stride, const T* const* k, int64_t c0, int64_t c1, v8* out) {
+  v8 acc[G][8] = {};
+  for (int64_t c = c0; c < c1; c += 8)
+    for (int i = 0; i < 8; ++i) {
+      const v8 kc = load8(k[i] + c);  // converted once for the G heads
+      for (int j = 0; j < G; ++j) acc[j][i] += load8(q + j * stride + c) * kc;
+    }
+  for (int j = 0; j < G; ++j) out[j] = reduce8(acc[j]);
 }
 
-// out[0, 8W) = sum_s p[s] * v[s][c, c + 8W), the W accumulators in registers.
-template <int W, typename T>
-inline void weighted_values(const float* p, const T* const* v, int64_t n, int64_t c, float* out) {
-  v8 acc[W] = {};
-  for (int64_t s = 0; s < n; ++s) {
-    const float ps = p[s];  // broadcast by the vector product
-    for (int i = 0; i < W; ++i) acc[i] += ps * load8(v[s] + c + 8 * i);
-  }
-  std::memcpy(out, acc, sizeof acc);
+// out_j[0, 8W) += sum_s w_j[s] * v[s][c, c + 8W) for G heads, the G x W accumulators in registers.
+template <int G, int W, typename T>
+inline void weighted_values(const float* w, int64_t w_stride, const T* const* v, int64_t n, int64_t c, float* out,
+                            int64_t out_stride) {
+  v8 acc[G][W] = {};
+  for (int64_t s = 0; s < n; ++s)
+    for (int i = 0; i < W; ++i) {
+      const v8 vc = load8(v[s] + c + 8 * i);
+      for (int j = 0; j < G; ++j) acc[j][i] += w[j * w_stride + s] * vc;
+    }
+  for (int j = 0; j < G; ++j) std::memcpy(out + j * out_stride, acc[j], sizeof acc[j]);
 }
 
-template <typename T>
-void weighted_values_any(const float* p, const T* const* v, int64_t n, int64_t c, int64_t width, float* out) {
-  switch (width / 8) {  // width: a multiple of 8, at most 64
-    case 1: return weighted_values<1>(p, v, n, c, out);
-    case 2: return weighted_values<2>(p, v, n, c, out);
-    case 3: return weighted_values<3>(p, v, n, c, out);
-    case 4: return weighted_values<4>(p, v, n, c, out);
-    case 5: return weighted_values<5>(p, v, n, c, out);
-    case 6: return weighted_values<6>(p, v, n, c, out);
-    case 7: return weighted_values<7>(p, v, n, c, out);
-    default: return weighted_values<8>(p, v, n, c, out);
-  }
+// Widths of up to 64 values a pass, in 8-value steps (W <= 8 / G keeps G x W registers).
+template <int G, typename T>
+void weighted_values_any(const float* w, int64_t w_stride, const T* const* v, int64_t n, int64_t value_dim,
+                         float* out, int64_t out_stride) {
+  constexpr int W = G == 1 ? 8 : 4;
+  int64_t c = 0;
+  for (; c + 8 * W <= value_dim; c += 8 * W)
+    weighted_values<G, W>(w, w_stride, v, n, c, out + c, out_stride);
+  for (; c < value_dim; c += 8) weighted_values<G, 1>(w, w_stride, v, n, c, out + c, out_stride);
+}
+
+// Calls f(std::integral_constant<int, G>{}) for a block of G = 1, 2 or 3 query heads
+// (the blocked loops' G must be a constant for their accumulators to be registers).
+template <typename F>
+inline void with_group(int64_t G, F&& f) {
+  if (G == 3)
+    f(std::integral_constant<int, 3>{});
+  else if (G == 2)
+    f(std::integral_constant<int, 2>{});
+  else
+    f(std::integral_constant<int, 1>{});
 }
 
 struct Task {
-  int64_t row, head, first, last;  // keys [first, last) of the row's slots
+  int64_t row, first, last;  // keys [first, last) of the row's slots
 };
 
 // Keys [first, first + n8) of `slots` of one KV head of a quantized cache, dequantized
@@ -115,109 +145,150 @@ void dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t n8
   }
 }
 
+// One KV head's g query heads over n keys (n8: n rounded up to 8, the padding
+// pointing at key n - 1): q (g x dim, scaled to log2 units), keys/values pointers
+// to T. sk/sk2/sv: per key, the scales of the key's values [0, split) and
+// [split, dim) and of its value (null: unscaled). Leaves out (g x value_dim) and
+// lse (g) for the run; scores and weights are g x CHUNK scratch, tops g.
+template <typename T>
+void heads_over(const float* q, int64_t g, int64_t dim, int64_t value_dim, int64_t split, const T* const* keys,
+                const T* const* values, const float* sk, const float* sk2, const float* sv, int64_t n, int64_t n8,
+                float* scores, float* weights, float* tops, float* out, float* lse) {
+  for (int64_t j0 = 0; j0 < g; j0 += G_MAX) {
+    const int64_t G = std::min<int64_t>(G_MAX, g - j0);
+    for (int64_t s = 0; s < n8; s += 8) {
+      v8 d[G_MAX], d2[G_MAX];
+      with_group(G, [&](auto group) {
+        dots<group.value>(q + j0 * dim, dim, keys + s, 0, split, d);
+        if (split < dim) dots<group.value>(q + j0 * dim, dim, keys + s, split, dim, d2);
+      });
+      for (int64_t j = 0; j < G; ++j) {
+        v8 sc = d[j];
+        if (sk) sc *= load8(sk + s);
+        if (split < dim) sc += sk2 ? d2[j] * load8(sk2 + s) : d2[j];
+        storev(scores + (j0 + j) * CHUNK + s, sc);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = scores + j * CHUNK;
+    for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
+    v8 top8 = load8(sj);
+    for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
+    const float top = tops[j] = hmax(top8);
+    v8 total8 = {};
+    float* wj = weights + j * CHUNK;
+    for (int64_t s = 0; s < n8; s += 8) {
+      const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
+      total8 += e;
+      storev(wj + s, sv ? e * load8(sv + s) : e);  // a value's scale rides on its weight
+    }
+    lse[j] = hsum(total8);  // the softmax's sum for now, its log below
+  }
+  for (int64_t j0 = 0; j0 < g; j0 += G_MAX) {
+    const int64_t G = std::min<int64_t>(G_MAX, g - j0);
+    with_group(G, [&](auto group) {
+      weighted_values_any<group.value>(weights + j0 * CHUNK, CHUNK, values, n, value_dim, out + j0 * value_dim,
+                                       value_dim);
+    });
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float total = lse[j];
+    for (int64_t i = 0; i < value_dim; ++i) out[j * value_dim + i] /= total;
+    lse[j] = (tops[j] + std::log2(total)) * LN2;
+  }
+}
+
 // T: float, bfloat16 (uint16_t) or a quantized cache's codes, whose scales `sc` says
-// where to find (null otherwise). A quantized task's keys and values are dequantized
-// once into floats (a run of at most CHUNK keys, in L2) for its g query heads,
-// instead of converting each code g times.
+// where to find (null otherwise).
 template <typename T>
 void attend(const float* q, const T* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
             int64_t head_stride, int64_t v_offset, const Scales* sc, float scale, float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
   const int64_t g = heads / kv_heads;  // query heads per KV head
+  // A large group converts each code g / G_MAX times in place: dequantize the run once instead.
+  const bool dequantize = quantized && g > 2 * G_MAX;
+  const int64_t split = quantized && !dequantize ? std::min(sc->split, dim) : dim;
   std::vector<Task> tasks;
-  std::vector<int64_t> first_task(rows * kv_heads + 1);
-  for (int64_t b = 0; b < rows; ++b)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      first_task[b * kv_heads + h] = int64_t(tasks.size());
-      for (int64_t s = starts[b]; s < starts[b + 1]; s += CHUNK)
-        tasks.push_back({b, h, s, std::min(s + CHUNK, starts[b + 1])});
-    }
-  first_task[rows * kv_heads] = int64_t(tasks.size());
+  std::vector<int64_t> first_task(rows + 1);
+  for (int64_t b = 0; b < rows; ++b) {
+    first_task[b] = int64_t(tasks.size());
+    for (int64_t s = starts[b]; s < starts[b + 1]; s += CHUNK) tasks.push_back({b, s, std::min(s + CHUNK, starts[b + 1])});
+  }
+  first_task[rows] = int64_t(tasks.size());
   const int64_t n_tasks = int64_t(tasks.size());
-  std::vector<float> part_out(n_tasks * g * value_dim), part_lse(n_tasks * g);
+  std::vector<float> part_out(n_tasks * heads * value_dim), part_lse(n_tasks * heads);
 
 #pragma omp parallel
   {
-    std::vector<float> qs(g * dim), scores(g * CHUNK);
+    std::vector<float> qs(heads * dim), scores(g * CHUNK), weights(g * CHUNK), tops(g), sk(CHUNK), sk2(CHUNK), sv(CHUNK);
     std::vector<const T*> keys(CHUNK), values(CHUNK);
-    std::vector<const float*> fkeys(quantized ? CHUNK : 0), fvalues(quantized ? CHUNK : 0);
-    // Dequantized keys and values of a task: kept per thread between calls (MLA's
+    std::vector<const float*> fkeys(dequantize ? CHUNK : 0), fvalues(dequantize ? CHUNK : 0);
+    // Dequantized keys and values of a run: kept per thread between calls (MLA's
     // 256 x 576 floats would otherwise be a fresh mapping, page faults and all, per call).
     static thread_local std::vector<float> kd, vd;
-    if (quantized && kd.size() < size_t(CHUNK * dim)) kd.resize(CHUNK * dim);
-    if (quantized && vd.size() < size_t(CHUNK * value_dim)) vd.resize(CHUNK * value_dim);
+    if (dequantize && kd.size() < size_t(CHUNK * dim)) kd.resize(CHUNK * dim);
+    if (dequantize && vd.size() < size_t(CHUNK * value_dim)) vd.resize(CHUNK * value_dim);
+    const int64_t row_bytes = slot_stride * int64_t(sizeof(T));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
       const int64_t n = task.last - task.first, n8 = (n + 7) / 8 * 8;
-      const float* qt = q + (task.row * heads + task.head * g) * dim;
-      for (int64_t i = 0; i < g * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
-      float* o = part_out.data() + t * g * value_dim;
-      // The task's g query heads over its keys and values (pointers to T, or to floats).
-      auto heads_over = [&](const auto* const* key, const auto* const* value) {
-        for (int64_t j = 0; j < g; ++j) {
-          float* sj = scores.data() + j * CHUNK;
-          for (int64_t s = 0; s < n8; s += 8) {
-            const v8 sc8 = dot8(qs.data() + j * dim, key + s, dim);
-            std::memcpy(sj + s, &sc8, sizeof sc8);
-          }
-          for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
-          v8 top8 = load8(sj);
-          for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
-          float top = top8[0];
-          for (int i = 1; i < 8; ++i) top = std::max(top, top8[i]);
-          v8 total8 = {};
-          for (int64_t s = 0; s < n8; s += 8) {
-            const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
-            std::memcpy(sj + s, &e, sizeof e);
-            total8 += e;
-          }
-          const float total = ((total8[0] + total8[4]) + (total8[1] + total8[5])) +
-                              ((total8[2] + total8[6]) + (total8[3] + total8[7]));
-          part_lse[t * g + j] = (top + std::log2(total)) * LN2;
-          float* oj = o + j * value_dim;
-          for (int64_t c = 0; c < value_dim; c += 64)  // 64 values at a time, in registers
-            weighted_values_any(sj, value, n, c, std::min<int64_t>(64, value_dim - c), oj + c);
-          for (int64_t i = 0; i < value_dim; ++i) oj[i] /= total;
+      const int64_t* ts = slots + task.first;
+      const float* qt = q + task.row * heads * dim;
+      for (int64_t i = 0; i < heads * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* o = part_out.data() + (t * heads + h * g) * value_dim;
+        float* l = part_lse.data() + t * heads + h * g;
+        const float* qh = qs.data() + h * g * dim;
+        if (dequantize) {
+          dequantize_task(cache, ts, n, n8, h, dim, value_dim, slot_stride, head_stride, v_offset, *sc, kd.data(),
+                          vd.data(), fkeys.data(), fvalues.data());
+          heads_over(qh, g, dim, value_dim, dim, fkeys.data(), fvalues.data(), nullptr, nullptr, nullptr, n, n8,
+                     scores.data(), weights.data(), tops.data(), o, l);
+          continue;
         }
-      };
-      if constexpr (quantized) {
-        dequantize_task(cache, slots + task.first, n, n8, task.head, dim, value_dim, slot_stride, head_stride,
-                        v_offset, *sc, kd.data(), vd.data(), fkeys.data(), fvalues.data());
-        heads_over(fkeys.data(), fvalues.data());
-      } else {
         for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
-          keys[s] = cache + slots[task.first + std::min(s, n - 1)] * slot_stride + task.head * head_stride;
+          const T* row = cache + ts[std::min(s, n - 1)] * slot_stride;
+          if (h == 0 && s + PREFETCH < n) {  // the whole row: every KV head's key and value, and the scales
+            const char* ahead = reinterpret_cast<const char*>(cache + ts[s + PREFETCH] * slot_stride);
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+          }
+          keys[s] = row + h * head_stride;
           values[s] = keys[s] + v_offset;
+          if constexpr (quantized) {
+            sk[s] = scale_at(row, *sc, h * sc->head);
+            if (split < dim) sk2[s] = scale_at(row, *sc, h * sc->head + 1);
+            sv[s] = scale_at(row, *sc, sc->value + h * sc->head);
+          }
         }
-        heads_over(keys.data(), values.data());
+        heads_over(qh, g, dim, value_dim, split, keys.data(), values.data(), quantized ? sk.data() : nullptr,
+                   quantized ? sk2.data() : nullptr, quantized ? sv.data() : nullptr, n, n8, scores.data(),
+                   weights.data(), tops.data(), o, l);
       }
     }
 
-    // Merge each (row, KV head)'s runs: out = sum_c exp(lse_c - L) out_c, L = logsumexp_c lse_c.
+    // Merge each row's runs per query head: out = sum_c exp(lse_c - L) out_c, L = logsumexp_c lse_c.
 #pragma omp for
-    for (int64_t bh = 0; bh < rows * kv_heads; ++bh) {
-      const int64_t b = bh / kv_heads, h = bh % kv_heads, t0 = first_task[bh], t1 = first_task[bh + 1];
-      for (int64_t j = 0; j < g; ++j) {
-        float* o = out + ((b * heads + h * g + j) * value_dim);
-        float* l = lse + b * heads + h * g + j;
-        std::fill(o, o + value_dim, 0.0f);
-        if (t0 == t1) {  // a row without keys: out 0, lse -inf, as the PyTorch path
-          *l = -INFINITY;
-          continue;
-        }
-        float top = part_lse[t0 * g + j];
-        for (int64_t t = t0 + 1; t < t1; ++t) top = std::max(top, part_lse[t * g + j]);
-        float total = 0.0f;
-        for (int64_t t = t0; t < t1; ++t) total += std::exp(part_lse[t * g + j] - top);
-        for (int64_t t = t0; t < t1; ++t) {
-          const float w = std::exp(part_lse[t * g + j] - top) / total;
-          const float* src = part_out.data() + (t * g + j) * value_dim;
-          for (int64_t d = 0; d < value_dim; ++d) o[d] += w * src[d];
-        }
-        *l = top + std::log(total);
+    for (int64_t bh = 0; bh < rows * heads; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads, t0 = first_task[b], t1 = first_task[b + 1];
+      float* o = out + bh * value_dim;
+      std::fill(o, o + value_dim, 0.0f);
+      if (t0 == t1) {  // a row without keys: out 0, lse -inf, as the PyTorch path
+        lse[bh] = -INFINITY;
+        continue;
       }
+      float top = part_lse[t0 * heads + h];
+      for (int64_t t = t0 + 1; t < t1; ++t) top = std::max(top, part_lse[t * heads + h]);
+      float total = 0.0f;
+      for (int64_t t = t0; t < t1; ++t) total += std::exp(part_lse[t * heads + h] - top);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float w = std::exp(part_lse[t * heads + h] - top) / total;
+        const float* src = part_out.data() + (t * heads + h) * value_dim;
+        for (int64_t d = 0; d < value_dim; ++d) o[d] += w * src[d];
+      }
+      lse[bh] = top + std::log(total);
     }
   }
 }

@@ -1,6 +1,7 @@
 """Projections against block-quantized weights (quant_gemv.cpp): the weight as
-stored (4 or 8 bits a weight, a float32 scale per group of 16 or 32, an
-optional float32 offset per 32), the activations quantized per block of 32
+stored (4 or 8 bits a weight, a scale per group of 16 or 32, an optional
+offset per 32; scales and offsets float32, or both float16 where the weight's
+values are halves: half.h), the activations quantized per block of 32
 to int8 inside the kernel; and the weight's rows dequantized to float32, for
 prefill's matrix products (quant_dequant.cpp)."""
 
@@ -22,7 +23,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x (n, in) float32, rows contiguous -> x @ W^T (+ bias) (n, out) float32, W
     (out, in) given as qs (out, in * bits / 8) uint8, scales (out, in / group),
-    offsets (out, in / 32) or None, all contiguous; in a multiple of 32."""
+    offsets (out, in / 32) or None (of the scales' dtype, float32 or float16), all
+    contiguous; in a multiple of 32."""
     n, in_features = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -41,6 +43,7 @@ def quant_linear(
         scales.data_ptr(),
         group,
         0 if offsets is None else offsets.data_ptr(),
+        scales.dtype == torch.float16,
         0 if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(),
     )
@@ -65,6 +68,7 @@ def quant_dequantize(
         qs.data_ptr(),
         scales.data_ptr(),
         0 if offsets is None else offsets.data_ptr(),
+        scales.dtype == torch.float16,
         bits,
         group,
         first,
@@ -94,6 +98,7 @@ def quant_dequantize_panels(
         qs.data_ptr(),
         scales.data_ptr(),
         0 if offsets is None else offsets.data_ptr(),
+        scales.dtype == torch.float16,
         bits,
         group,
         first,

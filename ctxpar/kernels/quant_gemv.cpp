@@ -9,8 +9,8 @@
 //   bits = 4: 16 bytes a block, q[i] in the low nibble of byte i (i < 16),
 //             q[i] in the high nibble of byte i - 16 (i >= 16), q in 0..15;
 //   bits = 8: 32 int8 a block.
-// scales: (out, in / group) float32, group 16 or 32; offsets (out, in / 32)
-// float32 or null (all zero).
+// scales: (out, in / group), group 16 or 32; offsets (out, in / 32) or null (all
+// zero); both float32, or both half (half.h) where the weight's values are halves.
 //
 // The activation row is quantized per block of 32 to int8 the way llama.cpp's
 // Q8 does (d = max|x| / 127, q = round(x / d)), so a block's product is one
@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "half.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -114,13 +116,14 @@ inline float hsum8(__m256 v) {
 #endif
 
 #if defined(__AVX2__)
-// sum_b a[b] * c[b] over n floats, in 8 lanes (the offsets' term: a float dot product).
-inline float dot(const float* a, const float* c, int64_t n) {
+// sum_b a[b] * c[b] over n values, in 8 lanes (the offsets' term: a float dot product).
+template <typename S>
+inline float dot(const S* a, const float* c, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), acc);
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(load8_ps(a + b), _mm256_loadu_ps(c + b), acc);
   float s = hsum8(acc);
-  for (; b < n; ++b) s += a[b] * c[b];
+  for (; b < n; ++b) s += to_float(a[b]) * c[b];
   return s;
 }
 #endif
@@ -133,8 +136,8 @@ inline float dot(const float* a, const float* c, int64_t n) {
 // one fused multiply-add serve two blocks, whose scales (weight x activation, for 8
 // blocks at once) one permute spreads over their halves of the vector. Half the
 // instructions of a block at a time: the kernel is compute-bound on AVX2.
-template <int mr>
-void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_t* xq, const int8_t* xp,
+template <typename S, int mr>
+void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, const int8_t* xq, const int8_t* xp,
                 const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, pairs = nb / 2;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -165,7 +168,7 @@ void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_
   int64_t p = 0;
   for (; p + 4 <= pairs; p += 4) {  // 8 blocks: their scales in one vector a row
     __m256 scales[mr];
-    const __m256 wv = _mm256_loadu_ps(ws + 2 * p);
+    const __m256 wv = load8_ps(ws + 2 * p);
     for (int m = 0; m < mr; ++m) scales[m] = _mm256_mul_ps(wv, _mm256_loadu_ps(xd + (m0 + m) * nb + 2 * p));
     pair(p, spread[0], scales, acc[0]);
     pair(p + 1, spread[1], scales, acc[1]);
@@ -176,7 +179,7 @@ void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_
     __m256 scales[mr];
     for (int m = 0; m < mr; ++m) {
       const float* d = xd + (m0 + m) * nb + 2 * p;
-      scales[m] = _mm256_setr_ps(ws[2 * p] * d[0], ws[2 * p + 1] * d[1], 0, 0, 0, 0, 0, 0);
+      scales[m] = _mm256_setr_ps(to_float(ws[2 * p]) * d[0], to_float(ws[2 * p + 1]) * d[1], 0, 0, 0, 0, 0, 0);
     }
     pair(p, spread[0], scales, acc[0]);
   }
@@ -187,7 +190,7 @@ void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_
     for (int m = 0; m < mr; ++m) {
       const int64_t r = m0 + m;
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * ws[b] * xd[r * nb + b];
+      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * to_float(ws[b]) * xd[r * nb + b];
     }
   }
   for (int m = 0; m < mr; ++m)
@@ -198,13 +201,13 @@ void row_dot_q4(const uint8_t* wq, const float* ws, const float* wo, const int8_
 // Output o for rows [m0, m0 + mr). mr is a template argument so that every loop over the
 // rows unrolls and the accumulators stay in registers (indexed by a run-time row
 // count they live on the stack, and each block's update waits on a store and a load).
-template <int bits, int mr>
-void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo, const int8_t* xq, const int8_t* xp,
+template <typename S, int bits, int mr>
+void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, const int8_t* xq, const int8_t* xp,
              const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, bytes = QB * bits / 8;
 #if defined(__AVX2__)
   if constexpr (bits == 4) {
-    row_dot_q4<mr>(wq, ws, wo, xq, xp, xd, xs, m0, in, res);
+    row_dot_q4<S, mr>(wq, ws, wo, xq, xp, xd, xs, m0, in, res);
     return;
   }
   // Two accumulators a row, for even and odd blocks: one would chain every block's
@@ -215,8 +218,8 @@ void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo,
     // A row's blocks stream past once: ask for them ~1 KB ahead (a few percent here).
     _mm_prefetch(reinterpret_cast<const char*>(wq + b * bytes) + 1024, _MM_HINT_T0);
     const __m256i w = load_block<bits>(wq + b * bytes);
-    const __m256 sw = group == QB ? _mm256_set1_ps(ws[b])
-                                  : _mm256_set_m128(_mm_set1_ps(ws[2 * b + 1]), _mm_set1_ps(ws[2 * b]));
+    const __m256 sw = group == QB ? _mm256_set1_ps(to_float(ws[b]))
+                                  : _mm256_set_m128(_mm_set1_ps(to_float(ws[2 * b + 1])), _mm_set1_ps(to_float(ws[2 * b])));
     for (int m = 0; m < mr; ++m) {
       const int64_t r = m0 + m;
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
@@ -251,44 +254,38 @@ void row_dot(const uint8_t* wq, const float* ws, int64_t group, const float* wo,
       int lo = 0, hi = 0;  // the two halves: groups of 16 have a scale each
       for (int i = 0; i < 16; ++i) lo += q[i] * x[i];
       for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
-      const float s0 = group == QB ? ws[b] : ws[2 * b], s1 = group == QB ? ws[b] : ws[2 * b + 1];
+      const float s0 = to_float(group == QB ? ws[b] : ws[2 * b]), s1 = to_float(group == QB ? ws[b] : ws[2 * b + 1]);
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
-      if (wo) off[m] += wo[b] * xs[r * nb + b];
+      if (wo) off[m] += to_float(wo[b]) * xs[r * nb + b];
     }
   }
   for (int m = 0; m < mr; ++m) res[m] = acc[m] + off[m];
 #endif
 }
 
-typedef void (*RowFn)(const uint8_t*, const float*, int64_t, const float*, const int8_t*, const int8_t*,
-                      const float*, const float*, int64_t, int64_t, float*);
+template <typename S>
+using RowFn = void (*)(const uint8_t*, const S*, int64_t, const S*, const int8_t*, const int8_t*, const float*,
+                       const float*, int64_t, int64_t, float*);
 
-template <int bits, int... R>
-constexpr std::array<RowFn, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
-  return {row_dot<bits, R + 1>...};
+template <typename S, int bits, int... R>
+constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
+  return {row_dot<S, bits, R + 1>...};
 }
 
-}  // namespace
-
-extern "C" {
-
-// x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
-// (out_features, in) as above; bias (out_features,) or null; out (n, out_features).
-void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
-                      const uint8_t* qs, const float* scales, int64_t group, const float* offsets, const float* bias,
-                      float* out) {
-  if (n == 0 || out_features == 0) return;
+template <typename S>
+void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
+                  const uint8_t* qs, const S* scales, int64_t group, const S* offsets, const float* bias, float* out) {
   const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
-  static const auto table4 = row_table<4>(std::make_integer_sequence<int, MR>());
-  static const auto table8 = row_table<8>(std::make_integer_sequence<int, MR>());
+  static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
+  static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
   std::vector<int8_t> xq(n * in), xp(n * in);
   std::vector<float> xd(n * nb), xs(n * nb);
   quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data(), xp.data());
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < out_features; ++o) {
     const uint8_t* wq = qs + o * row_bytes;
-    const float* ws = scales + o * row_scales;
-    const float* wo = offsets ? offsets + o * nb : nullptr;
+    const S* ws = scales + o * row_scales;
+    const S* wo = offsets ? offsets + o * nb : nullptr;
     for (int64_t m0 = 0; m0 < n; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, n - m0));
       float res[MR];
@@ -297,6 +294,25 @@ void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, i
       for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
+// (out_features, in) as above, its scales and offsets half if `half`, else float32;
+// bias (out_features,) or null; out (n, out_features).
+void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
+                      const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
+                      const float* bias, float* out) {
+  if (n == 0 || out_features == 0) return;
+  if (half)
+    quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const Half*>(scales), group,
+                 static_cast<const Half*>(offsets), bias, out);
+  else
+    quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const float*>(scales), group,
+                 static_cast<const float*>(offsets), bias, out);
 }
 
 }  // extern "C"

@@ -3,11 +3,13 @@
 A ``QuantWeight`` is the kernel's layout (kernels/quant_gemv.cpp) of a
 ``Decoded`` tensor (layers/quant_blocks.py): per output row, blocks of 32
 weights as 4-bit nibbles (Q4_0, Q4_1, Q4_K: q in 0..15, a scale per 32) or
-int8 (Q8_0, Q5_*, Q6_K), a float32 scale per group of 16 or 32 and an
-optional float32 offset per 32. The repacking is done once, at load. The
-4-bit formats read 6 bits a weight here (5 in the file: its fp16 scales
-become float32, which holds the K-quants' products of two scales exactly);
-the 5- and 6-bit ones widen to 8 bits.
+int8 (Q8_0, Q5_*, Q6_K), a scale per group of 16 or 32 and an optional
+offset per 32. The repacking is done once, at load. Scales and offsets stay
+float16 where every one of the weight's is a half (the legacy formats' own
+fp16 fields: Q4_1 reads its 5 bits a weight, 20 bytes a block), and become
+float32 where not (the K-quants' products of two scales, int8 weights
+quantized at load), which holds them exactly; the 5- and 6-bit formats widen
+to 8 bits.
 
 ``linear`` runs a decode step's few rows through the integer kernel, and
 more rows (prefill) as float32 products over tiles of rows dequantized on
@@ -45,8 +47,8 @@ class QuantWeight:
     q[o, i] + offsets[o, i // 32] (0 without offsets)."""
 
     qs: torch.Tensor  # (out, in * bits / 8) uint8: nibbles (bits 4) or int8 bytes (bits 8)
-    scales: torch.Tensor  # (out, in / group) float32
-    offsets: torch.Tensor | None  # (out, in / 32) float32
+    scales: torch.Tensor  # (out, in / group) float32, or float16 (see the module's docstring)
+    offsets: torch.Tensor | None  # (out, in / 32), the scales' dtype
     bits: int  # 4 or 8
     group: int  # 16 or 32
 
@@ -54,10 +56,10 @@ class QuantWeight:
         # The kernel reads these through raw pointers: their layout is checked here, once.
         rows, cols = self.qs.shape[0], self.qs.shape[1] * 8 // self.bits
         assert self.bits in (4, 8) and self.group in (16, 32) and cols % 32 == 0, (self.bits, self.group, cols)
-        assert self.qs.dtype == torch.uint8 and self.scales.dtype == torch.float32
+        assert self.qs.dtype == torch.uint8 and self.scales.dtype in (torch.float32, torch.float16)
         assert self.scales.shape == (rows, cols // self.group)
         off = self.offsets
-        assert off is None or (off.dtype == torch.float32 and off.shape == (rows, cols // 32))
+        assert off is None or (off.dtype == self.scales.dtype and off.shape == (rows, cols // 32))
         assert all(t.is_contiguous() for t in self.tensors())
 
     @property
@@ -91,10 +93,12 @@ class QuantWeight:
             qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(4))).reshape(rows, cols // 2)
         else:
             qs = d.q.view(np.uint8)
-        offsets = None if d.offsets is None else torch.from_numpy(np.ascontiguousarray(d.offsets))
-        return cls(
-            torch.from_numpy(np.ascontiguousarray(qs)), torch.from_numpy(d.scales.copy()), offsets, bits, d.group
-        )
+        # Scales and offsets as halves where every one is a half (no rounding), else float32.
+        fields = [f for f in (d.scales, d.offsets) if f is not None]
+        halves = all(np.array_equal(f.astype(np.float16).astype(np.float32), f) for f in fields)
+        as_tensor = lambda f: torch.from_numpy(np.ascontiguousarray(f.astype(np.float16 if halves else np.float32)))
+        offsets = None if d.offsets is None else as_tensor(d.offsets)
+        return cls(torch.from_numpy(np.ascontiguousarray(qs)), as_tensor(d.scales), offsets, bits, d.group)
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""
@@ -105,8 +109,8 @@ class QuantWeight:
             q = nib.reshape(rows, -1).astype(np.int8)
         else:
             q = qs.view(np.int8)
-        offsets = None if self.offsets is None else self.offsets.numpy()
-        return Decoded(q, self.scales.numpy(), offsets, self.group)
+        offsets = None if self.offsets is None else self.offsets.float().numpy()
+        return Decoded(q, self.scales.float().numpy(), offsets, self.group)
 
     def rows(self, first: int, end: int) -> QuantWeight:
         """Output rows [first, end) as views (a vocabulary range of the lm_head)."""
@@ -119,10 +123,10 @@ class QuantWeight:
         if _kernels_on():
             return quant.quant_dequantize(self.qs, self.scales, self.offsets, self.bits, self.group, first, end - first)
         d = self.rows(first, end).decoded()
-        w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * self.scales[first:end, :, None]
+        w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * torch.from_numpy(d.scales)[:, :, None]
         w = w.view(end - first, -1)
-        if self.offsets is not None:
-            w = (w.view(end - first, -1, 32) + self.offsets[first:end, :, None]).view(end - first, -1)
+        if d.offsets is not None:
+            w = (w.view(end - first, -1, 32) + torch.from_numpy(d.offsets)[:, :, None]).view(end - first, -1)
         return w
 
 
@@ -132,14 +136,18 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
     weight's value is unchanged (a nibble is an int8, a scale repeats)."""
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
-    if any(p.offsets is not None for p in parts):
-        parts = [
-            p if p.offsets is not None else replace(p, offsets=torch.zeros(p.out_features, p.in_features // 32))
-            for p in parts
-        ]
     widened = [_widen(p, bits, group) for p in parts]
-    offsets = None if widened[0].offsets is None else torch.cat([p.offsets for p in widened])  # type: ignore[misc]
-    return QuantWeight(torch.cat([p.qs for p in widened]), torch.cat([p.scales for p in widened]), offsets, bits, group)
+    # Halves only if every part's are (a half is exact as a float32, not the reverse).
+    dtype = torch.float16 if all(p.scales.dtype == torch.float16 for p in widened) else torch.float32
+
+    def offsets(p: QuantWeight) -> torch.Tensor:
+        zeros = torch.zeros(p.out_features, p.in_features // 32, dtype=dtype)
+        return zeros if p.offsets is None else p.offsets.to(dtype)
+
+    joined = torch.cat([offsets(p) for p in widened]) if any(p.offsets is not None for p in widened) else None
+    return QuantWeight(
+        torch.cat([p.qs for p in widened]), torch.cat([p.scales.to(dtype) for p in widened]), joined, bits, group
+    )
 
 
 def _widen(p: QuantWeight, bits: int, group: int) -> QuantWeight:

@@ -176,18 +176,32 @@ def test_strided_rows_and_layer_paths() -> None:
         assert torch.equal(quant_linear.quant_linear(many[3:4], w), tiles[3:4])
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_scales_kept_as_halves_where_exact(name: str) -> None:
+    """The legacy formats' scales and offsets are the file's fp16 fields: they stay halves
+    (Q4_1: 16 + 2 + 2 bytes a block of 32, as in the file); the K-quants' are products of
+    two scales, which need float32 to stay exact."""
+    w = QuantWeight.from_decoded(decode(random_blocks(name, 4, 256, np.random.default_rng(3)), name, 256))
+    legacy = not name.endswith("_K")
+    assert w.scales.dtype == (torch.float16 if legacy else torch.float32)
+    assert w.offsets is None or w.offsets.dtype == w.scales.dtype
+    if name == "Q4_1":
+        assert w.nbytes() == 4 * 256 // 32 * 20
+
+
 @pytest.mark.parametrize("field", ["scale", "offset"])
-def test_a_changed_scale_or_offset_fails(field: str) -> None:
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_1"])  # float32 and half scales
+def test_a_changed_scale_or_offset_fails(field: str, name: str) -> None:
     """The checks above are tight enough to see one scale or one offset of one block off
     by one part in a thousand."""
     rng = np.random.default_rng(11)
-    raw = random_blocks("Q4_K", 16, 512, rng)
-    w = QuantWeight.from_decoded(decode(raw, "Q4_K", 512))
-    weights = reference(raw, "Q4_K").reshape(16, 512)
+    raw = random_blocks(name, 16, 512, rng)
+    w = QuantWeight.from_decoded(decode(raw, name, 512))
+    weights = reference(raw, name).reshape(16, 512)
     x = rng.standard_normal((2, 512)).astype(np.float32)
     target = w.scales if field == "scale" else w.offsets
     assert target is not None
-    target[5, 3] *= 1.001
+    target.view(-1)[target.abs().argmax()] *= 1.001  # the largest: a block whose weights count
     y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group)
     with pytest.raises(AssertionError):
         check(y, x, weights, np.zeros(16))

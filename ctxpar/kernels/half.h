@@ -1,0 +1,43 @@
+// A block-quantized weight's scales and offsets as the kernels read them: float32, or
+// IEEE half (Half) where every scale and offset of the weight is a half exactly, as
+// the GGUF formats store them (ctxpar/layers/quant_linear.py): a 4-bit block of 32
+// weights is then 20 bytes instead of 24, and a decode step reads that much less.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+struct Half {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.bits);
+#else
+  const uint32_t sign = uint32_t(h.bits & 0x8000) << 16, exp = (h.bits >> 10) & 0x1f, mant = h.bits & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+    float mag = float(mant) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &mag, sizeof bits);
+    bits |= sign;
+  } else {
+    bits = sign | ((exp == 31 ? 255u : exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_ps(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
