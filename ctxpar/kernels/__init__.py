@@ -203,9 +203,8 @@ def gqa_paged_decode(
     (num_slots, row_bytes) in the same order, one scale per K or V head (K heads'
     first). Returns out (B, H, D), lse (B, H)."""
     _, Hk, D = quant.entry_shape if quant is not None else cache.shape[1:]
-    slot_stride = cache[0].numel()
     scales = (quant, 1, Hk, D) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, Hk, D, (slot_stride, D, Hk * D), scale, scales)
+    return paged_decode(q, cache, slots, starts, Hk, D, (cache.stride(0), D, Hk * D), scale, scales)
 
 
 def latent_paged_decode(
@@ -222,7 +221,7 @@ def latent_paged_decode(
     quantized rows, the latent (the first value_dim) with one scale, the rope
     key with another. Returns out (B, H, value_dim), lse (B, H)."""
     scales = (quant, 0, 0, value_dim) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, 1, value_dim, (cache[0].numel(), 0, 0), scale, scales)
+    return paged_decode(q, cache, slots, starts, 1, value_dim, (cache.stride(0), 0, 0), scale, scales)
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -222,14 +223,26 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
 
 #pragma omp parallel
   {
-    std::vector<float> qs(heads * dim), scores(g * CHUNK), weights(g * CHUNK), tops(g), sk(CHUNK), sk2(CHUNK), sv(CHUNK);
-    std::vector<const T*> keys(CHUNK), values(CHUNK);
-    std::vector<const float*> fkeys(dequantize ? CHUNK : 0), fvalues(dequantize ? CHUNK : 0);
-    // Dequantized keys and values of a run: kept per thread between calls (MLA's
-    // 256 x 576 floats would otherwise be a fresh mapping, page faults and all, per call).
-    static thread_local std::vector<float> kd, vd;
-    if (dequantize && kd.size() < size_t(CHUNK * dim)) kd.resize(CHUNK * dim);
-    if (dequantize && vd.size() < size_t(CHUNK * value_dim)) vd.resize(CHUNK * value_dim);
+    // Scratch kept per thread between calls: a decode step makes one call a layer, and
+    // a dozen fresh allocations each would cost more than a short row's attention.
+    static thread_local std::vector<float> qs, scores, weights, tops, sk, sk2, sv, kd, vd;
+    static thread_local std::vector<const T*> keys, values;
+    static thread_local std::vector<const float*> fkeys, fvalues;
+    auto at_least = [](auto& v, int64_t size) {
+      if (int64_t(v.size()) < size) v.resize(size);
+    };
+    at_least(qs, heads * dim);
+    for (auto* v : {&scores, &weights}) at_least(*v, g * CHUNK);
+    for (auto* v : {&sk, &sk2, &sv}) at_least(*v, CHUNK);
+    at_least(tops, g);
+    at_least(keys, CHUNK);
+    at_least(values, CHUNK);
+    if (dequantize) {  // a run's dequantized keys and values (MLA's 256 x 576 floats)
+      at_least(kd, CHUNK * dim);
+      at_least(vd, CHUNK * value_dim);
+      at_least(fkeys, CHUNK);
+      at_least(fvalues, CHUNK);
+    }
     const int64_t row_bytes = slot_stride * int64_t(sizeof(T));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
