@@ -3,7 +3,10 @@ both engines, each in its own process, interleaved, same token ids, greedy.
 
 Figures: TTFT at 2K and 6K tokens, decode ms/token after 2K and after 16
 tokens, output tokens/s of a 16-prompt batch; ratios ctxpar / peer; whether
-the generated tokens are identical; the CPU model and flags.
+the generated tokens are identical; the CPU model and flags. ``--pcp 1 2``
+adds ctxpar with 2 prefill context-parallel ranks (the cores shared out
+between them), its figures against the same peer run, and whether its tokens
+are those of one rank.
 
 Peers (``--peer``), never dependencies: each runs under ``--peer-python``, a
 Python with the peer installed apart from the project (docs/benchmarks.md
@@ -59,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument(
         "--ppl-tokens", type=positive_int, default=2048, metavar="N", help="tokens per perplexity text (llama.cpp)"
+    )
+    p.add_argument(
+        "--pcp",
+        type=positive_int,
+        nargs="+",
+        default=[1],
+        metavar="P",
+        help="ctxpar's prefill context-parallel ranks, one ctxpar run each (default: 1)",
     )
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (each engine once per round)")
     p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
@@ -175,11 +186,12 @@ def run(args: argparse.Namespace) -> None:
     print(describe_machine())
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(_spec(model, hf_dir, vocab, args), f)
-    results: dict[str, list[dict]] = {"ctxpar": [], args.peer: []}
+    ours = [_ctxpar_engine(p) for p in dict.fromkeys(args.pcp)]
+    results: dict[str, list[dict]] = {name: [] for name in [*ours, args.peer]}
     busy_seen: list[float] = []
     try:
         for r in range(args.rounds):
-            for engine, python in (("ctxpar", sys.executable), (args.peer, args.peer_python)):
+            for engine, python in [*((name, sys.executable) for name in ours), (args.peer, args.peer_python)]:
                 busy_seen.append(_wait_for_idle(args))
                 env = {**os.environ, **(PEER_ENV if engine == "vllm" else {})}
                 res = _run_engine(python, engine, f.name, env)
@@ -195,6 +207,11 @@ def run(args: argparse.Namespace) -> None:
     _report(results, busy_seen, args.peer)
 
 
+def _ctxpar_engine(pcp: int) -> str:
+    """compare_workload.py's name of ctxpar with `pcp` ranks."""
+    return "ctxpar" if pcp == 1 else f"ctxpar-p{pcp}"
+
+
 def _gguf_path(model: str | None) -> Path:
     from ctxpar.models import gguf
     from ctxpar.models.loader import default_model_path
@@ -207,31 +224,50 @@ def _gguf_path(model: str | None) -> Path:
 
 def _report(results: dict[str, list[dict]], busy_seen: list[float], peer: str) -> None:
     name = PEERS[peer]
+    ours = [e for e in results if e.startswith("ctxpar")]
+    label_of = lambda e: "ctxpar P=" + (e.partition("-p")[2] or "1")  # noqa: E731
     print(f"\nother processes kept the CPU {min(busy_seen):.0%}-{max(busy_seen):.0%} busy before the runs")
-    print(f"{'':42} {name:>12} {'ctxpar P=1':>12} {'ctxpar/peer':>12}")
+    print(f"{'':42} {name:>12}" + "".join(f" {label_of(e):>12} {'x peer':>20}" for e in ours))
     for key, label, unit, higher in ROWS:
         if key not in results[peer][0]["figures"]:
             continue
         best = max if higher else min
         v = best(r["figures"][key] for r in results[peer])
-        c = best(r["figures"][key] for r in results["ctxpar"])
-        ratio = c / v
-        verdict = ("faster" if ratio > 1 else "slower") if higher else ("faster" if ratio < 1 else "slower")
-        if key.startswith("ppl_"):  # not a speed: within 1% is the same quality
-            verdict = "same" if abs(ratio - 1) <= 0.01 else ("lower" if ratio < 1 else "higher")
-        print(f"{label:42} {v:9.3g} {unit:<2} {c:9.3g} {unit:<2} {ratio:8.2f}x ({verdict})")
-    for key in results["ctxpar"][0]["figures"]:
+        line = f"{label:42} {v:9.3g} {unit:<2}"
+        for e in ours:
+            if key not in results[e][0]["figures"]:
+                line += f" {'-':>12} {'':20}"
+                continue
+            c = best(r["figures"][key] for r in results[e])
+            ratio = c / v
+            verdict = ("faster" if ratio > 1 else "slower") if higher else ("faster" if ratio < 1 else "slower")
+            if key.startswith("ppl_"):  # not a speed: within 1% is the same quality
+                verdict = "same" if abs(ratio - 1) <= 0.01 else ("lower" if ratio < 1 else "higher")
+            line += f" {c:9.3g} {unit:<2} {ratio:8.2f}x ({verdict:>7})"
+        print(line)
+    figures = results["ctxpar"][0]["figures"] if "ctxpar" in results else {}
+    for key in figures:
         if key.endswith("_dequantized"):  # ctxpar's own fp32 run of the same file: the quantization gap
-            fp32, quant = (
-                results["ctxpar"][0]["figures"][key],
-                results["ctxpar"][0]["figures"][key[: -len("_dequantized")]],
-            )
+            fp32, quant = figures[key], figures[key[: -len("_dequantized")]]
             print(f"{'ctxpar ' + key + ' (fp32)':42} {'':12} {fp32:9.4g}     quantized / fp32 {quant / fp32:.4f}")
-    load = min(r["load_s"] for r in results[peer]), min(r["load_s"] for r in results["ctxpar"])
-    print(f"{'start-up (engine construction)':42} {load[0]:9.3g} s  {load[1]:9.3g} s  {load[1] / load[0]:8.2f}x")
+    load = min(r["load_s"] for r in results[peer])
+    line = f"{'start-up (engine construction)':42} {load:9.3g} s "
+    for e in ours:
+        mine = min(r["load_s"] for r in results[e])
+        line += f" {mine:9.3g} s  {mine / load:8.2f}x {'':10}"
+    print(line)
+    for e in ours:
+        print(f"token identity, {label_of(e)}: {_same_tokens(results[e][-1], results[peer][-1])} vs {name}", end="")
+        if e != ours[0]:
+            print(f", {_same_tokens(results[e][-1], results[ours[0]][-1])} vs {label_of(ours[0])}", end="")
+        print()
+
+
+def _same_tokens(a: dict, b: dict) -> str:
+    """'k/n generated sequences identical' between two runs' tokens."""
     same, total = 0, 0
-    for key in results["ctxpar"][0]["tokens"]:
-        a, b = results["ctxpar"][-1]["tokens"][key], results[peer][-1]["tokens"][key]  # lists of sequences
-        total += len(a)
-        same += sum(x == y for x, y in zip(a, b))
-    print(f"token identity: {same}/{total} generated sequences identical between the engines")
+    for key in a["tokens"]:
+        x, y = a["tokens"][key], b["tokens"][key]  # lists of sequences
+        total += len(x)
+        same += sum(p == q for p, q in zip(x, y))
+    return f"{same}/{total} generated sequences identical"

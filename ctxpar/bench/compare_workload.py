@@ -1,7 +1,8 @@
 """One engine's run of the fixed `ctxpar bench compare` workload, in its own process.
 
 Run as a script by any Python: ``python compare_workload.py ENGINE SPEC_JSON``
-with ENGINE "ctxpar", "vllm" or "llama.cpp". It imports nothing from ctxpar at
+with ENGINE "ctxpar" (one rank), "ctxpar-pN" (N prefill context-parallel ranks
+on this machine's cores), "vllm" or "llama.cpp". It imports nothing from ctxpar at
 module level, so the peer's Python (the peer's own venv) runs the very same
 file and code. It prints one JSON line: load seconds, the figures, and the
 generated token ids.
@@ -36,7 +37,7 @@ def _engine(name: str, spec: dict):
     t0 = time.perf_counter()
     if name == "llama.cpp":
         return _llama_cpp(spec, t0)
-    if name == "ctxpar":
+    if name.startswith("ctxpar"):
         from ctxpar import LLM, SamplingParams
 
         llm = LLM(
@@ -45,6 +46,7 @@ def _engine(name: str, spec: dict):
             max_model_len=spec["max_model_len"],
             dtype="float32",
             quantization=spec.get("quantization"),
+            pcp_size=int(name.partition("-p")[2] or 1),
         )
         engine = llm._engine
         add = lambda rid, ids, params: engine.add_request(ids, params, request_id=rid)
@@ -165,7 +167,7 @@ def run(name: str, spec: dict) -> dict:
         best = min(best, dt)
     figures["batch"] = len(batch) * spec["batch_max_tokens"] / best
     tokens["batch"] = out
-    for text, ids in spec.get("perplexity", {}).items():
+    for text, ids in spec.get("perplexity", {}).items() if name in ("ctxpar", "llama.cpp") else ():
         figures[f"ppl_{text}"] = perplexity(name, spec, ids, spec.get("quantization"))
         if name == "ctxpar" and spec.get("quantization"):
             figures[f"ppl_{text}_dequantized"] = perplexity(name, spec, ids, None)

@@ -54,3 +54,26 @@ def test_busy_machine_is_refused_unless_allowed(monkeypatch):
         compare._wait_for_idle(args)
     assert compare._wait_for_idle(argparse.Namespace(max_busy=15, allow_busy=True)) == 0.9
     assert 0.0 <= compare.cpu_busy(0.05) <= 1.0
+
+
+def test_report_puts_each_ctxpar_rank_count_against_the_peer(capsys):
+    """--pcp 1 2: a column per ctxpar run, each ratio against the peer's best, and the
+    P = 2 run's tokens checked against one rank's as well as the peer's."""
+
+    def run(ttft: float, load: float, tokens: list[list[int]], ppl: float | None = None) -> dict:
+        figures = {"ttft_2048": ttft} | ({"ppl_english": ppl} if ppl else {})
+        return {"load_s": load, "figures": figures, "tokens": {"batch": tokens}}
+
+    results = {
+        "ctxpar": [run(2.0, 1.0, [[1, 2], [3, 4]], 10.0), run(1.5, 1.0, [[1, 2], [3, 4]], 10.0)],
+        "ctxpar-p2": [run(1.2, 2.0, [[1, 2], [3, 5]])],
+        "llama.cpp": [run(6.0, 0.5, [[1, 2], [3, 4]], 10.05)],
+    }
+    compare._report(results, [0.01, 0.03], "llama.cpp")
+    out = capsys.readouterr().out
+    ttft = next(line for line in out.splitlines() if line.startswith("TTFT, 2048"))
+    assert f"{1.5 / 6.0:8.2f}x" in ttft and f"{1.2 / 6.0:8.2f}x" in ttft and "ctxpar P=2" in out
+    ppl = next(line for line in out.splitlines() if line.startswith("perplexity, English"))
+    assert "same" in ppl and ppl.rstrip().endswith("-")  # no perplexity run at P = 2
+    assert "token identity, ctxpar P=1: 2/2 generated sequences identical vs llama.cpp" in out
+    assert "token identity, ctxpar P=2: 1/2 generated sequences identical vs llama.cpp, 1/2" in out
