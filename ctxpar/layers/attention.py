@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import attention_lse, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.kv_quant import KVQuant
@@ -50,8 +51,9 @@ class AttentionKind(Protocol):
         """The queries as the sharded path attends them (MLA: in latent space)."""
         ...
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> Partials:
-        """Queries (L, H, Dq) over KV entries (m, *E): ctxpar.layers.sharded_attention.Attend."""
+    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None) -> Partials:
+        """Queries (L, H, Dq) over KV entries (m, *E), or over cache rows of the quantized
+        format ``quant``: ctxpar.layers.sharded_attention.Attend."""
         ...
 
     def decode_lse(
@@ -90,7 +92,11 @@ class GQA:
     def shard_query(self, q: torch.Tensor) -> torch.Tensor:
         return q
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> Partials:
+    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None) -> Partials:
+        if quant is not None:
+            if kv_kernels.prefill_quant_usable(q, quant):  # the rows read in place
+                return kv_kernels.prefill_attention_quant(q, kv, quant, self.scale, causal)
+            kv = quant.dequantize(kv).to(q.dtype)
         return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
 
     def decode_lse(

@@ -180,10 +180,15 @@ class MLAttention(nn.Module):
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
         return torch.cat([q_lat, q_pe], dim=-1)
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_lse(
+        self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over latents
-        (m, r + rope) (``AttentionKind.attend_lse``). W_UV is linear, so applying it before
-        the cross-rank combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
+        (m, r + rope), or their quantized rows (``AttentionKind.attend_lse``). W_UV is linear,
+        so applying it before the cross-rank combine is exact, and partials travel at
+        v_head_dim, not kv_lora_rank."""
+        if quant is not None:  # a few queries' latents over their context: dequantized for the product
+            kv = quant.dequantize(kv).to(q.dtype)
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
         o, lse = attention_lse(q, k, k, self.scale, causal)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse

@@ -41,16 +41,17 @@ from ctxpar.layers.forward_context import (
     ForwardContext,
     OneQueryRows,
     StepMemo,
-    from_cache,
     store_kv,
     to_cache,
 )
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.sharded_context import gathered_context_attention, gathers_context
 
-# attend(q (L, H, Dq), kv (m, *E), causal) -> (out (L, H, Do), lse (L, H)) float32;
-# causal: L == m and query i sees keys [0, i]; otherwise every query sees every key.
-Attend = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+# attend(q (L, H, Dq), kv, causal, quant) -> (out (L, H, Do), lse (L, H)) float32, kv the
+# entries (m, *E), or with `quant` their cache rows (m, row_bytes) in that format (read in
+# place where a kernel can); causal: L == m and query i sees keys [0, i]; otherwise every
+# query sees every key.
+Attend = Callable[[torch.Tensor, torch.Tensor, bool, KVQuant | None], tuple[torch.Tensor, torch.Tensor]]
 # decode(q (B, H, Dq), cache, slots (N,), starts (B + 1,), quant) -> (out (B, H, Do), lse (B, H))
 # float32: one query per row over the cache slots slots[starts[b]:starts[b + 1]] (none:
 # out 0, lse -inf), all rows in one call of the compiled kernel; or None where the kernel
@@ -100,7 +101,7 @@ def sharded_attention(
         else:
             entries = ctx.gather(entries)
     cache = store_kv(entries, ctx, layer_idx)
-    read = lambda rows: from_cache(rows, ctx, q.dtype)  # noqa: E731  cache rows -> float entries
+    quant = ctx.kv_quant  # entries and cache rows are in its format, if any
     # Parts: context shard by shard (exchanged), gathered context, new keys.
     outs = torch.zeros(3, n, heads, out_dim, dtype=torch.float32, device=q.device)
     lses = torch.full((3, n, heads), float("-inf"), dtype=torch.float32, device=q.device)
@@ -108,14 +109,14 @@ def sharded_attention(
         skip = split.rows if gather_context else frozenset()
         outs[0], lses[0] = _context_partials(q_space, cache, ctx, attend, decode, out_dim, skip)
     if gather_context:
-        outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim, read)
+        outs[1], lses[1] = gathered_context_attention(local_q, cache, split, ctx.gather, attend, out_dim, quant)
     qsl = ctx.query_start_loc
     for r, idx in enumerate(step.new_key_idx):
         a, b = qsl[r], qsl[r + 1]
         if b > a:
-            q_row, kv = local_q[a:b], read(entries.index_select(0, idx))  # the row's queries are its last new keys
+            q_row, kv = local_q[a:b], entries.index_select(0, idx)  # the row's queries are its last new keys
             outs[2, a:b], lses[2, a:b] = bottom_right_causal(
-                b - a, len(idx), lambda keys, causal: attend(q_row, kv[keys], causal)
+                b - a, len(idx), lambda keys, causal: attend(q_row, kv[keys], causal, quant)
             )
     return merge_attention(outs, lses)[0].to(q.dtype)
 
@@ -151,8 +152,8 @@ def _context_partials(
             done = set(single.rows)
     for r, slots in enumerate(step.shard_slots):
         if len(slots) and r not in skip and r not in done:  # an empty shard: nothing computed, lse -inf sent
-            kv = from_cache(cache.index_select(0, slots), ctx, q_space.dtype)
-            out, lse = attend(q_space.index_select(0, step.query_idx[qsl[r] : qsl[r + 1]]), kv, False)
+            q_row = q_space.index_select(0, step.query_idx[qsl[r] : qsl[r + 1]])
+            out, lse = attend(q_row, cache.index_select(0, slots), False, ctx.kv_quant)
             partial[qsl[r] : qsl[r + 1], :, :out_dim], partial[qsl[r] : qsl[r + 1], :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank

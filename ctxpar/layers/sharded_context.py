@@ -35,6 +35,7 @@ from ctxpar.layers.attention_math import merge_attention
 from ctxpar.parallel.dcp_shard import DCPShard
 
 if TYPE_CHECKING:
+    from ctxpar.layers.kv_quant import KVQuant
     from ctxpar.parallel.pcp import RankRows
 
 # Gather the context when the bytes it moves are below this times the bytes pass-Q
@@ -210,24 +211,24 @@ def gathered_context_attention(
     gather,
     attend,
     out_dim: int,
-    read: Callable[[torch.Tensor], torch.Tensor],
+    quant: KVQuant | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """My local queries of the split rows over their whole gathered context,
     unmasked (every query sees all of its context): out (n, H, out_dim), lse
     (n, H); other tokens get out 0 and lse -inf.
 
     gather: the group's all-gather; attend: ctxpar.layers.sharded_attention.Attend;
-    read: cache rows -> float entries (a quantized cache's rows travel as bytes and
-    are dequantized one round at a time).
+    quant: the cache's quantized format, if any (its rows travel as bytes, and
+    ``attend`` reads them as they are).
     """
     n, heads = q.shape[0], q.shape[1]
     out = torch.zeros(n, heads, out_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((n, heads), float("-inf"), dtype=torch.float32, device=q.device)
     for rnd in split.rounds:  # every rank runs every round: its collective is global
-        kv = read(gather(cache.index_select(0, rnd.send_slots)).index_select(0, rnd.order))
+        kv = gather(cache.index_select(0, rnd.send_slots)).index_select(0, rnd.order)
         for a, b, tokens in rnd.pieces:
             if len(tokens):
-                o, l = attend(q.index_select(0, tokens), kv[a:b], False)
+                o, l = attend(q.index_select(0, tokens), kv[a:b], False, quant)
                 merged = merge_attention(torch.stack([out[tokens], o]), torch.stack([lse[tokens], l]))
                 out[tokens], lse[tokens] = merged
     return out, lse

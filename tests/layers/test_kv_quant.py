@@ -98,3 +98,22 @@ def test_the_compiled_quantizer_writes_pytorchs_bytes(name, shape, runs) -> None
     flat = x.reshape(64, -1)
     assert torch.equal(quant.quantize(x), quant.quantize_torch(flat))
     assert torch.equal(quant.quantize(x[::2]), quant.quantize_torch(flat[::2]))  # strided tokens
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attending_cache_rows_equals_attending_their_entries(name, causal) -> None:
+    """GQA's attend_lse over quantized cache rows (DCP's context shards and gathered
+    rounds: the compiled kernel reads them in place) gives what it gives over the
+    same rows dequantized first."""
+    from ctxpar.layers.attention import GQA
+
+    shape = (2, 2, 16)
+    quant = KVQuant.of(name, shape, default_runs(shape))
+    rows = quant.quantize(torch.randn(13, *shape))
+    q = torch.randn(13 if causal else 5, 4, 16)
+    gqa = GQA(0, 16, 0.25)
+    out, lse = gqa.attend_lse(q, rows, causal, quant)
+    want_out, want_lse = gqa.attend_lse(q, quant.dequantize(rows), causal, None)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
