@@ -108,11 +108,14 @@ def test_attending_cache_rows_equals_attending_their_entries(name, causal) -> No
     same rows dequantized first."""
     from ctxpar.layers.attention import GQA
 
-    shape = (2, 2, 16)
+    from ctxpar.kernels import kv_cache
+
+    shape = (2, 2, 64)
     quant = KVQuant.of(name, shape, default_runs(shape))
     rows = quant.quantize(torch.randn(13, *shape))
-    q = torch.randn(13 if causal else 5, 4, 16)
-    gqa = GQA(0, 16, 0.25)
+    q = torch.randn(13 if causal else 5, 4, 64)
+    assert kv_cache.prefill_quant_usable(q, quant)
+    gqa = GQA(0, 64, 0.125)
     out, lse = gqa.attend_lse(q, rows, causal, quant)
     want_out, want_lse = gqa.attend_lse(q, quant.dequantize(rows), causal, None)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
