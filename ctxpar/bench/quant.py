@@ -102,13 +102,15 @@ def projection_seconds(model: Any, repeat: int = 20) -> float:
 
 
 def _in_features(w: Any) -> int:
+    import torch
+
     from ctxpar.layers.linear import PanelWeight
     from ctxpar.layers.quant_linear import QuantWeight
 
     if isinstance(w, QuantWeight):
         return w.in_features
-    if isinstance(w, PanelWeight):
-        return w.data.shape[1]
+    if isinstance(w, PanelWeight):  # bf16 panels hold the columns in pairs
+        return w.data.shape[1] * (2 if w.data.dtype == torch.bfloat16 else 1)
     return int(w.shape[1])  # a plain or oneDNN-packed weight: (out, in)
 
 

@@ -7,8 +7,8 @@ finds it in the shared L3 cache, so the bus carries it once; each rank
 still reads every weight through its own cores (docs/benchmarks.md, "Ranks
 on one host").
 
-Rank 0 copies its packed weights (layers/linear.py's PanelWeight, fp32 on
-the CPU, and QuantWeight's blocks, scales and offsets) into a shared
+Rank 0 copies its packed weights (layers/linear.py's PanelWeight, fp32 or
+bf16 on the CPU, and QuantWeight's blocks, scales and offsets) into a shared
 segment; every rank then points its weights at views of it, and frees its
 private copy. The weights are those of the same
 model files on every rank (the launcher checks the config), so which rank's

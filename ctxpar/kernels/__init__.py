@@ -52,6 +52,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
+    "linear_packed_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
     "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr], None),
     "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
@@ -285,14 +286,24 @@ def panel_width() -> int:
 def linear_packed(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x (n, in) float32, rows contiguous (tokens may be strided) @ W^T (+ bias)
-    -> (n, out_features) float32, W packed (ceil(out / panel_width), in, panel_width)."""
+    """x (n, in) @ W^T (+ bias) -> (n, out_features) float32, rows of x contiguous
+    (tokens may be strided). W packed float32 (ceil(out / panel_width), in,
+    panel_width) with x float32, or bfloat16 (ceil(out / panel_width), ceil(in / 2),
+    panel_width, 2) with x bfloat16 (gemv.cpp's layouts)."""
     n, in_features = x.shape
+    out = torch.empty(n, out_features, dtype=torch.float32)
+    bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
+    if packed.dtype == torch.bfloat16:
+        assert packed.is_contiguous() and packed.shape[1] == -(-in_features // 2) and x.dtype == torch.bfloat16
+        if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1:  # the kernel reads inputs in aligned pairs
+            x = torch.nn.functional.pad(x, (0, in_features % 2))
+        _library().linear_packed_bf16(
+            x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr()
+        )
+        return out
     if x.stride(1) != 1:
         x = x.contiguous()
     assert packed.is_contiguous() and packed.shape[1] == in_features and x.dtype == torch.float32
-    out = torch.empty(n, out_features, dtype=torch.float32)
-    bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
     _library().linear_packed_f32(
         x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features, bias_ptr, out.data_ptr()
     )

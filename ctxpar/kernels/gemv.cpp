@@ -18,11 +18,30 @@
 // For each panel and each group of up to MB input rows, the kernel keeps
 // MB x 2 vector accumulators: per input index it loads the panel's two
 // vectors once and does 2 MB fused multiply-adds with the broadcast inputs.
+//
+// bfloat16 weights (a bf16 model's projections: half the bytes a decode step
+// reads) use the same panels with the input indices in pairs, a pair in one
+// 32-bit lane (an odd last column paired with a zero):
+//
+//   W (out, in)              packed (panels, ceil(in / 2), NP, 2)
+//   row o, column i    ->    [o / NP][i / 2][o % NP][i % 2]
+//
+// and take bf16 inputs in pairs too (a bf16 model's activations as they are).
+// AVX-512 BF16's dot product multiplies a lane's weight pair by the input pair
+// and adds both products to the float32 accumulator in one instruction;
+// elsewhere the pair's halves are widened to floats (a bf16 is the high half of
+// a float) and multiplied as fp32.
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <utility>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
@@ -35,21 +54,55 @@ constexpr int MB = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 3
 typedef v8 vec;
 constexpr int MB = 6;  // 12 + 2 + 1 of 16
 #endif
+typedef uint32_t pairs __attribute__((vector_size(sizeof(vec))));  // W bf16 weight pairs
 constexpr int64_t W = sizeof(vec) / sizeof(float);
 constexpr int64_t NP = 2 * W;
 constexpr int64_t ONE_BLOCK_FLOATS = 1 << 18, ROW_BLOCK_FLOATS = 1 << 15;
 
-// out[m, 0..cols) for m < mb: one panel against mb input rows.
-template <int mb>
-void panel(const float* x, int64_t x_stride, const float* p, int64_t in, const float* bias, float* out,
-           int64_t out_stride, int64_t cols) {
+// A bf16 pair's two values as floats: the low half (the even column) and the high half.
+inline vec low_halves(pairs p) { return reinterpret_cast<vec>(p << 16); }
+inline vec high_halves(pairs p) { return reinterpret_cast<vec>(p & 0xFFFF0000u); }
+inline float as_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float low_half(uint32_t p) { return as_float(p << 16); }
+inline float high_half(uint32_t p) { return as_float(p & 0xFFFF0000u); }
+
+// out[m, 0..cols) for m < mb: one panel against mb input rows. E: float (fp32 weights
+// and inputs, `in` of them) or uint32_t (bf16 pairs, `in` pairs).
+template <typename E, int mb>
+void panel(const E* x, int64_t x_stride, const E* p, int64_t in, const float* bias, float* out, int64_t out_stride,
+           int64_t cols) {
   vec acc[mb][2] = {};
   for (int64_t i = 0; i < in; ++i) {
-    const vec w0 = loadv<vec>(p + i * NP), w1 = loadv<vec>(p + i * NP + W);
-    for (int m = 0; m < mb; ++m) {
-      const float xi = x[m * x_stride + i];
-      acc[m][0] += w0 * xi;
-      acc[m][1] += w1 * xi;
+    if constexpr (std::is_same_v<E, float>) {
+      const vec w0 = loadv<vec>(p + i * NP), w1 = loadv<vec>(p + i * NP + W);
+      for (int m = 0; m < mb; ++m) {
+        const float xi = x[m * x_stride + i];
+        acc[m][0] += w0 * xi;
+        acc[m][1] += w1 * xi;
+      }
+    } else {
+      pairs w0, w1;
+      std::memcpy(&w0, p + i * NP, sizeof w0);
+      std::memcpy(&w1, p + i * NP + W, sizeof w1);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      for (int m = 0; m < mb; ++m) {
+        const __m512bh xi = (__m512bh)_mm512_set1_epi32(int(x[m * x_stride + i]));
+        acc[m][0] = (vec)_mm512_dpbf16_ps((__m512)acc[m][0], (__m512bh)w0, xi);
+        acc[m][1] = (vec)_mm512_dpbf16_ps((__m512)acc[m][1], (__m512bh)w1, xi);
+      }
+#else
+      const vec w0e = low_halves(w0), w0o = high_halves(w0), w1e = low_halves(w1), w1o = high_halves(w1);
+      for (int m = 0; m < mb; ++m) {
+        const uint32_t xi = x[m * x_stride + i];
+        const float xe = low_half(xi), xo = high_half(xi);
+        acc[m][0] += w0e * xe + w0o * xo;
+        acc[m][1] += w1e * xe + w1o * xo;
+      }
+#endif
     }
   }
   for (int m = 0; m < mb; ++m) {
@@ -60,25 +113,19 @@ void panel(const float* x, int64_t x_stride, const float* p, int64_t in, const f
   }
 }
 
-typedef void (*PanelFn)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
+template <typename E>
+using PanelFn = void (*)(const E*, int64_t, const E*, int64_t, const float*, float*, int64_t, int64_t);
 
-template <std::size_t... I>
+template <typename E, std::size_t... I>
 constexpr auto panel_table(std::index_sequence<I...>) {
-  return std::array<PanelFn, sizeof...(I)>{panel<int(I) + 1>...};
+  return std::array<PanelFn<E>, sizeof...(I)>{panel<E, int(I) + 1>...};
 }
 
-}  // namespace
-
-extern "C" {
-
-// Floats per panel row of the packed layout (the caller packs to it).
-int64_t linear_panel_width() { return NP; }
-
-// x (n, in) with x_stride floats between rows; packed: (ceil(out/NP), in, NP)
-// as above; bias (out_features,) or null; out (n, out_features) contiguous.
-void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
-                       int64_t out_features, const float* bias, float* out) {
-  static const auto table = panel_table(std::make_index_sequence<MB>());
+// x (n, in) with x_stride elements between rows, against the packed panels; see linear_packed_f32.
+template <typename E>
+void packed_product(const E* x, int64_t x_stride, int64_t n, const E* packed, int64_t in, int64_t out_features,
+                    const float* bias, float* out) {
+  static const auto table = panel_table<E>(std::make_index_sequence<MB>());
   if (n == 0 || out_features == 0) return;
   // Inputs that fit in L2 go in one block, so the weights stream past them once (a
   // decode step's rows); larger ones in blocks of ~128 KB of rows, which stay in L2
@@ -100,6 +147,28 @@ void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float*
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Floats per panel row of the packed layout (the caller packs to it).
+int64_t linear_panel_width() { return NP; }
+
+// x (n, in) with x_stride floats between rows; packed: (ceil(out/NP), in, NP)
+// as above; bias (out_features,) or null; out (n, out_features) contiguous.
+void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
+                       int64_t out_features, const float* bias, float* out) {
+  packed_product(x, x_stride, n, packed, in, out_features, bias, out);
+}
+
+// The same for bf16: x (n, 2 * pairs) bf16 with x_stride bf16 between rows (even, the
+// rows 4-byte aligned), packed (ceil(out/NP), pairs, NP, 2) bf16; bias and out float32.
+void linear_packed_bf16(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* packed, int64_t pairs,
+                        int64_t out_features, const float* bias, float* out) {
+  packed_product(reinterpret_cast<const uint32_t*>(x), x_stride / 2, n, reinterpret_cast<const uint32_t*>(packed),
+                 pairs, out_features, bias, out);
 }
 
 }  // extern "C"

@@ -1,20 +1,21 @@
 """Linear projections, with one CPU speed trick: weights packed once after loading.
 
-- **fp32** weights are packed into ctxpar's panel layout (kernels/gemv.cpp),
-  which the compiled kernel reads at the speed of oneDNN's own packed copy
-  (faster at a decode step's few rows, within ~5% at prefill's thousands).
-  Unlike oneDNN's copy, it is a plain tensor: the PCP ranks of one host can
-  read one copy in shared pages (ctxpar/executor/shared_weights.py).
-- **bf16** weights are packed by oneDNN where the CPU has native bf16
-  (AVX-512 BF16 / AMX): ~1.4-2x faster than fp32 there, decode included.
+- **fp32** and **bf16** weights are packed into ctxpar's panel layout
+  (kernels/gemv.cpp), which the compiled kernel reads at the speed of oneDNN's
+  own packed copy (faster at a decode step's few rows, within ~5% at prefill's
+  thousands), bf16 with AVX-512 BF16's dot products where the CPU has them. A
+  bf16 decode step reads half the bytes of fp32, and takes about half the time
+  (oneDNN's bf16 copy was no faster than fp32 at decode). Unlike oneDNN's
+  copy, the layout is a plain tensor: the PCP ranks of one host can read one
+  copy in shared pages (ctxpar/executor/shared_weights.py).
 
 Weights kept block-quantized (a GGUF loaded with ``quantization="gguf"``)
 are ``QuantWeight``s (layers/quant_linear.py); ``linear``, ``embedding``,
 ``row_parts`` and ``shared_tensors`` take them like the others.
 
-With ``CTXPAR_KERNELS=0`` at load time, fp32 weights are packed by oneDNN
-too. Elsewhere (GPUs, bf16 without native support) weights stay as loaded
-and go through ``F.linear``. The packed weight replaces the parameter, so
+With ``CTXPAR_KERNELS=0`` at load time, fp32 weights (and bf16 where the CPU
+has native bf16) are packed by oneDNN instead. Elsewhere (GPUs) weights stay
+as loaded and go through ``F.linear``. The packed weight replaces the parameter, so
 memory does not grow.
 """
 
@@ -33,15 +34,20 @@ from ctxpar.layers.quant_linear import TILE_ROWS, QuantWeight, quant_embedding, 
 
 @dataclass
 class PanelWeight:
-    """An (out_features, in_features) fp32 weight in the kernel's panel layout."""
+    """An (out_features, in_features) fp32 or bf16 weight in the kernel's panel layout."""
 
-    data: torch.Tensor  # (ceil(out / NP), in, NP) float32, contiguous
+    data: torch.Tensor  # (ceil(out / NP), in, NP) float32, or (ceil(out / NP), ceil(in / 2), NP, 2) bf16
     out_features: int
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PanelWeight:
         out_features, in_features = weight.shape
         width = kernels.panel_width()
+        if weight.dtype == torch.bfloat16:  # input columns in pairs, an odd last one with a zero
+            padded = weight.new_zeros(-(-out_features // width) * width, in_features + in_features % 2)
+            padded[:out_features, :in_features] = weight
+            pairs = padded.view(-1, width, padded.shape[1] // 2, 2).permute(0, 2, 1, 3)
+            return cls(pairs.contiguous(), out_features)
         padded = weight.new_zeros(-(-out_features // width) * width, in_features)
         padded[:out_features] = weight
         return cls(padded.view(-1, width, in_features).transpose(1, 2).contiguous(), out_features)
@@ -55,7 +61,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
-        return kernels.linear_packed(x, weight.data, weight.out_features, bias)
+        return kernels.linear_packed(x, weight.data, weight.out_features, bias).to(x.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -69,24 +75,24 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch
 
 
 def can_pack(weight: Weight) -> bool:
-    """Whether ``packed`` changes this weight: on the CPU, fp32, or bf16 where the
-    CPU computes it natively (elsewhere oneDNN emulates bf16, slowly). Never a
-    quantized one: it is in its kernel's layout already."""
+    """Whether ``packed`` changes this weight: on the CPU, fp32 or bf16 (without the
+    kernels, bf16 only where the CPU computes it natively: elsewhere oneDNN emulates
+    bf16, slowly). Never a quantized one: it is in its kernel's layout already."""
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return False
-    if weight.dtype == torch.float32 and _kernel_packs():
+    if weight.dtype in (torch.float32, torch.bfloat16) and _kernel_packs():
         return True
     native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
     return native and torch.backends.mkldnn.is_available()
 
 
 def packed(weight: Weight) -> Weight:
-    """The packed form of `weight` (out, in): a PanelWeight for fp32 with the
+    """The packed form of `weight` (out, in): a PanelWeight for fp32 and bf16 with the
     kernels on, oneDNN's layout otherwise where it applies, else `weight` itself."""
     if not can_pack(weight):
         return weight
     assert isinstance(weight, torch.Tensor)
-    if weight.dtype == torch.float32 and _kernel_packs():
+    if weight.dtype in (torch.float32, torch.bfloat16) and _kernel_packs():
         return PanelWeight.pack(weight.detach())
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
 

@@ -1,7 +1,7 @@
-"""The packed fp32 projection (ctxpar/kernels/gemv.cpp, layers/linear.py)
+"""The packed fp32 and bf16 projections (ctxpar/kernels/gemv.cpp, layers/linear.py)
 against the product in float64, over random shapes (widths that neither the
-panels nor the vectors divide, strided input rows, row counts past a work
-block), on the native and the AVX2 builds; and the packing's index map."""
+panels nor the vectors divide, odd bf16 widths, strided input rows, row counts
+past a work block), on the native and the AVX2 builds; and the packings' index maps."""
 
 from __future__ import annotations
 
@@ -40,6 +40,46 @@ def test_packed_linear_matches_float64(
 
 
 @SETTINGS
+@given(
+    n=st.one_of(st.integers(0, 30), st.integers(180, 200)),
+    in_features=st.integers(1, 120),
+    out_features=st.integers(0, 100),
+    pad=st.integers(0, 3),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_bf16_linear_matches_float64(
+    march: str, n: int, in_features: int, out_features: int, pad: int, bias: bool, seed: int
+) -> None:
+    """bf16 weights and inputs, exact products summed in float32: within float32's
+    rounding of the sum of |products|, whichever path (dot-product instruction or widened)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features + pad, generator=g).bfloat16()[:, :in_features]  # rows `pad` apart
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g) if bias else None
+    products = x.double() @ w.double().T
+    want = products + (b.double() if bias else 0)
+    got = kernels.linear_packed(x, PanelWeight.pack(w).data, out_features, b)
+    assert got.shape == (n, out_features) and got.dtype == torch.float32
+    bound = 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
+    assert torch.all((got.double() - want).abs() <= bound)
+    assert linear(x, PanelWeight.pack(w), b).dtype == torch.bfloat16  # a bf16 model's activations stay bf16
+
+
+@SETTINGS
+@given(out_features=st.integers(1, 70), in_features=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_bf16_panel_layout_index_map(march: str, out_features: int, in_features: int, seed: int) -> None:
+    """Row o, column i of W sits at [o // NP][i // 2][o % NP][i % 2]; padding is zero."""
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    p = PanelWeight.pack(w)
+    width, pairs = kernels.panel_width(), -(-in_features // 2)
+    assert p.data.shape == (-(-out_features // width), pairs, width, 2) and p.data.dtype == torch.bfloat16
+    for o in range(out_features):
+        assert torch.equal(p.data[o // width, :, o % width].reshape(-1)[:in_features], w[o])
+    assert int(p.data.count_nonzero()) == int(w.count_nonzero())  # the padding holds nothing else
+
+
+@SETTINGS
 @given(out_features=st.integers(1, 70), in_features=st.integers(1, 20), seed=st.integers(0, 2**16))
 def test_panel_layout_index_map(march: str, out_features: int, in_features: int, seed: int) -> None:
     """Row o, column i of W sits at [o // NP][i][o % NP]; padding rows are zero."""
@@ -63,7 +103,9 @@ def test_what_gets_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CTXPAR_KERNELS", "0")
     assert can_pack(w) and packed(w).is_mkldnn  # oneDNN's packed layout then
     bf16 = w.bfloat16()
-    assert can_pack(bf16) == (packed(bf16) is not bf16)
+    assert can_pack(bf16) == (packed(bf16) is not bf16)  # oneDNN's, where the CPU has native bf16
+    monkeypatch.delenv("CTXPAR_KERNELS")
+    assert can_pack(bf16) and isinstance(packed(bf16), PanelWeight)
 
 
 def test_pack_weight_replaces_the_parameter() -> None:
