@@ -106,9 +106,8 @@ def test_attending_cache_rows_equals_attending_their_entries(name, causal) -> No
     """GQA's attend_lse over quantized cache rows (DCP's context shards and gathered
     rounds: the compiled kernel reads them in place) gives what it gives over the
     same rows dequantized first."""
-    from ctxpar.layers.attention import GQA
-
     from ctxpar.kernels import kv_cache
+    from ctxpar.layers.attention import GQA
 
     shape = (2, 2, 64)
     quant = KVQuant.of(name, shape, default_runs(shape))
