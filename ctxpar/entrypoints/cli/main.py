@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
+    "cuda": ("ctxpar.bench.cuda", "one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate"),
     "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
     "quant": (
