@@ -461,6 +461,69 @@ def op_profile(fn: Callable[[], Any], device, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")  # runtime calls
+
+
+def launches(fn: Callable[[], Any], device) -> int:
+    """Kernels ``fn`` launches (torch.profiler's count of the CUDA runtime's launch calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
+
+
+def launch_cost(device, n: int = 2000) -> dict:
+    """Seconds per kernel launch: a 1-element add queued back to back, and the same
+    kernels replayed from a CUDA graph (what a decode step of many small kernels costs per kernel)."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    for _ in range(10):
+        x.add_(1.0)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1.0)
+    _sync(device)
+    eager = (time.perf_counter() - t0) / n
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(200):
+            x.add_(1.0)
+    graph.replay()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n // 200):
+        graph.replay()
+    _sync(device)
+    return {"eager_launch_s": eager, "graph_kernel_s": (time.perf_counter() - t0) / n}
+
+
+def decode_launches(llm, hf, ids: list[int], device, steps: int = 8) -> dict:
+    """Kernel launches per decode step, ctxpar's and transformers' (a run of 1 + steps
+    tokens less a run of 1)."""
+    import torch
+
+    from ctxpar import SamplingParams
+
+    def ctxpar_run(k: int) -> int:
+        p = SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+        return launches(lambda: llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False), device)
+
+    def hf_run(k: int) -> int:
+        x = torch.tensor([ids], device=device)
+        gen = dict(do_sample=False, max_new_tokens=k, min_new_tokens=k, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            return launches(lambda: hf.generate(x, attention_mask=torch.ones_like(x), **gen), device)
+
+    return {
+        "ctxpar_launches_per_step": (ctxpar_run(1 + steps) - ctxpar_run(1)) / steps,
+        "hf_launches_per_step": (hf_run(1 + steps) - hf_run(1)) / steps,
+    }
+
+
 def speed(args: argparse.Namespace, device, tmp: Path, profile, failures: dict[str, str]) -> dict:
     import torch
 
@@ -506,6 +569,19 @@ def speed(args: argparse.Namespace, device, tmp: Path, profile, failures: dict[s
             few = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
             run_few = lambda: llm.generate([{"prompt_token_ids": prompts[shortest]}], few, use_tqdm=False)
             guarded(failures, "op profile", lambda: op_profile(run_few, device, Path(args.op_profile)))
+        if device.type == "cuda":  # what a decode step's kernels cost here, one by one
+            short = prompts[shortest][:64]
+            got = guarded(
+                failures, "launches", lambda: {**launch_cost(device), **decode_launches(llm, hf, short, device)}
+            )
+            if got is not None:
+                results["launches"] = got
+                print(
+                    f"kernel launch {got['eager_launch_s'] * 1e6:.1f} us eager, {got['graph_kernel_s'] * 1e6:.2f} us "
+                    f"in a CUDA graph; launches per decode step: ctxpar {got['ctxpar_launches_per_step']:.0f}, "
+                    f"transformers {got['hf_launches_per_step']:.0f}",
+                    flush=True,
+                )
     gc.collect()
     if device.type == "cuda":
         results["ctxpar_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
