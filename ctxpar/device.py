@@ -76,3 +76,15 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     if not torch.cuda.is_available():
         raise CtxparError("device='cuda' was requested but no CUDA device is available; use device='cpu'")
     return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def bind_device(device: torch.device) -> None:
+    """Make a rank's GPU its current device (nothing to do on the CPU), first thing in the
+    rank: NCCL's communicators and every call that means "the current device" (a
+    synchronize, library handles, the bf16 check of dtype "auto") then use this rank's
+    GPU, not GPU 0 in every rank (a context and memory on GPU 0 per rank, and NCCL
+    communicators of two ranks on one GPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

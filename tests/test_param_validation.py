@@ -187,3 +187,17 @@ def test_auto_dtype_is_bf16_only_with_native_bf16():
 
     want = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert EngineConfig(dtype="auto", device="cpu").dtype == want
+
+
+def test_a_rank_binds_its_gpu(monkeypatch):
+    """Each rank makes its GPU the current device before anything else (NCCL, handles);
+    on the CPU nothing is bound. (CI has no GPU: torch.cuda.set_device is recorded.)"""
+    import torch
+
+    from ctxpar.device import bind_device
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    bind_device(torch.device("cpu"))
+    bind_device(torch.device("cuda", 1))
+    assert bound == [torch.device("cuda", 1)]

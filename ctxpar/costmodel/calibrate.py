@@ -5,6 +5,11 @@ Each figure is the best of a few timed repetitions (a shared machine only ever
 makes things slower). Collectives are timed between two spawned processes for
 a small message (alpha: the latency) and a large one (beta: bytes/s), over
 gloo and over ctxpar's shared-memory channel (what ranks on one host use).
+
+On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
+fill it (each timed call ends in a synchronize); the collectives are still
+those of two host processes: NCCL between two GPUs is not measured, so the
+link figures stand in for it and the profile's description says so.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from ctxpar.machine import cpu_info
 GEMM_SHAPE = (1024, 1024, 1024)  # (tokens, in, out): a prefill-sized projection
 ATTN_SHAPE = (1024, 8, 64)  # (tokens, heads, head dim): causal, 2 query heads per KV head
 READ_BYTES = 256 << 20  # far beyond the caches
+# A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
+# far beyond its L2 (a few launches' overhead is then noise).
+GPU_GEMM_SHAPE = (8192, 4096, 4096)
+GPU_ATTN_SHAPE = (8192, 32, 128)
+GPU_READ_BYTES = 4 << 30
 SMALL, LARGE = 4 << 10, 16 << 20  # all-gather message per rank
 RUNS = {SMALL: 50, LARGE: 8}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,15 +43,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def best_time(fn: Callable[[], object], budget_s: float = 1.5, min_runs: int = 3) -> float:
-    """Fastest of repeated calls within ``budget_s`` (after one warm-up call)."""
+BUDGET_S = 1.5  # seconds of repeated calls per figure
+
+
+def best_time(
+    fn: Callable[[], object], budget_s: float | None = None, min_runs: int = 3, device: torch.device | None = None
+) -> float:
+    """Fastest of repeated calls within ``budget_s`` (default BUDGET_S; after one warm-up
+    call); on a GPU ``device`` each call is timed to its end (work is queued asynchronously)."""
+    if device is not None and device.type == "cuda":
+        fn = _synchronized(fn, device)
     fn()
-    best, t_end, runs = float("inf"), time.perf_counter() + budget_s, 0
+    budget = BUDGET_S if budget_s is None else budget_s
+    best, t_end, runs = float("inf"), time.perf_counter() + budget, 0
     while runs < min_runs or time.perf_counter() < t_end:
         t0 = time.perf_counter()
         fn()
         best, runs = min(best, time.perf_counter() - t0), runs + 1
     return best
+
+
+def _synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    def call() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
 
 
 def best_of(fn: Callable[[], object], runs: int) -> float:
@@ -56,25 +84,30 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def gemm_flops(dtype: torch.dtype) -> float:
-    n, k, m = GEMM_SHAPE
-    a, w = torch.randn(n, k, dtype=dtype), torch.randn(m, k, dtype=dtype)
-    return 2 * n * k * m / best_time(lambda: torch.nn.functional.linear(a, w))
+CPU = torch.device("cpu")
 
 
-def attention_flops(dtype: torch.dtype) -> float:
+def gemm_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> float:
+    n, k, m = shape or (GPU_GEMM_SHAPE if device.type == "cuda" else GEMM_SHAPE)
+    a, w = torch.randn(n, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
+    return 2 * n * k * m / best_time(lambda: torch.nn.functional.linear(a, w), device=device)
+
+
+def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> float:
     """Causal attention at the cost model's count: pairs * 2 * H * (d_qk + d_v).
     ctxpar's own path (its compiled kernel in fp32 on the CPU, PyTorch's otherwise)."""
-    n, h, d = ATTN_SHAPE
-    q, k, v = torch.randn(n, h, d, dtype=dtype), torch.randn(n, h // 2, d, dtype=dtype), torch.randn(n, h // 2, d)
-    v = v.to(dtype)
+    n, h, d = shape or (GPU_ATTN_SHAPE if device.type == "cuda" else ATTN_SHAPE)
+    kv_heads = h // 2 if device.type == "cpu" else h // 4  # the GPU shape's: Llama-3-8B's 8 of 32
+    q = torch.randn(n, h, d, dtype=dtype, device=device)
+    k, v = (torch.randn(n, kv_heads, d, dtype=dtype, device=device) for _ in range(2))
     pairs = n * (n + 1) / 2
-    return pairs * 2 * h * 2 * d / best_time(lambda: causal_attention(q, k, v, d**-0.5))
+    return pairs * 2 * h * 2 * d / best_time(lambda: causal_attention(q, k, v, d**-0.5), device=device)
 
 
-def read_bandwidth() -> float:
-    x = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    return READ_BYTES / best_time(lambda: x.sum())
+def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
+    nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / best_time(lambda: x.sum(), device=device)
 
 
 def _free_port() -> int:
@@ -124,16 +157,19 @@ def collective_costs() -> dict[str, float]:
     return costs
 
 
-def calibrate(threads: int, dtype: str, link: str, progress: Callable[[str], None]) -> HardwareProfile:
-    """Measure and return the profile of one rank running ``threads`` threads in ``dtype``."""
+def calibrate(
+    threads: int, dtype: str, link: str, progress: Callable[[str], None], device: torch.device = CPU
+) -> HardwareProfile:
+    """Measure and return the profile of one rank running ``threads`` threads in ``dtype``
+    (on ``device``: the CPU, or one GPU)."""
     torch.set_num_threads(threads)
     notes: dict[str, float] = {"threads": threads}
     for name, torch_dtype in DTYPES.items():
-        notes[f"gemm_flops_{name}"] = gemm_flops(torch_dtype)
+        notes[f"gemm_flops_{name}"] = gemm_flops(torch_dtype, device)
         progress(f"GEMM {name}: {notes[f'gemm_flops_{name}'] / 1e9:.1f} GFLOP/s")
-        notes[f"attention_flops_{name}"] = attention_flops(torch_dtype)
+        notes[f"attention_flops_{name}"] = attention_flops(torch_dtype, device)
         progress(f"attention {name}: {notes[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s")
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
@@ -146,15 +182,22 @@ def calibrate(threads: int, dtype: str, link: str, progress: Callable[[str], Non
     notes.update(costs)
     if f"{link}_latency_s" not in costs:
         link = "gloo"
-    cpu = cpu_info()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device)
+        rank = f"one {gpu.name} (torch {torch.__version__})"
+        links = f"NCCL not measured; the link figures are {link} between two host processes"
+        memory = float(gpu.total_memory)
+    else:
+        rank, links = f"one rank of {threads} thread(s) on {cpu_info().model}", f"ranks joined by {link}"
+        memory = float(machine_memory_bytes())
     return HardwareProfile(
         name=f"calibrated-{socket.gethostname()}",
-        description=f"one rank of {threads} thread(s) on {cpu.model}, {dtype}, ranks joined by {link} "
-        f"(ctxpar calibrate, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        description=f"{rank}, {dtype}, {links} (ctxpar calibrate, {when})",
         gemm_flops=notes[f"gemm_flops_{dtype}"],
         attention_flops=notes[f"attention_flops_{dtype}"],
         memory_bandwidth=bandwidth,
-        memory_bytes=float(machine_memory_bytes()),
+        memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],
         weight_dtype=dtype,

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -151,7 +152,11 @@ class MultiRankExecutor:
     _stopped_because: str | None = None
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        out = self._lead(plan, self.runner.execute)
+        # The mtp layer's hidden states travel in the plan as host memory: a pickled GPU
+        # tensor would be unpickled onto the sender's GPU index in every other rank.
+        hidden = plan.hidden_states
+        sent = plan if hidden is None or hidden.device.type == "cpu" else replace(plan, hidden_states=hidden.cpu())
+        out = self._lead(sent, lambda _: self.runner.execute(plan))
         assert out is not None  # rank 0 always gets them
         return out
 

@@ -66,18 +66,25 @@ def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         )
         return out[0].transpose(0, 1)
     if q.device.type != "cpu":
-        # CUDA kernels implement bottom-right causal masking natively.
-        from torch.nn.attention.bias import causal_lower_right
-
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=causal_lower_right(L, S), scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
-        )
-        return out[0].transpose(0, 1)
+        return lower_right_sdpa(qh, kh, vh, scale)[0].transpose(0, 1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, _ = bottom_right_causal(  # (1, H, L, D)
         L, S, lambda keys, causal: flash(qh, kh[:, :, keys], vh[:, :, keys], 0.0, causal, scale=scale)[:2]
     )
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def lower_right_sdpa(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch's SDPA of queries (B, H, L, D) that are the last L of S keys (B, Hk, S, D),
+    causal aligned bottom-right: the path off the CPU, where the flash and
+    memory-efficient kernels mask so natively (elsewhere, e.g. fp32 with GQA, the mask
+    is materialized). It also runs on the CPU, where its tests run."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    L, S = qh.shape[-2], kh.shape[-2]
+    return torch.nn.functional.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=causal_lower_right(L, S), scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+    )
 
 
 def bottom_right_causal(

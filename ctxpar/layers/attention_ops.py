@@ -14,6 +14,8 @@ The straightforward references these are tested against are
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 NEG_INF = float("-inf")
@@ -47,8 +49,8 @@ def concat_slots(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows' cache slots back to back, and where each row's start: (N,) and
     (B + 1,) int64, row b's at [starts[b], starts[b+1]) (the compiled kernels'
     and ``padded_slot_table``'s input)."""
-    lengths = torch.tensor([0] + [len(s) for s in rows], dtype=torch.int64)
-    return torch.cat(rows), torch.cumsum(lengths, 0).to(rows[0].device)
+    starts = list(itertools.accumulate((len(s) for s in rows), initial=0))
+    return torch.cat(rows), torch.tensor(starts, dtype=torch.int64, device=rows[0].device)
 
 
 def padded_slot_table(slots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxpar.config import EngineConfig
-from ctxpar.device import torch_dtype
+from ctxpar.device import bind_device, torch_dtype
 from ctxpar.errors import CtxparError
 from ctxpar.layers.kv_quant import kv_bytes_per_token_per_layer
 from ctxpar.models.loader import LoadedModel, load_model, load_mtp
@@ -33,6 +33,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     too), load the model and size the KV cache. Every rank derives the same
     sizes from the same config; an impossible size is refused here, before any
     cache tensor is allocated."""
+    bind_device(device)
     threads = config.threads_per_rank()
     if threads is not None:
         torch.set_num_threads(threads)

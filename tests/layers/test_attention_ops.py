@@ -184,3 +184,23 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], D**-0.5)
         torch.testing.assert_close(out[qsl[r] : qsl[r + 1]].double(), want, **TOL)
     assert (out[qsl[-1] :] == 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=shapes, new=st.integers(1, 40), context=st.integers(0, 60))
+def test_lower_right_sdpa_the_gpu_path_of_causal_attention(shape, new, context) -> None:
+    """causal_attention off the CPU (``lower_right_sdpa``: PyTorch's bottom-right causal
+    mask, GQA), here on the CPU: continued prefills, single queries and whole prompts."""
+    from ctxpar.layers.attention_math import lower_right_sdpa
+
+    g = torch.Generator().manual_seed(shape["seed"])
+    Hk, H, D = shape["kv_heads"], shape["kv_heads"] * shape["group"], shape["head_dim"]
+    S = new + context
+    q, k, v = (
+        torch.randn(new, H, D, generator=g),
+        torch.randn(S, Hk, D, generator=g),
+        torch.randn(S, Hk, D, generator=g),
+    )
+    heads = lambda t: t.transpose(0, 1).unsqueeze(0)  # (1, heads, len, D), as causal_attention passes them
+    out = lower_right_sdpa(heads(q), heads(k), heads(v), D**-0.5)[0].transpose(0, 1)
+    torch.testing.assert_close(out.double(), reference(q, k, v, D**-0.5)[0], **TOL)

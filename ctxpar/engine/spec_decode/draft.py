@@ -108,7 +108,9 @@ def draw(req: Request, logits: torch.Tensor, probs: weakref.WeakKeyDictionary[Re
     """The request's next draft from a draft model's (V,) logits, by its sampling settings;
     for a sampled request the draft distribution q is appended to ``probs[req]`` ((j, V))."""
     p = req.params
-    x = logits.float()
+    if p.greedy and not p.processes_logits:
+        return int(torch.argmax(logits))
+    x = logits.float().cpu()  # the request's CPU generator draws on the host (as the Sampler's rows)
     if p.processes_logits:
         x = apply_logits_processing(x, p, drafted_history(req, req.spec_token_ids))
     if p.greedy:

@@ -70,9 +70,10 @@ def verify_row(
         best = torch.argmax(logits, dim=-1).tolist()  # (k + 1,)
         kept = next((i for i in range(k) if best[i] != drafts[i]), k)
         return list(drafts[:kept]) + [best[kept]]
+    logits = logits.float().cpu()  # the request's CPU generator draws on the host (as the Sampler's rows)
     out: list[int] = []
     for i in range(k + 1):
-        x = logits[i].float()
+        x = logits[i]
         if params.processes_logits:
             x = apply_logits_processing(x, params, drafted_history(history, out))
         if params.greedy:

@@ -2,6 +2,10 @@
 read bandwidth, all-gather latency and bandwidth between two local ranks over
 gloo and shared memory) and save a hardware profile for `ctxpar estimate
 --hardware PATH`. Takes about half a minute; one line per measurement.
+
+With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
+the bandwidth and the memory are the GPU's; the link is still measured between
+two host processes (NCCL between GPUs is not), which the profile says.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: what ctxpar picks here: bf16 on CPUs with native bf16, else fp32)",
     )
     p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="the rank measured: the CPU or the first GPU (default: auto, a GPU where there is one, "
+        "as the engine's --device)",
+    )
+    p.add_argument(
         "--link",
         choices=("shm", "gloo"),
         default="shm",
@@ -48,11 +59,16 @@ def run(args: argparse.Namespace) -> None:
     if not out.parent.is_dir():
         raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
     from ctxpar.costmodel.calibrate import calibrate
-    from ctxpar.device import auto_dtype
+    from ctxpar.device import auto_dtype, resolve_device
 
-    dtype = args.dtype or ("bf16" if auto_dtype("cpu") == "bfloat16" else "fp32")
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("bf16" if auto_dtype(device.type) == "bfloat16" else "fp32")
     print(f"CPU: {cpu_info().model}, {usable_cores()} usable cores, {threads} thread(s), {dtype}", flush=True)
-    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True))
+    if device.type == "cuda":
+        import torch
+
+        print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True), device)
     try:
         out.write_text(profile.to_json())
     except OSError as e:

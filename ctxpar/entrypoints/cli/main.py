@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 from ctxpar.errors import CtxparError, RankFailure
 
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
+    "cuda": ("ctxpar.bench.cuda", "one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate"),
     "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
     "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
     "quant": (
@@ -46,14 +48,22 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 }
 
 
-def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help: str) -> None:
+def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help: str, load: bool = True) -> None:
+    if not load:  # listed (its one-line help) but not imported: another command was named
+        subparsers.add_parser(name, help=help)
+        return
     mod = importlib.import_module(module)
     p = subparsers.add_parser(name, help=help, description=(mod.__doc__ or help).strip().split("\n\n")[0])
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command. With ``argv``, only the module of the command it
+    names is imported: a command does not need the others' dependencies (serve's
+    pydantic, say, on a GPU machine without them)."""
+    command = argv[0] if argv else None
+    benchmark = argv[1] if argv is not None and len(argv) > 1 and command == "bench" else None
     parser = argparse.ArgumentParser(
         prog="ctxpar",
         description="ctxpar: context-parallel LLM inference. Long prompts are split "
@@ -62,11 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help) in COMMANDS.items():
-        _add(sub, name, module, help)
+        _add(sub, name, module, help, load=argv is None or name == command)
     bench = sub.add_parser("bench", help="benchmarks that print a ratio against a baseline")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, (module, help) in BENCHMARKS.items():
-        _add(bench_sub, name, module, help)
+        _add(bench_sub, name, module, help, load=argv is None or name == benchmark)
     return parser
 
 
@@ -74,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Exit status: 0 ok, 2 a user mistake (CtxparError),
     1 a runtime failure of the ranks (RankFailure), 130 interrupted (Ctrl-C);
     each failure is one ``error: ...`` line on stderr, without a traceback."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         args._run(args)
     except CtxparError as e:
