@@ -172,7 +172,11 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
           for (int64_t m = 0; m < M_vec; m += W) {  // new maxima and rescales, W rows at a time
             const vec old_top = loadv<vec>(top.data() + m), bt = loadv<vec>(block_top.data() + m);
             const vec new_top = old_top < bt ? bt : old_top;
-            storev(rescale.data() + m, exp2_nonpositive<vec, veci>(old_top - new_top));  // 0 on the first block
+            // 0 on the first block; exactly 1 where the maximum stands (the polynomial's 2^0 is
+            // 1 + 1.2e-7), so a block no query of the row sees changes nothing: a query's
+            // output is the same bits whichever queries share its task (PCP's chunks).
+            const vec r = exp2_nonpositive<vec, veci>(old_top - new_top);
+            storev(rescale.data() + m, old_top == new_top ? vec{} + 1.0f : r);
             storev(top.data() + m, new_top);
           }
           for (int64_t m = 0; m < M; ++m) {  // p = 2^(score - max), row sums

@@ -22,7 +22,12 @@ KERNEL_MIN_QUERIES = 64
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    min_queries: int = KERNEL_MIN_QUERIES,
 ) -> torch.Tensor:
     """Attention of L queries that are the *last* L positions of S keys.
 
@@ -30,24 +35,25 @@ def causal_attention(
     returns (L, H, D), written into `out` (contiguous) if given
 
     Query i (absolute position S - L + i) sees keys [0, S - L + i]: causal,
-    aligned bottom-right. On the CPU in fp32, rows of at least
-    KERNEL_MIN_QUERIES queries run in ctxpar's compiled kernel, which aligns
-    bottom-right itself. Otherwise: PyTorch's ``is_causal`` aligns top-left, so a
-    continued prefill (0 < S - L, L > 1) is split into a mask-free part over
-    the old context and a causal part over the new keys, merged by their
-    log-sum-exp: faster on CPU than an explicit mask.
+    aligned bottom-right. On the CPU in fp32, rows of at least `min_queries`
+    queries run in ctxpar's compiled kernel, which aligns bottom-right itself
+    (and gives a query the same bits whatever the queries with it). Otherwise:
+    PyTorch's ``is_causal`` aligns top-left, so a continued prefill (0 < S - L,
+    L > 1) is split into a mask-free part over the old context and a causal
+    part over the new keys, merged by their log-sum-exp: faster on CPU than an
+    explicit mask.
     """
-    if takes_kernel(q, k, v):
+    if takes_kernel(q, k, v, min_queries):
         return kernels.prefill_attention(q, k, v, scale, out=out)[0]
     result = _torch_causal_attention(q, k, v, scale)
     return result if out is None else out.copy_(result)
 
 
-def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_queries: int = KERNEL_MIN_QUERIES) -> bool:
     """Whether attention of these runs in the compiled kernel (``causal_attention``
-    and DCP's ``attention_lse``): rows of at least KERNEL_MIN_QUERIES queries the
+    and DCP's ``attention_lse``): rows of at least `min_queries` queries the
     kernel takes. Unlike PyTorch's CPU kernel, it takes V narrower than Q and K."""
-    return q.shape[0] >= KERNEL_MIN_QUERIES and kernels.prefill_usable(q, k, v)
+    return q.shape[0] >= min_queries and kernels.prefill_usable(q, k, v)
 
 
 def paged_kernel(cache: torch.Tensor, *widths: int) -> bool:

@@ -105,10 +105,21 @@ class ForwardContext:
     # alone see alike, by which a layer may pick its kernel so that the path a token takes
     # does not depend on the ranks (quantized projections: layers/quant_linear.py).
     step_tokens: int | None = None
+    # Each local row's queries in the whole step (its request's scheduled tokens, every
+    # rank's chunks together; None: the local counts). Attention picks a row's kernel by
+    # it, so a row's queries take the same kernel split over the ranks or whole, and get
+    # the same bits (ctxpar/layers/paged_attention.py).
+    row_queries: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.start_pos)
+
+    def queries_of(self, r: int) -> int:
+        """Row r's queries in the whole step (``row_queries``)."""
+        return (
+            self.query_start_loc[r + 1] - self.query_start_loc[r] if self.row_queries is None else self.row_queries[r]
+        )
 
 
 def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:

@@ -15,7 +15,15 @@
     keys): decode is memory-bound, and reading padding costs as much as
     reading keys.
 - Other rows (prefill chunks, and there long decodes) attend one by one with
-  ``causal_attention``: each is a large computation or a large gather.
+  ``causal_attention``: each is a large computation or a large gather. With
+  the kernels, every one of them in the prefill kernel, whose output for a
+  query is the same bits whichever queries share its call.
+
+Which path a row takes is decided by its queries in the whole step
+(``ForwardContext.row_queries``), not by the chunk a rank holds: the chunks
+of a row split over the PCP ranks take the path the whole row takes on one
+rank, and with the kernels give its very bits (the KV all-gather moves
+bytes, the projections and elementwise kernels compute each token alone).
 
 The index tensors of the decode batch are the same for every layer of a step,
 so they are built once and kept in the step's ``StepMemo``.
@@ -66,15 +74,18 @@ def _group_by_length(lengths: list[int]) -> list[list[int]]:
 def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
     """The step's one-query rows in groups, or None if it has none (memoised per
     step): with the ``kernel``, all of them in one group, with the queries of rows
-    of up to FEW_QUERIES queries; without, the one-query rows of at most
-    DECODE_BATCH_MAX_KEYS keys, in length groups."""
+    of up to FEW_QUERIES queries in the whole step (a split row's chunks go where the
+    whole row would); without, the one-query rows of at most DECODE_BATCH_MAX_KEYS
+    keys, in length groups."""
     if kernel not in ctx.memo.decode_batches:
         qsl = ctx.query_start_loc
         few = FEW_QUERIES if kernel else 1
         rows = [
             r
             for r in range(ctx.num_rows)
-            if 1 <= qsl[r + 1] - qsl[r] <= few and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
+            if 1 <= qsl[r + 1] - qsl[r]
+            and ctx.queries_of(r) <= few
+            and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
         ]
         batch = None
         if rows:
@@ -118,8 +129,8 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
         if b - a < 1 or r in single:
             continue
         kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D), or (S, row_bytes) quantized
-        if quant is None:
-            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
+        if quant is None:  # every row here in the prefill kernel where it runs: chunks of a row alike
+            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b], min_queries=1)
         elif kv_kernels.prefill_quant_usable(q[a:b], quant):
             kv_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
         else:

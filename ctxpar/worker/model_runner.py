@@ -131,6 +131,7 @@ class ModelRunner:
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
             step_tokens=plan.num_tokens,
+            row_queries=plan.num_scheduled_tokens[rows.req_idx].tolist(),
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         extra = {}
