@@ -7,10 +7,9 @@ normal path and the transformers forward pass is an independent reference.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
-import torch
+from ctxpar.bench.cuda_models import save_random_model
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -27,21 +26,9 @@ TINY_COMMON = dict(
 
 
 def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
-    """Instantiate a random transformers model for `config` and save it to `path`."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), torch_dtype=torch.float32)
-    # Random init is small; scale up so logits are not near-ties everywhere.
-    # Biases (zero) and norm weights (one) are perturbed so loading them is tested too.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
-            else:
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path
+    """Instantiate a random transformers model for `config` and save it to `path`
+    (matrices times 4: random init is small, and logits would be near-ties everywhere)."""
+    return save_random_model(config, path, seed, scale=4.0)
 
 
 def tiny_configs() -> dict:

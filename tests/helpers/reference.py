@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ctxpar.bench.cuda_models import transformers_greedy as transformers_greedy_logits  # noqa: F401  (the tests' name)
+
 
 def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: int, kv_quant=None):
     """ForwardContext of one sequence computing positions [start, start + length).
@@ -50,27 +52,6 @@ class SingleSequence:
         hidden = self.model.forward(ids, torch.arange(self.pos, self.pos + n), ctx)
         self.pos += n
         return self.model.compute_logits(hidden)
-
-
-def transformers_greedy_logits(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """The reference: transformers' greedy `generate`, never stopping early.
-
-    Returns the generated ids and the raw logits (max_new_tokens, vocab) each
-    one was chosen from, so callers can tell real mismatches from near-ties.
-    """
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
 def transformers_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
