@@ -295,7 +295,7 @@ def linear_packed(
     bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
     if packed.dtype == torch.bfloat16:
         assert packed.is_contiguous() and packed.shape[1] == -(-in_features // 2) and x.dtype == torch.bfloat16
-        if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1:  # the kernel reads inputs in aligned pairs
+        if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1 or x.data_ptr() % 4:  # read in aligned pairs
             x = torch.nn.functional.pad(x, (0, in_features % 2))
         _library().linear_packed_bf16(
             x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr()

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -37,7 +37,16 @@ inline float to_float(Half h) {
 #endif
 }
 
-#if defined(__AVX2__) && defined(__F16C__)
+// Eight scales as a vector, for quant_gemv.cpp's AVX2 path (which every AVX2 build takes:
+// F16C converts eight halves at once, and a build without it converts them one by one).
+#if defined(__AVX2__)
 inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_ps(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8_ps(const Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm256_setr_ps(to_float(p[0]), to_float(p[1]), to_float(p[2]), to_float(p[3]), to_float(p[4]),
+                        to_float(p[5]), to_float(p[6]), to_float(p[7]));
+#endif
+}
 #endif

@@ -45,16 +45,18 @@ def test_packed_linear_matches_float64(
     in_features=st.integers(1, 120),
     out_features=st.integers(0, 100),
     pad=st.integers(0, 3),
+    first=st.integers(0, 1),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_packed_bf16_linear_matches_float64(
-    march: str, n: int, in_features: int, out_features: int, pad: int, bias: bool, seed: int
+    march: str, n: int, in_features: int, out_features: int, pad: int, first: int, bias: bool, seed: int
 ) -> None:
     """bf16 weights and inputs, exact products summed in float32: within float32's
-    rounding of the sum of |products|, whichever path (dot-product instruction or widened)."""
+    rounding of the sum of |products|, whichever path (dot-product instruction or widened).
+    Input rows `pad` apart, from column `first` (1: rows that do not start on a 4-byte pair)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, in_features + pad, generator=g).bfloat16()[:, :in_features]  # rows `pad` apart
+    x = torch.randn(n, first + in_features + pad, generator=g).bfloat16()[:, first : first + in_features]
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g) if bias else None
     products = x.double() @ w.double().T
