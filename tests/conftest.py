@@ -21,6 +21,19 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: save_tiny_model(cfg, root / name) for name, cfg in tiny_configs().items()}
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own GGUF loader on the default SmolLM2 file (an independent
+    dequantise and un-permute): the reference model, loaded once for the session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ctxpar.models.loader import default_model_path
+
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
 @pytest.fixture(params=["native", "haswell"])
 def march(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The kernels built for this CPU, and for an AVX2-only one (the code path of

@@ -118,9 +118,9 @@ def test_three_ranks_match_transformers(models):
 
 
 @pytest.mark.multiprocess
-def test_smollm2_two_ranks_logits_and_tokens():
+def test_smollm2_two_ranks_teacher_forced_logits():
     """The real model: teacher-forced logits at P=2 equal P=1's to 1e-5 of the
-    logit scale, and greedy chat generation is token-identical.
+    logit scale (greedy chat at P=2 against P=1: tests/models/test_smollm2_reference.py).
 
     The tolerance is relative to max |logit| (~30 here): fp32 GEMMs round
     differently for different row counts, and over 30 layers that leaves
@@ -131,12 +131,6 @@ def test_smollm2_two_ranks_logits_and_tokens():
         scale = a.abs().max().item()
         torch.testing.assert_close(b, a, atol=1e-5 * scale, rtol=0, msg=lambda m: f"step {step}: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-    chat = [{"role": "user", "content": "Name three uses of a paperclip."}]
-    params = SamplingParams(max_tokens=24, temperature=0)
-    with LLM() as llm:
-        want = tokens(llm.chat(chat, params, use_tqdm=False))
-    with LLM(pcp_size=2, pcp_min_tokens=0) as llm:
-        assert tokens(llm.chat(chat, params, use_tqdm=False)) == want
 
 
 @pytest.mark.multiprocess
@@ -159,16 +153,16 @@ def test_killed_worker_fails_fast_and_leaves_no_process(models):
 def test_hung_worker_fails_within_the_timeout(models, monkeypatch):
     """A worker that stops answering (alive, sockets open) cannot be told from
     a slow one except by time: rank 0 raises RankFailure after the collective
-    timeout (CTXPAR_COLLECTIVE_TIMEOUT_S, here 5 s) instead of hanging, and kills it."""
-    monkeypatch.setenv("CTXPAR_COLLECTIVE_TIMEOUT_S", "5")
+    timeout (CTXPAR_COLLECTIVE_TIMEOUT_S, here 3 s) instead of hanging, and kills it."""
+    monkeypatch.setenv("CTXPAR_COLLECTIVE_TIMEOUT_S", "3")
     llm = LLM(models["llama"], pcp_size=2, pcp_min_tokens=0)
     (worker,) = multiprocessing.active_children()
     os.kill(worker.pid, signal.SIGSTOP)  # alive but silent: only the timeout can notice
     start = time.monotonic()
     try:
-        with pytest.raises(RankFailure, match="silent for 5 s"):
+        with pytest.raises(RankFailure, match="silent for 3 s"):
             llm.generate(prompts(3), GREEDY, use_tqdm=False)
-        assert 4 < time.monotonic() - start < 20
+        assert 2.5 < time.monotonic() - start < 20
     finally:
         if worker.is_alive():
             os.kill(worker.pid, signal.SIGKILL)

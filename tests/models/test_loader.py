@@ -22,15 +22,6 @@ def smollm() -> LoadedModel:
     return load_model(None, torch.float32, CPU)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """transformers' own GGUF loader on the same file (an independent dequantise and un-permute)."""
-    from transformers import AutoModelForCausalLM
-
-    p = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-
-
 def chat_ids(tok, text: str) -> list[int]:
     s = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     return tok(s, add_special_tokens=False).input_ids
@@ -57,19 +48,19 @@ def test_tokenizer_round_trip_and_chat_template(smollm):
     assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
 
 
-def test_logits_match_transformers_gguf(smollm, reference):
+def test_logits_match_transformers_gguf(smollm, hf_smollm2):
     ids = torch.tensor(chat_ids(smollm.tokenizer, "What is the capital of France?"))
     with torch.no_grad():
-        expected = reference(ids[None]).logits[0]
+        expected = hf_smollm2(ids[None]).logits[0]
     got = SingleSequence(smollm.model, 64).step(ids)
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= 1e-4 * scale
 
 
-def test_greedy_decode_matches_transformers_generate(smollm, reference):
+def test_greedy_decode_matches_transformers_generate(smollm, hf_smollm2):
     ids = chat_ids(smollm.tokenizer, "Write a short poem about the sea.")
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
+        expected = hf_smollm2.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32)[0, len(ids) :].tolist()
     seq = SingleSequence(smollm.model, len(ids) + 32)
     token = int(seq.step(ids)[-1].argmax())
     got = [token]

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.models.loader import default_model_path
 from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
@@ -87,13 +86,9 @@ def outputs() -> dict[int, list]:
 
 
 @pytest.fixture(scope="module")
-def reference(outputs) -> list[tuple[list[int], torch.Tensor]]:
+def reference(outputs, hf_smollm2) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy tokens and logits for each prompt, as the engine tokenized it."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return [transformers_greedy_logits(hf, o.prompt_token_ids, NEW_TOKENS) for o in outputs[1]]
+    return [transformers_greedy_logits(hf_smollm2, o.prompt_token_ids, NEW_TOKENS) for o in outputs[1]]
 
 
 def test_prompts_are_long_and_chunked(outputs):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.models.loader import default_model_path
 from helpers.reference import assert_greedy_matches, transformers_greedy_logits
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
@@ -20,17 +19,13 @@ TIE = 5e-3  # as test_smollm2_reference.py
 LOGPROB_TOL = 1e-3
 
 
-def test_sharded_cache_chat_matches_transformers():
-    from transformers import AutoModelForCausalLM
-
+def test_sharded_cache_chat_matches_transformers(hf_smollm2):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     conv = [{"role": "user", "content": "Explain in two sentences why the sky is blue, for a child."}]
     with LLM(pcp_size=2, dcp_size=2, cp_interleave=4, pcp_min_tokens=8, max_num_batched_tokens=24) as llm:
         [out] = llm.chat(conv, params, use_tqdm=False)
     assert len(out.prompt_token_ids) > 24  # chunked, and split while prefilling
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    want, logits = transformers_greedy_logits(hf, out.prompt_token_ids, NEW_TOKENS)
+    want, logits = transformers_greedy_logits(hf_smollm2, out.prompt_token_ids, NEW_TOKENS)
     got = out.outputs[0]
     n = assert_greedy_matches(got.token_ids, want, logits, TIE)
     assert n >= NEW_TOKENS * 2 // 3, n

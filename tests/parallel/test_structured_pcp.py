@@ -12,17 +12,17 @@ from helpers.structured import SCHEMAS, check_json
 
 pytestmark = pytest.mark.multiprocess  # spawns rank processes
 
-NAMES = ["nested", "ref"]
+# (schema, temperature, seed): one greedy request and one seeded sample.
+REQUESTS = [("nested", 0.0, None), ("ref", 1.0, 11)]
 
 
 def requests() -> tuple[list[str], list[SamplingParams]]:
     prompts, params = [], []
-    for name in NAMES:
-        for temperature, seed in ((0.0, None), (1.0, 11)):
-            # Sampled JSON with any whitespace can wander into long runs of it: compact layout.
-            so = StructuredOutputsParams(json=SCHEMAS[name], disable_any_whitespace=temperature > 0)
-            prompts.append(f"Reply with a JSON {name}, please:")
-            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=100, structured_outputs=so))
+    for name, temperature, seed in REQUESTS:
+        # Sampled JSON with any whitespace can wander into long runs of it: compact layout.
+        so = StructuredOutputsParams(json=SCHEMAS[name], disable_any_whitespace=temperature > 0)
+        prompts.append(f"Reply with a JSON {name}, please:")
+        params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=100, structured_outputs=so))
     return prompts, params
 
 
@@ -36,7 +36,7 @@ def one_rank():
 def test_outputs_validate_and_equal_one_rank(layout, one_rank):
     with LLM(dtype="float32", pcp_min_tokens=0, **layout) as llm:
         outs = [o.outputs[0] for o in llm.generate(*requests(), use_tqdm=False)]
-    for i, (out, ref) in enumerate(zip(outs, one_rank)):
-        check_json(ref.text, SCHEMAS[NAMES[i // 2]])
-        check_json(out.text, SCHEMAS[NAMES[i // 2]])
+    for (name, _, _), out, ref in zip(REQUESTS, outs, one_rank):
+        check_json(ref.text, SCHEMAS[name])
+        check_json(out.text, SCHEMAS[name])
         assert out.token_ids == ref.token_ids  # greedy, and seeded sampling too: the same logits
