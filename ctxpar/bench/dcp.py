@@ -146,8 +146,8 @@ def _patterns_rank(
 
     def rule(new: int, context: int) -> tuple[float, bool]:  # bytes gather / pass-Q, and the rule's pick
         q, entries = torch.empty(new // 2, heads, dim), torch.empty(new // 2, *entry_shape)
-        got, passed = moved_bytes(context, q, entries, dim, 2, False)
-        return got / passed, gathers_context(GatherPolicy(), context, q, entries, dim, 2, False)
+        moved = moved_bytes(context, q, entries, dim, 2, False)
+        return moved.context / moved.pass_q, gathers_context(GatherPolicy(), context, q, entries, dim, 2, False)
 
     n = chunk // 2  # local tokens of a split step
 
