@@ -23,20 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ctxpar.bench import netns
-from ctxpar.bench.links_driver import SLACK, SMALL_BYTES
+from ctxpar.bench.links_driver import SLACK, SMALL_BYTES, fit_link
 from ctxpar.checks import positive_int
-from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.errors import CtxparError
 
 Result = dict[str, Any]
 
@@ -66,50 +63,6 @@ def _driver_args(model: Path, args: argparse.Namespace, pcp: int, dcp: int) -> l
     ]  # fmt: skip
 
 
-def _reader(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _run_job(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, label: str) -> list[str]:
-    """Start the processes (the first one prints), echo its progress, and return its
-    output lines; every process (tree) is killed if the job fails or overruns."""
-    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
-    procs: list[subprocess.Popen[str]] = []
-    out: list[str] = []
-    try:
-        for i, (cmd, env, log) in enumerate(zip(cmds, envs, logs)):
-            stdout = subprocess.PIPE if i == 0 else subprocess.DEVNULL
-            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=log, text=True, start_new_session=True))
-        lines: queue.Queue[str | None] = queue.Queue()
-        assert procs[0].stdout is not None
-        threading.Thread(target=_reader, args=(procs[0].stdout, lines), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while (line := lines.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
-            out.append(line)
-            if line.startswith("PROGRESS "):
-                print(f"  [{label}] {json.loads(line[9:])}", flush=True)
-        for p in procs:
-            p.wait(max(deadline - time.monotonic(), 1))
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            i, code = failed[0]
-            logs[i].seek(0)
-            tail = logs[i].read()[-2000:]
-            raise RankFailure(f"{label}: process {i} exited {code}; its stderr ends:\n{tail}")
-        return out
-    except (queue.Empty, subprocess.TimeoutExpired):
-        raise RankFailure(f"{label}: did not finish within --timeout {timeout:.0f} s") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                netns.kill_tree(p.pid)
-                p.wait(30)
-        for log in logs:
-            log.close()
-
-
 def _parse(lines: list[str]) -> tuple[dict[int, Result], dict[str, float]]:
     """Rank 0's RESULT lines by prompt length, and its LINK line (all-gather seconds by bytes)."""
     results = {r["length"]: r for r in (json.loads(x[7:]) for x in lines if x.startswith("RESULT "))}
@@ -132,15 +85,7 @@ def _run_pcp(
     for rank, host in enumerate(hosts):
         cmds.append(netns.torchrun_command(host, rank, rank, rdzv_id, _driver_args(model, args, 2, dcp)))
         envs.append(_env(GLOO_SOCKET_IFNAME=host.device))  # gloo binds the veth, not the hostname's address
-    return _parse(_run_job(cmds, envs, args.timeout, label))
-
-
-def _fit_link(times: dict[str, float]) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) from the smallest and largest all-gather (each rank receives one message)."""
-    sizes = sorted(int(s) for s in times)
-    small, large = sizes[0], sizes[-1]
-    dt = max(times[str(large)] - times[str(small)], 1e-9)
-    return times[str(small)], (large - small) / dt
+    return _parse(netns.run_job(cmds, envs, args.timeout, label))
 
 
 def _predicted(model: Path, latency: float, bandwidth: float, link: str, n: int) -> dict[tuple[int, int], float]:
@@ -164,7 +109,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
     per_token, chunk = kv_bytes_per_token(str(model)), args.chunk or max(args.lengths)
     print(f"\n{'link':>8} | {'stands for':<58} | {'latency (us)':>12} | {'GB/s':>6} | one layer's KV all-gather")
     for link, times in links.items():
-        lat, bw = _fit_link(times)
+        lat, bw = fit_link(times)
         layer = ", ".join(
             f"{n}: {1e3 * times[str(-(-min(n, chunk) // 2) * per_token)]:.1f} ms" for n in sorted(args.lengths)
         )
@@ -176,7 +121,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
         f"decode ms/token P=1 / {' / '.join(f'D={d}' for d in dcps)} | same tokens"
     )
     for link in args.links:
-        lat, bw = _fit_link(links[link])
+        lat, bw = fit_link(links[link])
         for n in sorted(args.lengths):
             one = base[n]
             pred = _predicted(model, lat, bw, link, n)
@@ -217,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
         t0 = time.monotonic()
         print("P=1 on core 0 ...", flush=True)
         cmd = ["taskset", "-c", "0", sys.executable, "-m", *_driver_args(model, args, 1, 1)]
-        base, _ = _parse(_run_job([cmd], [_env()], args.timeout, "P=1"))
+        base, _ = _parse(netns.run_job([cmd], [_env()], args.timeout, "P=1"))
         print("  [P=1] TTFT " + ", ".join(f"{n}: {r['ttft_s']:.2f} s" for n, r in sorted(base.items())), flush=True)
         runs: dict[tuple[str, int], dict[int, Result]] = {}
         links: dict[str, dict[str, float]] = {}

@@ -14,16 +14,22 @@ deletes its end of the veth pair, and with it the pair).
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
-from ctxpar.errors import CtxparError
+from ctxpar.errors import CtxparError, RankFailure
 
 SUBNET = "10.204.0"  # private; exists only inside the namespaces made here
 RDZV_PORT = 29620  # inside the namespaces: nothing else listens there
@@ -151,3 +157,50 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _reader(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def run_job(
+    cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, label: str, flag: str = "--timeout"
+) -> list[str]:
+    """Start the processes (the first one prints), echo its progress, and return its
+    output lines; every process (tree) is killed if the job fails or overruns
+    ``timeout`` seconds (the command's ``flag`` sets it)."""
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
+    procs: list[subprocess.Popen[str]] = []
+    out: list[str] = []
+    try:
+        for i, (cmd, env, log) in enumerate(zip(cmds, envs, logs)):
+            stdout = subprocess.PIPE if i == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=log, text=True, start_new_session=True))
+        lines: queue.Queue[str | None] = queue.Queue()
+        assert procs[0].stdout is not None
+        threading.Thread(target=_reader, args=(procs[0].stdout, lines), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while (line := lines.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
+            out.append(line)
+            if line.startswith("PROGRESS "):
+                print(f"  [{label}] {json.loads(line[9:])}", flush=True)
+        for p in procs:
+            p.wait(max(deadline - time.monotonic(), 1))
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            i, code = failed[0]
+            logs[i].seek(0)
+            tail = logs[i].read()[-2000:]
+            raise RankFailure(f"{label}: process {i} exited {code}; its stderr ends:\n{tail}")
+        return out
+    except (queue.Empty, subprocess.TimeoutExpired):
+        raise RankFailure(f"{label}: did not finish within {flag} {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait(30)
+        for log in logs:
+            log.close()
