@@ -2,8 +2,9 @@
 all-gather between two "hosts" joined by a shaped link.
 
 The link is `ctxpar bench links`' (ctxpar/bench/netns.py): two network
-namespaces joined by a veth pair shaped with tc tbf, so the bytes cross the
-kernel's TCP stack and the shaper as they would cross a NIC. One process in each
+namespaces, each joined to a switch (a bridge) by a veth pair shaped with tc
+tbf, so the bytes cross the kernel's TCP stack and the shapers as they would
+cross NICs. One process in each
 namespace (this module, run with ``python -m``) times all-gathers over it at a
 few message sizes (``links_driver.measure_link``); rank 0 prints the times, and
 their alpha-beta fit (``links_driver.fit_link``) becomes the profile's link

@@ -3,10 +3,11 @@ read bandwidth, all-gather latency and bandwidth between two local ranks over
 gloo and shared memory) and save a hardware profile for `ctxpar estimate
 --hardware PATH`. Takes about half a minute; one line per measurement.
 
-``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between two
-network namespaces joined by a veth shaped with tc tbf to that rate (as
-`ctxpar bench links`; needs root and iproute2, within ``--link-timeout``
-seconds) and saves its latency and bandwidth as the profile's link.
+``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between
+two network namespaces linked through a switch by veths shaped with tc tbf to
+that rate (as `ctxpar bench links`; needs root and iproute2, within
+``--link-timeout`` seconds) and saves its latency and bandwidth as the
+profile's link.
 
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
 the bandwidth and the memory are the GPU's; the link is still measured between
