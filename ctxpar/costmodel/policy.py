@@ -79,7 +79,8 @@ class PCPPolicy:
         if self.dcp_size == 1:
             return text
         if self.context_cost is None:
-            return f"{text}, dcp_gather_ratio={self.gather_ratio:g} (set: gather when it moves fewer bytes)"
+            ratio = f"{self.gather_ratio:g}"
+            return f"{text}, dcp_gather_ratio={ratio} (set: gather when its bytes are below {ratio}x pass-Q's)"
         return f"{text}, gather or pass-Q: the faster predicted ({self.context_cost.describe()}; from the cost model)"
 
     def split_ranks(

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from ctxpar.config import EngineConfig
 from ctxpar.costmodel import HardwareProfile, load_hardware, load_model_shape
@@ -19,7 +21,7 @@ from ctxpar.costmodel.policy import derive_policy
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
 from ctxpar.parallel.context_cost import ContextCost
-from ctxpar.worker.options import context_gather
+from ctxpar.worker.options import RunnerOptions, context_gather
 
 SMOLLM2 = load_model_shape("smollm2-135m")
 # SmolLM2's local tensors of a 2048-token chunk on two ranks: 9 query heads, 3 KV heads of 64, fp32.
@@ -69,20 +71,32 @@ def test_predicted_seconds() -> None:
     assert cost.pass_q_s(2, 1e6, 0, 2e6) == pytest.approx(1e-3 + 0.1e-3)  # partials exchanged anyway
 
 
+def runner_rule(**config: Any) -> tuple[GatherPolicy, str]:
+    """The rule and the policy's description the engine's start-up gives SmolLM2 at P = D = 2."""
+    hf = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    )
+    options = RunnerOptions.from_config(EngineConfig(pcp_size=2, dcp_size=2, **config), 4, hf)
+    assert options.policy is not None
+    return options.context_gather, options.policy.describe()
+
+
 def test_a_set_ratio_wins() -> None:
-    cpu = load_hardware("cpu-core-shm")
-    auto = derive_policy(SMOLLM2, cpu, 2, 2)
-    assert auto.context_cost is not None and "dcp_gather_ratio" in auto.derived
-    assert "gather or pass-Q: the faster predicted (link 59 us + 0.38 GB/s" in auto.describe()
-    assert not gathers_context(derived(cpu), 8192, Q, ENTRIES, 64, 2, False)
+    auto, said = runner_rule(hardware_profile="cpu-core-shm")
+    assert auto.cost is not None and "gather or pass-Q: the faster predicted (link 59 us + 0.38 GB/s" in said
+    assert auto.workspace_tokens == 2048  # max_num_batched_tokens
+    assert [gathers_context(auto, c, Q, ENTRIES, 64, 2, False) for c in (64, 8192)] == [True, False]
 
     for ratio, gathers in ((0.0, False), (100.0, True)):
-        config = EngineConfig(pcp_size=2, dcp_size=2, dcp_gather_ratio=ratio)
-        policy = derive_policy(SMOLLM2, cpu, 2, 2, gather_ratio=ratio)
-        assert policy.context_cost is None and "dcp_gather_ratio" not in policy.derived
-        assert f"dcp_gather_ratio={ratio:g} (set" in policy.describe()
-        rule = context_gather(config, policy)
+        rule, said = runner_rule(hardware_profile="cpu-core-shm", dcp_gather_ratio=ratio)
+        assert rule.cost is None and f"dcp_gather_ratio={ratio:g} (set: gather when its bytes are below" in said
         assert [gathers_context(rule, c, Q, ENTRIES, 64, 2, False) for c in (64, 8192)] == [gathers, gathers]
+    assert "dcp_gather_ratio" in derive_policy(SMOLLM2, load_hardware("cpu-core-shm"), 2, 2).derived
 
 
 def test_the_flag_reaches_the_config() -> None:
