@@ -35,7 +35,6 @@ MODULE = "ctxpar.costmodel.calibrate_link"  # run in each namespace (as __main__
 def measure_shaped_link(link: str, timeout_s: float = TIMEOUT_S) -> dict[str, float]:
     """Seconds of a 2-rank gloo all-gather over ``link`` (a key of netns.LINKS), by
     bytes per rank (as strings: links_driver's format)."""
-    netns.check_tools()
     with netns.linked_hosts() as hosts:
         netns.shape(hosts, link)
         cmds, envs = [], []
