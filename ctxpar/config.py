@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
+from ctxpar.checks import THREADS_PER_CORE, check_float, check_int, machine_memory_bytes, max_threads
 from ctxpar.device import canonical_dtype
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import parse_hf_overrides
@@ -58,6 +58,10 @@ class EngineConfig:
     # "all" (every one over all ranks), "disjoint" (each over its own group) or "whole" (each
     # on one rank). Only "auto" and "all" under DCP.
     pcp_split_mode: str = "auto"
+    # DCP: split prompts gather their cached context from the shards when the bytes that
+    # moves are below this times what passing their queries moves (else pass-Q). None: the
+    # path predicted faster from the hardware profile's link and memory rates.
+    dcp_gather_ratio: float | None = None
     # What the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file
     # of `ctxpar calibrate`; None: ./hardware-profile.json if there, else a built-in CPU core's.
     hardware_profile: str | None = None
@@ -116,6 +120,8 @@ class EngineConfig:
         if self.pcp_split_mode not in modes:
             under = " under DCP (dcp_size > 1)" if self.dcp_size > 1 else ""
             raise CtxparError(f"pcp_split_mode must be one of {', '.join(modes)}{under}, got {self.pcp_split_mode!r}")
+        if self.dcp_gather_ratio is not None:
+            check_float("dcp_gather_ratio", self.dcp_gather_ratio, 0.0, why=" or None (from the cost model)")
         profile = self.hardware_profile
         if profile is not None and (not isinstance(profile, str) or not profile):
             raise CtxparError(f"hardware_profile must be a profile name or a JSON file, got {profile!r}")

@@ -18,9 +18,11 @@ and costs, against the same ranks each holding a full replica (D = 1).
     step's KV all-gather, then one all-to-all of the partials) against
     gathering the context (each rank all-gathers every shard of the row's
     cached context). First the collectives alone per layer, with the ratio
-    of bytes the rule (ctxpar.layers.sharded_context.moved_bytes) predicts; then
+    of bytes they move (ctxpar.layers.sharded_context.moved_bytes); then
     whole steps (the model's forward of a continued chunk, both paths forced)
-    and the path the rule picks. Both paths do the same attention FLOPs.
+    and the path the engine's rule picks (timed with the hardware profile the
+    engine would load for two ranks of this host). Both paths do the same
+    attention FLOPs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def _patterns_rank(
     import torch
     import torch.distributed as dist
 
+    from ctxpar.costmodel.policy import derive_policy
+    from ctxpar.costmodel.profiles import engine_hardware
+    from ctxpar.costmodel.shapes import shape_from_hf_config
     from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
     from ctxpar.models.loader import load_model
     from ctxpar.parallel.comm import PCPGroup
@@ -144,10 +149,14 @@ def _patterns_rank(
         if rank == 0:
             print(f"{label:>26} | " + " | ".join(f"{t:>8.2f}" for t in times), flush=True)
 
-    def rule(new: int, context: int) -> tuple[float, bool]:  # bytes gather / pass-Q, and the rule's pick
+    # The engine's rule for two ranks of this host: its profile (./hardware-profile.json, else cpu-core-shm).
+    shape, hardware = shape_from_hf_config(cfg.to_dict(), "the model"), engine_hardware(None, one_host=True)
+    engine_rule = GatherPolicy(cost=derive_policy(shape, hardware, 2, 2).context_cost)
+
+    def rule(new: int, context: int) -> tuple[float, bool]:  # bytes gather / pass-Q, and the engine's pick
         q, entries = torch.empty(new // 2, heads, dim), torch.empty(new // 2, *entry_shape)
-        got, passed = moved_bytes(context, q, entries, dim, 2, False)
-        return got / passed, gathers_context(GatherPolicy(), context, q, entries, dim, 2, False)
+        moved = moved_bytes(context, q, entries, dim, 2, False)
+        return moved.context / moved.pass_q, gathers_context(engine_rule, context, q, entries, dim, 2, False)
 
     n = chunk // 2  # local tokens of a split step
 

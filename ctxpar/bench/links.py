@@ -1,12 +1,14 @@
-"""What a second machine buys over a shaped link: P = 2 ranks on two "hosts"
-(network namespaces joined by a veth pair shaped with tc tbf to 1, 10 and 100
-Gbit/s, and an unshaped veth for an RDMA-class link), each pinned to its own
-core and meeting through torchrun's c10d rendezvous as on real machines,
-against P = 1 on one core, measured in the same run.
+"""What more machines buy over a shaped link: P = 2 (or ``--pcp 2 3``) ranks on
+as many "hosts" (network namespaces, each joined to a switch by a veth pair
+shaped with tc tbf to 1, 10 and 100 Gbit/s, or unshaped for an RDMA-class
+link), each pinned to its own core (rank k to core k mod the cores: with more
+ranks than cores they share, and the speed-ups are not separate machines')
+and meeting through torchrun's c10d rendezvous as on real machines, against
+P = 1 on one core, measured in the same run.
 
 The model is a random one of SmolLM2-135M's shapes with ``--layers`` layers
 (yarn-stretched past 8192 tokens as `ctxpar bench long`). For each link and
-prompt length: TTFT at P = 2 (D = 1 and D = 2) and its speed-up over P = 1,
+prompt length: TTFT at each P (D = 1 and D = P) and its speed-up over P = 1,
 decode ms/token after the prompt, the time one layer's KV all-gather takes in
 the engine's prefill (waiting for the other rank included), the link's own
 latency and bandwidth as gloo sees them (all-gathers timed inside the same
@@ -23,20 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ctxpar.bench import netns
-from ctxpar.bench.links_driver import SLACK, SMALL_BYTES
-from ctxpar.checks import positive_int
-from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.bench.links_driver import SLACK, SMALL_BYTES, fit_link
+from ctxpar.checks import int_arg, positive_int
+from ctxpar.errors import CtxparError
 
 Result = dict[str, Any]
 
@@ -50,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=positive_int, default=8, metavar="N", help="decode steps timed (8)")
     p.add_argument("--chunk", type=positive_int, default=None, metavar="N", help="max_num_batched_tokens (the longest)")
     p.add_argument("--timeout", type=positive_int, default=900, metavar="S", help="seconds per run, at most (900)")
-    p.add_argument("--no-dcp", action="store_true", help="skip D = 2")
+    p.add_argument("--pcp", type=int_arg(2), nargs="+", default=[2], metavar="P", help="ranks, hosts (2)")
+    p.add_argument("--no-dcp", action="store_true", help="skip D = P")
 
 
 def _driver_args(model: Path, args: argparse.Namespace, pcp: int, dcp: int) -> list[str]:
@@ -66,50 +66,6 @@ def _driver_args(model: Path, args: argparse.Namespace, pcp: int, dcp: int) -> l
     ]  # fmt: skip
 
 
-def _reader(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _run_job(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, label: str) -> list[str]:
-    """Start the processes (the first one prints), echo its progress, and return its
-    output lines; every process (tree) is killed if the job fails or overruns."""
-    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
-    procs: list[subprocess.Popen[str]] = []
-    out: list[str] = []
-    try:
-        for i, (cmd, env, log) in enumerate(zip(cmds, envs, logs)):
-            stdout = subprocess.PIPE if i == 0 else subprocess.DEVNULL
-            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=log, text=True, start_new_session=True))
-        lines: queue.Queue[str | None] = queue.Queue()
-        assert procs[0].stdout is not None
-        threading.Thread(target=_reader, args=(procs[0].stdout, lines), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while (line := lines.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
-            out.append(line)
-            if line.startswith("PROGRESS "):
-                print(f"  [{label}] {json.loads(line[9:])}", flush=True)
-        for p in procs:
-            p.wait(max(deadline - time.monotonic(), 1))
-        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            i, code = failed[0]
-            logs[i].seek(0)
-            tail = logs[i].read()[-2000:]
-            raise RankFailure(f"{label}: process {i} exited {code}; its stderr ends:\n{tail}")
-        return out
-    except (queue.Empty, subprocess.TimeoutExpired):
-        raise RankFailure(f"{label}: did not finish within --timeout {timeout:.0f} s") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                netns.kill_tree(p.pid)
-                p.wait(30)
-        for log in logs:
-            log.close()
-
-
 def _parse(lines: list[str]) -> tuple[dict[int, Result], dict[str, float]]:
     """Rank 0's RESULT lines by prompt length, and its LINK line (all-gather seconds by bytes)."""
     results = {r["length"]: r for r in (json.loads(x[7:]) for x in lines if x.startswith("RESULT "))}
@@ -123,27 +79,23 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run_pcp(
-    hosts: tuple[netns.Host, netns.Host], model: Path, args: argparse.Namespace, dcp: int, label: str
+    hosts: tuple[netns.Host, ...], model: Path, args: argparse.Namespace, dcp: int, label: str
 ) -> tuple[dict[int, Result], dict[str, float]]:
-    """P = 2 (D = dcp): node k in host k's namespace, pinned to core k."""
+    """P = len(hosts) (D = dcp): node k in host k's namespace, pinned to core k (mod the cores)."""
     cmds: list[list[str]] = []
     envs: list[dict[str, str]] = []
     rdzv_id = f"links-{os.getpid()}-{time.monotonic_ns()}"
+    pcp, cores = len(hosts), os.cpu_count() or 1
     for rank, host in enumerate(hosts):
-        cmds.append(netns.torchrun_command(host, rank, rank, rdzv_id, _driver_args(model, args, 2, dcp)))
+        driver = _driver_args(model, args, pcp, dcp)
+        cmds.append(netns.torchrun_command(host, rank, pcp, rank % cores, rdzv_id, driver))
         envs.append(_env(GLOO_SOCKET_IFNAME=host.device))  # gloo binds the veth, not the hostname's address
-    return _parse(_run_job(cmds, envs, args.timeout, label))
+    return _parse(netns.run_job(cmds, envs, args.timeout, label))
 
 
-def _fit_link(times: dict[str, float]) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) from the smallest and largest all-gather (each rank receives one message)."""
-    sizes = sorted(int(s) for s in times)
-    small, large = sizes[0], sizes[-1]
-    dt = max(times[str(large)] - times[str(small)], 1e-9)
-    return times[str(small)], (large - small) / dt
-
-
-def _predicted(model: Path, latency: float, bandwidth: float, link: str, n: int) -> dict[tuple[int, int], float]:
+def _predicted(
+    model: Path, latency: float, bandwidth: float, link: str, n: int, pcp: int
+) -> dict[tuple[int, int], float]:
     """TTFT `ctxpar estimate` predicts on the one-core CPU profile with this link's alpha-beta."""
     from ctxpar.costmodel import estimate, load_model_shape
     from ctxpar.costmodel.profiles import BUILTIN_PROFILES
@@ -153,47 +105,52 @@ def _predicted(model: Path, latency: float, bandwidth: float, link: str, n: int)
         link_bandwidth=bandwidth,
         link_latency_s=latency + netns.PUBLISHED_LATENCY_S[link],
     )
-    est = estimate(load_model_shape(str(model)), hw, n, pcp=[1, 2], dcp=[1, 2])
+    est = estimate(load_model_shape(str(model)), hw, n, pcp=[1, pcp])
     return {(e.pcp, e.dcp): e.ttft_s for e in est if e.algorithm in ("none", "gather")}
 
 
+def _setups(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(P, D) of every run: each P with D = 1 and D = P."""
+    return [(p, d) for p in sorted(set(args.pcp)) for d in ([1] if args.no_dcp else [1, p])]
+
+
 def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result], runs: dict, links: dict) -> None:
-    """The link table, then one row per link and length."""
+    """The link table (per link and P), then one row per link and length."""
     from ctxpar.bench.links_driver import kv_bytes_per_token
 
     per_token, chunk = kv_bytes_per_token(str(model)), args.chunk or max(args.lengths)
-    print(f"\n{'link':>8} | {'stands for':<58} | {'latency (us)':>12} | {'GB/s':>6} | one layer's KV all-gather")
-    for link, times in links.items():
-        lat, bw = _fit_link(times)
+    head = f"{'link':>8} | {'stands for':<58} | {'P':>2} | {'latency (us)':>12} | {'GB/s':>6}"
+    print(f"\n{head} | one layer's KV all-gather")
+    for (link, p), times in links.items():
+        lat, bw = fit_link(times)
         layer = ", ".join(
-            f"{n}: {1e3 * times[str(-(-min(n, chunk) // 2) * per_token)]:.1f} ms" for n in sorted(args.lengths)
+            f"{n}: {1e3 * times[str(-(-min(n, chunk) // p) * per_token)]:.1f} ms" for n in sorted(args.lengths)
         )
-        print(f"{link:>8} | {netns.LINKS[link][1]:<58} | {1e6 * lat:>12.0f} | {bw / 1e9:>6.3f} | {layer}")
-    dcps = [1] if args.no_dcp else [1, 2]
-    head = " | ".join(f"{f'P=2 D={d} (s)':>12} | {'x':>5} | {'model x':>7}" for d in dcps)
-    print(
-        f"\n{'link':>8} | {'prompt':>6} | {'P=1 (s)':>8} | {head} | {'layer wait+gather ms':>20} | {'comm':>5} | "
-        f"decode ms/token P=1 / {' / '.join(f'D={d}' for d in dcps)} | same tokens"
-    )
+        print(f"{link:>8} | {netns.LINKS[link][1]:<58} | {p:>2} | {1e6 * lat:>12.0f} | {bw / 1e9:>6.3f} | {layer}")
+    setups, pcps = _setups(args), sorted(set(args.pcp))
+    head = " | ".join(f"{f'P={p} D={d} (s)':>12} | {'x':>5} | {'model x':>7}" for p, d in setups)
+    waits = " | ".join(f"{f'P={p} layer ms':>13} | {'comm':>5}" for p in pcps)
+    decodes_head = f"decode ms/token P=1 / {' / '.join(f'P={p} D={d}' for p, d in setups)}"
+    print(f"\n{'link':>8} | {'prompt':>6} | {'P=1 (s)':>8} | {head} | {waits} | {decodes_head} | same tokens")
     for link in args.links:
-        lat, bw = _fit_link(links[link])
         for n in sorted(args.lengths):
             one = base[n]
-            pred = _predicted(model, lat, bw, link, n)
+            pred = {p: _predicted(model, *fit_link(links[link, p]), link, n, p) for p in pcps}
             cols, decodes, same = [], [f"{one['decode_ms']:.1f}"], []
-            for d in dcps:
-                r = runs[link, d][n]
-                cols.append(
-                    f"{r['ttft_s']:>12.2f} | {one['ttft_s'] / r['ttft_s']:>4.2f}x | {pred[1, 1] / pred[2, d]:>6.2f}x"
-                )
+            for p, d in setups:
+                r = runs[link, p, d][n]
+                model_x = pred[p][1, 1] / pred[p][p, d]
+                cols.append(f"{r['ttft_s']:>12.2f} | {one['ttft_s'] / r['ttft_s']:>4.2f}x | {model_x:>6.2f}x")
                 decodes.append(f"{r['decode_ms']:.1f}")
                 same.append("yes" if r["tokens"] == one["tokens"] else "NO")
-            r = runs[link, 1][n]
-            layer_ms = 1e3 * r["prefill_comm_s"] / max(r["prefill_all_gathers"], 1)
+            wait = []
+            for p in pcps:  # one KV all-gather of the prefill at D = 1, and the collectives' share of TTFT
+                r = runs[link, p, 1][n]
+                wait.append(f"{1e3 * r['prefill_comm_s'] / max(r['prefill_all_gathers'], 1):>13.1f} | ")
+                wait[-1] += f"{r['prefill_comm_s'] / r['ttft_s']:>5.0%}"
             print(
-                f"{link:>8} | {n:>6} | {one['ttft_s']:>8.2f} | {' | '.join(cols)} | {layer_ms:>20.1f} | "
-                f"{r['prefill_comm_s'] / r['ttft_s']:>5.0%} | {' / '.join(decodes):>{19 + 6 * len(dcps)}} | "
-                f"{' '.join(same)}"
+                f"{link:>8} | {n:>6} | {one['ttft_s']:>8.2f} | {' | '.join(cols)} | {' | '.join(wait)} | "
+                f"{' / '.join(decodes):>{len(decodes_head)}} | {' '.join(same)}"
             )
 
 
@@ -202,9 +159,12 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.machine import describe_machine
 
     netns.check_tools()
-    if os.cpu_count() is None or os.cpu_count() < 2:  # type: ignore[operator]
-        raise CtxparError("two cores are needed: one per rank")
+    cores, most = os.cpu_count() or 1, max(args.pcp)
+    if cores < 2:
+        raise CtxparError("two cores are needed at least: one per rank")
     print(describe_machine(), flush=True)
+    if most > cores:
+        print(f"note: P={most} on {cores} cores: ranks share cores, which separate machines would not", flush=True)
     chunk = args.chunk or max(args.lengths)
     print(
         f"{args.layers}-layer random model of SmolLM2's shapes (fp32), prompts {args.lengths}, "
@@ -212,32 +172,32 @@ def run(args: argparse.Namespace) -> None:
         flush=True,
     )
     # The namespaces first: where they cannot be made, say so before minutes of P = 1.
-    with tempfile.TemporaryDirectory(prefix="ctxpar-links-") as tmp, netns.linked_hosts() as hosts:
+    with tempfile.TemporaryDirectory(prefix="ctxpar-links-") as tmp, netns.linked_hosts(most) as hosts:
         model = _model(Path(tmp), args.layers)
         t0 = time.monotonic()
         print("P=1 on core 0 ...", flush=True)
         cmd = ["taskset", "-c", "0", sys.executable, "-m", *_driver_args(model, args, 1, 1)]
-        base, _ = _parse(_run_job([cmd], [_env()], args.timeout, "P=1"))
+        base, _ = _parse(netns.run_job([cmd], [_env()], args.timeout, "P=1"))
         print("  [P=1] TTFT " + ", ".join(f"{n}: {r['ttft_s']:.2f} s" for n, r in sorted(base.items())), flush=True)
-        runs: dict[tuple[str, int], dict[int, Result]] = {}
-        links: dict[str, dict[str, float]] = {}
+        runs: dict[tuple[str, int, int], dict[int, Result]] = {}
+        links: dict[tuple[str, int], dict[str, float]] = {}
         for link in args.links:
             netns.shape(hosts, link)
-            for dcp in [1] if args.no_dcp else [1, 2]:
-                label = f"{link}, P=2 D={dcp}"
+            for pcp, dcp in _setups(args):
+                label = f"{link}, P={pcp} D={dcp}"
                 print(f"{label} ({time.monotonic() - t0:.0f} s so far) ...", flush=True)
-                runs[link, dcp], measured = _run_pcp(hosts, model, args, dcp, label)
-                links.setdefault(link, measured)
+                runs[link, pcp, dcp], measured = _run_pcp(hosts[:pcp], model, args, dcp, label)
+                links.setdefault((link, pcp), measured)
                 done = ", ".join(
                     f"{n}: {r['ttft_s']:.2f} s ({base[n]['ttft_s'] / r['ttft_s']:.2f}x)"
-                    for n, r in sorted(runs[link, dcp].items())
+                    for n, r in sorted(runs[link, pcp, dcp].items())
                 )
                 print(f"  [{label}] TTFT {done}", flush=True)
         _print_tables(model, args, base, runs, links)
     print(
-        f"\nx: P=1 TTFT / P=2 TTFT (measured); model x: what `ctxpar estimate` predicts (cpu-core-gloo compute, "
-        f"the link's measured latency + its class's published latency, measured GB/s). layer wait+gather: one KV "
-        f"all-gather in the engine's prefill at D=1, waiting for the slower rank included (the link alone: the "
+        f"\nx: P=1 TTFT / P TTFT (measured); model x: what `ctxpar estimate` predicts (cpu-core-gloo compute, "
+        f"the link's measured latency + its class's published latency, measured GB/s). layer ms: one KV "
+        f"all-gather in the engine's prefill at D=1, waiting for the slowest rank included (the link alone: the "
         f"first table); comm: the prefill's collectives' share of TTFT. "
         f"Measure message sizes: {SMALL_BYTES} B and one layer's KV per rank."
     )

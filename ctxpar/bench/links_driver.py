@@ -71,6 +71,19 @@ def measure_link(step_bytes: list[int], world: int) -> dict[str, float]:
     return times
 
 
+def fit_link(times: dict[str, float]) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of all-gathers timed at two or more sizes, by bytes
+    per rank (each rank receives one message of each other rank): the smallest
+    message's time is the latency (it costs nothing else); the bandwidth is the
+    inverse slope of a least-squares line of time against bytes through every size."""
+    import numpy as np
+
+    sizes = sorted(times, key=int)
+    x, y = np.array([int(s) for s in sizes], dtype=float), np.array([times[s] for s in sizes])
+    slope = float(np.polyfit(x, y, 1)[0])
+    return times[sizes[0]], 1 / max(slope, 1e-15)
+
+
 def prompt_ids(n: int, vocab: int) -> list[int]:
     """The prompt of n tokens every configuration is given (random: a random model's input)."""
     import numpy as np

@@ -1,29 +1,36 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair whose
-bandwidth is shaped with ``tc ... tbf``, and torchrun started inside each.
+"""Several "hosts" on one machine: network namespaces, each joined to a switch
+(a bridge in one more namespace) by a veth pair whose bandwidth is shaped with
+``tc ... tbf`` in both directions, as a NIC's; and torchrun started inside each.
 
 Each namespace has its own network stack (interfaces, addresses, sockets), so
-ranks in two of them meet and exchange data only over the veth link, through
-the kernel's TCP stack, exactly as across machines; ``ip netns exec`` also
-gives each a mount namespace of its own, so ctxpar sees two hosts and uses
-gloo and private weights rather than the shared-memory channel.
+ranks in them meet and exchange data only over the veth links and the bridge,
+through the kernel's TCP stack, exactly as across machines; ``ip netns exec``
+also gives each a mount namespace of its own, so ctxpar sees separate hosts and
+uses gloo and private weights rather than the shared-memory channel.
 
 Needs root and iproute2. Everything made here carries this process's pid in
 its name and is removed on exit from ``linked_hosts`` (deleting a namespace
-deletes its end of the veth pair, and with it the pair).
+deletes its ends of the veth pairs, and with them the pairs).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
-from ctxpar.errors import CtxparError
+from ctxpar.errors import CtxparError, RankFailure
 
 SUBNET = "10.204.0"  # private; exists only inside the namespaces made here
 RDZV_PORT = 29620  # inside the namespaces: nothing else listens there
@@ -46,8 +53,10 @@ PUBLISHED_LATENCY_S = {"1gbit": 50e-6, "10gbit": 20e-6, "100gbit": 10e-6, "rdma"
 @dataclass(frozen=True)
 class Host:
     namespace: str
-    device: str  # its end of the veth pair
+    device: str  # its end of its veth pair (its NIC)
     address: str
+    switch: str  # the switch's namespace
+    port: str  # the switch's end of the host's veth pair
 
 
 def _ip(*args: str) -> None:
@@ -66,35 +75,44 @@ def check_tools() -> None:
 
 
 @contextmanager
-def linked_hosts() -> Iterator[tuple[Host, Host]]:
-    """Two namespaces, 10.204.0.1 and .2, joined by one veth pair; removed afterwards."""
+def linked_hosts(count: int = 2) -> Iterator[tuple[Host, ...]]:
+    """``count`` namespaces, 10.204.0.1, .2, ..., each joined by a veth pair to one
+    bridge in a namespace of its own (the switch); all removed afterwards."""
     check_tools()
     tag = str(os.getpid())
-    hosts = tuple(Host(f"ctxpar-links-{tag}-{i}", f"clk{tag}{i}", f"{SUBNET}.{i + 1}") for i in range(2))
+    switch = f"ctxpar-links-{tag}-switch"
+    hosts = tuple(
+        Host(f"ctxpar-links-{tag}-{i}", f"clk{tag}{i}", f"{SUBNET}.{i + 1}", switch, f"cls{tag}{i}")
+        for i in range(count)
+    )
     made: list[str] = []
     try:
+        for ns in (switch, *(h.namespace for h in hosts)):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
         for h in hosts:
-            _ip("netns", "add", h.namespace)
-            made.append(h.namespace)
-        _ip("link", "add", hosts[0].device, "type", "veth", "peer", "name", hosts[1].device)
-        for h in hosts:
-            _ip("link", "set", h.device, "netns", h.namespace)
+            # Both ends made inside their namespaces: none is ever left in this one.
+            _ip("link", "add", h.device, "netns", h.namespace, "type", "veth", "peer", "name", h.port, "netns", switch)
+            _ip("-n", switch, "link", "set", h.port, "master", "br0", "up")
             _ip("-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", h.device)
             _ip("-n", h.namespace, "link", "set", h.device, "up")
             _ip("-n", h.namespace, "link", "set", "lo", "up")
-        yield hosts[0], hosts[1]
+        yield hosts
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 def shape(hosts: tuple[Host, ...], link: str) -> None:
-    """Shape both directions of the link (each veth end's egress) to ``link``'s rate."""
+    """Shape every host's link in both directions (the egress of each end of its veth
+    pair) to ``link``'s rate: what a host sends, and what the switch sends it."""
     rate = LINKS[link][0]
-    for h in hosts:
-        tc = ["ip", "netns", "exec", h.namespace, "tc", "qdisc"]
+    for namespace, device in [end for h in hosts for end in ((h.namespace, h.device), (h.switch, h.port))]:
+        tc = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
         if rate is None:
-            subprocess.run([*tc, "del", "dev", h.device, "root"], capture_output=True, timeout=30)
+            subprocess.run([*tc, "del", "dev", device, "root"], capture_output=True, timeout=30)
             continue
         # The bucket holds 1 ms at the rate (at least 64 KiB, a GSO packet), so a
         # collective's burst is not let through at the veth's own speed; the queue
@@ -102,13 +120,13 @@ def shape(hosts: tuple[Host, ...], link: str) -> None:
         bits = _rate_bits(rate)
         burst = max(64 << 10, int(bits / 8 * 1e-3))
         r = subprocess.run(
-            [*tc, "replace", "dev", h.device, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"],
+            [*tc, "replace", "dev", device, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"],
             capture_output=True,
             text=True,
             timeout=30,
         )
         if r.returncode != 0:
-            raise CtxparError(f"tc tbf on {h.device} failed: {r.stderr.strip()} (is sch_tbf in this kernel?)")
+            raise CtxparError(f"tc tbf on {device} failed: {r.stderr.strip()} (is sch_tbf in this kernel?)")
 
 
 def _rate_bits(rate: str) -> float:
@@ -119,12 +137,14 @@ def _rate_bits(rate: str) -> float:
     raise ValueError(rate)
 
 
-def torchrun_command(host: Host, node_rank: int, cpu: int, rdzv_id: str, module_args: list[str]) -> list[str]:
-    """Node ``node_rank`` of 2 in ``host``'s namespace, pinned to core ``cpu``,
-    meeting the other through torchrun's c10d rendezvous hosted on node 0."""
+def torchrun_command(
+    host: Host, node_rank: int, nnodes: int, cpu: int, rdzv_id: str, module_args: list[str]
+) -> list[str]:
+    """Node ``node_rank`` of ``nnodes`` in ``host``'s namespace, pinned to core ``cpu``,
+    meeting the others through torchrun's c10d rendezvous hosted on node 0."""
     return [
         "ip", "netns", "exec", host.namespace, "taskset", "-c", str(cpu),
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:{RDZV_PORT}", "--rdzv-id", rdzv_id,
         # Node 0 hosts the rendezvous store: said outright, since torchrun's guess (the
         # endpoint is one of this host's names or addresses) misses a namespace's address.
@@ -151,3 +171,50 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _reader(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def run_job(
+    cmds: list[list[str]], envs: list[dict[str, str]], timeout: float, label: str, flag: str = "--timeout"
+) -> list[str]:
+    """Start the processes (the first one prints), echo its progress, and return its
+    output lines; every process (tree) is killed if the job fails or overruns
+    ``timeout`` seconds (the command's ``flag`` sets it)."""
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
+    procs: list[subprocess.Popen[str]] = []
+    out: list[str] = []
+    try:
+        for i, (cmd, env, log) in enumerate(zip(cmds, envs, logs)):
+            stdout = subprocess.PIPE if i == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=log, text=True, start_new_session=True))
+        lines: queue.Queue[str | None] = queue.Queue()
+        assert procs[0].stdout is not None
+        threading.Thread(target=_reader, args=(procs[0].stdout, lines), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while (line := lines.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
+            out.append(line)
+            if line.startswith("PROGRESS "):
+                print(f"  [{label}] {json.loads(line[9:])}", flush=True)
+        for p in procs:
+            p.wait(max(deadline - time.monotonic(), 1))
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            i, code = failed[0]
+            logs[i].seek(0)
+            tail = logs[i].read()[-2000:]
+            raise RankFailure(f"{label}: process {i} exited {code}; its stderr ends:\n{tail}")
+        return out
+    except (queue.Empty, subprocess.TimeoutExpired):
+        raise RankFailure(f"{label}: did not finish within {flag} {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait(30)
+        for log in logs:
+            log.close()

@@ -4,7 +4,9 @@ memory read bandwidth, and the collective cost between two local ranks.
 Each figure is the best of a few timed repetitions (a shared machine only ever
 makes things slower). Collectives are timed between two spawned processes for
 a small message (alpha: the latency) and a large one (beta: bytes/s), over
-gloo and over ctxpar's shared-memory channel (what ranks on one host use).
+gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
+with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
+network namespaces joined by that link (ctxpar/costmodel/calibrate_link.py).
 
 On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
 fill it (each timed call ends in a synchronize); the collectives are still
@@ -23,7 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ctxpar.bench.links_driver import fit_link
+from ctxpar.bench.netns import LINKS
 from ctxpar.checks import machine_memory_bytes
+from ctxpar.costmodel.calibrate_link import TIMEOUT_S, measure_shaped_link
 from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
@@ -157,11 +162,26 @@ def collective_costs() -> dict[str, float]:
     return costs
 
 
+def shaped_link_costs(link: str, timeout_s: float) -> dict[str, float]:
+    """alpha (s) and beta (bytes/s) of a 2-rank gloo all-gather over a shaped ``link``
+    between two network namespaces, and its times by bytes per rank (for the record)."""
+    times = measure_shaped_link(link, timeout_s)
+    latency, bandwidth = fit_link(times)
+    costs = {f"{link}_latency_s": latency, f"{link}_bandwidth": bandwidth}
+    return costs | {f"{link}_allgather_{size}_s": t for size, t in times.items()}
+
+
 def calibrate(
-    threads: int, dtype: str, link: str, progress: Callable[[str], None], device: torch.device = CPU
+    threads: int,
+    dtype: str,
+    link: str,
+    progress: Callable[[str], None],
+    device: torch.device = CPU,
+    link_timeout_s: float = TIMEOUT_S,
 ) -> HardwareProfile:
     """Measure and return the profile of one rank running ``threads`` threads in ``dtype``
-    (on ``device``: the CPU, or one GPU)."""
+    (on ``device``: the CPU, or one GPU), its link ``link``: "shm", "gloo" (two local
+    processes) or a key of ctxpar.bench.netns.LINKS (measured within ``link_timeout_s``)."""
     torch.set_num_threads(threads)
     notes: dict[str, float] = {"threads": threads}
     for name, torch_dtype in DTYPES.items():
@@ -179,17 +199,24 @@ def calibrate(
                 f"all-gather over {name}, 2 ranks: latency {costs[f'{name}_latency_s'] * 1e6:.0f} us, "
                 f"{costs[f'{name}_bandwidth'] / 1e9:.2f} GB/s"
             )
+    if link in LINKS:
+        costs |= shaped_link_costs(link, link_timeout_s)
+        progress(
+            f"all-gather over {link} ({LINKS[link][1]}, tc tbf between two network namespaces), 2 ranks: "
+            f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
+        )
     notes.update(costs)
     if f"{link}_latency_s" not in costs:
         link = "gloo"
+    joined = f"{LINKS[link][1]} (gloo over a veth shaped with tc tbf)" if link in LINKS else link
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if device.type == "cuda":
         gpu = torch.cuda.get_device_properties(device)
         rank = f"one {gpu.name} (torch {torch.__version__})"
-        links = f"NCCL not measured; the link figures are {link} between two host processes"
+        links = f"NCCL not measured; the link figures are {joined} between two host processes"
         memory = float(gpu.total_memory)
     else:
-        rank, links = f"one rank of {threads} thread(s) on {cpu_info().model}", f"ranks joined by {link}"
+        rank, links = f"one rank of {threads} thread(s) on {cpu_info().model}", f"ranks joined by {joined}"
         memory = float(machine_memory_bytes())
     return HardwareProfile(
         name=f"calibrated-{socket.gethostname()}",

@@ -10,6 +10,11 @@ profile, two thresholds the engine used to take as fixed constants:
   rank (1/P of the rows each, plus a KV all-gather per layer and the sampled
   states' gather) is predicted faster than every rank computing all of them.
 
+Under DCP, the rates split prompts' gather/pass-Q choice is timed with
+(``context_cost``: the profile's link alpha-beta and memory rate,
+ctxpar/parallel/context_cost.py), unless the user set ``dcp_gather_ratio``
+(then the path that moves fewer bytes, by that ratio).
+
 A value the user set wins. Per step (``PCPPolicy.split_ranks``), the split rows'
 groups of ranks (ctxpar/parallel/pcp_groups.py): in mode "auto", of "all",
 "disjoint" and "whole", the one with the least predicted time of the slowest
@@ -33,6 +38,7 @@ from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.errors import CtxparError
+from ctxpar.parallel.context_cost import ContextCost
 from ctxpar.parallel.pcp import plan_pcp_layout
 from ctxpar.parallel.pcp_groups import SPLIT_MODES, split_groups
 
@@ -53,7 +59,11 @@ class PCPPolicy:
     min_tokens: int  # prefill rows shorter than this are not split
     spread_min_rows: int  # unsplit rows are spread in steps of at least this many (or beside a split row)
     split_mode: str  # "auto" (per step, from the model), "all", "disjoint" or "whole"
-    derived: tuple[str, ...] = ()  # which of min_tokens, spread_min_rows came from the model
+    derived: tuple[str, ...] = ()  # which of min_tokens, spread_min_rows, gather_ratio came from the model
+    # DCP: split prompts gather their cached context when its bytes are below this times
+    # pass-Q's (set by the user); None: the path context_cost predicts faster.
+    gather_ratio: float | None = None
+    context_cost: ContextCost | None = None
 
     def describe(self) -> str:
         def show(name: str, value: int) -> str:
@@ -61,11 +71,17 @@ class PCPPolicy:
             how = "DCP: decodes on every rank" if name == "pcp_spread_min_rows" and self.dcp_size > 1 else how
             return f"{name}={'never' if value == NEVER else value} ({how})"
 
-        return (
+        text = (
             f"PCP policy ({self.hardware.name}, P={self.pcp_size}, D={self.dcp_size}): "
             f"{show('pcp_min_tokens', self.min_tokens)}, {show('pcp_spread_min_rows', self.spread_min_rows)}, "
             f"split prompts over: {self.split_mode}"
         )
+        if self.dcp_size == 1:
+            return text
+        if self.context_cost is None:
+            ratio = f"{self.gather_ratio:g}"
+            return f"{text}, dcp_gather_ratio={ratio} (set: gather when its bytes are below {ratio}x pass-Q's)"
+        return f"{text}, gather or pass-Q: the faster predicted ({self.context_cost.describe()}; from the cost model)"
 
     def split_ranks(
         self, num_tokens: np.ndarray, num_computed: np.ndarray, is_split: np.ndarray
@@ -178,16 +194,24 @@ def derive_policy(
     min_tokens: int | None = None,
     spread_min_rows: int | None = None,
     split_mode: str = "auto",
+    gather_ratio: float | None = None,
 ) -> PCPPolicy:
-    """The policy for these shapes and this hardware; a threshold given (not None) is kept."""
+    """The policy for these shapes and this hardware; a threshold or ratio given (not None) is kept."""
     if split_mode not in PCP_SPLIT_MODES:
         raise CtxparError(f"pcp_split_mode must be one of {', '.join(PCP_SPLIT_MODES)}, got {split_mode!r}")
     if dcp_size > 1:
         # Groups of ranks are not built for a sharded KV cache's context paths, and a
         # decode's queries must be on every rank (each attends its own shard).
         split_mode, spread_min_rows = "all", NEVER
-    given = (("pcp_min_tokens", min_tokens), ("pcp_spread_min_rows", spread_min_rows))
+    given = (
+        ("pcp_min_tokens", min_tokens),
+        ("pcp_spread_min_rows", spread_min_rows),
+        ("dcp_gather_ratio", gather_ratio),
+    )
     derived = tuple(name for name, value in given if value is None)
+    link = hardware.link_bandwidth * hardware.link_efficiency
+    memory = hardware.memory_bandwidth * hardware.memory_efficiency
+    cost = ContextCost(hardware.link_latency_s, link, memory) if gather_ratio is None else None
     return PCPPolicy(
         model=model,
         hardware=hardware,
@@ -197,4 +221,6 @@ def derive_policy(
         spread_min_rows=spread_rows(model, hardware, pcp_size) if spread_min_rows is None else spread_min_rows,
         split_mode=split_mode,
         derived=derived,
+        gather_ratio=gather_ratio,
+        context_cost=cost,
     )

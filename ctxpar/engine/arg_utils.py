@@ -83,6 +83,13 @@ FLAGS: dict[str, Flag] = {
         "prompt over all ranks), disjoint (each over its own group of ranks), whole (each on one rank)",
         choices=PCP_SPLIT_MODES,
     ),
+    "dcp_gather_ratio": Flag(
+        "with --dcp: split prompts gather their cached context when that moves fewer bytes than R times "
+        "passing their queries (0: always pass-Q; default: whichever the cost model predicts faster for "
+        "--hardware-profile)",
+        "R",
+        parse=float,
+    ),
     "hardware_profile": Flag(
         "hardware the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file from "
         "ctxpar calibrate (default: ./hardware-profile.json if there, else a built-in CPU core's)",
@@ -144,6 +151,7 @@ class EngineArgs:
     pcp_min_tokens: int | None = DEFAULTS.pcp_min_tokens
     pcp_spread_min_rows: int | None = DEFAULTS.pcp_spread_min_rows
     pcp_split_mode: str = DEFAULTS.pcp_split_mode
+    dcp_gather_ratio: float | None = DEFAULTS.dcp_gather_ratio
     hardware_profile: str | None = DEFAULTS.hardware_profile
     seed: int = DEFAULTS.seed
     max_logprobs: int = DEFAULTS.max_logprobs

@@ -17,7 +17,9 @@ context spread over the shards. ctxpar reaches that context one of two ways
 The choice is made per step by ``gathers_context`` from what each path moves,
 with shapes every rank has (the plan's context lengths, the padded step size,
 the model's head shapes), never a rank's own shard length: a branch that
-differs between ranks would hang the group (vLLM bug #53573).
+differs between ranks would hang the group (vLLM bug #53573). The engine times
+both paths with the link and memory rates of its hardware profile
+(ctxpar/parallel/context_cost.py); a user's ``dcp_gather_ratio`` compares bytes instead.
 """
 
 from __future__ import annotations
@@ -30,18 +32,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ctxpar.checks import check_float
 from ctxpar.errors import CtxparError
 from ctxpar.layers.attention_math import merge_attention
+from ctxpar.parallel.context_cost import ContextCost
 from ctxpar.parallel.dcp_shard import DCPShard
 
 if TYPE_CHECKING:
     from ctxpar.layers.kv_quant import KVQuant
     from ctxpar.parallel.pcp import RankRows
 
-# Gather the context when the bytes it moves are below this times the bytes pass-Q
-# would move (its queries, and its partials unless some replicated row exchanges
-# partials anyway). Timed alone on two gloo ranks, the paths broke even at a bytes
-# ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
+# Without a cost model: gather the context when the bytes it moves are below this times
+# the bytes pass-Q would move (its queries, and its partials unless some replicated row
+# exchanges partials anyway). Timed alone on two gloo ranks, the paths broke even at a
+# bytes ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
 GATHER_COST_RATIO = 1.0
 WORKSPACE_TOKENS = 2048  # context positions gathered per round (the engine passes max_num_batched_tokens)
 PATHS = ("auto", "gather", "pass_q")
@@ -51,19 +55,26 @@ PATHS = ("auto", "gather", "pass_q")
 class GatherPolicy:
     """How split prefill rows with cached context reach it under DCP.
 
-    path: "auto" (the cost rule of ``gathers_context``), or "gather" / "pass_q"
+    path: "auto" (the rule of ``gathers_context``), or "gather" / "pass_q"
     to force one (tests and benchmarks compare them). workspace_tokens: context
     positions all-gathered per round, which bounds the temporary memory.
+    cost: the rates the engine's hardware profile gives (ctxpar/costmodel/policy.py):
+    "auto" takes the path predicted faster; None: the one that moves fewer bytes,
+    gathering when its bytes are below ``ratio`` times pass-Q's (the user's
+    dcp_gather_ratio, else GATHER_COST_RATIO).
     """
 
     path: str = "auto"
     workspace_tokens: int = WORKSPACE_TOKENS
+    cost: ContextCost | None = None
+    ratio: float = GATHER_COST_RATIO
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
             raise CtxparError(f"context path must be one of {list(PATHS)}, got {self.path!r}")
         if not isinstance(self.workspace_tokens, int) or self.workspace_tokens < 1:
             raise CtxparError(f"workspace_tokens must be an integer >= 1, got {self.workspace_tokens!r}")
+        check_float("dcp_gather_ratio", self.ratio, 0.0)
 
 
 @dataclass
@@ -164,10 +175,25 @@ def _round(shard: DCPShard, pieces: list, to_dev) -> ContextRound:
     return ContextRound(to_dev(np.concatenate(send)), to_dev(np.concatenate(order)), out)
 
 
+@dataclass(frozen=True)
+class MovedBytes:
+    """Bytes each rank receives to reach the split rows' context, by path; ``stored``:
+    the context's own bytes on all the shards (what the paths read in memory)."""
+
+    context: float  # gather: the other ranks' shards of the contexts
+    queries: float  # pass-Q: the other ranks' queries
+    partials: float  # pass-Q: their partial outputs and LSEs (0: exchanged anyway)
+    stored: float
+
+    @property
+    def pass_q(self) -> float:
+        return self.queries + self.partials
+
+
 def moved_bytes(
     context_tokens: int, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
-) -> tuple[float, float]:
-    """Bytes each rank receives to reach the split rows' context, (gather, pass-Q):
+) -> MovedBytes:
+    """What each path moves:
 
     - gather: the other ranks' shards of the contexts, (P-1)/P·C·E;
     - pass-Q: the other ranks' queries, (P-1)·n·H·Dq, and their partials,
@@ -182,8 +208,8 @@ def moved_bytes(
     q_bytes = q.element_size() if entries.dtype == torch.uint8 else entries.element_size()
     queries = others * n * q[0].numel() * q_bytes
     partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
-    context = others / ranks * context_tokens * entries[0].numel() * entries.element_size()
-    return context, queries + partials
+    stored = context_tokens * entries[0].numel() * entries.element_size()
+    return MovedBytes(others / ranks * stored, queries, partials, stored)
 
 
 def gathers_context(
@@ -196,12 +222,17 @@ def gathers_context(
     exchange_anyway: bool,
 ) -> bool:
     """Whether a step's split rows with ``context_tokens`` of cached context
-    gather it (else pass-Q): the policy's forced path, or under "auto" gather
-    when its bytes are below GATHER_COST_RATIO times pass-Q's (``moved_bytes``)."""
+    gather it (else pass-Q): the policy's forced path, or under "auto" the path
+    its ``cost`` predicts faster, or without one, gather when its bytes are below
+    ``ratio`` times pass-Q's (``moved_bytes``)."""
     if policy.path != "auto":
         return policy.path == "gather"
-    gather, pass_q = moved_bytes(context_tokens, q, entries, out_dim, ranks, exchange_anyway)
-    return gather < GATHER_COST_RATIO * pass_q
+    moved = moved_bytes(context_tokens, q, entries, out_dim, ranks, exchange_anyway)
+    if policy.cost is None:
+        return moved.context < policy.ratio * moved.pass_q
+    rounds = -(-context_tokens // policy.workspace_tokens)  # plan_rounds packs the rows' contexts end to end
+    gather = policy.cost.gather_s(ranks, rounds, moved.context, moved.stored)
+    return gather < policy.cost.pass_q_s(ranks, moved.queries, moved.partials, moved.stored)
 
 
 def gathered_context_attention(

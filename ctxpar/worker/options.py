@@ -14,7 +14,7 @@ from ctxpar.costmodel.policy import PCPPolicy, derive_policy
 from ctxpar.costmodel.profiles import engine_hardware
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.device import torch_dtype
-from ctxpar.layers.sharded_context import GatherPolicy
+from ctxpar.layers.sharded_context import GATHER_COST_RATIO, GatherPolicy
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ class RunnerOptions:
             pcp_min_tokens=policy.min_tokens if policy is not None else 0,
             dcp_size=config.dcp_size,
             cp_interleave=config.cp_interleave,
-            # Split rows gather their sharded context in rounds of one step's token budget.
-            context_gather=GatherPolicy(workspace_tokens=config.max_num_batched_tokens),
+            context_gather=context_gather(config, policy),
             spread_min_rows=policy.spread_min_rows if policy is not None else None,
             # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
             lead_threads=threads * config.pcp_size
@@ -89,6 +88,14 @@ class RunnerOptions:
             else None,
             policy=policy,
         )
+
+
+def context_gather(config: EngineConfig, policy: PCPPolicy | None) -> GatherPolicy:
+    """How split rows reach a context sharded by DCP: the path the policy's rates predict
+    faster, or by bytes at the user's dcp_gather_ratio; in rounds of one step's token budget."""
+    ratio = GATHER_COST_RATIO if config.dcp_gather_ratio is None else config.dcp_gather_ratio
+    cost = policy.context_cost if policy is not None else None  # None where the user set the ratio
+    return GatherPolicy(workspace_tokens=config.max_num_batched_tokens, cost=cost, ratio=ratio)
 
 
 def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolicy:
@@ -103,4 +110,5 @@ def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolic
         config.pcp_min_tokens,
         config.pcp_spread_min_rows,
         config.pcp_split_mode,
+        config.dcp_gather_ratio,
     )

@@ -52,10 +52,11 @@ def test_a_gpu_node_splits_later_than_a_cpu_core() -> None:
 
 
 def test_set_values_win_and_one_rank_splits_nothing() -> None:
-    policy = derive_policy(MODEL, CPU, 2, 1, min_tokens=500, spread_min_rows=7, split_mode="whole")
+    policy = derive_policy(MODEL, CPU, 2, 1, min_tokens=500, spread_min_rows=7, split_mode="whole", gather_ratio=1.0)
     assert (policy.min_tokens, policy.spread_min_rows, policy.split_mode, policy.derived) == (500, 7, "whole", ())
     auto = derive_policy(MODEL, CPU, 2, 1)
-    assert auto.derived == ("pcp_min_tokens", "pcp_spread_min_rows") and "from the cost model" in auto.describe()
+    assert auto.derived == ("pcp_min_tokens", "pcp_spread_min_rows", "dcp_gather_ratio")
+    assert "from the cost model" in auto.describe()
     one = derive_policy(MODEL, CPU, 1, 1)
     assert (one.min_tokens, one.spread_min_rows) == (0, NEVER)
     assert derive_policy(MODEL, CPU, 2, 2, split_mode="disjoint").split_mode == "all"  # DCP: all ranks

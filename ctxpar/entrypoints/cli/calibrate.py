@@ -3,6 +3,12 @@ read bandwidth, all-gather latency and bandwidth between two local ranks over
 gloo and shared memory) and save a hardware profile for `ctxpar estimate
 --hardware PATH`. Takes about half a minute; one line per measurement.
 
+``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between
+two network namespaces linked through a switch by veths shaped with tc tbf to
+that rate (as `ctxpar bench links`; needs root and iproute2, within
+``--link-timeout`` seconds) and saves its latency and bandwidth as the
+profile's link.
+
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
 the bandwidth and the memory are the GPU's; the link is still measured between
 two host processes (NCCL between GPUs is not), which the profile says.
@@ -14,7 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ctxpar.checks import max_threads, usable_cores
+from ctxpar.bench.netns import LINKS, check_tools
+from ctxpar.checks import max_threads, positive_int, usable_cores
+from ctxpar.costmodel.calibrate_link import TIMEOUT_S
 from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
 from ctxpar.errors import CtxparError
 from ctxpar.machine import cpu_info
@@ -45,9 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--link",
-        choices=("shm", "gloo"),
+        choices=("shm", "gloo", *LINKS),
         default="shm",
-        help="the link the profile's latency and bandwidth are for: shm (ranks on one host) or gloo (across hosts)",
+        help="the link the profile's latency and bandwidth are for: shm (ranks on one host), gloo (across "
+        "hosts, measured over loopback), or a link shaped between two network namespaces: "
+        + ", ".join(f"{name} ({what})" for name, (_, what) in LINKS.items())
+        + " (root)",
+    )
+    p.add_argument(
+        "--link-timeout",
+        type=positive_int,
+        default=TIMEOUT_S,
+        metavar="S",
+        help=f"seconds the shaped link's measurement may take, at most ({TIMEOUT_S})",
     )
 
 
@@ -58,6 +76,8 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
+    if args.link in LINKS:
+        check_tools()  # before half a minute of other measurements
     from ctxpar.costmodel.calibrate import calibrate
     from ctxpar.device import auto_dtype, resolve_device
 
@@ -68,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
         import torch
 
         print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
-    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True), device)
+    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True), device, args.link_timeout)
     try:
         out.write_text(profile.to_json())
     except OSError as e:
