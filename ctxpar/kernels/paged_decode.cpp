@@ -221,7 +221,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   const int64_t n_tasks = int64_t(tasks.size());
   std::vector<float> part_out(n_tasks * heads * value_dim), part_lse(n_tasks * heads);
 
-#pragma omp parallel
+#pragma omp parallel if (n_tasks > 1)  // one run of keys: a team would only wait for it
   {
     // Scratch kept per thread between calls: a decode step makes one call a layer, and
     // a dozen fresh allocations each would cost more than a short row's attention.
