@@ -42,7 +42,17 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // keys per task (a multiple of 8)
+constexpr int64_t CHUNK = 256;  // keys per task, at most (a multiple of 8)
+// A row shorter than MIN_TASKS runs of CHUNK keys is cut into MIN_TASKS runs of at least
+// MIN_RUN keys: a decode step's short rows would otherwise be one task each, read
+// from memory by one core while the others wait. The cut depends on the row's length
+// only (never on the threads), so a row has the same bits on every rank.
+constexpr int64_t MIN_TASKS = 4, MIN_RUN = 32;
+
+inline int64_t run_keys(int64_t keys) {
+  const int64_t even = (keys + MIN_TASKS - 1) / MIN_TASKS;
+  return std::clamp((even + 7) / 8 * 8, MIN_RUN, CHUNK);
+}
 // Query heads blocked per pass over the keys: 3 x 8 accumulators fit AVX-512's 32
 // vector registers; with 16 (AVX2) one head a pass keeps them out of memory.
 #if defined(__AVX512VL__)
@@ -215,13 +225,14 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   std::vector<int64_t> first_task(rows + 1);
   for (int64_t b = 0; b < rows; ++b) {
     first_task[b] = int64_t(tasks.size());
-    for (int64_t s = starts[b]; s < starts[b + 1]; s += CHUNK) tasks.push_back({b, s, std::min(s + CHUNK, starts[b + 1])});
+    const int64_t run = run_keys(starts[b + 1] - starts[b]);
+    for (int64_t s = starts[b]; s < starts[b + 1]; s += run) tasks.push_back({b, s, std::min(s + run, starts[b + 1])});
   }
   first_task[rows] = int64_t(tasks.size());
   const int64_t n_tasks = int64_t(tasks.size());
   std::vector<float> part_out(n_tasks * heads * value_dim), part_lse(n_tasks * heads);
 
-#pragma omp parallel if (n_tasks > 1)  // one run of keys: a team would only wait for it
+#pragma omp parallel if (n_tasks > 1)  // one run of keys (a row of at most MIN_RUN): a team would only wait
   {
     // Scratch kept per thread between calls: a decode step makes one call a layer, and
     // a dozen fresh allocations each would cost more than a short row's attention.

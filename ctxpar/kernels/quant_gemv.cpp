@@ -44,23 +44,49 @@ constexpr int MR = 4;       // activation rows per pass over a weight row (it st
 // x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
 // and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
 // [first halves of 2p and 2p+1 | second halves of 2p and 2p+1] (an odd last block stays).
+// One block of 32: its codes into q, returns their sum; *d its scale.
+inline int quantize_block(const float* v, int8_t* q, float* d) {
+#if defined(__AVX2__)
+  // The scalar loop's arithmetic, 8 lanes at a time: the same max, the same products, and
+  // cvtps rounds half to even as nearbyint does (the default rounding mode), so the same codes.
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v8[4], top = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) top = _mm256_max_ps(top, _mm256_and_ps(v8[j] = _mm256_loadu_ps(v + 8 * j), abs_mask));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  *d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(*d != 0.0f ? 1.0f / *d : 0.0f);
+  __m256i i32[4], sum = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) sum = _mm256_add_epi32(sum, i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v8[j], id)));
+  // |codes| <= 127: the saturating packs keep them; packs interleave 128-bit lanes, the permute restores the order.
+  const __m256i i16 = _mm256_packs_epi32(i32[0], i32[1]), j16 = _mm256_packs_epi32(i32[2], i32[3]);
+  const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16, j16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i8);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
+  *d = amax / 127.0f;
+  const float id = *d != 0.0f ? 1.0f / *d : 0.0f;
+  int sum = 0;
+  for (int i = 0; i < QB; ++i) {
+    q[i] = int8_t(int(std::nearbyint(v[i] * id)));  // round half to even, as cvtps does
+    sum += q[i];
+  }
+  return sum;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
                    int8_t* xp) {
   const int64_t nb = in / QB;
   for (int64_t m = 0; m < n; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + m * x_stride + b * QB;
-      float amax = 0.0f;
-      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < QB; ++i) {
-        const int q = int(std::nearbyint(v[i] * id));  // round half to even, as cvtps does
-        xq[m * in + b * QB + i] = int8_t(q);
-        sum += q;
-      }
-      xd[m * nb + b] = d;
-      xs[m * nb + b] = d * float(sum);
+      const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
+      xs[m * nb + b] = xd[m * nb + b] * float(sum);
     }
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* q = xq + m * in + b * QB;
@@ -278,9 +304,15 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
   const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
   static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
   static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
-  std::vector<int8_t> xq(n * in), xp(n * in);
-  std::vector<float> xd(n * nb), xs(n * nb);
-  quantize_rows(x, x_stride, n, in, xq.data(), xd.data(), xs.data(), xp.data());
+  // The quantized activations, kept per calling thread between calls: a decode step makes ~120.
+  // (Pointers taken here: inside the parallel loop each thread would name its own vectors.)
+  static thread_local std::vector<int8_t> xq_buf, xp_buf;
+  static thread_local std::vector<float> xd_buf, xs_buf;
+  if (int64_t(xq_buf.size()) < n * in) xq_buf.resize(n * in), xp_buf.resize(n * in);
+  if (int64_t(xd_buf.size()) < n * nb) xd_buf.resize(n * nb), xs_buf.resize(n * nb);
+  int8_t *xq = xq_buf.data(), *xp = xp_buf.data();
+  float *xd = xd_buf.data(), *xs = xs_buf.data();
+  quantize_rows(x, x_stride, n, in, xq, xd, xs, xp);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < out_features; ++o) {
     const uint8_t* wq = qs + o * row_bytes;
@@ -289,8 +321,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
     for (int64_t m0 = 0; m0 < n; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, n - m0));
       float res[MR];
-      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq.data(), xp.data(), xd.data(), xs.data(), m0, in,
-                                            res);
+      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq, xp, xd, xs, m0, in, res);
       for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
     }
   }
