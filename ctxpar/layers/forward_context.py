@@ -42,6 +42,9 @@ class DecodeGroup:
 class DecodeBatch:
     rows: set[int]  # local row numbers of the one-query rows in groups
     groups: list[DecodeGroup]
+    # One group whose queries are every local token of the rows, in order (a step of
+    # decodes): its output is the layer's as it comes, with no gather or scatter.
+    whole: bool = False
 
 
 @dataclass(frozen=True)

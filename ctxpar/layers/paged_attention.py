@@ -98,7 +98,8 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
                 tokens = torch.tensor([queries[i][0] for i in members], dtype=torch.int64, device=device)
                 slots = [ctx.context_slots[row_of[i]][: queries[i][1]] for i in members]
                 groups.append(DecodeGroup(tokens, *concat_slots(slots)))
-            batch = DecodeBatch(set(rows), groups)
+            whole = len(groups) == 1 and [t for t, _ in queries] == list(range(qsl[-1]))
+            batch = DecodeBatch(set(rows), groups, whole)
         ctx.memo.decode_batches[kernel] = batch
     return ctx.memo.decode_batches[kernel]
 
@@ -110,10 +111,13 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     n, _, D = q.shape
     quant = ctx.kv_quant
     qsl = ctx.query_start_loc
-    out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
-    out[qsl[-1] :].zero_()  # padding tokens
     kernel = paged_kernel(cache, D)
     dec = decode_batch(ctx, kernel)
+    if kernel and dec is not None and dec.whole and n == qsl[-1]:  # decodes only: ~10 fewer ops a layer
+        grp = dec.groups[0]
+        return kernels.gqa_paged_decode(q, cache, grp.slots, grp.starts, scale, quant)[0].to(q.dtype)
+    out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
+    out[qsl[-1] :].zero_()  # padding tokens
     for grp in dec.groups if dec is not None else []:
         q_rows = q.index_select(0, grp.tokens)
         if kernel:
