@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from ctxpar.bench.long import SMOLLM2_SHAPES
 from ctxpar.config import EngineConfig
 from ctxpar.costmodel import HardwareProfile, load_hardware, load_model_shape
 from ctxpar.costmodel.policy import derive_policy
@@ -73,14 +74,7 @@ def test_predicted_seconds() -> None:
 
 def runner_rule(**config: Any) -> tuple[GatherPolicy, str]:
     """The rule and the policy's description the engine's start-up gives SmolLM2 at P = D = 2."""
-    hf = LlamaConfig(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-    )
+    hf = LlamaConfig(**SMOLLM2_SHAPES, num_hidden_layers=30)
     options = RunnerOptions.from_config(EngineConfig(pcp_size=2, dcp_size=2, **config), 4, hf)
     assert options.policy is not None
     return options.context_gather, options.policy.describe()
