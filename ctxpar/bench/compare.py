@@ -130,13 +130,11 @@ def _spec(model: str, hf_dir: str, tokenizer_vocab: int, args: argparse.Namespac
 
 def _perplexity_texts(hf_dir: str, n: int) -> dict[str, list[int]]:
     """The first n token ids of real English prose and real code, tokenized by the model's tokenizer."""
-    from pydoc_data.topics import topics
-
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    texts = {"english": "\n\n".join(topics[k] for k in sorted(topics)), "code": Path(argparse.__file__).read_text()}
-    return {name: tokenizer.encode(text, add_special_tokens=False)[:n] for name, text in texts.items()}
+    from ctxpar.bench.perplexity import perplexity_texts
+
+    return perplexity_texts(AutoTokenizer.from_pretrained(hf_dir), n)
 
 
 def _model_dir(model: str | None) -> tuple[str, int]:

@@ -132,13 +132,11 @@ def perplexity(name: str, spec: dict, ids: list[int], quantization: str | None) 
         lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
         nll = lse - logits[np.arange(len(ids) - 1), ids[1:]]
         return float(math.exp(nll.mean()))
-    from ctxpar import LLM, SamplingParams
+    from ctxpar import LLM
+    from ctxpar.bench.perplexity import prompt_perplexity
 
     with LLM(model=spec["model"], dtype="float32", quantization=quantization, max_model_len=len(ids) + 1) as llm:
-        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    entries = out[0].prompt_logprobs[1:]  # the first prompt token has none
-    nll = [-entry[token].logprob for entry, token in zip(entries, ids[1:])]
-    return math.exp(sum(nll) / len(nll))
+        return prompt_perplexity(llm, ids)
 
 
 def _timed(fn) -> tuple[float, object]:

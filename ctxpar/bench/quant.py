@@ -18,6 +18,9 @@ engine's host work) is the same for every format.
 (ctxpar/layers/kv_quant.py), one engine each, their runs interleaved, and adds
 each step's ratio to the same weights' first storage (auto): after 2048 tokens
 the KV cache is the part of a step's bytes that quantizing it shrinks.
+``--perplexity N`` adds each engine's perplexity of N tokens of real English and
+real code through ``prompt_logprobs`` (ctxpar/bench/perplexity.py), against the
+same weights with the first storage: what quantizing the KV cache costs in quality.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ctxpar.bench.machine import describe_machine
+from ctxpar.bench.perplexity import perplexity_texts, prompt_perplexity
 from ctxpar.checks import positive_int
 from ctxpar.config import KV_CACHE_DTYPES
 
@@ -56,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default=["auto"],
         help="KV-cache storages, each setup with each (default: auto); the first is the ratios' baseline",
+    )
+    p.add_argument(
+        "--perplexity",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="also the perplexity of N tokens of English and of code, per setup and KV storage (default: skip)",
     )
 
 
@@ -149,10 +160,11 @@ def run(args: argparse.Namespace) -> None:
     bandwidth = read_bandwidth()
     print(describe_machine())
     print(f"memory read bandwidth (torch sum over 256 MiB, best of several): {bandwidth / 1e9:.1f} GB/s")
-    rows, projections = [], []
+    rows, projections, quality = [], [], []
     kvs = args.kv_cache_dtypes
+    longest = max(max(args.contexts) + args.steps, args.perplexity or 0)
     for name in args.setups:
-        kwargs = dict(SETUPS[name], max_model_len=max(args.contexts) + args.steps + 8, num_threads=args.threads)
+        kwargs = dict(SETUPS[name], max_model_len=longest + 8, num_threads=args.threads)
         with contextlib.ExitStack() as stack:
             # One engine per KV storage, open together: their runs interleave, so a change
             # of the machine's load between runs reaches every storage alike.
@@ -174,6 +186,10 @@ def run(args: argparse.Namespace) -> None:
                     ratio = best[kv][0] / best[kvs[0]][0]
                     rows.append((name, kv, context, best[kv][0], ratio, weights, read, best[kv][1]))
                 print(f"measured {name} after {context} tokens", flush=True)
+            if args.perplexity:
+                texts = perplexity_texts(llms[kvs[0]].get_tokenizer(), args.perplexity)
+                ppl = {kv: {t: prompt_perplexity(llms[kv], ids) for t, ids in texts.items()} for kv in kvs}
+                quality += [(name, kv, t, ppl[kv][t], ppl[kv][t] / ppl[kvs[0]][t]) for kv in kvs for t in texts]
     print(f"\ndecode, batch 1, ms per step (best of {args.repeat} runs of {args.steps} steps)")
     first = f"x KV {args.kv_cache_dtypes[0]}"
     header = f"{'weights':>7} | {'KV':>8} | {'context':>7} | {'ms/step':>8} | {first:>9} | {'weights MB':>10} | "
@@ -195,3 +211,8 @@ def run(args: argparse.Namespace) -> None:
             f"{name:>7} | {seconds * 1e3:>7.2f} | {weights / 1e6:>10.1f} | {seconds * bandwidth / weights:>21.2f} | "
             f"{seconds * NOMINAL_BANDWIDTH / weights:>17.2f}"
         )
+    if quality:
+        print(f"\nperplexity of {args.perplexity} tokens through prompt_logprobs (ctxpar/bench/perplexity.py)")
+        print(f"{'weights':>7} | {'KV':>8} | {'text':>7} | {'perplexity':>10} | {first:>9}")
+        for name, kv, text, value, ratio in quality:
+            print(f"{name:>7} | {kv:>8} | {text:>7} | {value:>10.4f} | {ratio:>9.4f}")

@@ -7,6 +7,8 @@ a small message (alpha: the latency) and a large one (beta: bytes/s), over
 gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
 with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
 network namespaces joined by that link (ctxpar/costmodel/calibrate_link.py).
+Last, the host's cost of a step beyond its kernels, once a step and once a layer
+(ctxpar/costmodel/calibrate_host.py).
 
 On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
 fill it (each timed call ends in a synchronize); the collectives are still
@@ -28,6 +30,7 @@ import torch.multiprocessing as mp
 from ctxpar.bench.links_driver import fit_link
 from ctxpar.bench.netns import LINKS
 from ctxpar.checks import machine_memory_bytes
+from ctxpar.costmodel.calibrate_host import host_overhead
 from ctxpar.costmodel.calibrate_link import TIMEOUT_S, measure_shaped_link
 from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.layers.attention_math import causal_attention
@@ -206,6 +209,11 @@ def calibrate(
             f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
         )
     notes.update(costs)
+    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(dtype, device)
+    progress(
+        f"host cost of a step beyond its kernels: {notes['step_overhead_s'] * 1e3:.2f} ms "
+        f"+ {notes['layer_overhead_s'] * 1e6:.0f} us a layer"
+    )
     if f"{link}_latency_s" not in costs:
         link = "gloo"
     joined = f"{LINKS[link][1]} (gloo over a veth shaped with tc tbf)" if link in LINKS else link
@@ -229,5 +237,7 @@ def calibrate(
         link_latency_s=costs[f"{link}_latency_s"],
         weight_dtype=dtype,
         activation_dtype=dtype,
+        step_overhead_s=notes["step_overhead_s"],
+        layer_overhead_s=notes["layer_overhead_s"],
         notes=notes,
     )

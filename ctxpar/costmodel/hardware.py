@@ -43,7 +43,10 @@ class HardwareProfile:
     # Fixed cost of each ring step of pass-KV / pass-Q per layer: a partial attention's
     # launch and its LSE merge (measured as the gap between P ranks and 1/P of one).
     ring_step_overhead_s: float = 0.0
-    step_overhead_s: float = 0.0  # fixed cost of one forward step (framework, launches)
+    # The host's cost of a forward step beyond its kernels' work (framework, launches,
+    # the engine's Python): once a step, and once a layer (ctxpar/costmodel/calibrate_host.py).
+    step_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
     # Fixed cost of one row's attention in one layer (its kernel call, its context's slots):
     # what laying a step out in more, smaller rows costs (ctxpar/costmodel/policy.py).
     row_overhead_s: float = 0.0
@@ -57,7 +60,14 @@ class HardwareProfile:
         positive = ("gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth")
         for name in positive:
             _check(self.name, name, getattr(self, name), 0.0, math.inf, open_lo=True)
-        nonnegative = ("link_latency_s", "ring_step_overhead_s", "step_overhead_s", "row_overhead_s", "tp_latency_s")
+        nonnegative = (
+            "link_latency_s",
+            "ring_step_overhead_s",
+            "step_overhead_s",
+            "layer_overhead_s",
+            "row_overhead_s",
+            "tp_latency_s",
+        )
         for name in (*nonnegative, "tp_bandwidth"):
             _check(self.name, name, getattr(self, name), 0.0, math.inf)
         for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "link_efficiency"):

@@ -118,7 +118,7 @@ def prefill_time(
         mem,
     )
     attn_layer = (b.compute_s + b.memory_s - before) / m.num_layers
-    b = b.plus(tp_comm=_tp_allreduces(m, h, tokens), overhead=h.step_overhead_s)
+    b = b.plus(tp_comm=_tp_allreduces(m, h, tokens), overhead=_host_s(m, h))
     if pcp == 1:
         return b
     sharded = batch * (new + (cached if dcp > 1 else 0))  # tokens whose KV moves
@@ -157,8 +157,13 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         keys * m.kv_entries_per_token * h.act_bytes * m.num_layers,
         mem,
     )
-    b = b.plus(tp_comm=_tp_allreduces(m, h, batch), overhead=h.step_overhead_s)
+    b = b.plus(tp_comm=_tp_allreduces(m, h, batch), overhead=_host_s(m, h))
     if dcp > 1:
         out_row = m.num_heads * (m.decode_v_dim * h.act_bytes + LSE_BYTES)
         b = b.plus(comm=m.num_layers * h.link_time((dcp - 1) / dcp * batch * out_row))
     return b
+
+
+def _host_s(m: ModelShape, h: HardwareProfile) -> float:
+    """The host's cost of one forward step beyond its kernels' work."""
+    return h.step_overhead_s + m.num_layers * h.layer_overhead_s

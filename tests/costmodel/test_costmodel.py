@@ -150,3 +150,15 @@ def test_pass_q_crossover_near_metas():
         return t["pass-Q"] < t["pass-KV"]
 
     assert q_wins(published / 3) and not q_wins(published * 3)
+
+
+def test_the_host_cost_enters_every_step_once_a_step_and_once_a_layer() -> None:
+    from ctxpar.costmodel.timing import decode_time, prefill_time
+
+    m, h = load_model_shape("smollm2-135m"), load_hardware("cpu-core-shm")
+    slow = dataclasses.replace(h, step_overhead_s=1e-3, layer_overhead_s=1e-4)
+    host = 1e-3 + m.num_layers * 1e-4
+    assert decode_time(m, slow, 1024, 4, 1).total_s - decode_time(m, h, 1024, 4, 1).total_s == pytest.approx(host)
+    for pcp in (1, 2):
+        with_host = prefill_time(m, slow, 512, 0, 1, pcp, 1, "gather").total_s
+        assert with_host - prefill_time(m, h, 512, 0, 1, pcp, 1, "gather").total_s == pytest.approx(host)

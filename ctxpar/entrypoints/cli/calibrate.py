@@ -1,7 +1,8 @@
 """Measure this machine (GEMM and attention FLOP/s in fp32 and bf16, memory
 read bandwidth, all-gather latency and bandwidth between two local ranks over
-gloo and shared memory) and save a hardware profile for `ctxpar estimate
---hardware PATH`. Takes about half a minute; one line per measurement.
+gloo and shared memory, and the host's cost of a decode step beyond its
+kernels, a step and a layer) and save a hardware profile for `ctxpar estimate
+--hardware PATH`. Takes under a minute; one line per measurement.
 
 ``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between
 two network namespaces linked through a switch by veths shaped with tc tbf to

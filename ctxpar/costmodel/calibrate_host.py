@@ -1,0 +1,83 @@
+"""The host's share of a forward step, for the cost model: what a step costs beyond
+its kernels' arithmetic and memory traffic (the Python around a dozen kernel calls
+a layer, the scheduler, sampling and detokenizing). On a CPU decode of a small
+model this is a third of the step (SmolLM2: ~3 of ~9 ms), and the roofline does
+not see it.
+
+It is measured on decode steps of two tiny random Llama models that differ only
+in their layer count: their kernels take next to nothing, so a step's time is
+
+    step_overhead_s + layers x layer_overhead_s
+
+and the two models give both terms. The engine is the real one (``LLM``, one rank),
+in the profile's dtype, on the profile's device.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LAYERS = (2, 10)  # the two models' layer counts
+PROMPT, STEPS, RUNS = 16, 48, 3  # decode steps timed after a short prompt; best of RUNS
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _tiny_config(layers: int):
+    from transformers import LlamaConfig
+
+    # Widths the kernels take (multiples of 8), a few KB per layer: the kernels' work is noise.
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def decode_step_s(path: Path, dtype: str, device: torch.device) -> float:
+    """Seconds of one decode step of the model at ``path``: the best of RUNS runs of STEPS steps."""
+    from ctxpar import LLM, SamplingParams
+
+    # A random checkpoint has no tokenizer: token ids in, token ids out.
+    with LLM(
+        str(path), dtype=ENGINE_DTYPES[dtype], device=device.type, max_model_len=512, skip_tokenizer_init=True
+    ) as llm:
+        engine = llm.engine
+        assert engine is not None
+        params = SamplingParams(max_tokens=1 + STEPS, temperature=0.0, ignore_eos=True)
+        best = float("inf")
+        for run in range(RUNS):
+            engine.add_request(list(range(run, run + PROMPT)), params)  # no prefix hit between runs
+            while not any(r.output_token_ids for r in engine.requests.values()):
+                engine.step()  # the prefill and its first token, not timed
+            t0 = time.perf_counter()
+            steps = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return best
+
+
+def host_overhead(dtype: str, device: torch.device) -> tuple[float, float]:
+    """(step_overhead_s, layer_overhead_s) of this host running ctxpar's engine in ``dtype``."""
+    from ctxpar.bench.cuda_models import save_random_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        times = [
+            decode_step_s(save_random_model(_tiny_config(n), Path(tmp) / f"layers{n}", seed=0), dtype, device)
+            for n in LAYERS
+        ]
+    layer = max(0.0, (times[1] - times[0]) / (LAYERS[1] - LAYERS[0]))
+    return max(0.0, times[0] - LAYERS[0] * layer), layer
