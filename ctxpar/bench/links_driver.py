@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -48,14 +49,24 @@ def kv_bytes_per_token(model: str) -> int:
     return 2 * c["num_key_value_heads"] * head_dim * 4
 
 
+def best_of(fn: Callable[[], object], runs: int) -> float:
+    """Fastest of exactly ``runs`` calls (after one warm-up call): collectives need the
+    same count on every rank (here and in ctxpar calibrate's)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_link(step_bytes: list[int], world: int) -> dict[str, float]:
     """Every rank: gloo all-gather times over the link, best of a few, per message size
     (bytes per rank); the default process group is formed here and destroyed again
     so that the engine can form its own."""
     import torch
     import torch.distributed as dist
-
-    from ctxpar.costmodel.calibrate import best_of
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # env:// from torchrun

@@ -29,7 +29,7 @@ from ctxpar.errors import RankFailure
 # ~0.5 s at 1 Gbit/s.
 SIZES = (4 << 20, 16 << 20, 64 << 20)
 TIMEOUT_S = 180  # python and torch start in each namespace, then a few seconds of transfers
-MODULE = "ctxpar.costmodel.calibrate_link"  # run in each namespace (as __main__, so spelled out)
+MODULE = "ctxpar.bench.calibrate_link"  # run in each namespace (as __main__, so spelled out)
 
 
 def measure_shaped_link(link: str, timeout_s: float = TIMEOUT_S) -> dict[str, float]:

@@ -21,9 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ctxpar.bench.calibrate_link import TIMEOUT_S
 from ctxpar.bench.netns import LINKS, check_tools
 from ctxpar.checks import max_threads, positive_int, usable_cores
-from ctxpar.costmodel.calibrate_link import TIMEOUT_S
 from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
 from ctxpar.errors import CtxparError
 from ctxpar.machine import cpu_info
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
         raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
     if args.link in LINKS:
         check_tools()  # before half a minute of other measurements
-    from ctxpar.costmodel.calibrate import calibrate
+    from ctxpar.bench.calibrate import calibrate
     from ctxpar.device import auto_dtype, resolve_device
 
     device = resolve_device(args.device)

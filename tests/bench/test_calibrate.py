@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ctxpar.costmodel import calibrate as cal
+from ctxpar.bench import calibrate as cal
 from ctxpar.entrypoints.cli.main import build_parser
 
 
@@ -33,7 +33,7 @@ def test_cli_takes_the_device() -> None:
 def test_host_overhead_is_a_cost_a_step_and_a_layer() -> None:
     """Decode steps of the two tiny models through the real engine: a layer costs the host
     some microseconds (a dozen kernel calls and their Python), never nothing."""
-    from ctxpar.costmodel.calibrate_host import host_overhead
+    from ctxpar.bench.calibrate_host import host_overhead
 
     step, layer = host_overhead("fp32", torch.device("cpu"))
     assert 1e-6 < layer < 5e-3 and 0 <= step < 0.1, (step, layer)

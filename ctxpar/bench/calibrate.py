@@ -6,9 +6,9 @@ makes things slower). Collectives are timed between two spawned processes for
 a small message (alpha: the latency) and a large one (beta: bytes/s), over
 gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
 with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
-network namespaces joined by that link (ctxpar/costmodel/calibrate_link.py).
+network namespaces joined by that link (ctxpar/bench/calibrate_link.py).
 Last, the host's cost of a step beyond its kernels, once a step and once a layer
-(ctxpar/costmodel/calibrate_host.py).
+(ctxpar/bench/calibrate_host.py).
 
 On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
 fill it (each timed call ends in a synchronize); the collectives are still
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxpar.bench.links_driver import fit_link
+from ctxpar.bench.calibrate_host import host_overhead
+from ctxpar.bench.calibrate_link import TIMEOUT_S, measure_shaped_link
+from ctxpar.bench.links_driver import best_of, fit_link
 from ctxpar.bench.netns import LINKS
 from ctxpar.checks import machine_memory_bytes
-from ctxpar.costmodel.calibrate_host import host_overhead
-from ctxpar.costmodel.calibrate_link import TIMEOUT_S, measure_shaped_link
 from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
@@ -78,18 +78,6 @@ def _synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[]
         return out
 
     return call
-
-
-def best_of(fn: Callable[[], object], runs: int) -> float:
-    """Fastest of exactly ``runs`` calls: collectives need the same count on every rank."""
-    fn()
-    return min(_timed(fn) for _ in range(runs))
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 CPU = torch.device("cpu")
