@@ -77,6 +77,7 @@ def save_random_model(config, path: Path, seed: int, scale: float = 2.0) -> Path
     norms) perturbed so that loading them is tested too."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
@@ -86,7 +87,14 @@ def save_random_model(config, path: Path, seed: int, scale: float = 2.0) -> Path
                 p.mul_(scale)
             else:
                 p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
+    # A second's write: no progress bar in the middle of a command's lines (calibrate, bench links).
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return path
 
 
