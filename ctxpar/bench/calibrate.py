@@ -147,9 +147,8 @@ def collective_costs() -> dict[str, float]:
     costs: dict[str, float] = {}
     for link in ("gloo", "shm"):
         if f"{link}_{LARGE}" in t:
-            # Each rank receives one other rank's message: LARGE - SMALL more bytes took the time difference.
-            beta = (LARGE - SMALL) / max(t[f"{link}_{LARGE}"] - t[f"{link}_{SMALL}"], 1e-9)
-            costs[f"{link}_latency_s"], costs[f"{link}_bandwidth"] = t[f"{link}_{SMALL}"], beta
+            times = {str(size): t[f"{link}_{size}"] for size in (SMALL, LARGE)}
+            costs[f"{link}_latency_s"], costs[f"{link}_bandwidth"] = fit_link(times)
     return costs
 
 

@@ -16,10 +16,11 @@ in the profile's dtype, on the profile's device.
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from ctxpar.bench.decode_timing import decode_step_seconds
 
 LAYERS = (2, 10)  # the two models' layer counts
 PROMPT, STEPS, RUNS = 16, 48, 3  # decode steps timed after a short prompt; best of RUNS
@@ -47,27 +48,13 @@ def _tiny_config(layers: int):
 
 def decode_step_s(path: Path, dtype: str, device: torch.device) -> float:
     """Seconds of one decode step of the model at ``path``: the best of RUNS runs of STEPS steps."""
-    from ctxpar import LLM, SamplingParams
+    from ctxpar import LLM
 
     # A random checkpoint has no tokenizer: token ids in, token ids out.
     with LLM(
         str(path), dtype=ENGINE_DTYPES[dtype], device=device.type, max_model_len=512, skip_tokenizer_init=True
     ) as llm:
-        engine = llm.engine
-        assert engine is not None
-        params = SamplingParams(max_tokens=1 + STEPS, temperature=0.0, ignore_eos=True)
-        best = float("inf")
-        for run in range(RUNS):
-            engine.add_request(list(range(run, run + PROMPT)), params)  # no prefix hit between runs
-            while not any(r.output_token_ids for r in engine.requests.values()):
-                engine.step()  # the prefill and its first token, not timed
-            t0 = time.perf_counter()
-            steps = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                steps += 1
-            best = min(best, (time.perf_counter() - t0) / steps)
-    return best
+        return min(decode_step_seconds(llm, PROMPT, STEPS, seed=run)[0] for run in range(RUNS))
 
 
 def host_overhead(dtype: str, device: torch.device) -> tuple[float, float]:

@@ -29,8 +29,7 @@ import argparse
 import time
 from typing import Any
 
-import numpy as np
-
+from ctxpar.bench.decode_timing import decode_step_seconds
 from ctxpar.bench.machine import describe_machine
 from ctxpar.bench.perplexity import perplexity_texts, prompt_perplexity
 from ctxpar.checks import positive_int
@@ -125,28 +124,6 @@ def _in_features(w: Any) -> int:
     return int(w.shape[1])  # a plain or oneDNN-packed weight: (out, in)
 
 
-def _step_seconds(llm: Any, context: int, steps: int, seed: int) -> tuple[float, float]:
-    """Seconds per decode step of one request after `context` tokens, and the time of
-    its prefill (a fresh random prompt per seed: no prefix-cache hit)."""
-    from ctxpar import SamplingParams
-
-    engine = llm.engine
-    ids = np.random.default_rng(seed).integers(0, engine.vocab_size, size=context).tolist()
-    engine.add_request(ids, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
-    t0 = time.perf_counter()
-    while all(len(q.output_token_ids) == 0 for q in engine.requests.values()):
-        engine.step()  # the prefill
-    prefill = time.perf_counter() - t0
-    engine.step()  # one decode step to warm up
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    seconds = (time.perf_counter() - t0) / steps
-    while engine.has_unfinished_requests():
-        engine.step()
-    return seconds, prefill
-
-
 def run(args: argparse.Namespace) -> None:
     import contextlib
 
@@ -176,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
                 best = {kv: (float("inf"), float("inf")) for kv in kvs}  # (s/step, prefill s)
                 for r in range(args.repeat):
                     for kv in kvs:
-                        seconds, prefill = _step_seconds(llms[kv], context, args.steps, seed=r)
+                        seconds, prefill = decode_step_seconds(llms[kv], context, args.steps, seed=r)
                         best[kv] = (min(best[kv][0], seconds), min(best[kv][1], prefill))
                 for kv in kvs:
                     engine = llms[kv].engine
