@@ -19,42 +19,27 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from torch import nn
 
 from ctxpar.errors import RankFailure
-from ctxpar.layers.linear import shared_tensors
+from ctxpar.layers.weight_arena import WeightArena
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.host_shm import SHM_DIR, free_bytes, shared_segment, wait_keys
-
-ALIGN = 64  # bytes: each weight starts on a cache line
 
 
 def share_weights(model: nn.Module, group: PCPGroup, name: str = "weights") -> int:
     """Point `model`'s packed weights at one shared copy (every rank calls this,
     with the same model). Returns the bytes shared (0: nothing to share).
     name: the segment's (and its store keys'), one per model a rank holds."""
-    holders = shared_tensors(model)
-    weights = [getattr(h, a) for h, a in holders]
-    sizes = [w.numel() * w.element_size() for w in weights]
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // ALIGN) * ALIGN
+    arena = WeightArena.of(model)
+    total = arena.total
     group.store.set(f"{name}/bytes/{group.rank}", str(total))
     wait_keys(group.store, [f"{name}/bytes/{k}" for k in range(group.size)])
     if {int(group.store.get(f"{name}/bytes/{k}")) for k in range(group.size)} != {total}:
         raise RankFailure("the PCP ranks loaded weights of different sizes; every rank must load the same model")
     if total == 0 or not _room_on_every_rank(group, total, name):
         return 0
-
-    def fill(segment: torch.Tensor) -> None:
-        for w, off, n in zip(weights, offsets, sizes):
-            segment[off : off + n].copy_(w.reshape(-1).view(torch.uint8))
-
-    segment = shared_segment(group.store, group.rank, group.size, name, total, fill)
-    for (holder, attr), w, off, n in zip(holders, weights, offsets, sizes):
-        setattr(holder, attr, segment[off : off + n].view(w.dtype).view(w.shape))
+    arena.point_at(shared_segment(group.store, group.rank, group.size, name, total, arena.fill))
     return total
 
 

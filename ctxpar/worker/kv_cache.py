@@ -13,6 +13,7 @@ import torch
 
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
+from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.kv_quant import KVQuant
 
 
@@ -80,9 +81,13 @@ def allocate_kv_caches(
     device: torch.device,
     quant: KVQuant | None = None,
 ) -> list[torch.Tensor]:
-    """Per layer (num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_slots, row_bytes) uint8 rows."""
+    """Per layer (num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_slots, row_bytes) uint8
+    rows, zeroed; on the CPU in huge pages (a decode step reads each row's whole context)."""
     shape = (num_slots, *kv_entry_shape) if quant is None else (num_slots, quant.row_bytes)
-    return [torch.zeros(shape, dtype=dtype if quant is None else torch.uint8, device=device) for _ in range(num_layers)]
+    dtype = dtype if quant is None else torch.uint8
+    if device.type == "cpu":
+        return [huge_zeros(shape, dtype) for _ in range(num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:

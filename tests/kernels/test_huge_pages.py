@@ -1,0 +1,101 @@
+"""Weights and KV caches on memory advised huge (ctxpar/kernels/huge_pages.py).
+
+What the OS says about the mapping is read back from /proc/self/smaps, not
+from ctxpar: the advice (VmFlags "hg"), and the huge pages actually given
+where the kernel's transparent huge pages are on ("always" or "madvise").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ctxpar.kernels.huge_pages import HUGE_PAGE, huge_empty, huge_zeros
+from ctxpar.layers.linear import shared_tensors
+from ctxpar.layers.weight_arena import place_on_huge_pages
+from ctxpar.models.loader import load_model
+from ctxpar.worker.kv_cache import allocate_kv_caches
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = start <= address < end
+            fields["range"] = head
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    assert "VmFlags" in fields, f"no mapping holds {address:#x}"
+    return fields
+
+
+def thp_on() -> bool:
+    return THP.exists() and "[never]" not in THP.read_text()
+
+
+def huge_kib(t: torch.Tensor) -> int:
+    return int(mapping_of(t.data_ptr())["AnonHugePages"].split()[0])
+
+
+def test_huge_empty_is_zeroed_aligned_and_advised():
+    t = huge_empty(3 * HUGE_PAGE + 5)
+    assert t.shape == (3 * HUGE_PAGE + 5,) and t.dtype == torch.uint8
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert int(t.count_nonzero()) == 0
+    t.fill_(7)  # the first touch: the pages are made now
+    assert "hg" in mapping_of(t.data_ptr())["VmFlags"].split()
+    if thp_on():
+        assert huge_kib(t) >= 3 * HUGE_PAGE // 1024  # the three whole 2 MiB pages at least
+    small = huge_empty(4096)  # below one huge page: ordinary memory
+    assert small.shape == (4096,) and int(small.count_nonzero()) == 0
+
+
+def test_huge_zeros_views_as_the_dtype():
+    t = huge_zeros((1024, 2, 3, 64), torch.float32)
+    assert t.shape == (1024, 2, 3, 64) and t.is_contiguous() and t.dtype == torch.float32
+    t[5, 1, 2] = torch.arange(64.0)  # writes land where a plain tensor's would
+    assert torch.equal(t[5, 1, 2], torch.arange(64.0)) and float(t.sum()) == float(torch.arange(64.0).sum())
+
+
+def test_kv_caches_are_advised_huge():
+    caches = allocate_kv_caches(2, 4096, (2, 3, 64), torch.float32, torch.device("cpu"))
+    for c in caches:
+        assert c.shape == (4096, 2, 3, 64) and int(c.count_nonzero()) == 0
+        assert "hg" in mapping_of(c.data_ptr())["VmFlags"].split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    from tests.helpers.models import TINY_COMMON, save_tiny_model
+
+    # Wide enough that its weights exceed one huge page (~2.6 MB in fp32).
+    config = LlamaConfig(**{**TINY_COMMON, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False)
+    return save_tiny_model(config, tmp_path_factory.mktemp("huge") / "m")
+
+
+def test_weights_move_to_huge_pages_unchanged(model_dir):
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu")).model
+    before = [getattr(h, a).clone() for h, a in shared_tensors(model)]
+    place_on_huge_pages(model)
+    after = [getattr(h, a) for h, a in shared_tensors(model)]
+    assert len(after) == len(before) > 1
+    for b, a in zip(before, after):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    # One advised buffer holds them all, each on a cache line of its own.
+    mappings = [mapping_of(a.data_ptr()) for a in after]
+    assert {m["range"] for m in mappings} == {mappings[0]["range"]}
+    assert "hg" in mappings[0]["VmFlags"].split()
+    assert all(a.data_ptr() % 64 == 0 for a in after)
