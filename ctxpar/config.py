@@ -83,6 +83,9 @@ class EngineConfig:
     # computes with them (CPU kernels; docs/benchmarks.md, "Quantized weights"); None
     # (or "none") dequantizes them to `dtype` when loading: the exact path, as before.
     quantization: str | None = None
+    # vLLM's switch for CUDA graphs: here, True runs every decode step through the model's
+    # Python forward instead of one compiled call (ctxpar/models/compiled_decode.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):

@@ -126,6 +126,10 @@ FLAGS: dict[str, Flag] = {
         "none (the default): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
         choices=("gguf", "int8", "none"),
     ),
+    "enforce_eager": Flag(
+        "run every decode step through the model's Python forward (default: steps of decodes of a Llama-style "
+        "model run as one compiled call on the CPU, the same outputs)"
+    ),
 }
 
 
@@ -163,6 +167,7 @@ class EngineArgs:
     max_rank_recoveries: int = DEFAULTS.max_rank_recoveries
     rank_recovery_window_s: float = DEFAULTS.rank_recovery_window_s
     quantization: str | None = DEFAULTS.quantization  # "gguf", or None / "none"
+    enforce_eager: bool = DEFAULTS.enforce_eager
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text

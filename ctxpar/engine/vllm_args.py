@@ -26,7 +26,6 @@ logger = logging.getLogger("ctxpar")
 
 # name -> why ctxpar can ignore it.
 HINTS: dict[str, str] = {
-    "enforce_eager": "ctxpar always runs eagerly (no CUDA graphs)",
     "disable_log_stats": "ctxpar logs no periodic statistics",
     "gpu_memory_utilization": "the KV cache is sized by kv_cache_bytes or num_kv_blocks",
     "swap_space": "a preempted request is recomputed, never swapped",

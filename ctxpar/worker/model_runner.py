@@ -26,6 +26,7 @@ from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import row_parts
 from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
+from ctxpar.models.compiled_decode import CompiledDecode
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout, split_mask
@@ -61,6 +62,8 @@ class ModelRunner:
             device,
             self.kv_quant,
         )
+        # Steps of decodes as one compiled call where the model allows it (enforce_eager: never).
+        self.compiled = None if options.enforce_eager else CompiledDecode.build(model, self.kv_caches, self.kv_quant)
 
     def rejoin(self, group: PCPGroup | None) -> None:
         """Run in this group: at start-up, and after a lost rank the re-formed one,
@@ -137,13 +140,16 @@ class ModelRunner:
         extra = {}
         if plan.hidden_states is not None:  # the mtp layer: the target's state at each position
             extra["hidden"] = plan.hidden_states.to(self.device)[to_dev(rows.token_idx)]  # (n, H)
+        forward = self.model.forward
+        if self.compiled is not None and not extra and self.compiled.serves(ctx, len(input_ids)):
+            forward = self.compiled.forward  # the same bits, without Python between the kernels
         if not led:
-            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
+            hidden = forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
             return self._outputs_on_rank0(plan, layout, hidden, gathers)
         assert self.lead_threads is not None  # led
         torch.set_num_threads(self.lead_threads)
         try:
-            hidden = self.model.forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
+            hidden = forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
             out = self._outputs_on_rank0(plan, layout, hidden, gathers)
         finally:
             torch.set_num_threads(self.threads)

@@ -56,6 +56,7 @@ class RunnerOptions:
     spread_min_rows: int | None = None
     lead_threads: int | None = None
     policy: PCPPolicy | None = None
+    enforce_eager: bool = False  # EngineConfig.enforce_eager: no compiled decode loop
 
     def __post_init__(self) -> None:
         if self.dcp_size > 1:
@@ -87,6 +88,7 @@ class RunnerOptions:
             if one_host and threads is not None and config.pcp_size > 1
             else None,
             policy=policy,
+            enforce_eager=config.enforce_eager,
         )
 
 

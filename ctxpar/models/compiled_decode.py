@@ -1,0 +1,178 @@
+"""A Llama decode step's layers in one compiled call (kernels/decode_loop.cpp).
+
+The CPU's counterpart of CUDA graphs: a decode step of a small model is a few
+hundred kernel calls, and from Python each costs ~10 us beyond its kernel
+(a third of SmolLM2's step). ``CompiledDecode`` is built once per rank from a
+loaded ``LlamaForCausalLM`` and its KV caches: it records every layer's weight
+and cache pointers, and runs a step whose rows are all decodes as one call
+that makes the same kernel calls with the same arguments, in the same order,
+as ``LlamaForCausalLM.forward`` does. The outputs are therefore the same
+bits (tests/models/test_compiled_decode.py compares the two).
+
+Everything else (prefill, split or gathered steps, DCP, other models, weights
+or caches the kernels do not read, ``enforce_eager=True``) runs the model's own
+forward; ``build`` returns None where the loop does not apply at all, and
+``serves`` says whether it applies to a step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ctxpar import kernels
+from ctxpar.layers.forward_context import ForwardContext
+from ctxpar.layers.kv_quant import KVQuant
+from ctxpar.layers.linear import PanelWeight, Weight, embedding
+from ctxpar.layers.paged_attention import decode_batch
+from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
+from ctxpar.models.llama import LlamaForCausalLM
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [
+        ("data", _ptr),
+        ("scales", _ptr),
+        ("offsets", _ptr),
+        ("bias", _ptr),
+        ("in_", _i64),
+        ("out", _i64),
+        ("bits", _i64),
+        ("group", _i64),
+        ("half", _i64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+        ("cache", _ptr),
+    ]
+
+
+class _Cache(ctypes.Structure):
+    _fields_ = [("code", _i64), ("row_bytes", _i64), ("scale_offset", _i64), ("num_runs", _i64), ("runs", _ptr)]
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _projection(weight: Weight, bias: torch.Tensor | None, in_features: int) -> _Projection | None:
+    """The loop's record of one projection, or None for a weight it does not read."""
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if isinstance(weight, QuantWeight):
+        half = int(weight.scales.dtype == torch.float16)
+        return _Projection(
+            _address(weight.qs),
+            _address(weight.scales),
+            _address(weight.offsets),
+            _address(bias),
+            weight.in_features,
+            weight.out_features,
+            weight.bits,
+            weight.group,
+            half,
+        )
+    if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
+        return _Projection(_address(weight.data), None, None, _address(bias), in_features, weight.out_features, 0, 0, 0)
+    return None
+
+
+@dataclass
+class CompiledDecode:
+    """The decode loop of one ``LlamaForCausalLM`` over its KV caches (see the module)."""
+
+    model: LlamaForCausalLM
+    layers: Any  # ctypes array of _Layer, one per decoder layer
+    cache: _Cache
+    runs: torch.Tensor | None  # the quantized cache's runs (kept alive: the loop reads them)
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None
+    ) -> CompiledDecode | None:
+        """The loop for ``model`` (as loaded, weights in place for good) and its caches, or None."""
+        if type(model) is not LlamaForCausalLM or not kernels.enabled() or kernels._library() is None:
+            return None
+        attn = model.layers[0].self_attn
+        if model.norm.weight.dtype != torch.float32 or attn.q_norm is not None:
+            return None
+        if not all(kernels.usable(c, attn.head_dim) for c in kv_caches):  # the decode kernel reads them in place
+            return None
+        hidden = int(model.config.hidden_size)
+        records = []
+        for layer, cache in zip(model.layers, kv_caches):
+            a, m = layer.self_attn, layer.mlp
+            projections = (
+                _projection(a.qkv_weight, a.qkv_bias, hidden),
+                _projection(a.o_weight, a.o_bias, a.q_size),
+                _projection(m.gate_up_weight, m.gate_up_bias, hidden),
+                _projection(m.down_weight, m.down_bias, m.inter),
+            )
+            if any(p is None for p in projections):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache)))
+        runs = None if kv_quant is None else torch.tensor(kv_quant.runs, dtype=torch.int64)
+        if kv_quant is None:
+            fmt = _Cache(-1, 0, 0, 0, None)
+        else:
+            assert runs is not None
+            fmt = _Cache(
+                kernels.CODES[kv_quant.codes], kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr()
+            )
+        return cls(model, (_Layer * len(records))(*records), fmt, runs)
+
+    def serves(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        """Whether this step is one the loop computes as the model's forward would: every
+        local token a decode-kernel query, written to its own slot, nothing gathered."""
+        if ctx.gather is not None or ctx.dcp is not None or ctx.write_src is not None:
+            return False
+        if (ctx.step_tokens if ctx.step_tokens is not None else num_tokens) >= GEMM_MIN_ROWS:
+            return False  # projections of that many rows take the dequantized tiles
+        batch = decode_batch(ctx, True)
+        return batch is not None and batch.whole and num_tokens == ctx.query_start_loc[-1]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``LlamaForCausalLM.forward`` for a step ``serves`` accepts: (n,) ids and positions -> (n, hidden)."""
+        m = self.model
+        attn = m.layers[0].self_attn
+        h = embedding(input_ids, m.embed_tokens, m.norm.weight.dtype).contiguous()  # (n, hidden)
+        cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, hd/2) each
+        batch = decode_batch(ctx, True)
+        assert batch is not None
+        group = batch.groups[0]
+        write_slots = ctx.write_slots.contiguous()
+        n, hidden = h.shape
+        kernels._library().llama_decode_layers(
+            ctypes.addressof(self.layers),
+            len(self.layers),
+            ctypes.addressof(self.cache),
+            h.data_ptr(),
+            n,
+            hidden,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            m.layers[0].mlp.inter,
+            m.layers[0].input_layernorm.eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            write_slots.data_ptr(),
+            group.slots.data_ptr(),
+            group.starts.data_ptr(),
+            attn.attn.scale,
+        )
+        return m.norm(h)
