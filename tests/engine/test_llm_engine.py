@@ -227,8 +227,9 @@ def test_set_tokenizer_and_get_model_config(engine, text_dir):
 def test_engine_args_bad_values_and_vllm_names():
     with pytest.raises(CtxparError, match="max_num_seqs"):
         EngineArgs(max_num_seq=4)  # a typo: the valid names are listed
-    args = EngineArgs(enforce_eager=True, pcp_size=2)
-    assert args.vllm_args == {"enforce_eager": True} and args.pcp_size == 2
+    args = EngineArgs(swap_space=4, pcp_size=2)
+    assert args.vllm_args == {"swap_space": 4} and args.pcp_size == 2
+    assert EngineArgs(enforce_eager=True).create_engine_config().enforce_eager  # a real switch here
     assert EngineArgs(**dataclasses.asdict(args)) == args
     with pytest.raises(CtxparError, match="tensor_parallel_size=2"):
         EngineArgs(tensor_parallel_size=2).create_engine_config()

@@ -66,7 +66,7 @@ def test_refused_constructor_arguments_fail_before_loading(tmp_path, kwargs, wor
 
 
 def test_hints_are_ignored_with_one_log_line_and_neutral_values_accepted(text_dir, llm, caplog):
-    hints = dict(enforce_eager=True, disable_log_stats=True, gpu_memory_utilization=0.5, swap_space=0)
+    hints = dict(disable_log_stats=True, gpu_memory_utilization=0.5, swap_space=0, max_seq_len_to_capture=8192)
     neutral = dict(
         tensor_parallel_size=1,
         quantization=None,
