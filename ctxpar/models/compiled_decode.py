@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -29,7 +29,7 @@ from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
 from ctxpar.layers.paged_attention import decode_batch
 from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
-from ctxpar.models.llama import LlamaForCausalLM
+from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -90,50 +90,69 @@ def _projection(weight: Weight, bias: torch.Tensor | None, in_features: int) -> 
     return None
 
 
+@dataclass(frozen=True)
+class _Shapes:
+    """What the loop takes besides pointers: the model's sizes and constants."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+
 @dataclass
 class CompiledDecode:
     """The decode loop of one ``LlamaForCausalLM`` over its KV caches (see the module)."""
 
     model: LlamaForCausalLM
+    shapes: _Shapes
     layers: Any  # ctypes array of _Layer, one per decoder layer
     cache: _Cache
     runs: torch.Tensor | None  # the quantized cache's runs (kept alive: the loop reads them)
 
     @classmethod
-    def build(
-        cls, model: torch.nn.Module, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None
-    ) -> CompiledDecode | None:
+    def build(cls, model: object, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
         """The loop for ``model`` (as loaded, weights in place for good) and its caches, or None."""
         if type(model) is not LlamaForCausalLM or not kernels.enabled() or kernels._library() is None:
             return None
-        attn = model.layers[0].self_attn
+        layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
+        attn, mlp = layers[0].self_attn, layers[0].mlp
         if model.norm.weight.dtype != torch.float32 or attn.q_norm is not None:
             return None
         if not all(kernels.usable(c, attn.head_dim) for c in kv_caches):  # the decode kernel reads them in place
             return None
-        hidden = int(model.config.hidden_size)
+        shapes = _Shapes(
+            int(model.config.hidden_size),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            mlp.inter,
+            layers[0].input_layernorm.eps,
+            attn.attn.scale,
+        )
         records = []
-        for layer, cache in zip(model.layers, kv_caches):
+        for layer, cache in zip(layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             projections = (
-                _projection(a.qkv_weight, a.qkv_bias, hidden),
+                _projection(a.qkv_weight, a.qkv_bias, shapes.hidden),
                 _projection(a.o_weight, a.o_bias, a.q_size),
-                _projection(m.gate_up_weight, m.gate_up_bias, hidden),
+                _projection(m.gate_up_weight, m.gate_up_bias, shapes.hidden),
                 _projection(m.down_weight, m.down_bias, m.inter),
             )
             if any(p is None for p in projections):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache)))
-        runs = None if kv_quant is None else torch.tensor(kv_quant.runs, dtype=torch.int64)
         if kv_quant is None:
-            fmt = _Cache(-1, 0, 0, 0, None)
+            runs, fmt = None, _Cache(-1, 0, 0, 0, None)
         else:
-            assert runs is not None
-            fmt = _Cache(
-                kernels.CODES[kv_quant.codes], kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr()
-            )
-        return cls(model, (_Layer * len(records))(*records), fmt, runs)
+            runs = torch.tensor(kv_quant.runs, dtype=torch.int64)
+            code = kernels.CODES[kv_quant.codes]
+            fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr())
+        return cls(model, shapes, (_Layer * len(records))(*records), fmt, runs)
 
     def serves(self, ctx: ForwardContext, num_tokens: int) -> bool:
         """Whether this step is one the loop computes as the model's forward would: every
@@ -147,32 +166,32 @@ class CompiledDecode:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``LlamaForCausalLM.forward`` for a step ``serves`` accepts: (n,) ids and positions -> (n, hidden)."""
-        m = self.model
-        attn = m.layers[0].self_attn
+        m, s = self.model, self.shapes
         h = embedding(input_ids, m.embed_tokens, m.norm.weight.dtype).contiguous()  # (n, hidden)
-        cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, hd/2) each
+        cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, head_dim / 2) each
         batch = decode_batch(ctx, True)
         assert batch is not None
         group = batch.groups[0]
         write_slots = ctx.write_slots.contiguous()
-        n, hidden = h.shape
-        kernels._library().llama_decode_layers(
+        library = kernels._library()
+        assert library is not None  # build checked it
+        library.llama_decode_layers(
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(self.cache),
             h.data_ptr(),
-            n,
-            hidden,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            m.layers[0].mlp.inter,
-            m.layers[0].input_layernorm.eps,
+            h.shape[0],
+            s.hidden,
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            s.inter,
+            s.eps,
             cos.data_ptr(),
             sin.data_ptr(),
             write_slots.data_ptr(),
             group.slots.data_ptr(),
             group.starts.data_ptr(),
-            attn.attn.scale,
+            s.scale,
         )
         return m.norm(h)
