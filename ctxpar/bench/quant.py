@@ -21,6 +21,10 @@ the KV cache is the part of a step's bytes that quantizing it shrinks.
 ``--perplexity N`` adds each engine's perplexity of N tokens of real English and
 real code through ``prompt_logprobs`` (ctxpar/bench/perplexity.py), against the
 same weights with the first storage: what quantizing the KV cache costs in quality.
+``--eager`` also runs every engine with ``enforce_eager=True`` (each decode step
+through the model's Python forward instead of the compiled decode loop,
+ctxpar/models/compiled_decode.py), interleaved with it, and adds each step's
+ratio to that eager step: what the Python between the kernels costs.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default=["auto"],
         help="KV-cache storages, each setup with each (default: auto); the first is the ratios' baseline",
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="also time each engine with enforce_eager=True (no compiled decode loop) and print the ratio",
     )
     p.add_argument(
         "--perplexity",
@@ -146,22 +155,31 @@ def run(args: argparse.Namespace) -> None:
             # One engine per KV storage, open together: their runs interleave, so a change
             # of the machine's load between runs reaches every storage alike.
             llms = {kv: stack.enter_context(LLM(args.model, kv_cache_dtype=kv, **kwargs)) for kv in kvs}
+            eager = {
+                kv: stack.enter_context(LLM(args.model, kv_cache_dtype=kv, enforce_eager=True, **kwargs))
+                for kv in (kvs if args.eager else [])
+            }
             model = llms[kvs[0]].engine.loaded.model
             weights = weight_bytes(model)
             projections.append((name, projection_seconds(model), weights))
             for context in args.contexts:
                 best = {kv: (float("inf"), float("inf")) for kv in kvs}  # (s/step, prefill s)
+                best_eager = {kv: float("inf") for kv in eager}
                 for r in range(args.repeat):
                     for kv in kvs:
                         seconds, prefill = decode_step_seconds(llms[kv], context, args.steps, seed=r)
                         best[kv] = (min(best[kv][0], seconds), min(best[kv][1], prefill))
+                        if kv in eager:
+                            seconds = decode_step_seconds(eager[kv], context, args.steps, seed=r)[0]
+                            best_eager[kv] = min(best_eager[kv], seconds)
                 for kv in kvs:
                     engine = llms[kv].engine
                     read = weights + engine.kv_bytes_per_token_per_layer * model.num_kv_layers * (
                         context + args.steps // 2
                     )
                     ratio = best[kv][0] / best[kvs[0]][0]
-                    rows.append((name, kv, context, best[kv][0], ratio, weights, read, best[kv][1]))
+                    vs_eager = best[kv][0] / best_eager[kv] if kv in eager else None
+                    rows.append((name, kv, context, best[kv][0], ratio, vs_eager, weights, read, best[kv][1]))
                 print(f"measured {name} after {context} tokens", flush=True)
             if args.perplexity:
                 texts = perplexity_texts(llms[kvs[0]].get_tokenizer(), args.perplexity)
@@ -171,13 +189,13 @@ def run(args: argparse.Namespace) -> None:
     first = f"x KV {args.kv_cache_dtypes[0]}"
     header = f"{'weights':>7} | {'KV':>8} | {'context':>7} | {'ms/step':>8} | {first:>9} | {'weights MB':>10} | "
     header += f"{'read MB':>8} | {'floor ms (measured BW)':>22} | {'x floor':>7} | {'floor ms (18 GB/s)':>18} | "
-    print(header + f"{'x floor':>7} | {'prefill s':>9}")
-    for name, kv, context, seconds, ratio, weights, read, prefill in rows:
+    print(header + f"{'x floor':>7} | {'prefill s':>9}" + (f" | {'x eager':>7}" if args.eager else ""))
+    for name, kv, context, seconds, ratio, vs_eager, weights, read, prefill in rows:
         floor, nominal = read / bandwidth, read / NOMINAL_BANDWIDTH
         print(
             f"{name:>7} | {kv:>8} | {context:>7} | {seconds * 1e3:>8.2f} | {ratio:>9.2f} | {weights / 1e6:>10.1f} | "
             f"{read / 1e6:>8.1f} | {floor * 1e3:>22.2f} | {seconds / floor:>7.2f} | {nominal * 1e3:>18.2f} | "
-            f"{seconds / nominal:>7.2f} | {prefill:>9.2f}"
+            f"{seconds / nominal:>7.2f} | {prefill:>9.2f}" + (f" | {vs_eager:>7.2f}" if vs_eager is not None else "")
         )
     print("\nprojections and lm_head alone, one token (best of 20)")
     print(

@@ -12,10 +12,12 @@ from ctxpar.entrypoints.cli import main as cli
 
 def test_decode_rows_and_the_kv_caches_perplexity(capsys):
     args = ["bench", "quant", "--setups", "gguf", "--contexts", "16", "--steps", "2", "--repeat", "1"]
-    assert cli.main([*args, "--kv-cache-dtypes", "auto", "int8", "--perplexity", "96"]) in (0, None)
+    assert cli.main([*args, "--kv-cache-dtypes", "auto", "int8", "--perplexity", "96", "--eager"]) in (0, None)
     out = capsys.readouterr().out
-    decode = re.findall(r"^\s*gguf \|\s+(\w+) \|\s+16 \|\s+([\d.]+) \|\s+([\d.]+) \|", out, re.M)
-    assert [kv for kv, _, _ in decode] == ["auto", "int8"] and float(decode[0][2]) == 1.0
+    decode = re.findall(r"^\s*gguf \|\s+(\w+) \|\s+16 \|\s+([\d.]+) \|\s+([\d.]+) \|.*\|\s+([\d.]+)$", out, re.M)
+    assert [kv for kv, _, _, _ in decode] == ["auto", "int8"] and float(decode[0][2]) == 1.0
+    # --eager: each step's ratio to the same engine with enforce_eager=True (a ratio, not a timing check).
+    assert "x eager" in out and all(0 < float(vs_eager) < math.inf for _, _, _, vs_eager in decode)
     ppl = re.findall(r"^\s*gguf \|\s+(\w+) \|\s+(english|code) \|\s+([\d.]+) \|\s+([\d.]+)$", out, re.M)
     assert sorted((kv, text) for kv, text, _, _ in ppl) == [
         ("auto", "code"),

@@ -130,13 +130,18 @@ def test_a_step_of_many_unsplit_rows(llm):
 
 
 def test_led_steps_run_on_rank_0_with_the_hosts_threads(llm, monkeypatch):
-    """num_threads=1 per rank: a led step runs rank 0's forward with both ranks'
-    threads (2), a split step with its own (1); across hosts always 1."""
+    """num_threads=1 per rank: a led step runs rank 0's forward (the model's, or the
+    compiled decode loop's) with both ranks' threads (2), a split step with its own
+    (1); across hosts always 1."""
     import torch
 
     model, seen = llm.engine.loaded.model, []
     real = type(model).forward
     monkeypatch.setattr(model, "forward", lambda *a: (seen.append(torch.get_num_threads()), real(model, *a))[1])
+    compiled = llm.engine.executor.runner.target.compiled
+    assert compiled is not None  # a Llama in fp32: decode steps take the loop
+    loop = type(compiled).forward
+    monkeypatch.setattr(compiled, "forward", lambda *a: (seen.append(torch.get_num_threads()), loop(compiled, *a))[1])
     engine = llm.engine
     engine.add_request(list(range(60)), GREEDY)  # split
     step_collectives(llm)
