@@ -11,7 +11,10 @@ Prefill, per rank (DualChunkSwap gives every rank B*T/P tokens and 1/P of the
 causal attention work, sum over new tokens of the keys each sees:
 B*(T*C + T*(T+1)/2)):
 
-- linear:    2 * params_per_token * B*T/P FLOPs; reads the weights once
+- linear:    2 * params_per_token * B*T/P FLOPs; reads the weights once, at the
+             rate the profile's projections read weights (``weight_read_rate``:
+             measured by ``ctxpar calibrate`` through the engine's decode
+             projection, else the memory rate)
 - attention: 2*H*(d_qk + d_v) FLOPs per (query, key) pair per layer
 - per layer and algorithm (kv, q, o: bytes per token of KV entries, queries,
   partial outputs with their LSE; X = T + C where the context is sharded
@@ -24,7 +27,8 @@ B*(T*C + T*(T+1)/2)):
            returning partial outputs: alpha + (P-1)/P * B*T * o / BW
 
 Decode step (B rows at the full context each): every rank reads all weights
-(the rows are replicated) and its share of the KV cache (1/D of it); under DCP
+(the rows are replicated; at ``weight_read_rate``) and its share of the KV cache
+(1/D of it, at the memory rate); under DCP
 each layer ends with one all-to-all of the partial outputs and LSEs.
 """
 
@@ -85,11 +89,7 @@ def _tp_allreduces(m: ModelShape, h: HardwareProfile, tokens: float) -> float:
 
 
 def _rates(h: HardwareProfile) -> tuple[float, float, float]:
-    return (
-        h.gemm_flops * h.gemm_efficiency,
-        h.attention_flops * h.attention_efficiency,
-        h.memory_bandwidth * h.memory_efficiency,
-    )
+    return h.gemm_flops * h.gemm_efficiency, h.attention_flops * h.attention_efficiency, h.memory_rate
 
 
 def prefill_time(
@@ -104,7 +104,7 @@ def prefill_time(
         2 * m.linear_params_per_token * tokens + 2 * head * batch,
         gemm,
         (m.params_read(tokens) + head) * h.weight_bytes,
-        mem,
+        h.weight_read_rate,
     )
     pairs = batch * (new * cached + new * (new + 1) / 2) / pcp
     kv_token = m.kv_entries_per_token * h.act_bytes
@@ -147,7 +147,7 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         2 * (m.linear_params_per_token + head) * batch,
         gemm,
         (m.params_read(batch) + head) * h.weight_bytes,
-        mem,
+        h.weight_read_rate,
     )
     keys = batch * context / dcp
     b = _roofline(

@@ -162,3 +162,41 @@ def test_the_host_cost_enters_every_step_once_a_step_and_once_a_layer() -> None:
     for pcp in (1, 2):
         with_host = prefill_time(m, slow, 512, 0, 1, pcp, 1, "gather").total_s
         assert with_host - prefill_time(m, h, 512, 0, 1, pcp, 1, "gather").total_s == pytest.approx(host)
+
+
+def test_decode_reads_weights_at_the_projection_rate_and_the_kv_at_the_memory_rate() -> None:
+    """A profile whose projections read weights at half its memory rate: a decode step's
+    weights (SmolLM2 is tied, so every parameter once: the layers' and the embedding as
+    LM head) take twice as long; reading the KV cache costs what it did."""
+    from ctxpar.costmodel.timing import decode_time
+
+    m = load_model_shape("smollm2-135m")
+    weights = m.total_params * 4  # fp32
+    slow = dataclasses.replace(CPU, weight_read_bandwidth=CPU.memory_bandwidth / 2)
+    assert slow.weight_read_rate == CPU.memory_bandwidth / 2 and CPU.weight_read_rate == CPU.memory_bandwidth
+    extra = weights / slow.weight_read_bandwidth - weights / CPU.memory_bandwidth
+    for context in (64, 8192):
+        assert decode_time(m, slow, context, 1, 1).total_s - decode_time(m, CPU, context, 1, 1).total_s == (
+            pytest.approx(extra)
+        )
+    kv = (8192 - 64) * m.kv_entries_per_token * 4 * m.num_layers / CPU.memory_bandwidth
+    grow = decode_time(m, slow, 8192, 1, 1).total_s - decode_time(m, slow, 64, 1, 1).total_s
+    assert grow == pytest.approx(kv)
+
+
+def test_profiles_without_a_projection_rate_keep_the_memory_rate(tmp_path) -> None:
+    """Built-in profiles and profiles saved before the field existed load with 0: their
+    weight reads stay at memory_bandwidth x memory_efficiency, so their predictions are unchanged."""
+    for name in ("h100x8-ib", "h100x8-tcp", "cpu-core-shm"):
+        h = load_hardware(name)
+        assert h.weight_read_bandwidth == 0 and h.weight_read_rate == h.memory_bandwidth * h.memory_efficiency
+    old = json.loads(CPU.to_json())
+    del old["weight_read_bandwidth"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert load_hardware(str(path)) == CPU
+    measured = dataclasses.replace(CPU, weight_read_bandwidth=17e9)
+    path.write_text(measured.to_json())
+    assert load_hardware(str(path)).weight_read_bandwidth == 17e9
+    with pytest.raises(CtxparError, match="weight_read_bandwidth"):
+        dataclasses.replace(CPU, weight_read_bandwidth=-1.0)
