@@ -167,3 +167,26 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
 def _host_s(m: ModelShape, h: HardwareProfile) -> float:
     """The host's cost of one forward step beyond its kernels' work."""
     return h.step_overhead_s + m.num_layers * h.layer_overhead_s
+
+
+def pass_q_crossover(m: ModelShape, h: HardwareProfile, context: int, pcp: int, batch: int = 1) -> float:
+    """The KV-cache miss rate (new tokens / context) below which ring pass-Q is predicted
+    faster than ring pass-KV for a prompt of ``context`` tokens whose cached part is sharded
+    over ``pcp`` ranks (D = P): the least new / context at which pass-KV is no slower, by
+    bisection over whole token counts (pass-Q wins at few new tokens, pass-KV at many).
+    1.0 when pass-Q wins at every count."""
+    if pcp < 2 or context < 2:
+        raise ValueError("a crossover needs at least 2 ranks and 2 tokens")
+
+    def kv_wins(new: int) -> bool:
+        cached = context - new
+        q = prefill_time(m, h, new, cached, batch, pcp, pcp, "pass-Q").total_s
+        return prefill_time(m, h, new, cached, batch, pcp, pcp, "pass-KV").total_s <= q
+
+    lo, hi = 1, context - 1
+    if not kv_wins(hi):
+        return 1.0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if kv_wins(mid) else (mid + 1, hi)
+    return lo / context
