@@ -1,5 +1,6 @@
 """Measure this machine for the cost model: one rank's GEMM and attention FLOP/s,
-memory read bandwidth, and the collective cost between two local ranks.
+memory read bandwidth, the rate at which its decode projection reads weights, and
+the collective cost between two local ranks.
 
 Each figure is the best of a few timed repetitions (a shared machine only ever
 makes things slower). Collectives are timed between two spawned processes for
@@ -39,11 +40,13 @@ from ctxpar.machine import cpu_info
 GEMM_SHAPE = (1024, 1024, 1024)  # (tokens, in, out): a prefill-sized projection
 ATTN_SHAPE = (1024, 8, 64)  # (tokens, heads, head dim): causal, 2 query heads per KV head
 READ_BYTES = 256 << 20  # far beyond the caches
+WEIGHT_SHAPE = (4096, 1024)  # (out, in): a decode projection's weight, 16 MB in fp32
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
 GPU_GEMM_SHAPE = (8192, 4096, 4096)
 GPU_ATTN_SHAPE = (8192, 32, 128)
 GPU_READ_BYTES = 4 << 30
+GPU_WEIGHT_SHAPE = (14336, 4096)  # Llama-3-8B's MLP up projection: 117 MB in bf16
 SMALL, LARGE = 4 << 10, 16 << 20  # all-gather message per rank
 RUNS = {SMALL: 50, LARGE: 8}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,6 +101,31 @@ def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple
     k, v = (torch.randn(n, kv_heads, d, dtype=dtype, device=device) for _ in range(2))
     pairs = n * (n + 1) / 2
     return pairs * 2 * h * 2 * d / best_time(lambda: causal_attention(q, k, v, d**-0.5), device=device)
+
+
+def weight_read_bandwidth(
+    dtype: torch.dtype, device: torch.device = CPU, nbytes: int | None = None, shape: tuple[int, int] | None = None
+) -> float:
+    """Bytes/s at which the engine's decode projection reads weights: ``ctxpar.layers.linear``
+    on weights packed as the engine packs them after loading (the panel kernel on the CPU,
+    F.linear on a GPU), one input row each, over enough (out, in) matrices of ``dtype``
+    to hold ``nbytes``, far beyond the caches, so every call streams its weight from memory.
+    Bytes counted as the cost model counts them: out x in x the dtype's size. The matrices
+    are large enough that a call's fixed cost (the host's, measured apart) is noise."""
+    from ctxpar.layers.linear import linear, packed
+
+    nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
+    out, inp = shape or (GPU_WEIGHT_SHAPE if device.type == "cuda" else WEIGHT_SHAPE)
+    size = out * inp * torch.empty((), dtype=dtype).element_size()
+    count = max(2, -(-nbytes // size))  # at least two: one call never reads what the last left in cache
+    weights = [packed(torch.randn(out, inp, dtype=dtype, device=device)) for _ in range(count)]
+    x = torch.randn(1, inp, dtype=dtype, device=device)
+
+    def step() -> None:
+        for w in weights:
+            linear(x, w)
+
+    return count * size / best_time(step, device=device)
 
 
 def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
@@ -181,6 +209,8 @@ def calibrate(
         progress(f"attention {name}: {notes[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s")
     bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
+    notes["weight_read_bandwidth"] = weight_read_bandwidth(DTYPES[dtype], device)
+    progress(f"decode projection's weight read, {dtype}: {notes['weight_read_bandwidth'] / 1e9:.1f} GB/s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
     for name in ("gloo", "shm"):
@@ -219,6 +249,7 @@ def calibrate(
         gemm_flops=notes[f"gemm_flops_{dtype}"],
         attention_flops=notes[f"attention_flops_{dtype}"],
         memory_bandwidth=bandwidth,
+        weight_read_bandwidth=notes["weight_read_bandwidth"],
         memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],

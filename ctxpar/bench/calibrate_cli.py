@@ -1,5 +1,6 @@
 """Measure this machine (GEMM and attention FLOP/s in fp32 and bf16, memory
-read bandwidth, all-gather latency and bandwidth between two local ranks over
+read bandwidth, the rate the engine's decode projection reads weights in the
+profile's dtype, all-gather latency and bandwidth between two local ranks over
 gloo and shared memory, and the host's cost of a decode step beyond its
 kernels, a step and a layer) and save a hardware profile for `ctxpar estimate
 --hardware PATH`. Takes under a minute; one line per measurement.

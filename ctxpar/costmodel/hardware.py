@@ -37,6 +37,12 @@ class HardwareProfile:
     attention_efficiency: float = 1.0
     memory_efficiency: float = 1.0
     link_efficiency: float = 1.0
+    # Bytes/s at which the linear layers read their weights at a decode step's one row,
+    # as ``ctxpar calibrate`` measures the engine's own projection path (a GEMV kernel may
+    # stream weights slower than a plain read): used for every weight read of the linear
+    # layers. 0 (built-in profiles, profiles saved before it existed): the memory rate,
+    # memory_bandwidth x memory_efficiency.
+    weight_read_bandwidth: float = 0.0
     # Fraction of a ring step's transfer that runs under that step's attention
     # (1: a GPU's copy engines overlap them; 0: a blocking collective, as ctxpar's on CPU).
     comm_overlap: float = 0.0
@@ -62,6 +68,7 @@ class HardwareProfile:
             _check(self.name, name, getattr(self, name), 0.0, math.inf, open_lo=True)
         nonnegative = (
             "link_latency_s",
+            "weight_read_bandwidth",
             "ring_step_overhead_s",
             "step_overhead_s",
             "layer_overhead_s",
@@ -89,6 +96,17 @@ class HardwareProfile:
     @property
     def act_bytes(self) -> float:
         return DTYPE_BYTES[self.activation_dtype]
+
+    @property
+    def memory_rate(self) -> float:
+        """Bytes/s of plain memory traffic (the KV cache's reads): peak x efficiency."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def weight_read_rate(self) -> float:
+        """Bytes/s at which the linear layers read weights: the measured projection rate
+        where the profile has one, else the memory rate."""
+        return self.weight_read_bandwidth or self.memory_rate
 
     def link_time(self, nbytes: float, steps: int = 1) -> float:
         """Seconds for ``steps`` collective steps moving ``nbytes`` in all (alpha-beta)."""

@@ -128,8 +128,10 @@ class PCPPolicy:
         bounds = layout.rank_row_start
         keys = np.array([ends[bounds[k] : bounds[k + 1]].sum() for k in range(self.pcp_size)])
         rows = np.diff(bounds)
-        mem = h.memory_bandwidth * h.memory_efficiency
-        linear = np.maximum(2 * m.linear_params_per_token * tokens / _gemm(h), m.dense_params * h.weight_bytes / mem)
+        mem = h.memory_rate
+        linear = np.maximum(
+            2 * m.linear_params_per_token * tokens / _gemm(h), m.dense_params * h.weight_bytes / h.weight_read_rate
+        )
         attention = np.maximum(
             pairs * m.attention_flops_per_pair * m.num_layers / _attn(h),
             keys * m.kv_entries_per_token * h.act_bytes * m.num_layers / mem,
@@ -210,7 +212,7 @@ def derive_policy(
     )
     derived = tuple(name for name, value in given if value is None)
     link = hardware.link_bandwidth * hardware.link_efficiency
-    memory = hardware.memory_bandwidth * hardware.memory_efficiency
+    memory = hardware.memory_rate
     cost = ContextCost(hardware.link_latency_s, link, memory) if gather_ratio is None else None
     return PCPPolicy(
         model=model,

@@ -11,7 +11,10 @@ Prefill, per rank (DualChunkSwap gives every rank B*T/P tokens and 1/P of the
 causal attention work, sum over new tokens of the keys each sees:
 B*(T*C + T*(T+1)/2)):
 
-- linear:    2 * params_per_token * B*T/P FLOPs; reads the weights once
+- linear:    2 * params_per_token * B*T/P FLOPs; reads the weights once, at the
+             rate the profile's projections read weights (``weight_read_rate``:
+             measured by ``ctxpar calibrate`` through the engine's decode
+             projection, else the memory rate)
 - attention: 2*H*(d_qk + d_v) FLOPs per (query, key) pair per layer
 - per layer and algorithm (kv, q, o: bytes per token of KV entries, queries,
   partial outputs with their LSE; X = T + C where the context is sharded
@@ -24,7 +27,8 @@ B*(T*C + T*(T+1)/2)):
            returning partial outputs: alpha + (P-1)/P * B*T * o / BW
 
 Decode step (B rows at the full context each): every rank reads all weights
-(the rows are replicated) and its share of the KV cache (1/D of it); under DCP
+(the rows are replicated; at ``weight_read_rate``) and its share of the KV cache
+(1/D of it, at the memory rate); under DCP
 each layer ends with one all-to-all of the partial outputs and LSEs.
 """
 
@@ -85,11 +89,7 @@ def _tp_allreduces(m: ModelShape, h: HardwareProfile, tokens: float) -> float:
 
 
 def _rates(h: HardwareProfile) -> tuple[float, float, float]:
-    return (
-        h.gemm_flops * h.gemm_efficiency,
-        h.attention_flops * h.attention_efficiency,
-        h.memory_bandwidth * h.memory_efficiency,
-    )
+    return h.gemm_flops * h.gemm_efficiency, h.attention_flops * h.attention_efficiency, h.memory_rate
 
 
 def prefill_time(
@@ -104,7 +104,7 @@ def prefill_time(
         2 * m.linear_params_per_token * tokens + 2 * head * batch,
         gemm,
         (m.params_read(tokens) + head) * h.weight_bytes,
-        mem,
+        h.weight_read_rate,
     )
     pairs = batch * (new * cached + new * (new + 1) / 2) / pcp
     kv_token = m.kv_entries_per_token * h.act_bytes
@@ -147,7 +147,7 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         2 * (m.linear_params_per_token + head) * batch,
         gemm,
         (m.params_read(batch) + head) * h.weight_bytes,
-        mem,
+        h.weight_read_rate,
     )
     keys = batch * context / dcp
     b = _roofline(
@@ -167,3 +167,26 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
 def _host_s(m: ModelShape, h: HardwareProfile) -> float:
     """The host's cost of one forward step beyond its kernels' work."""
     return h.step_overhead_s + m.num_layers * h.layer_overhead_s
+
+
+def pass_q_crossover(m: ModelShape, h: HardwareProfile, context: int, pcp: int, batch: int = 1) -> float:
+    """The KV-cache miss rate (new tokens / context) below which ring pass-Q is predicted
+    faster than ring pass-KV for a prompt of ``context`` tokens whose cached part is sharded
+    over ``pcp`` ranks (D = P): the least new / context at which pass-KV is no slower, by
+    bisection over whole token counts (pass-Q wins at few new tokens, pass-KV at many).
+    1.0 when pass-Q wins at every count."""
+    if pcp < 2 or context < 2:
+        raise ValueError("a crossover needs at least 2 ranks and 2 tokens")
+
+    def kv_wins(new: int) -> bool:
+        cached = context - new
+        q = prefill_time(m, h, new, cached, batch, pcp, pcp, "pass-Q").total_s
+        return prefill_time(m, h, new, cached, batch, pcp, pcp, "pass-KV").total_s <= q
+
+    lo, hi = 1, context - 1
+    if not kv_wins(hi):
+        return 1.0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if kv_wins(mid) else (mid + 1, hi)
+    return lo / context

@@ -20,6 +20,8 @@ def test_rank_figures_at_small_sizes(monkeypatch) -> None:
         cal.attention_flops(torch.float32, cpu, (64, 4, 16)),
         cal.attention_flops(torch.bfloat16, cpu, (64, 4, 16)),
         cal.read_bandwidth(cpu, 1 << 20),
+        cal.weight_read_bandwidth(torch.float32, cpu, 1 << 20, (256, 64)),
+        cal.weight_read_bandwidth(torch.bfloat16, cpu, 1 << 20, (256, 64)),
     ):
         assert 0 < figure < math.inf
 
