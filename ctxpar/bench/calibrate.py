@@ -34,6 +34,7 @@ from ctxpar.bench.links_driver import best_of, fit_link
 from ctxpar.bench.netns import LINKS
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
 
@@ -111,14 +112,20 @@ def weight_read_bandwidth(
     F.linear on a GPU), one input row each, over enough (out, in) matrices of ``dtype``
     to hold ``nbytes``, far beyond the caches, so every call streams its weight from memory.
     Bytes counted as the cost model counts them: out x in x the dtype's size. The matrices
-    are large enough that a call's fixed cost (the host's, measured apart) is noise."""
+    are large enough that a call's fixed cost (the host's, measured apart) is noise. On the
+    CPU they lie in huge pages, as a loaded model's (ctxpar/layers/weight_arena.py)."""
     from ctxpar.layers.linear import linear, packed
+    from ctxpar.layers.weight_arena import place_on_huge_pages
 
     nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
     out, inp = shape or (GPU_WEIGHT_SHAPE if device.type == "cuda" else WEIGHT_SHAPE)
     size = out * inp * torch.empty((), dtype=dtype).element_size()
     count = max(2, -(-nbytes // size))  # at least two: one call never reads what the last left in cache
     weights = [packed(torch.randn(out, inp, dtype=dtype, device=device)) for _ in range(count)]
+    holder = torch.nn.Module()
+    for i, w in enumerate(weights):
+        setattr(holder, f"w{i}", w)
+    place_on_huge_pages(holder)
     x = torch.randn(1, inp, dtype=dtype, device=device)
 
     def step() -> None:
@@ -129,8 +136,13 @@ def weight_read_bandwidth(
 
 
 def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
+    """Bytes/s of a sum over a buffer far beyond the caches (on the CPU in huge pages, as
+    the engine's KV caches)."""
     nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        x = huge_zeros((nbytes // 4,), torch.float32).fill_(1.0)
+    else:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return nbytes / best_time(lambda: x.sum(), device=device)
 
 
