@@ -82,6 +82,11 @@ def enabled() -> bool:
     return os.environ.get("CTXPAR_KERNELS", "1") != "0"
 
 
+def available() -> bool:
+    """Whether the kernels serve: enabled (CTXPAR_KERNELS is not 0) and built."""
+    return enabled() and _library() is not None
+
+
 def _build_dir() -> Path:
     """``<cache>/kernels``, or a directory of this user's under the system's
     temporary one if the cache cannot be written (a read-only home)."""
@@ -149,8 +154,7 @@ def usable(cache: torch.Tensor, *widths: int) -> bool:
         and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
         and cache.is_contiguous()
         and all(w % 8 == 0 for w in widths)
-        and enabled()
-        and _library() is not None
+        and available()
     )
 
 
@@ -233,8 +237,7 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.float32
         and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
-        and enabled()
-        and _library() is not None
+        and available()
         and bool(_library().prefill_attention_supports(q.shape[-1], v.shape[-1]))
     )
 

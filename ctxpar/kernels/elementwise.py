@@ -15,11 +15,7 @@ from ctxpar import kernels
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether these tensors go through the kernels: fp32 on the CPU, kernels on and built."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and kernels.enabled()
-        and kernels._library() is not None
-    )
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and kernels.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,8 +18,7 @@ def prefill_quant_usable(q: torch.Tensor, quant: kernels.QuantRows) -> bool:
         and q.dtype == torch.float32
         and q.stride(-1) == 1
         and q.stride(-2) == q.shape[-1]
-        and kernels.enabled()
-        and kernels._library() is not None
+        and kernels.available()
         and bool(kernels._library().prefill_attention_supports(D, D))
     )
 

@@ -95,7 +95,7 @@ class KVQuant:
         of the compiled kernel, elsewhere with PyTorch's ops (``quantize_torch``),
         which round alike (to nearest, ties to even)."""
         flat = entries.reshape(entries.shape[0], self.width).float()
-        if flat.device.type == "cpu" and kernels.enabled() and kernels._library() is not None:
+        if flat.device.type == "cpu" and kernels.available():
             return kv_kernels.kv_quantize(flat, self._runs, self.codes, self.scale_offset, self.row_bytes)
         return self.quantize_torch(flat)
 

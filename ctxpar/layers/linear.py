@@ -80,7 +80,7 @@ def can_pack(weight: Weight) -> bool:
     bf16, slowly). Never a quantized one: it is in its kernel's layout already."""
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return False
-    if weight.dtype in (torch.float32, torch.bfloat16) and _kernel_packs():
+    if weight.dtype in (torch.float32, torch.bfloat16) and kernels.available():
         return True
     native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
     return native and torch.backends.mkldnn.is_available()
@@ -92,13 +92,9 @@ def packed(weight: Weight) -> Weight:
     if not can_pack(weight):
         return weight
     assert isinstance(weight, torch.Tensor)
-    if weight.dtype in (torch.float32, torch.bfloat16) and _kernel_packs():
+    if weight.dtype in (torch.float32, torch.bfloat16) and kernels.available():
         return PanelWeight.pack(weight.detach())
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
-
-
-def _kernel_packs() -> bool:
-    return kernels.enabled() and kernels._library() is not None
 
 
 def pack_weight(module: nn.Module, name: str) -> None:

@@ -120,7 +120,7 @@ class QuantWeight:
     def dequantize(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows [first, end) as float32 (end - first, in)."""
         end = self.out_features if end is None else end
-        if _kernels_on():
+        if kernels.available():
             return quant.quant_dequantize(self.qs, self.scales, self.offsets, self.bits, self.group, first, end - first)
         d = self.rows(first, end).decoded()
         w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * torch.from_numpy(d.scales)[:, :, None]
@@ -158,10 +158,6 @@ def _widen(p: QuantWeight, bits: int, group: int) -> QuantWeight:
     return QuantWeight.from_decoded(Decoded(d.q, scales, d.offsets, group), bits)
 
 
-def _kernels_on() -> bool:
-    return kernels.enabled() and kernels._library() is not None
-
-
 @contextmanager
 def path_rows(rows: int | None) -> Iterator[None]:
     """Within it, projections pick their path (integer kernel or dequantized tiles) by
@@ -183,7 +179,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         x = x.float()
     n = x.shape[0]
     rows = _PATH_ROWS.get()
-    if (n if rows is None else rows) < GEMM_MIN_ROWS and x.device.type == "cpu" and _kernels_on():
+    if (n if rows is None else rows) < GEMM_MIN_ROWS and x.device.type == "cpu" and kernels.available():
         out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias)
     else:
         out = torch.empty(n, w.out_features, dtype=torch.float32)
@@ -199,7 +195,7 @@ def _tile_product(x: torch.Tensor, w: QuantWeight, first: int, end: int, bias: t
     kernel's layout (gemv.cpp) where it runs, whose every output row is summed in
     one order whatever the other rows (so P ranks' row subsets compute as one rank
     does); else dequantized for F.linear."""
-    if not (_kernels_on() and x.device.type == "cpu"):
+    if not (kernels.available() and x.device.type == "cpu"):
         return F.linear(x, w.dequantize(first, end), bias)
     panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, first, end - first)
     return kernels.linear_packed(x, panels, end - first, bias)

@@ -116,7 +116,7 @@ class CompiledDecode:
     @classmethod
     def build(cls, model: object, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
         """The loop for ``model`` (as loaded, weights in place for good) and its caches, or None."""
-        if type(model) is not LlamaForCausalLM or not kernels.enabled() or kernels._library() is None:
+        if type(model) is not LlamaForCausalLM or not kernels.available():
             return None
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
         attn, mlp = layers[0].self_attn, layers[0].mlp

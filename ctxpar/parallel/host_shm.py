@@ -51,7 +51,7 @@ def _host_id() -> str:
 
 def on_one_host(store: dist.Store, rank: int, size: int) -> bool:
     """Whether all `size` ranks run on this host with shared pages usable (every rank calls this)."""
-    usable = enabled() and SHM_DIR.is_dir() and kernels.enabled() and kernels._library() is not None
+    usable = enabled() and SHM_DIR.is_dir() and kernels.available()
     store.set(f"host/{rank}", _host_id() if usable else f"none/{rank}")
     keys = [f"host/{k}" for k in range(size)]
     wait_keys(store, keys)
