@@ -21,6 +21,7 @@ from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
 from ctxpar.executor import recovery, startup
 from ctxpar.executor.shared_weights import share_weights
+from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, PCPGroup, open_store
 from ctxpar.parallel.shm_channel import PeerLost
 from ctxpar.worker.loading import RankModel, load_rank
@@ -38,8 +39,10 @@ def make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup, sh
     )
 
     def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
-        if group.one_host and share:  # one copy per host instead of one per rank
-            share_weights(model, group, "draft_weights" if is_draft else "weights")
+        # One copy per host instead of one per rank; else this rank's own, in huge pages.
+        shared = group.one_host and share and share_weights(model, group, "draft_weights" if is_draft else "weights")
+        if not shared and not is_draft:
+            place_on_huge_pages(model)
         return ModelRunner(model, options, group.device, group)
 
     return Runners.build(rank_model, make)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
 from ctxpar.executor.recovery import Regrouped
+from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
@@ -21,9 +24,13 @@ class UniProcExecutor:
         options = RunnerOptions.from_config(config, self.rank_model.num_blocks, self.rank_model.loaded.hf_config)
         self.runner_options = options
         device = self.rank_model.device
-        self.runner: Runners | None = Runners.build(
-            self.rank_model, lambda model, _: ModelRunner(model, options, device)
-        )
+
+        def make(model: Any, is_draft: bool) -> ModelRunner:  # model: a loaded CausalLM module
+            if not is_draft:
+                place_on_huge_pages(model)  # see rank_worker.make_runner
+            return ModelRunner(model, options, device)
+
+        self.runner: Runners | None = Runners.build(self.rank_model, make)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         assert self.runner is not None, "execute after close"

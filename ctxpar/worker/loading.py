@@ -11,7 +11,6 @@ from ctxpar.config import EngineConfig
 from ctxpar.device import bind_device, torch_dtype
 from ctxpar.errors import CtxparError
 from ctxpar.layers.kv_quant import kv_bytes_per_token_per_layer
-from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.loader import LoadedModel, load_model, load_mtp
 from ctxpar.worker.kv_cache import num_kv_blocks
 
@@ -41,7 +40,6 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     dtype = torch_dtype(config.dtype)
     loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides, config.quantization)
     model = loaded.model
-    place_on_huge_pages(model)
     per_token = kv_bytes_per_token_per_layer(
         tuple(model.kv_entry_shape), tuple(model.kv_scale_runs), dtype, config.kv_cache_dtype
     )

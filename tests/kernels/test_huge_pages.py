@@ -99,3 +99,15 @@ def test_weights_move_to_huge_pages_unchanged(model_dir):
     assert {m["range"] for m in mappings} == {mappings[0]["range"]}
     assert "hg" in mappings[0]["VmFlags"].split()
     assert all(a.data_ptr() % 64 == 0 for a in after)
+
+
+def test_an_engine_keeps_its_weights_and_caches_on_huge_pages(model_dir):
+    from ctxpar import LLM
+
+    with LLM(
+        str(model_dir), dtype="float32", max_model_len=64, kv_cache_bytes=1 << 23, skip_tokenizer_init=True
+    ) as llm:
+        holder, attr = shared_tensors(llm.engine.loaded.model)[0]
+        assert "hg" in mapping_of(getattr(holder, attr).data_ptr())["VmFlags"].split()
+        cache = llm.engine.executor.runner.target.kv_caches[0]
+        assert "hg" in mapping_of(cache.data_ptr())["VmFlags"].split()
