@@ -68,7 +68,7 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _projection(weight: Weight, bias: torch.Tensor | None, in_features: int) -> _Projection | None:
+def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None:
     """The loop's record of one projection, or None for a weight it does not read."""
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
@@ -86,6 +86,7 @@ def _projection(weight: Weight, bias: torch.Tensor | None, in_features: int) -> 
             half,
         )
     if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
+        in_features = weight.data.shape[1]  # fp32 panels: (panels, in, panel width)
         return _Projection(_address(weight.data), None, None, _address(bias), in_features, weight.out_features, 0, 0, 0)
     return None
 
@@ -137,10 +138,10 @@ class CompiledDecode:
         for layer, cache in zip(layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
             projections = (
-                _projection(a.qkv_weight, a.qkv_bias, shapes.hidden),
-                _projection(a.o_weight, a.o_bias, a.q_size),
-                _projection(m.gate_up_weight, m.gate_up_bias, shapes.hidden),
-                _projection(m.down_weight, m.down_bias, m.inter),
+                _projection(a.qkv_weight, a.qkv_bias),
+                _projection(a.o_weight, a.o_bias),
+                _projection(m.gate_up_weight, m.gate_up_bias),
+                _projection(m.down_weight, m.down_bias),
             )
             if any(p is None for p in projections):
                 return None
