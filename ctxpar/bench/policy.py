@@ -15,7 +15,9 @@ Workloads, all requests submitted at once, ``--output-len`` greedy tokens each:
 (6P short prompts). One engine at a time (a process holds one group of ranks):
 ``--rounds`` rounds, each starting every setting's engine in turn, which runs
 every workload ``--repeat`` times, so a busy moment of a shared machine hits
-the settings alike. Printed: each setting's best time and its ratio to auto's
+the settings alike; each round starts one setting later than the one before, so
+with a multiple of six rounds every setting takes every place in a round once.
+Printed: each setting's best time and its ratio to auto's
 (above 1: auto is faster).
 """
 
@@ -70,8 +72,12 @@ def _workloads(pcp: int, long: int, short: int, seed: int = 0) -> dict[str, list
 def _best_times(model: str, pcp: int, workloads: dict, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """{setting: {workload: best seconds of one generate call of all its prompts}}."""
     best = {s: {w: float("inf") for w in workloads} for s in SETTINGS}
+    names = list(SETTINGS)
     for rnd in range(args.rounds):
-        for name, setting in SETTINGS.items():
+        # Each round starts one setting later: an engine's place in the round (the first
+        # after a pause, the last after five others' start-ups) falls on every setting alike.
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            setting = SETTINGS[name]
             print(f"  P={pcp} round {rnd + 1} of {args.rounds}: {name}", flush=True)
             for w, t in _engine_times(model, pcp, setting, workloads, args).items():
                 best[name][w] = min(best[name][w], t)
