@@ -9,7 +9,10 @@ gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
 with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
 network namespaces joined by that link (ctxpar/bench/calibrate_link.py).
 Last, the host's cost of a step beyond its kernels, once a step and once a layer
-(ctxpar/bench/calibrate_host.py).
+(ctxpar/bench/calibrate_host.py). For ranks on one host (``link`` "shm") with
+fewer threads than the host has cores, the rates again with all of them: the
+profile's ``lead``, the rank that runs a step no prompt is split in for every
+rank sharing the host.
 
 On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
 fill it (each timed call ends in a synchronize); the collectives are still
@@ -23,6 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,7 @@ from ctxpar.bench.calibrate_host import host_overhead
 from ctxpar.bench.calibrate_link import TIMEOUT_S, measure_shaped_link
 from ctxpar.bench.links_driver import best_of, fit_link
 from ctxpar.bench.netns import LINKS
-from ctxpar.checks import machine_memory_bytes
+from ctxpar.checks import machine_memory_bytes, usable_cores
 from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
@@ -255,7 +259,7 @@ def calibrate(
     else:
         rank, links = f"one rank of {threads} thread(s) on {cpu_info().model}", f"ranks joined by {joined}"
         memory = float(machine_memory_bytes())
-    return HardwareProfile(
+    profile = HardwareProfile(
         name=f"calibrated-{socket.gethostname()}",
         description=f"{rank}, {dtype}, {links} (ctxpar calibrate, {when})",
         gemm_flops=notes[f"gemm_flops_{dtype}"],
@@ -270,4 +274,35 @@ def calibrate(
         step_overhead_s=notes["step_overhead_s"],
         layer_overhead_s=notes["layer_overhead_s"],
         notes=notes,
+    )
+    lead_threads = usable_cores()
+    if link != "shm" or device.type != "cpu" or lead_threads <= threads:
+        return profile
+    return replace(profile, lead=lead_profile(profile, lead_threads, progress))
+
+
+def lead_profile(rank: HardwareProfile, threads: int, progress: Callable[[str], None]) -> HardwareProfile:
+    """``rank``'s host running one rank with ``threads`` threads (all its cores): the
+    rates of a step rank 0 leads for ranks sharing the host. The host's cost of a step
+    is the same Python, so it is ``rank``'s."""
+    dtype = DTYPES[rank.weight_dtype]
+    torch.set_num_threads(threads)
+    try:
+        gemm, attention = gemm_flops(dtype), attention_flops(dtype)
+        memory, weights = read_bandwidth(), weight_read_bandwidth(dtype)
+    finally:
+        torch.set_num_threads(int(rank.notes["threads"]))
+    progress(
+        f"a led step's rates, {threads} threads: GEMM {gemm / 1e9:.1f} GFLOP/s, attention {attention / 1e9:.1f} "
+        f"GFLOP/s, memory read {memory / 1e9:.1f} GB/s, projection weights {weights / 1e9:.1f} GB/s"
+    )
+    return replace(
+        rank,
+        name=f"{rank.name}-lead",
+        description=f"{rank.description}; a step led with {threads} threads",
+        gemm_flops=gemm,
+        attention_flops=attention,
+        memory_bandwidth=memory,
+        weight_read_bandwidth=weights,
+        notes={"threads": threads},
     )

@@ -5,6 +5,12 @@ gloo and shared memory, and the host's cost of a decode step beyond its
 kernels, a step and a layer) and save a hardware profile for `ctxpar estimate
 --hardware PATH`. Takes under a minute; one line per measurement.
 
+With ``--link shm`` (ranks on one host) and ``--threads`` below the host's
+cores, the GEMM, attention, memory and projection rates are measured again
+with every core and saved as the profile's ``lead``: on one host, rank 0 runs a
+step that splits no prompt (a P > 1 decode step) with every rank's threads,
+and `ctxpar estimate` times those steps at these rates.
+
 ``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between
 two network namespaces linked through a switch by veths shaped with tc tbf to
 that rate (as `ctxpar bench links`; needs root and iproute2, within

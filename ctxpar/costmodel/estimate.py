@@ -6,6 +6,10 @@ group or nothing). P = 1 has no communication (algorithm "none"); with D = 1
 the context is on every rank, so the prefill moves only the new tokens' KV
 (pass-KV or gather); with D = P it may pass the queries instead (pass-Q).
 
+A profile of ranks that share one host (one with a ``lead``, as `ctxpar
+calibrate --link shm` measures) times P > 1 decode steps at D = 1 at the lead's
+rates: the engine runs those steps on rank 0 with every rank's threads.
+
 Memory per rank = weights + B * ceil(context / D) * KV bytes per token; it fits
 when it is at most ``usable_memory_fraction`` of the rank's memory
 (activations and workspace are not modelled). The recommendation is the layout
@@ -129,7 +133,8 @@ def estimate(
                 dcp=d,
                 algorithm=algorithm,
                 ttft=prefill_time(model, hardware, context - cached, cached, batch, p, d, algorithm),
-                decode=decode_time(model, hardware, context, batch, d),
+                # Ranks on one host lead a step of decodes at D = 1 (the profile's lead).
+                decode=decode_time(model, hardware.led(p > 1 and d == 1), context, batch, d),
                 weights_bytes=weights,
                 kv_bytes=kv,
                 fits=weights + kv <= hardware.usable_memory_fraction * hardware.memory_bytes,

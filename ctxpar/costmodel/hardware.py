@@ -61,6 +61,11 @@ class HardwareProfile:
     tp_latency_s: float = 0.0
     usable_memory_fraction: float = 0.9  # the rest: activations, workspace, fragmentation
     notes: dict[str, float] = field(default_factory=dict)  # measurements kept for the record
+    # Ranks sharing one host's cores (ctxpar's shared-memory channel between them) run a
+    # step that splits no prompt on rank 0 alone with every rank's threads, a *led* step
+    # (ctxpar/worker/options.py): this is that host's rank with all of them, as `ctxpar
+    # calibrate --link shm` measures it. None: a rank per host, or not measured.
+    lead: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         positive = ("gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes", "link_bandwidth")
@@ -88,6 +93,13 @@ class HardwareProfile:
             raise CtxparError(f"hardware {self.name}: tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.tp_size > 1 and self.tp_bandwidth <= 0:
             raise CtxparError(f"hardware {self.name}: tp_size > 1 needs tp_bandwidth > 0")
+        if self.lead is not None and (not isinstance(self.lead, HardwareProfile) or self.lead.lead is not None):
+            raise CtxparError(f"hardware {self.name}: lead must be a profile without a lead of its own")
+
+    def led(self, leads: bool) -> HardwareProfile:
+        """The profile a step runs at: the host's with every rank's threads where the
+        step is led (``leads``) and the profile has it, else this rank's."""
+        return self.lead if leads and self.lead is not None else self
 
     @property
     def weight_bytes(self) -> float:
@@ -131,6 +143,8 @@ def profile_from_dict(data: dict[str, Any], origin: str) -> HardwareProfile:
     unknown = sorted(set(data) - known)
     if unknown:
         raise CtxparError(f"hardware profile {origin}: unknown field(s) {', '.join(unknown)}")
+    if isinstance(data.get("lead"), dict):
+        data = data | {"lead": profile_from_dict(data["lead"], f"{origin} (lead)")}
     try:
         return HardwareProfile(**data)
     except TypeError as e:  # a required field missing

@@ -39,3 +39,26 @@ def test_host_overhead_is_a_cost_a_step_and_a_layer() -> None:
 
     step, layer = host_overhead("fp32", torch.device("cpu"))
     assert 1e-6 < layer < 5e-3 and 0 <= step < 0.1, (step, layer)
+
+
+def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
+    """lead_profile measures the rates again with more threads and keeps everything
+    else of the rank's profile (its link, host cost, dtype); the rank's threads come back."""
+    import dataclasses
+
+    from ctxpar.costmodel import load_hardware
+
+    monkeypatch.setattr(cal, "BUDGET_S", 0.02)
+    for name, small in (("GEMM_SHAPE", (64, 64, 64)), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
+        monkeypatch.setattr(cal, name, small)
+    monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
+    before = torch.get_num_threads()
+    rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
+    lines: list[str] = []
+    lead = cal.lead_profile(rank, before + 1, lines.append)
+    assert torch.get_num_threads() == before and lead.notes == {"threads": before + 1} and "led" in lines[0]
+    rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth")
+    assert all(0 < getattr(lead, r) < math.inf for r in rates)
+    same = {f.name for f in dataclasses.fields(rank)} - {*rates, "name", "description", "notes"}
+    assert all(getattr(lead, f) == getattr(rank, f) for f in same)
+    assert dataclasses.replace(rank, lead=lead).led(True) is lead

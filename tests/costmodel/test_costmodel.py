@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,34 @@ def test_profiles_without_a_projection_rate_keep_the_memory_rate(tmp_path) -> No
     assert load_hardware(str(path)).weight_read_bandwidth == 17e9
     with pytest.raises(CtxparError, match="weight_read_bandwidth"):
         dataclasses.replace(CPU, weight_read_bandwidth=-1.0)
+
+
+def test_ranks_on_one_host_decode_at_the_lead_rates() -> None:
+    """A profile with a lead (ranks sharing one host) predicts P > 1, D = 1 decode steps
+    at the lead's rates, as the engine runs them on rank 0 with every rank's threads:
+    the same step as one rank of the lead's; D = P and P = 1 keep the rank's rates."""
+    from ctxpar.costmodel.timing import decode_time
+
+    model = load_model_shape("smollm2-135m")
+    lead = dataclasses.replace(CPU, name="lead", gemm_flops=2 * CPU.gemm_flops, memory_bandwidth=3e10)
+    shm = dataclasses.replace(CPU, lead=lead)
+    by = {(e.pcp, e.dcp): e for e in estimate(model, shm, 4096, pcp=[1, 2]) if e.algorithm in ("none", "gather")}
+    assert by[2, 1].decode_ms == pytest.approx(1e3 * decode_time(model, lead, 4096, 1, 1).total_s)
+    assert by[2, 1].decode_ms < by[1, 1].decode_ms == pytest.approx(1e3 * decode_time(model, CPU, 4096, 1, 1).total_s)
+    assert by[2, 2].decode_ms == pytest.approx(1e3 * decode_time(model, CPU, 4096, 1, 2).total_s)
+
+
+def test_a_profile_with_a_lead_round_trips_and_bad_leads_are_refused(tmp_path: Path) -> None:
+    shm = load_hardware("cpu-core-shm")
+    path = tmp_path / "p.json"
+    path.write_text(shm.to_json())
+    assert load_hardware(str(path)) == shm and shm.lead is not None
+    nested = json.loads(shm.to_json())
+    nested["lead"]["lead"] = dict(nested["lead"])
+    path.write_text(json.dumps(nested))
+    with pytest.raises(CtxparError, match="lead must be a profile without a lead of its own"):
+        load_hardware(str(path))
+    nested["lead"] = 3.0
+    path.write_text(json.dumps(nested))
+    with pytest.raises(CtxparError, match="lead must be a profile"):
+        load_hardware(str(path))
