@@ -275,34 +275,47 @@ def calibrate(
         layer_overhead_s=notes["layer_overhead_s"],
         notes=notes,
     )
-    lead_threads = usable_cores()
-    if link != "shm" or device.type != "cpu" or lead_threads <= threads:
+    ranks = usable_cores() // threads
+    if link != "shm" or device.type != "cpu" or ranks < 2:
         return profile
-    return replace(profile, lead=lead_profile(profile, lead_threads, progress))
+    return replace(profile, lead=lead_profile(profile, ranks, progress))
 
 
-def lead_profile(rank: HardwareProfile, threads: int, progress: Callable[[str], None]) -> HardwareProfile:
-    """``rank``'s host running one rank with ``threads`` threads (all its cores): the
-    rates of a step rank 0 leads for ranks sharing the host. The host's cost of a step
-    is the same Python, so it is ``rank``'s."""
-    dtype = DTYPES[rank.weight_dtype]
+def lead_profile(
+    rank: HardwareProfile, ranks: int, progress: Callable[[str], None], host_cost: bool = True
+) -> HardwareProfile:
+    """The step rank 0 leads for ``ranks`` ranks like ``rank`` sharing this host: the rates
+    with all their threads, and (``host_cost``) the host's cost of such a step, measured
+    through an engine of that many ranks (ctxpar/bench/calibrate_host.py)."""
+    dtype, own = DTYPES[rank.weight_dtype], int(rank.notes["threads"])
+    threads = ranks * own
     torch.set_num_threads(threads)
     try:
         gemm, attention = gemm_flops(dtype), attention_flops(dtype)
         memory, weights = read_bandwidth(), weight_read_bandwidth(dtype)
     finally:
-        torch.set_num_threads(int(rank.notes["threads"]))
+        torch.set_num_threads(own)
     progress(
-        f"a led step's rates, {threads} threads: GEMM {gemm / 1e9:.1f} GFLOP/s, attention {attention / 1e9:.1f} "
-        f"GFLOP/s, memory read {memory / 1e9:.1f} GB/s, projection weights {weights / 1e9:.1f} GB/s"
+        f"a step led for {ranks} ranks, {threads} threads: GEMM {gemm / 1e9:.1f} GFLOP/s, attention "
+        f"{attention / 1e9:.1f} GFLOP/s, memory read {memory / 1e9:.1f} GB/s, projection weights "
+        f"{weights / 1e9:.1f} GB/s"
     )
+    step, layer = rank.step_overhead_s, rank.layer_overhead_s
+    if host_cost:
+        try:
+            step, layer = host_overhead(rank.weight_dtype, CPU, ranks, own)
+        finally:
+            torch.set_num_threads(own)
+        progress(f"host cost of a led step: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
     return replace(
         rank,
         name=f"{rank.name}-lead",
-        description=f"{rank.description}; a step led with {threads} threads",
+        description=f"{rank.description}; a step led for {ranks} ranks with {threads} threads",
         gemm_flops=gemm,
         attention_flops=attention,
         memory_bandwidth=memory,
         weight_read_bandwidth=weights,
-        notes={"threads": threads},
+        step_overhead_s=step,
+        layer_overhead_s=layer,
+        notes={"threads": threads, "ranks": ranks},
     )

@@ -46,24 +46,35 @@ def _tiny_config(layers: int):
     )
 
 
-def decode_step_s(path: Path, dtype: str, device: torch.device) -> float:
-    """Seconds of one decode step of the model at ``path``: the best of RUNS runs of STEPS steps."""
+def decode_step_s(path: Path, dtype: str, device: torch.device, ranks: int = 1, threads: int | None = None) -> float:
+    """Seconds of one decode step of the model at ``path`` on ``ranks`` ranks of ``threads``
+    threads (one host: rank 0 leads the step): the best of RUNS runs of STEPS steps."""
     from ctxpar import LLM
 
     # A random checkpoint has no tokenizer: token ids in, token ids out.
     with LLM(
-        str(path), dtype=ENGINE_DTYPES[dtype], device=device.type, max_model_len=512, skip_tokenizer_init=True
+        str(path),
+        dtype=ENGINE_DTYPES[dtype],
+        device=device.type,
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        pcp_size=ranks,
+        num_threads=threads,
     ) as llm:
         return min(decode_step_seconds(llm, PROMPT, STEPS, seed=run)[0] for run in range(RUNS))
 
 
-def host_overhead(dtype: str, device: torch.device) -> tuple[float, float]:
-    """(step_overhead_s, layer_overhead_s) of this host running ctxpar's engine in ``dtype``."""
+def host_overhead(dtype: str, device: torch.device, ranks: int = 1, threads: int | None = None) -> tuple[float, float]:
+    """(step_overhead_s, layer_overhead_s) of this host running ctxpar's engine in ``dtype``:
+    one rank, or ``ranks`` of ``threads`` threads each sharing it, whose decode steps rank 0
+    leads (the plan's broadcast to the ranks, the step's KV sent to them, included)."""
     from ctxpar.bench.cuda_models import save_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
         times = [
-            decode_step_s(save_random_model(_tiny_config(n), Path(tmp) / f"layers{n}", seed=0), dtype, device)
+            decode_step_s(
+                save_random_model(_tiny_config(n), Path(tmp) / f"layers{n}", seed=0), dtype, device, ranks, threads
+            )
             for n in LAYERS
         ]
     layer = max(0.0, (times[1] - times[0]) / (LAYERS[1] - LAYERS[0]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from ctxpar.bench import calibrate as cal
@@ -32,12 +33,14 @@ def test_cli_takes_the_device() -> None:
     assert build_parser().parse_args(["calibrate"]).device == "auto"  # as the engine's --device
 
 
-def test_host_overhead_is_a_cost_a_step_and_a_layer() -> None:
-    """Decode steps of the two tiny models through the real engine: a layer costs the host
-    some microseconds (a dozen kernel calls and their Python), never nothing."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_host_overhead_is_a_cost_a_step_and_a_layer(ranks: int) -> None:
+    """Decode steps of the two tiny models through the real engine, one rank or two
+    sharing this host (rank 0 leads each step): a layer costs the host some
+    microseconds (a dozen kernel calls and their Python), never nothing."""
     from ctxpar.bench.calibrate_host import host_overhead
 
-    step, layer = host_overhead("fp32", torch.device("cpu"))
+    step, layer = host_overhead("fp32", torch.device("cpu"), ranks, None if ranks == 1 else 1)
     assert 1e-6 < layer < 5e-3 and 0 <= step < 0.1, (step, layer)
 
 
@@ -55,10 +58,11 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     before = torch.get_num_threads()
     rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
     lines: list[str] = []
-    lead = cal.lead_profile(rank, before + 1, lines.append)
-    assert torch.get_num_threads() == before and lead.notes == {"threads": before + 1} and "led" in lines[0]
+    lead = cal.lead_profile(rank, 2, lines.append, host_cost=False)
+    assert torch.get_num_threads() == before and lead.notes == {"threads": 2 * before, "ranks": 2}
+    assert "a step led for 2 ranks" in lines[0]
     rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth")
     assert all(0 < getattr(lead, r) < math.inf for r in rates)
-    same = {f.name for f in dataclasses.fields(rank)} - {*rates, "name", "description", "notes"}
+    same = {f.name for f in dataclasses.fields(rank)} - {*rates, "name", "description", "notes"}  # host cost too
     assert all(getattr(lead, f) == getattr(rank, f) for f in same)
     assert dataclasses.replace(rank, lead=lead).led(True) is lead
