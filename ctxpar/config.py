@@ -56,7 +56,7 @@ class EngineConfig:
     pcp_spread_min_rows: int | None = None
     # Over which ranks each split prompt goes, per step: "auto" (the cost model's choice),
     # "all" (every one over all ranks), "disjoint" (each over its own group) or "whole" (each
-    # on one rank). Only "auto" and "all" under DCP.
+    # on one rank).
     pcp_split_mode: str = "auto"
     # DCP: split prompts gather their cached context from the shards when the bytes that
     # moves are below this times what passing their queries moves (else pass-Q). None: the
@@ -119,10 +119,9 @@ class EngineConfig:
         check_int("pcp_min_tokens", self.pcp_min_tokens, 0, none_ok=True)
         check_int("pcp_spread_min_rows", self.pcp_spread_min_rows, 0, none_ok=True)
         self._check_dcp()
-        modes = PCP_SPLIT_MODES if self.dcp_size == 1 else PCP_SPLIT_MODES[:2]  # DCP: every split row over all
-        if self.pcp_split_mode not in modes:
-            under = " under DCP (dcp_size > 1)" if self.dcp_size > 1 else ""
-            raise CtxparError(f"pcp_split_mode must be one of {', '.join(modes)}{under}, got {self.pcp_split_mode!r}")
+        if self.pcp_split_mode not in PCP_SPLIT_MODES:
+            modes = ", ".join(PCP_SPLIT_MODES)
+            raise CtxparError(f"pcp_split_mode must be one of {modes}, got {self.pcp_split_mode!r}")
         if self.dcp_gather_ratio is not None:
             check_float("dcp_gather_ratio", self.dcp_gather_ratio, 0.0, why=" or None (from the cost model)")
         profile = self.hardware_profile

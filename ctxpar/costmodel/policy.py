@@ -202,9 +202,7 @@ def derive_policy(
     if split_mode not in PCP_SPLIT_MODES:
         raise CtxparError(f"pcp_split_mode must be one of {', '.join(PCP_SPLIT_MODES)}, got {split_mode!r}")
     if dcp_size > 1:
-        # Groups of ranks are not built for a sharded KV cache's context paths, and a
-        # decode's queries must be on every rank (each attends its own shard).
-        split_mode, spread_min_rows = "all", NEVER
+        spread_min_rows = NEVER  # a decode's queries must be on every rank (each attends its own shard)
     given = (
         ("pcp_min_tokens", min_tokens),
         ("pcp_spread_min_rows", spread_min_rows),

@@ -59,7 +59,8 @@ def test_set_values_win_and_one_rank_splits_nothing() -> None:
     assert "from the cost model" in auto.describe()
     one = derive_policy(MODEL, CPU, 1, 1)
     assert (one.min_tokens, one.spread_min_rows) == (0, NEVER)
-    assert derive_policy(MODEL, CPU, 2, 2, split_mode="disjoint").split_mode == "all"  # DCP: all ranks
+    dcp = derive_policy(MODEL, CPU, 2, 2, split_mode="disjoint")  # DCP: groups too, decodes on every rank
+    assert (dcp.split_mode, dcp.spread_min_rows) == ("disjoint", NEVER)
 
 
 def groups(policy, q: list[int], c: list[int]) -> list[tuple[int, int]] | None:
