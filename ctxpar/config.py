@@ -80,8 +80,10 @@ class EngineConfig:
     max_rank_recoveries: int = 3
     rank_recovery_window_s: float = 600.0
     # vLLM's spelling: "gguf" keeps a .gguf file's quantized blocks (Q4_0 ... Q6_K) and
-    # computes with them (CPU kernels; docs/benchmarks.md, "Quantized weights"); None
-    # (or "none") dequantizes them to `dtype` when loading: the exact path, as before.
+    # computes with them (CPU kernels; docs/benchmarks.md, "Quantized weights"); "int8"
+    # quantizes any model's projections at load; "none" dequantizes a GGUF to `dtype`
+    # when loading (the exact path). None detects it, as vLLM does: "gguf" for a .gguf
+    # file (the default model is one) on the CPU, else "none" (``weight_quantization``).
     quantization: str | None = None
     # vLLM's switch for CUDA graphs: here, True runs every decode step through the model's
     # Python forward instead of one compiled call (ctxpar/models/compiled_decode.py).
@@ -160,29 +162,44 @@ class EngineConfig:
             return None
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.pcp_size)
 
+    @property
+    def weight_quantization(self) -> str | None:
+        """What loading does with the weights: "gguf" (a .gguf file's blocks kept), "int8"
+        (quantized at load) or None (the checkpoint's floats in ``dtype``)."""
+        q = self.quantization if self.quantization is not None else "gguf" if self._gguf_on_cpu() else "none"
+        return None if q == "none" else q
+
     def _check_quantization(self) -> None:
-        """None (or "none": one spelling from here on, None), "gguf" with a .gguf model
-        (the default model is one), or "int8" (any model, quantized at load); on the CPU."""
-        if self.quantization == "none":
-            object.__setattr__(self, "quantization", None)
+        """ "gguf" with a .gguf model, "int8" (any model, quantized at load), both on the
+        CPU, "none", or None (detected: ``weight_quantization``)."""
         if self.quantization is None:
             return
-        if self.quantization not in ("gguf", "int8"):
+        if self.quantization not in ("gguf", "int8", "none"):
             raise CtxparError(
                 f"quantization={self.quantization!r} is not supported: ctxpar keeps a .gguf file's quantized "
-                "blocks (quantization='gguf'), quantizes weights to int8 at load (quantization='int8'), or "
-                "computes in the dtype (None, the default)"
+                "blocks (quantization='gguf', the default for one on the CPU), quantizes weights to int8 at "
+                "load (quantization='int8'), or computes in the dtype (quantization='none')"
             )
         if self.quantization == "gguf" and self.model is not None and os.path.isdir(self.model):
             raise CtxparError(
                 f"quantization='gguf' keeps the blocks of a .gguf file; model {self.model!r} is a directory: "
-                "pass a .gguf file, quantization='int8' to quantize it at load, or leave quantization=None"
+                "pass a .gguf file, quantization='int8' to quantize it at load, or quantization='none'"
             )
-        if self.device == "cuda":
+        if self.quantization != "none" and self.device == "cuda":
             raise CtxparError(
-                f"quantization={self.quantization!r} computes with CPU kernels: pass device='cpu', or leave "
-                "quantization=None"
+                f"quantization={self.quantization!r} computes with CPU kernels: pass device='cpu', or "
+                "quantization='none'"
             )
+
+    def _gguf_on_cpu(self) -> bool:
+        """Whether the model is a .gguf file (None: the default model, one) that runs on the CPU."""
+        if self.model is not None and not (isinstance(self.model, str) and self.model.endswith(".gguf")):
+            return False
+        if self.device == "auto":
+            import torch
+
+            return not torch.cuda.is_available()
+        return self.device == "cpu"
 
     def _check_dcp(self) -> None:
         """D must be 1 or P (the DCP group is the PCP group), and a block must

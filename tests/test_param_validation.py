@@ -125,7 +125,7 @@ def test_seed_limits_are_torchs(seed):
         (dict(master_addr=""), ["master_addr", "''"]),
         (dict(master_addr=None), ["master_addr", "None"]),
         (dict(model=42), ["model", "42"]),
-        (dict(quantization="awq"), ["quantization='awq'", "'gguf'", "None"]),
+        (dict(quantization="awq"), ["quantization='awq'", "'gguf'", "'none'"]),
         (dict(quantization=4), ["quantization=4"]),
         (dict(quantization="gguf", model="/"), ["quantization='gguf'", "directory", ".gguf"]),
         (dict(quantization="gguf", device="cuda"), ["quantization='gguf'", "device='cpu'"]),
@@ -150,10 +150,16 @@ def test_engine_config_edges_accepted():
     )
 
 
-def test_quantization_spellings():
-    assert EngineConfig().quantization is None
-    assert EngineConfig(quantization="none").quantization is None  # one spelling: None
-    assert EngineConfig(quantization="gguf").quantization == "gguf"  # the default model is a .gguf file
+def test_quantization_spellings_and_detection(tmp_path):
+    """None detects, as vLLM does: a .gguf file (the default model is one) on the CPU keeps
+    its blocks; a directory, or a GPU, computes in the dtype; "none" always dequantizes."""
+    assert EngineConfig().quantization is None and EngineConfig().weight_quantization == "gguf"
+    assert EngineConfig(model=str(tmp_path / "m.gguf"), device="cpu").weight_quantization == "gguf"
+    assert EngineConfig(model=str(tmp_path)).weight_quantization is None
+    assert EngineConfig(device="cuda").weight_quantization is None
+    assert EngineConfig(quantization="none").weight_quantization is None
+    assert EngineConfig(quantization="gguf").weight_quantization == "gguf"
+    assert EngineConfig(model=str(tmp_path), quantization="int8").weight_quantization == "int8"
 
 
 def test_num_kv_blocks_beyond_the_machine_is_refused_before_any_model_loads():

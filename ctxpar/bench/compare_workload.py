@@ -168,7 +168,7 @@ def run(name: str, spec: dict) -> dict:
     for text, ids in spec.get("perplexity", {}).items() if name in ("ctxpar", "llama.cpp") else ():
         figures[f"ppl_{text}"] = perplexity(name, spec, ids, spec.get("quantization"))
         if name == "ctxpar" and spec.get("quantization"):
-            figures[f"ppl_{text}_dequantized"] = perplexity(name, spec, ids, None)
+            figures[f"ppl_{text}_dequantized"] = perplexity(name, spec, ids, "none")
     return {"engine": name, "load_s": loaded, "figures": figures, "tokens": tokens}
 
 

@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> None:
         max_num_batched_tokens=2048,
         kv_cache_bytes=args.kv_cache_mib << 20,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization="none",  # the figures of docs/benchmarks.md: a GGUF dequantized
     )
     setups = [("P=1", dict(pcp_size=1), False), ("P=2 D=1", dict(pcp_size=2), True)]
     setups += [(f"P=2 D=2 I={i}", dict(pcp_size=2, dcp_size=2, cp_interleave=i), True) for i in args.interleave]

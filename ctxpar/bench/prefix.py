@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> None:
                 num_threads=args.threads,
                 max_model_len=longest + 8,
                 enable_prefix_caching=caching,
+                quantization="none",  # a GGUF dequantized, as in docs/benchmarks.md
             ) as llm:
                 _warm_up(llm, args)
                 ttft, answers, cached = _ask_in_turn(llm, _documents(llm, args), args.answer_tokens)

@@ -42,8 +42,8 @@ from ctxpar.config import KV_CACHE_DTYPES
 SETUPS: dict[str, dict[str, Any]] = {
     "gguf": dict(quantization="gguf"),
     "int8": dict(quantization="int8", dtype="float32"),
-    "fp32": dict(quantization=None, dtype="float32"),
-    "bf16": dict(quantization=None, dtype="bfloat16"),
+    "fp32": dict(quantization="none", dtype="float32"),
+    "bf16": dict(quantization="none", dtype="bfloat16"),
 }
 NOMINAL_BANDWIDTH = 18e9  # bytes/s: docs/DESIGN.md's figure for these machines
 

@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
     from ctxpar import LLM, SamplingParams
 
-    kw = {"num_threads": args.threads} if args.threads else {}
+    kw: dict = {"quantization": "none"}  # a GGUF dequantized, as in docs/benchmarks.md
+    if args.threads:
+        kw["num_threads"] = args.threads
     if dcp > 1:
         kw["cp_interleave"] = args.cp_interleave
     with LLM(args.model, pcp_size=args.pcp, dcp_size=dcp, max_model_len=args.context + 64, **kw) as llm:

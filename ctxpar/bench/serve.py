@@ -157,6 +157,7 @@ def start_server(
     offline: each level resends the same prompts."""
     cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp), *extra]
     cmd += ["--model", args.model] if args.model else []
+    cmd += ["--quantization", "none"]  # a GGUF dequantized, as the figures of docs/benchmarks.md
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -180,7 +181,9 @@ def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]],
     from ctxpar import LLM, SamplingParams
     from ctxpar.bench.throughput import make_prompts
 
-    with LLM(args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False) as llm:
+    with LLM(
+        args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False, quantization="none"
+    ) as llm:
         engine = llm.engine
         prompts = make_prompts(
             engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed

@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> None:
     lengths = {"copy": args.copy_tokens, "free": args.free_tokens}
     print("\n P | workload | off (tok/s) | on (tok/s) | speed-up | acceptance | mean accepted length | identical")
     for pcp in args.pcp:
-        common = dict(pcp_size=pcp, enable_prefix_caching=False, kv_cache_bytes=args.kv_cache_bytes)
+        common = dict(
+            pcp_size=pcp, enable_prefix_caching=False, kv_cache_bytes=args.kv_cache_bytes, quantization="none"
+        )
         best: dict[tuple[str, str], tuple[float, list[list[int]], dict[str, int]]] = {}
 
         def measure(label: str, llm, workloads: dict[str, list]) -> None:

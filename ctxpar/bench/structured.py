@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar.sampling_params import StructuredOutputsParams
 
     print(describe_machine())
-    with LLM(args.model, num_threads=args.threads) as llm:
+    with LLM(args.model, num_threads=args.threads, quantization="none") as llm:
         prompts = _prompts(llm, args.requests)
         constrained = [
             SamplingParams(

@@ -186,6 +186,7 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
         pcp_size=pcp,
         num_threads=max(1, threads // pcp),
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization="none",  # a GGUF dequantized: the figures of docs/benchmarks.md, and vLLM's model
         **spread,
     ) as llm:
         engine = llm.engine

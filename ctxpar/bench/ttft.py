@@ -22,6 +22,10 @@ import numpy as np
 
 from ctxpar.checks import nonnegative_int, positive_int
 
+# Prefix caching off: the repeats of one prompt would time a cache hit, not a prefill. A GGUF
+# dequantized: the path the cost model's fp32 profiles and docs/benchmarks.md's figures are of.
+EXACT = dict(enable_prefix_caching=False, quantization="none")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct GGUF)")
@@ -87,7 +91,7 @@ def _short_prompts(args: argparse.Namespace) -> None:
 
     times = {}
     for mode, min_tokens in (("split", 0), ("replicated", 1 << 30)):
-        with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens, enable_prefix_caching=False) as llm:
+        with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens, **EXACT) as llm:
             prompts = _prompts(args.short, llm.engine.vocab_size, seed=1)
             _first_token(llm, prompts[min(prompts)], 1)  # warm up
             for n, ids in prompts.items():
@@ -104,10 +108,7 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
 
     longest = max(args.lengths)
-    # Prefix caching off: the repeats of one prompt would time a cache hit, not a prefill.
-    common = dict(
-        max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8, enable_prefix_caching=False
-    )
+    common = dict(max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8, **EXACT)
     setups = [
         ("P=1, 1 thread", dict(pcp_size=1, num_threads=1)),
         ("P=1, 2 threads", dict(pcp_size=1, num_threads=2)),

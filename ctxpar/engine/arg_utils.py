@@ -120,10 +120,10 @@ FLAGS: dict[str, Flag] = {
     ),
     "rank_recovery_window_s": Flag("the window of --max-rank-recoveries, in seconds", "SECONDS", parse=float),
     "quantization": Flag(
-        "gguf: keep a .gguf file's quantized weights (Q4_0 ... Q6_K) and compute with them on the CPU, "
-        "reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
+        "gguf (the default for a .gguf file on the CPU): keep its quantized weights (Q4_0 ... Q6_K) and "
+        "compute with them, reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
         "int8: quantize any model's projection weights to int8 at load (a scale per 32 weights), same kernels; "
-        "none (the default): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
+        "none (the default otherwise): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
         choices=("gguf", "int8", "none"),
     ),
     "enforce_eager": Flag(
@@ -166,7 +166,7 @@ class EngineArgs:
     hf_overrides: Any = DEFAULTS.hf_overrides  # a dict or its JSON
     max_rank_recoveries: int = DEFAULTS.max_rank_recoveries
     rank_recovery_window_s: float = DEFAULTS.rank_recovery_window_s
-    quantization: str | None = DEFAULTS.quantization  # "gguf", or None / "none"
+    quantization: str | None = DEFAULTS.quantization  # None: detected from the model (EngineConfig)
     enforce_eager: bool = DEFAULTS.enforce_eager
     # The tokenizer and sampling defaults (LLM's own arguments).
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's

@@ -38,7 +38,9 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
     if threads is not None:
         torch.set_num_threads(threads)
     dtype = torch_dtype(config.dtype)
-    loaded = load_model(config.model, dtype, device, config.max_model_len, config.hf_overrides, config.quantization)
+    loaded = load_model(
+        config.model, dtype, device, config.max_model_len, config.hf_overrides, config.weight_quantization
+    )
     model = loaded.model
     per_token = kv_bytes_per_token_per_layer(
         tuple(model.kv_entry_shape), tuple(model.kv_scale_runs), dtype, config.kv_cache_dtype

@@ -22,7 +22,7 @@ SETTINGS = [(0.0, None), (1.0, 0), (1.0, 1), (1.0, 2)]  # greedy, and sampling w
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(dtype="float32") as llm:
+    with LLM(dtype="float32", quantization="none") as llm:
         yield llm
 
 
@@ -259,7 +259,9 @@ def test_failed_step_and_preemption_leave_the_grammars_in_step(llm):
         executor.execute = real
     assert [got[str(i)] for i in range(len(prompts))] == want and len(calls) > 5
     # A KV cache that holds about one request at a time: the others are preempted and recomputed.
-    with LLM(dtype="float32", kv_cache_bytes=3 << 20, max_model_len=64, enable_prefix_caching=False) as small:
+    with LLM(
+        dtype="float32", quantization="none", kv_cache_bytes=3 << 20, max_model_len=64, enable_prefix_caching=False
+    ) as small:
         small.generate(prompts, params, use_tqdm=False)  # compiles the grammars: all start together next
         outs = small.generate(prompts, params, use_tqdm=False)
         assert small.llm_engine.engine.scheduler.num_preemptions > 0

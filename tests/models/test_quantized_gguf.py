@@ -1,5 +1,5 @@
 """The real SmolLM2 Q4_1 GGUF with its blocks kept quantized (quantization="gguf")
-against the same file dequantized to fp32 (quantization=None, the path the
+against the same file dequantized to fp32 (quantization="none", the path the
 tests against transformers check), through the real engine, at P = 1 and 2.
 
 - loading keeps every projection and the (tied, Q8_0) embedding as QuantWeights;
@@ -62,9 +62,9 @@ def in_shared_pages(llm: LLM, weight: QuantWeight) -> bool:
 
 
 @pytest.fixture(scope="module")
-def outputs() -> dict[tuple[str | None, int], list]:
+def outputs() -> dict[tuple[str, int], list]:
     out: dict = {}
-    for quantization, pcp_size in [(None, 1), ("gguf", 1), ("gguf", 2)]:
+    for quantization, pcp_size in [("none", 1), ("gguf", 1), ("gguf", 2)]:
         with LLM(quantization=quantization, pcp_size=pcp_size, max_model_len=1024, pcp_min_tokens=64) as llm:
             model = llm.engine.loaded.model
             if pcp_size == 1:
@@ -83,11 +83,11 @@ def test_ranks_on_one_host_share_the_quantized_weights(outputs) -> None:
 
 
 def test_the_long_prompt_takes_the_tile_path(outputs) -> None:
-    assert len(outputs[None, 1][2].prompt_token_ids) >= max(GEMM_MIN_ROWS, 128)
+    assert len(outputs["none", 1][2].prompt_token_ids) >= max(GEMM_MIN_ROWS, 128)
 
 
 def test_prefill_through_dequantized_tiles_equals_fp32(outputs) -> None:
-    exact, quant = outputs[None, 1][2], outputs["gguf", 1][2]
+    exact, quant = outputs["none", 1][2], outputs["gguf", 1][2]
     ids = exact.prompt_token_ids
     worst = max(
         abs(a[t].logprob - b[t].logprob)
@@ -98,7 +98,7 @@ def test_prefill_through_dequantized_tiles_equals_fp32(outputs) -> None:
 
 def test_decode_with_int8_activations_stays_close(outputs) -> None:
     compared = 0
-    for exact, quant in zip(outputs[None, 1], outputs["gguf", 1]):
+    for exact, quant in zip(outputs["none", 1], outputs["gguf", 1]):
         a, b = exact.outputs[0], quant.outputs[0]
         for k, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
             lp = a.logprobs[k]

@@ -76,11 +76,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 def outputs() -> dict[int, list]:
     """{pcp_size: LLM.chat outputs of the three conversations, batched in one call}."""
     out = {}
-    with LLM(max_num_batched_tokens=BUDGET) as llm:
+    with LLM(max_num_batched_tokens=BUDGET, quantization="none") as llm:
         convs = conversations(llm.get_tokenizer())
         out[1] = llm.chat(convs, PARAMS, use_tqdm=False)
     # The default PCP policy (docs/scaling.md) decides which chunks are split, and over which ranks.
-    with LLM(pcp_size=2, max_num_batched_tokens=BUDGET) as llm:
+    with LLM(pcp_size=2, max_num_batched_tokens=BUDGET, quantization="none") as llm:
         out[2] = llm.chat(convs, PARAMS, use_tqdm=False)
     return out
 

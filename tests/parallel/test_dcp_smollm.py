@@ -22,7 +22,9 @@ LOGPROB_TOL = 1e-3
 def test_sharded_cache_chat_matches_transformers(hf_smollm2):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     conv = [{"role": "user", "content": "Explain in two sentences why the sky is blue, for a child."}]
-    with LLM(pcp_size=2, dcp_size=2, cp_interleave=4, pcp_min_tokens=8, max_num_batched_tokens=24) as llm:
+    with LLM(
+        pcp_size=2, dcp_size=2, cp_interleave=4, pcp_min_tokens=8, max_num_batched_tokens=24, quantization="none"
+    ) as llm:
         [out] = llm.chat(conv, params, use_tqdm=False)
     assert len(out.prompt_token_ids) > 24  # chunked, and split while prefilling
     want, logits = transformers_greedy_logits(hf_smollm2, out.prompt_token_ids, NEW_TOKENS)

@@ -24,7 +24,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server(["--threads", "1"], log=tmp_path_factory.mktemp("serve_smollm") / "server.log")
+    s = Server(["--threads", "1", "--quantization", "none"], log=tmp_path_factory.mktemp("serve_smollm") / "server.log")
     yield s
     assert s.stop() in STOPPED, s.log()
 
@@ -32,7 +32,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     greedy = SamplingParams(max_tokens=N, temperature=0)
-    with LLM(num_threads=1) as llm:
+    with LLM(num_threads=1, quantization="none") as llm:
         completions = [o.outputs[0] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         chats = [llm.chat(c, greedy, use_tqdm=False)[0].outputs[0] for c in CHATS]
     return completions, chats

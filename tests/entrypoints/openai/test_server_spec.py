@@ -31,7 +31,7 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_spec") / "server.log"
-    s = Server(["--threads", "1", "--speculative-config", json.dumps(NGRAM)], log=log)
+    s = Server(["--threads", "1", "--quantization", "none", "--speculative-config", json.dumps(NGRAM)], log=log)
     yield s
     assert s.stop() in STOPPED, s.log()
 
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
 def want() -> list[str]:
     from ctxpar import LLM, SamplingParams
 
-    with LLM(None, num_threads=1) as llm:
+    with LLM(None, num_threads=1, quantization="none") as llm:
         prompts = [llm.apply_chat_template(m)[0] for m in MESSAGES]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
