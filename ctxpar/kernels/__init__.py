@@ -51,6 +51,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
+    "hadamard_f32": ([_ptr] + [_i64] * 4 + [_f32], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_packed_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),

@@ -9,8 +9,8 @@
 // tests compare the two).
 //
 // Per layer, h (n, hidden) the residual stream:
-//   x = rms_norm(h); qkv = x W_qkv^T (+b); rope(q, k); K, V -> cache slots;
-//   a = attention(q, cache); o = a W_o^T (+b); x = rms_norm(h += o);
+//   x = rms_norm(h); qkv = x W_qkv^T (+b); rope(q, k); [a quantized cache: turn q, k, v];
+//   K, V -> cache slots; a = attention(q, cache) [turned back]; o = a W_o^T (+b); x = rms_norm(h += o);
 //   h += down(silu(gate) * up), gate|up = x W_gu^T (+b)
 // Projections are block-quantized (quant_gemv.cpp) or fp32 panels (gemv.cpp); the
 // cache fp32 entries or quantized rows (kv_quantize.cpp, kv_codes.h).
@@ -24,6 +24,7 @@ void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float
                   float eps, float* out);
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin);
+void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
 void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
                       const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
                       const float* bias, float* out);
@@ -59,10 +60,13 @@ struct Layer {
   void* cache;  // (num_slots, 2, Hk, D) float32 or (num_slots, row_bytes) quantized rows
 };
 
-// The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows.
+// The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows;
+// q_turn, kv_turn (0: not turned) the scales of the Walsh-Hadamard turn of the heads of a
+// quantized cache (ctxpar/layers/kv_rotation.py): queries and output, keys and values.
 struct Cache {
   int64_t code, row_bytes, scale_offset, num_runs;
   const int64_t* runs;
+  float q_turn, kv_turn;
 };
 
 void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, float* out) {
@@ -99,6 +103,10 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
     rms_norm_f32(h, hidden, nullptr, L.input_norm, n, hidden, eps, x.data());
     project(L.qkv, x.data(), hidden, n, qkv.data());
     rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, cos, sin);  // Q and K heads side by side
+    if (cache->kv_turn != 0) {
+      hadamard_f32(qkv.data(), qkv_size, n, heads, dim, cache->q_turn);
+      hadamard_f32(qkv.data() + q_size, qkv_size, n, 2 * kv_heads, dim, cache->kv_turn);  // K then V heads
+    }
     const float* entries = qkv.data() + q_size;  // (n, 2, Hk, D) rows qkv_size apart
     if (cache->code < 0) {
       float* c = static_cast<float*>(L.cache);
@@ -120,6 +128,7 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
       paged_decode_quant(q.data(), static_cast<const uint8_t*>(L.cache), slots, starts, n, heads, kv_heads, dim, dim,
                          cache->row_bytes, dim, kv_size, cache->code, cache->scale_offset, 1, kv_heads, dim, scale,
                          attn.data(), lse.data());
+    if (cache->kv_turn != 0) hadamard_f32(attn.data(), q_size, n, heads, dim, cache->q_turn);  // turned back
     project(L.o, attn.data(), q_size, n, proj.data());
     rms_norm_f32(proj.data(), hidden, h, L.post_norm, n, hidden, eps, x.data());  // h += o, x = norm(h)
     project(L.gate_up, x.data(), hidden, n, gate_up.data());

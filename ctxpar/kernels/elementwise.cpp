@@ -107,4 +107,25 @@ void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
     }
   }
 }
+// x (n, heads, dim) in place, heads contiguous, x_stride floats between tokens:
+// each head's run times the Walsh-Hadamard matrix (Sylvester's order, not
+// normalised), then times scale (a power of two: exact). Stage h turns the pairs
+// (j, j + h) of each block of 2h into (a + b, a - b): the order of
+// ctxpar.layers.kv_rotation's PyTorch path, so the two give the same bits.
+void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale) {
+#pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < heads; ++g) {
+      float* r = x + i * x_stride + g * dim;
+      for (int64_t h = 1; h < dim; h *= 2)
+        for (int64_t s = 0; s < dim; s += 2 * h)
+          for (int64_t j = s; j < s + h; ++j) {
+            const float a = r[j], b = r[j + h];
+            r[j] = a + b;
+            r[j + h] = a - b;
+          }
+      for (int64_t k = 0; k < dim; ++k) r[k] *= scale;
+    }
+  }
+}
 }

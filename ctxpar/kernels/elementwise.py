@@ -1,5 +1,6 @@
 """The decoder layer's elementwise steps in one pass each (elementwise.cpp):
-RMSNorm (with the residual add before it fused in), SiLU·up, rope in place.
+RMSNorm (with the residual add before it fused in), SiLU·up, rope in place, and
+the Walsh-Hadamard turn of a quantized KV cache's heads (ctxpar/layers/kv_rotation.py).
 
 Each takes fp32 CPU tensors (``usable``); callers keep PyTorch's ops for the
 rest (other dtypes, GPUs, ``CTXPAR_KERNELS=0``), which are also the kernels'
@@ -47,3 +48,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     n, heads, dim = x.shape
     assert x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
     kernels._library().rope_f32(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())
+
+
+def hadamard_(x: torch.Tensor, scale: float) -> None:
+    """Each head of x (n, heads, dim) times the Walsh-Hadamard matrix, then ``scale``,
+    in place; heads contiguous rows (tokens may be strided), dim a power of two."""
+    n, heads, dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == dim
+    kernels._library().hadamard_f32(x.data_ptr(), x.stride(0), n, heads, dim, scale)

@@ -23,6 +23,7 @@ import torch
 
 from ctxpar import kernels
 from ctxpar.kernels import kv_cache as kv_kernels
+from ctxpar.layers import kv_rotation
 from ctxpar.layers.attention_math import attention_lse, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.kv_quant import KVQuant
@@ -36,6 +37,11 @@ class AttentionKind(Protocol):
     """How one attention layer attends, over a full paged cache or over shards."""
 
     layer_idx: int  # which of ForwardContext.kv_caches is this layer's
+
+    @property
+    def turns_quantized_heads(self) -> bool:
+        """Whether a quantized cache holds this kind's heads turned (kv_rotation.py)."""
+        ...
 
     @property
     def out_dim(self) -> int:
@@ -66,7 +72,16 @@ class AttentionKind(Protocol):
 
 def attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: AttentionKind) -> torch.Tensor:
     """q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs ->
-    (n, H, out_dim) attention output of the local tokens (0 on padding)."""
+    (n, H, out_dim) attention output of the local tokens (0 on padding). A quantized
+    cache of a kind that turns its heads stores them turned (ctxpar/layers/kv_rotation.py)."""
+    if ctx.kv_quant is None or not kind.turns_quantized_heads:
+        return _attend(q, entries, ctx, kind)
+    q_scale, kv_scale = kv_rotation.scales(q.shape[-1])
+    out = _attend(kv_rotation.turn(q, q_scale), kv_rotation.turn(entries, kv_scale), ctx, kind)
+    return kv_rotation.turn(out, q_scale)
+
+
+def _attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: AttentionKind) -> torch.Tensor:
     if ctx.dcp is not None:  # KV sharded over the ranks
         q = kind.shard_query(q)
         return sharded_attention(q, entries, ctx, kind.layer_idx, kind.attend_lse, kind.out_dim, kind.decode_lse)
@@ -85,6 +100,10 @@ class GQA:
     @property
     def out_dim(self) -> int:
         return self.head_dim
+
+    @property
+    def turns_quantized_heads(self) -> bool:
+        return kv_rotation.turns(self.head_dim)
 
     def attend_cache(self, q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return gqa_paged_attention(q, cache, ctx, self.scale)

@@ -130,6 +130,10 @@ class MLAttention(nn.Module):
     def out_dim(self) -> int:
         return self.v_head_dim
 
+    @property
+    def turns_quantized_heads(self) -> bool:
+        return False  # one latent shared by every head, whose up-projections are absorbed into the queries
+
     def attend_cache(self, q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Batched one-query rows in latent space, other rows by ATTENTION_PATH."""
         n, h = q.shape[0], self.num_heads

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from ctxpar import kernels
+from ctxpar.layers import kv_rotation
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
@@ -61,7 +62,16 @@ class _Layer(ctypes.Structure):
 
 
 class _Cache(ctypes.Structure):
-    _fields_ = [("code", _i64), ("row_bytes", _i64), ("scale_offset", _i64), ("num_runs", _i64), ("runs", _ptr)]
+    # q_turn, kv_turn: kv_rotation.scales of a quantized cache whose heads are turned; 0: not turned.
+    _fields_ = [
+        ("code", _i64),
+        ("row_bytes", _i64),
+        ("scale_offset", _i64),
+        ("num_runs", _i64),
+        ("runs", _ptr),
+        ("q_turn", ctypes.c_float),
+        ("kv_turn", ctypes.c_float),
+    ]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -148,11 +158,12 @@ class CompiledDecode:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache)))
         if kv_quant is None:
-            runs, fmt = None, _Cache(-1, 0, 0, 0, None)
+            runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
             runs = torch.tensor(kv_quant.runs, dtype=torch.int64)
             code = kernels.CODES[kv_quant.codes]
-            fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr())
+            q_turn, kv_turn = kv_rotation.scales(shapes.head_dim) if attn.attn.turns_quantized_heads else (0.0, 0.0)
+            fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr(), q_turn, kv_turn)
         return cls(model, shapes, (_Layer * len(records))(*records), fmt, runs)
 
     def serves(self, ctx: ForwardContext, num_tokens: int) -> bool:
