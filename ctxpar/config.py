@@ -193,7 +193,7 @@ class EngineConfig:
 
     def _gguf_on_cpu(self) -> bool:
         """Whether the model is a .gguf file (None: the default model, one) that runs on the CPU."""
-        if self.model is not None and not (isinstance(self.model, str) and self.model.endswith(".gguf")):
+        if self.model is not None and not os.fspath(self.model).lower().endswith(".gguf"):
             return False
         if self.device == "auto":
             import torch

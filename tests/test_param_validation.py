@@ -155,6 +155,7 @@ def test_quantization_spellings_and_detection(tmp_path):
     its blocks; a directory, or a GPU, computes in the dtype; "none" always dequantizes."""
     assert EngineConfig().quantization is None and EngineConfig().weight_quantization == "gguf"
     assert EngineConfig(model=str(tmp_path / "m.gguf"), device="cpu").weight_quantization == "gguf"
+    assert EngineConfig(model=tmp_path / "M.GGUF", device="cpu").weight_quantization == "gguf"  # a Path, any case
     assert EngineConfig(model=str(tmp_path)).weight_quantization is None
     assert EngineConfig(device="cuda").weight_quantization is None
     assert EngineConfig(quantization="none").weight_quantization is None
