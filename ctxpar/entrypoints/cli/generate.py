@@ -22,6 +22,12 @@ from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.worker.kv_cache import tokens_per_gib
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
+# --verbose's account of EngineConfig.weight_quantization.
+WEIGHTS = {
+    "gguf": "the GGUF's quantized blocks (quantization gguf)",
+    "int8": "int8, quantized at load (quantization int8)",
+    None: "the dtype (quantization none)",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,7 +119,8 @@ def _describe(llm, load_s: float) -> None:
     )
     lines = [
         f"model: {engine.loaded.name} ({type(model).__name__}), {model.num_kv_layers} layers, loaded in {load_s:.1f} s",
-        f"dtype: {cfg.dtype}, context limit: {engine.max_model_len} tokens, PCP ranks: {cfg.pcp_size}, DCP ranks: {D}",
+        f"dtype: {cfg.dtype}, weights: {WEIGHTS[cfg.weight_quantization]}, context limit: {engine.max_model_len} "
+        f"tokens, PCP ranks: {cfg.pcp_size}, DCP ranks: {D}",
         f"KV cache ({cfg.kv_cache_dtype}): entry {tuple(model.kv_entry_shape)} = {per_tok} bytes per token per layer, "
         f"{sharding} = {tokens} tokens in all, {kv_mib:.0f} MiB per rank, "
         f"{tokens_per_gib(per_tok * model.num_kv_layers, D)} tokens per GiB of KV per rank",
