@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ctxpar.checks import THREADS_PER_CORE, check_float, check_int, machine_memory_bytes, max_threads
-from ctxpar.device import canonical_dtype
+from ctxpar.device import canonical_dtype, resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import parse_hf_overrides
 from ctxpar.speculative_config import SpeculativeConfig
@@ -195,11 +195,7 @@ class EngineConfig:
         """Whether the model is a .gguf file (None: the default model, one) that runs on the CPU."""
         if self.model is not None and not os.fspath(self.model).lower().endswith(".gguf"):
             return False
-        if self.device == "auto":
-            import torch
-
-            return not torch.cuda.is_available()
-        return self.device == "cpu"
+        return self.device != "cuda" and resolve_device(self.device).type == "cpu"
 
     def _check_dcp(self) -> None:
         """D must be 1 or P (the DCP group is the PCP group), and a block must

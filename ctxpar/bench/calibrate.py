@@ -281,12 +281,10 @@ def calibrate(
     return replace(profile, lead=lead_profile(profile, ranks, progress))
 
 
-def lead_profile(
-    rank: HardwareProfile, ranks: int, progress: Callable[[str], None], host_cost: bool = True
-) -> HardwareProfile:
+def lead_profile(rank: HardwareProfile, ranks: int, progress: Callable[[str], None]) -> HardwareProfile:
     """The step rank 0 leads for ``ranks`` ranks like ``rank`` sharing this host: the rates
-    with all their threads, and (``host_cost``) the host's cost of such a step, measured
-    through an engine of that many ranks (ctxpar/bench/calibrate_host.py)."""
+    with all their threads, and the host's cost of such a step, measured through an
+    engine of that many ranks (ctxpar/bench/calibrate_host.py)."""
     dtype, own = DTYPES[rank.weight_dtype], int(rank.notes["threads"])
     threads = ranks * own
     torch.set_num_threads(threads)
@@ -300,13 +298,11 @@ def lead_profile(
         f"{attention / 1e9:.1f} GFLOP/s, memory read {memory / 1e9:.1f} GB/s, projection weights "
         f"{weights / 1e9:.1f} GB/s"
     )
-    step, layer = rank.step_overhead_s, rank.layer_overhead_s
-    if host_cost:
-        try:
-            step, layer = host_overhead(rank.weight_dtype, CPU, ranks, own)
-        finally:
-            torch.set_num_threads(own)
-        progress(f"host cost of a led step: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
+    try:
+        step, layer = host_overhead(rank.weight_dtype, CPU, ranks, own)
+    finally:
+        torch.set_num_threads(own)
+    progress(f"host cost of a led step: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
     return replace(
         rank,
         name=f"{rank.name}-lead",

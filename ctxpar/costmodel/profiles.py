@@ -11,6 +11,7 @@ and are not tuned per row. The CPU profiles are `ctxpar calibrate` runs on the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
@@ -56,18 +57,24 @@ _CPU_CORE = dict(
     row_overhead_s=5e-6,
 )
 
-# The VM's two cores as one rank, leading a step for ranks on that host (the profile's
-# lead): one rank's rates above times what `ctxpar calibrate --threads 1 --link shm`
-# measured with both cores against one (2026-12-04 23:10 UTC, quiet): GEMM 199.5 / 101.8,
-# attention 164.5 / 81.8, memory read 36.3 / 33.5, projection weights 57.8 / 32.1 GB/s
-# (the one-core rank above streams its projections at its memory rate).
-_CPU_HOST_LEAD = dict(
-    _CPU_CORE,
-    gemm_flops=93.5e9 * 1.96,
-    attention_flops=40.0e9 * 2.01,
-    memory_bandwidth=20.9e9 * 1.08,
-    weight_read_bandwidth=20.9e9 * 1.80,
-)
+
+def _with_lead(rank: HardwareProfile) -> HardwareProfile:
+    """``rank`` (one core of the VM) with its lead, the VM's two cores as one rank leading a
+    step for the ranks on that host: the rank's rates times what `ctxpar calibrate --threads 1
+    --link shm` measured with both cores against one (2026-12-04 23:10 UTC, quiet): GEMM
+    199.5 / 101.8, attention 164.5 / 81.8, memory read 36.3 / 33.5, projection weights 57.8 /
+    32.1 GB/s (the one-core rank streams its projections at its memory rate)."""
+    lead = replace(
+        rank,
+        name=f"{rank.name}-lead",
+        description="the host's two AVX2 cores leading a step for the ranks sharing them, fp32",
+        gemm_flops=rank.gemm_flops * 1.96,
+        attention_flops=rank.attention_flops * 2.01,
+        memory_bandwidth=rank.memory_bandwidth * 1.08,
+        weight_read_bandwidth=rank.memory_bandwidth * 1.80,
+    )
+    return replace(rank, lead=lead)
+
 
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {
     "h100x8-ib": HardwareProfile(
@@ -84,19 +91,14 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         link_latency_s=50e-6,
         **_H100X8,  # type: ignore[arg-type]
     ),
-    "cpu-core-shm": HardwareProfile(
-        name="cpu-core-shm",
-        description="one AVX2 core per rank, ranks on one host (ctxpar's shared-memory channel), fp32",
-        link_bandwidth=0.38 * GB,
-        link_latency_s=59e-6,
-        lead=HardwareProfile(
-            name="cpu-core-shm-lead",
-            description="the host's two AVX2 cores leading a step for the ranks sharing them, fp32",
+    "cpu-core-shm": _with_lead(
+        HardwareProfile(
+            name="cpu-core-shm",
+            description="one AVX2 core per rank, ranks on one host (ctxpar's shared-memory channel), fp32",
             link_bandwidth=0.38 * GB,
             link_latency_s=59e-6,
-            **_CPU_HOST_LEAD,  # type: ignore[arg-type]
-        ),
-        **_CPU_CORE,  # type: ignore[arg-type]
+            **_CPU_CORE,  # type: ignore[arg-type]
+        )
     ),
     "cpu-core-gloo": HardwareProfile(
         name="cpu-core-gloo",

@@ -44,7 +44,8 @@ def scales(head_dim: int) -> tuple[float, float]:
 def turn(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x (..., heads, dim) -> a new tensor, each head's run times F, then ``scale``."""
     shape, dim = x.shape, x.shape[-1]
-    out = x.reshape(-1, 1, dim).to(torch.float32, copy=True)  # (rows, 1, dim): one head a row
+    # One contiguous float32 copy (q and the entries come as strided views), (rows, 1, dim): one head a row.
+    out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(-1, 1, dim)
     if elementwise.usable(out):
         elementwise.hadamard_(out, scale)
     else:

@@ -46,8 +46,10 @@ def test_host_overhead_is_a_cost_a_step_and_a_layer(ranks: int) -> None:
 
 
 def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
-    """lead_profile measures the rates again with more threads and keeps everything
-    else of the rank's profile (its link, host cost, dtype); the rank's threads come back."""
+    """lead_profile measures the rates again with more threads, takes the host's cost of a
+    led step from host_overhead for that many ranks (measured through real engines by the
+    test above; here what it returns is recorded), and keeps everything else of the
+    rank's profile (its link, dtype); the rank's threads come back."""
     import dataclasses
 
     from ctxpar.costmodel import load_hardware
@@ -56,14 +58,18 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     for name, small in (("GEMM_SHAPE", (64, 64, 64)), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
         monkeypatch.setattr(cal, name, small)
     monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
+    asked = []
+    monkeypatch.setattr(cal, "host_overhead", lambda *args: asked.append(args) or (1.5e-3, 16e-6))
     before = torch.get_num_threads()
     rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
     lines: list[str] = []
-    lead = cal.lead_profile(rank, 2, lines.append, host_cost=False)
+    lead = cal.lead_profile(rank, 2, lines.append)
     assert torch.get_num_threads() == before and lead.notes == {"threads": 2 * before, "ranks": 2}
     assert "a step led for 2 ranks" in lines[0]
+    assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
     rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth")
     assert all(0 < getattr(lead, r) < math.inf for r in rates)
-    same = {f.name for f in dataclasses.fields(rank)} - {*rates, "name", "description", "notes"}  # host cost too
+    host = ("step_overhead_s", "layer_overhead_s")
+    same = {f.name for f in dataclasses.fields(rank)} - {*rates, *host, "name", "description", "notes"}
     assert all(getattr(lead, f) == getattr(rank, f) for f in same)
     assert dataclasses.replace(rank, lead=lead).led(True) is lead
