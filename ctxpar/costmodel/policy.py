@@ -18,7 +18,9 @@ ctxpar/parallel/context_cost.py), unless the user set ``dcp_gather_ratio``
 A value the user set wins. Per step (``PCPPolicy.split_ranks``), the split rows'
 groups of ranks (ctxpar/parallel/pcp_groups.py): in mode "auto", of "all",
 "disjoint" and "whole", the one with the least predicted time of the slowest
-rank (ties keep "all"); the other modes force one. Every input is the plan's
+rank (ties keep "all"; under DCP, priced on the context path the engine will
+take: passing queries spreads every row's context work over all the ranks);
+the other modes force one. Every input is the plan's
 (rank-invariant) and the arithmetic deterministic, so every rank picks the same.
 
 Pure Python and numpy: no torch, no torch.distributed.
@@ -38,7 +40,7 @@ from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.errors import CtxparError
-from ctxpar.parallel.context_cost import ContextCost
+from ctxpar.parallel.context_cost import GATHER_COST_RATIO, WORKSPACE_TOKENS, ContextCost, gathers, moved_bytes
 from ctxpar.parallel.pcp import plan_pcp_layout
 from ctxpar.parallel.pcp_groups import SPLIT_MODES, split_groups
 
@@ -64,6 +66,7 @@ class PCPPolicy:
     # pass-Q's (set by the user); None: the path context_cost predicts faster.
     gather_ratio: float | None = None
     context_cost: ContextCost | None = None
+    workspace_tokens: int = WORKSPACE_TOKENS  # DCP: context positions gathered per round (a step's token budget)
 
     def describe(self) -> str:
         def show(name: str, value: int) -> str:
@@ -120,23 +123,49 @@ class PCPPolicy:
         its linear layers (weights read once) and its rows' attention, each the slower
         of compute and memory traffic (a row reads the keys of its whole context), and a
         fixed cost per row and layer. The KV all-gather moves the same tokens whatever
-        the groups, so it does not enter the choice."""
-        m, h = self.model, self.hardware
-        layout = plan_pcp_layout(q, c, np.ones(len(q), dtype=bool), self.pcp_size, split_ranks=groups)
-        tokens, pairs = layout.per_rank_num_tokens, layout.attention_work()
+        the groups, so it does not enter the choice; nor, under DCP, does reaching the
+        sharded context (every rank takes part in either path's collectives).
+
+        Under DCP, a step whose rows pass their queries (``_passes_queries``) attends
+        each row's cached context shard by shard: every rank attends every row's
+        queries over its own 1/P of the context, whatever the groups, so that part of
+        the work is even; only the new tokens' causal part follows the groups."""
+        m, h, P = self.model, self.hardware, self.pcp_size
+        layout = plan_pcp_layout(q, c, np.ones(len(q), dtype=bool), P, split_ranks=groups)
+        tokens, pairs = layout.per_rank_num_tokens, layout.attention_work().astype(np.float64)
         ends = layout.row_start_pos + layout.row_num_tokens  # (rows,) keys each row reads
-        bounds = layout.rank_row_start
-        keys = np.array([ends[bounds[k] : bounds[k + 1]].sum() for k in range(self.pcp_size)])
-        rows = np.diff(bounds)
-        mem = h.memory_rate
+        rows = np.diff(layout.rank_row_start)  # (P,) row pieces on each rank
+
+        def per_rank(values: np.ndarray) -> np.ndarray:  # (rows,) -> (P,) sums over each rank's pieces
+            return np.bincount(np.repeat(np.arange(P), rows), weights=values, minlength=P)
+
+        keys = per_rank(ends)
+        if self.dcp_size > 1 and self._passes_queries(q, c):
+            cached = c[layout.row_req_idx]  # (rows,) context of each row piece
+            pairs += float((q * c).sum()) / P - per_rank(cached * layout.row_num_tokens)
+            keys += float(c.sum()) / P - per_rank(cached)
         linear = np.maximum(
             2 * m.linear_params_per_token * tokens / _gemm(h), m.dense_params * h.weight_bytes / h.weight_read_rate
         )
         attention = np.maximum(
             pairs * m.attention_flops_per_pair * m.num_layers / _attn(h),
-            keys * m.kv_entries_per_token * h.act_bytes * m.num_layers / mem,
+            keys * m.kv_entries_per_token * h.act_bytes * m.num_layers / h.memory_rate,
         )
         return float((linear + attention + rows * m.num_layers * h.row_overhead_s).max())
+
+    def _passes_queries(self, q: np.ndarray, c: np.ndarray) -> bool:
+        """Whether split rows of ``q`` new tokens after ``c`` cached ones (D = P) reach their
+        context by passing queries: the engine's choice (ctxpar/layers/sharded_context.py),
+        made on the same bytes, with each rank's share of the new tokens as its queries."""
+        m, h, P = self.model, self.hardware, self.pcp_size
+        context = int(c.sum())
+        if context == 0:
+            return False
+        n = -(-int(q.sum()) // P)
+        query_bytes, entry_bytes = m.num_heads * m.decode_qk_dim * h.act_bytes, m.kv_entries_per_token * h.act_bytes
+        moved = moved_bytes(context, n, m.num_heads, query_bytes, entry_bytes, m.decode_v_dim, P, False)
+        ratio = GATHER_COST_RATIO if self.gather_ratio is None else self.gather_ratio
+        return not gathers(moved, context, P, self.workspace_tokens, self.context_cost, ratio)
 
 
 def _gemm(h: HardwareProfile) -> float:
@@ -197,6 +226,7 @@ def derive_policy(
     spread_min_rows: int | None = None,
     split_mode: str = "auto",
     gather_ratio: float | None = None,
+    workspace_tokens: int = WORKSPACE_TOKENS,
 ) -> PCPPolicy:
     """The policy for these shapes and this hardware; a threshold or ratio given (not None) is kept."""
     if split_mode not in PCP_SPLIT_MODES:
@@ -223,4 +253,5 @@ def derive_policy(
         derived=derived,
         gather_ratio=gather_ratio,
         context_cost=cost,
+        workspace_tokens=workspace_tokens,
     )

@@ -35,19 +35,14 @@ import torch
 from ctxpar.checks import check_float
 from ctxpar.errors import CtxparError
 from ctxpar.layers.attention_math import merge_attention
-from ctxpar.parallel.context_cost import ContextCost
+from ctxpar.parallel.context_cost import GATHER_COST_RATIO, WORKSPACE_TOKENS, ContextCost, MovedBytes, gathers
+from ctxpar.parallel.context_cost import moved_bytes as moved_bytes_of
 from ctxpar.parallel.dcp_shard import DCPShard
 
 if TYPE_CHECKING:
     from ctxpar.layers.kv_quant import KVQuant
     from ctxpar.parallel.pcp import RankRows
 
-# Without a cost model: gather the context when the bytes it moves are below this times
-# the bytes pass-Q would move (its queries, and its partials unless some replicated row
-# exchanges partials anyway). Timed alone on two gloo ranks, the paths broke even at a
-# bytes ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
-GATHER_COST_RATIO = 1.0
-WORKSPACE_TOKENS = 2048  # context positions gathered per round (the engine passes max_num_batched_tokens)
 PATHS = ("auto", "gather", "pass_q")
 
 
@@ -175,41 +170,18 @@ def _round(shard: DCPShard, pieces: list, to_dev) -> ContextRound:
     return ContextRound(to_dev(np.concatenate(send)), to_dev(np.concatenate(order)), out)
 
 
-@dataclass(frozen=True)
-class MovedBytes:
-    """Bytes each rank receives to reach the split rows' context, by path; ``stored``:
-    the context's own bytes on all the shards (what the paths read in memory)."""
-
-    context: float  # gather: the other ranks' shards of the contexts
-    queries: float  # pass-Q: the other ranks' queries
-    partials: float  # pass-Q: their partial outputs and LSEs (0: exchanged anyway)
-    stored: float
-
-    @property
-    def pass_q(self) -> float:
-        return self.queries + self.partials
-
-
 def moved_bytes(
     context_tokens: int, q: torch.Tensor, entries: torch.Tensor, out_dim: int, ranks: int, exchange_anyway: bool
 ) -> MovedBytes:
-    """What each path moves:
-
-    - gather: the other ranks' shards of the contexts, (P-1)/P·C·E;
-    - pass-Q: the other ranks' queries, (P-1)·n·H·Dq, and their partials,
-      (P-1)·n·H·(Dv+1) floats (not counted when ``exchange_anyway``: a
-      replicated row with context exchanges partials whatever the split rows do).
-
-    q (n, H, Dq) and entries (n, *E) are the local ones: n is padded to the
-    same value on every rank, so every rank computes the same bytes.
-    """
-    n, others = q.shape[0], ranks - 1
+    """What each path moves (ctxpar.parallel.context_cost.moved_bytes) for the step's
+    local queries q (n, H, Dq) and cache entries (n, *E). n is padded to the same value
+    on every rank, so every rank computes the same bytes."""
     # Queries travel in the entries' dtype, or as their own bytes beside quantized (uint8) rows.
     q_bytes = q.element_size() if entries.dtype == torch.uint8 else entries.element_size()
-    queries = others * n * q[0].numel() * q_bytes
-    partials = 0 if exchange_anyway else others * n * q.shape[1] * (out_dim + 1) * 4
-    stored = context_tokens * entries[0].numel() * entries.element_size()
-    return MovedBytes(others / ranks * stored, queries, partials, stored)
+    entry_bytes = entries[0].numel() * entries.element_size()
+    return moved_bytes_of(
+        context_tokens, q.shape[0], q.shape[1], q[0].numel() * q_bytes, entry_bytes, out_dim, ranks, exchange_anyway
+    )
 
 
 def gathers_context(
@@ -228,11 +200,7 @@ def gathers_context(
     if policy.path != "auto":
         return policy.path == "gather"
     moved = moved_bytes(context_tokens, q, entries, out_dim, ranks, exchange_anyway)
-    if policy.cost is None:
-        return moved.context < policy.ratio * moved.pass_q
-    rounds = -(-context_tokens // policy.workspace_tokens)  # plan_rounds packs the rows' contexts end to end
-    gather = policy.cost.gather_s(ranks, rounds, moved.context, moved.stored)
-    return gather < policy.cost.pass_q_s(ranks, moved.queries, moved.partials, moved.stored)
+    return gathers(moved, context_tokens, ranks, policy.workspace_tokens, policy.cost, policy.ratio)
 
 
 def gathered_context_attention(

@@ -17,7 +17,8 @@ step, B the link's rate and M the memory's:
 Attention's FLOPs are the same either way (every rank attends n queries over
 the whole context, or all P·n over 1/P of it), so they do not enter the choice.
 Pure Python: the engine derives a ``ContextCost`` from the hardware profile at
-start-up (ctxpar/costmodel/policy.py) and every rank compares the same numbers.
+start-up (ctxpar/costmodel/policy.py) and every rank compares the same numbers;
+the policy makes the same choice (``gathers``) when it prices a step's groups of ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxpar.errors import CtxparError
+
+# Without a cost model: gather the context when the bytes it moves are below this times
+# the bytes pass-Q would move (its queries, and its partials unless some replicated row
+# exchanges partials anyway). Timed alone on two gloo ranks, the paths broke even at a
+# bytes ratio of 0.8 and 1.0 in two runs: ctxpar bench dcp, part (e), docs/benchmarks.md.
+GATHER_COST_RATIO = 1.0
+WORKSPACE_TOKENS = 2048  # context positions gathered per round (the engine passes max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -60,3 +68,55 @@ class ContextCost:
             f"link {self.latency_s * 1e6:.0f} us + {self.link_bytes_per_s / 1e9:.3g} GB/s a step, "
             f"memory {self.memory_bytes_per_s / 1e9:.3g} GB/s"
         )
+
+
+@dataclass(frozen=True)
+class MovedBytes:
+    """Bytes each rank receives to reach the split rows' context, by path; ``stored``:
+    the context's own bytes on all the shards (what the paths read in memory)."""
+
+    context: float  # gather: the other ranks' shards of the contexts
+    queries: float  # pass-Q: the other ranks' queries
+    partials: float  # pass-Q: their partial outputs and LSEs (0: exchanged anyway)
+    stored: float
+
+    @property
+    def pass_q(self) -> float:
+        return self.queries + self.partials
+
+
+def moved_bytes(
+    context_tokens: int,
+    n: int,
+    heads: int,
+    query_bytes: float,
+    entry_bytes: float,
+    out_dim: int,
+    ranks: int,
+    exchange_anyway: bool,
+) -> MovedBytes:
+    """What each path moves, for ``n`` query tokens on each rank of ``heads`` heads,
+    ``query_bytes`` a token, and a context of ``entry_bytes`` a token:
+
+    - gather: the other ranks' shards of the contexts, (P-1)/P·C·E;
+    - pass-Q: the other ranks' queries, (P-1)·n·query_bytes, and their partials,
+      (P-1)·n·H·(Dv+1) floats (not counted when ``exchange_anyway``: a
+      replicated row with context exchanges partials whatever the split rows do).
+    """
+    others = ranks - 1
+    partials = 0 if exchange_anyway else others * n * heads * (out_dim + 1) * 4
+    stored = context_tokens * entry_bytes
+    return MovedBytes(others / ranks * stored, others * n * query_bytes, partials, stored)
+
+
+def gathers(
+    moved: MovedBytes, context_tokens: int, ranks: int, workspace_tokens: int, cost: ContextCost | None, ratio: float
+) -> bool:
+    """Whether split rows with ``context_tokens`` of cached context gather it (else
+    pass-Q): the path ``cost`` predicts faster, or without one, gather when its bytes
+    are below ``ratio`` times pass-Q's."""
+    if cost is None:
+        return moved.context < ratio * moved.pass_q
+    rounds = -(-context_tokens // workspace_tokens)  # plan_rounds packs the rows' contexts end to end
+    gather = cost.gather_s(ranks, rounds, moved.context, moved.stored)
+    return gather < cost.pass_q_s(ranks, moved.queries, moved.partials, moved.stored)

@@ -14,7 +14,8 @@ from ctxpar.costmodel.policy import PCPPolicy, derive_policy
 from ctxpar.costmodel.profiles import engine_hardware
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.device import torch_dtype
-from ctxpar.layers.sharded_context import GATHER_COST_RATIO, GatherPolicy
+from ctxpar.layers.sharded_context import GatherPolicy
+from ctxpar.parallel.context_cost import GATHER_COST_RATIO
 
 
 @dataclass(frozen=True)
@@ -113,4 +114,5 @@ def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolic
         config.pcp_spread_min_rows,
         config.pcp_split_mode,
         config.dcp_gather_ratio,
+        config.max_num_batched_tokens,
     )

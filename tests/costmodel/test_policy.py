@@ -121,3 +121,36 @@ def test_an_unknown_profile_is_refused_before_loading() -> None:
 
     with pytest.raises(CtxparError, match="neither a built-in profile"):
         check_launch(EngineConfig(hardware_profile="no-such-profile"))
+
+
+def test_dcp_pass_q_evens_out_the_context_whatever_the_groups() -> None:
+    """Under DCP a split row that passes its queries is attended over every rank's own shard
+    of its cached context, whichever ranks hold its queries: a long context no longer weighs
+    on the rank its row is given to, so equal new parts go whole, one to a rank. Gathering
+    the context (or D = 1) attends it where the queries are: the row is split over all."""
+    q, c = [512, 512], [60_000, 0]
+    assert groups(derive_policy(MODEL, CPU, 2, 1), q, c) is None
+    gather = derive_policy(MODEL, CPU, 2, 2, gather_ratio=1e9)  # gathers any context
+    pass_q = derive_policy(MODEL, CPU, 2, 2, gather_ratio=0.0)  # never gathers
+    assert groups(gather, q, c) is None
+    assert sorted(groups(pass_q, q, c) or []) == [(0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("context", [64, 512, 4096, 60_000])
+@pytest.mark.parametrize("new", [[8], [300, 900], [2000]])
+def test_policy_prices_the_path_the_engine_takes(context: int, new: list[int]) -> None:
+    """The policy's guess of a step's context path under DCP is the engine's own rule
+    (ctxpar/layers/sharded_context.py) on the same bytes: each rank's share of the new
+    tokens as its queries, the model's head shapes, the profile's rates."""
+    import torch
+
+    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
+
+    policy = derive_policy(MODEL, CPU, 2, 2, workspace_tokens=1024)
+    q, c = np.array(new), np.full(len(new), context)
+    n = -(-int(q.sum()) // 2)
+    queries = torch.zeros(n, MODEL.num_heads, MODEL.decode_qk_dim)
+    entries = torch.zeros(n, MODEL.kv_entries_per_token)
+    rule = GatherPolicy(workspace_tokens=1024, cost=policy.context_cost)
+    engine = gathers_context(rule, int(c.sum()), queries, entries, MODEL.decode_v_dim, 2, False)
+    assert policy._passes_queries(q, c) == (not engine)
