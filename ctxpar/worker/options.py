@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ctxpar.checks import usable_cores
 from ctxpar.config import EngineConfig
 from ctxpar.costmodel.policy import PCPPolicy, derive_policy
 from ctxpar.costmodel.profiles import engine_hardware
@@ -41,7 +42,7 @@ class RunnerOptions:
 
     lead_threads: for ranks that share one host's cores (and hold the whole
     cache): a step that splits no row is *led*, computed by rank 0 alone with
-    this many threads (the host's), which then sends the step's new KV to the
+    this many threads (the ranks' together, at most the host's cores), which sends the new KV to the
     others. Their unsplit rows are then assigned only beside a split row. None:
     such steps replicate or assign as above.
     """
@@ -84,13 +85,17 @@ class RunnerOptions:
             cp_interleave=config.cp_interleave,
             context_gather=context_gather(config, policy),
             spread_min_rows=policy.spread_min_rows if policy is not None else None,
-            # Ranks sharing a host's cores: steps without a split row run on rank 0 with all of them.
-            lead_threads=threads * config.pcp_size
-            if one_host and threads is not None and config.pcp_size > 1
-            else None,
+            lead_threads=_lead_threads(threads, config.pcp_size) if one_host and threads is not None else None,
             policy=policy,
             enforce_eager=config.enforce_eager,
         )
+
+
+def _lead_threads(threads: int, pcp_size: int) -> int | None:
+    """Ranks sharing a host's cores: steps without a split row run on rank 0 with all the
+    ranks' threads, but no more than the host's cores (P ranks on fewer cores would spin
+    threads against each other), and never fewer than the rank's own."""
+    return min(threads * pcp_size, max(threads, usable_cores())) if pcp_size > 1 else None
 
 
 def context_gather(config: EngineConfig, policy: PCPPolicy | None) -> GatherPolicy:
