@@ -123,7 +123,7 @@ def estimate(
     for p in pcp + (dcp or []):
         _check_count("a PCP / DCP size", p, 1, MAX_RANKS)
     weights = model.total_params * hardware.weight_bytes
-    kv_token = model.kv_entries_per_token * hardware.act_bytes * model.num_layers
+    kv_token = hardware.kv_token_bytes(model) * model.num_layers
     results = []
     for p, d, algorithm in layouts(pcp, dcp):
         kv = batch * math.ceil(context / d) * kv_token

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ctxpar.config import KV_CACHE_DTYPES
+from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.errors import CtxparError
 
 DTYPE_BYTES = {"fp8": 1.0, "int8": 1.0, "q4": 0.5625, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
@@ -33,6 +35,9 @@ class HardwareProfile:
     link_latency_s: float  # per collective step between CP ranks
     weight_dtype: str = "bf16"
     activation_dtype: str = "bf16"  # KV cache, queries, activations exchanged
+    # The KV cache's dtype (EngineConfig.kv_cache_dtype): "auto" stores the activation
+    # dtype; int8 / fp8 store a byte a value and a scale per head (ModelShape.kv_bytes).
+    kv_cache_dtype: str = "auto"
     gemm_efficiency: float = 1.0
     attention_efficiency: float = 1.0
     memory_efficiency: float = 1.0
@@ -89,6 +94,8 @@ class HardwareProfile:
         for name in ("weight_dtype", "activation_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise CtxparError(f"hardware {self.name}: {name} must be one of {', '.join(DTYPE_BYTES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise CtxparError(f"hardware {self.name}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise CtxparError(f"hardware {self.name}: tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.tp_size > 1 and self.tp_bandwidth <= 0:
@@ -100,6 +107,15 @@ class HardwareProfile:
         """The profile a step runs at: the host's with every rank's threads where the
         step is led (``leads``) and the profile has it, else this rank's."""
         return self.lead if leads and self.lead is not None else self
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> HardwareProfile:
+        """This profile (and its lead) with the KV cache stored as ``kv_cache_dtype``."""
+        lead = self.lead.with_kv_cache_dtype(kv_cache_dtype) if self.lead is not None else None
+        return replace(self, kv_cache_dtype=kv_cache_dtype, lead=lead)
+
+    def kv_token_bytes(self, m: ModelShape) -> float:
+        """Bytes of one token's KV entry in one layer's cache."""
+        return m.kv_bytes(self.kv_cache_dtype, self.act_bytes)
 
     @property
     def weight_bytes(self) -> float:

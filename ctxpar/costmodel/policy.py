@@ -149,7 +149,7 @@ class PCPPolicy:
         )
         attention = np.maximum(
             pairs * m.attention_flops_per_pair * m.num_layers / _attn(h),
-            keys * m.kv_entries_per_token * h.act_bytes * m.num_layers / h.memory_rate,
+            keys * h.kv_token_bytes(m) * m.num_layers / h.memory_rate,
         )
         return float((linear + attention + rows * m.num_layers * h.row_overhead_s).max())
 
@@ -162,7 +162,7 @@ class PCPPolicy:
         if context == 0:
             return False
         n = -(-int(q.sum()) // P)
-        query_bytes, entry_bytes = m.num_heads * m.decode_qk_dim * h.act_bytes, m.kv_entries_per_token * h.act_bytes
+        query_bytes, entry_bytes = m.num_heads * m.decode_qk_dim * h.act_bytes, h.kv_token_bytes(m)
         moved = moved_bytes(context, n, m.num_heads, query_bytes, entry_bytes, m.decode_v_dim, P, False)
         ratio = GATHER_COST_RATIO if self.gather_ratio is None else self.gather_ratio
         return not gathers(moved, context, P, self.workspace_tokens, self.context_cost, ratio)
@@ -205,7 +205,7 @@ def spread_rows(m: ModelShape, h: HardwareProfile, pcp: int, context: int = DECO
     ``pcp`` ranks is predicted faster than every rank computing them all."""
     if pcp == 1:
         return NEVER
-    kv_token = m.kv_entries_per_token * h.act_bytes
+    kv_token = h.kv_token_bytes(m)
 
     def pays(n: int) -> bool:
         mine = math.ceil(n / pcp)  # each rank's rows, padded to the most any rank has

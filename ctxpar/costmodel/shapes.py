@@ -39,6 +39,9 @@ class ModelShape:
     lm_head_params: int  # 0 when tied to the embedding
     decode_qk_dim: int  # per-head dims a decode query multiplies a cached entry with (MLA: absorbed latent)
     decode_v_dim: int
+    # Runs of a token's KV entry that share one scale in a quantized cache (ctxpar/layers/kv_quant.py):
+    # GQA's K and V of each KV head, MLA's latent and roped key.
+    kv_scale_runs: int = 2
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "vocab_size", "num_heads", "qk_head_dim", "v_head_dim"):
@@ -77,6 +80,14 @@ class ModelShape:
         """FLOPs of one (query, key) pair in one layer, prefill form: 2*H*(d_qk + d_v)."""
         return 2 * self.num_heads * (self.qk_head_dim + self.v_head_dim)
 
+    def kv_bytes(self, kv_cache_dtype: str, act_bytes: float) -> float:
+        """Bytes one token's entry takes in one layer's KV cache: its values at
+        ``act_bytes`` ("auto"), or a quantized row: a byte a value, padded to 4, and a
+        float32 scale per run (ctxpar.layers.kv_quant.KVQuant.row_bytes)."""
+        if kv_cache_dtype == "auto":
+            return self.kv_entries_per_token * act_bytes
+        return -(-self.kv_entries_per_token // 4) * 4 + 4 * self.kv_scale_runs
+
     @property
     def decode_attention_flops_per_pair(self) -> int:
         return 2 * self.num_heads * (self.decode_qk_dim + self.decode_v_dim)
@@ -104,12 +115,12 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
         q_rank = cfg.get("q_lora_rank")
         q_proj = hidden * heads * qk_dim if not q_rank else hidden * q_rank + q_rank * heads * qk_dim
         attn = q_proj + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
-        kv_entries, decode_qk, decode_v = kv_rank + rope, kv_rank + rope, kv_rank
+        kv_entries, decode_qk, decode_v, runs = kv_rank + rope, kv_rank + rope, kv_rank, 2
     else:  # GQA (Llama, Qwen2/3, SmolLM2)
         kv_heads = cfg.get("num_key_value_heads") or heads
         qk_dim = v_dim = cfg.get("head_dim") or hidden // heads
         attn = 2 * hidden * heads * qk_dim + 2 * hidden * kv_heads * qk_dim
-        kv_entries, decode_qk, decode_v = 2 * kv_heads * qk_dim, qk_dim, qk_dim
+        kv_entries, decode_qk, decode_v, runs = 2 * kv_heads * qk_dim, qk_dim, qk_dim, 2 * kv_heads
     dense_mlp = 3 * hidden * _get(cfg, "intermediate_size", name)  # gate, up, down
     experts = cfg.get("n_routed_experts") or 0
     if experts:
@@ -141,6 +152,7 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
         lm_head_params=lm_head,
         decode_qk_dim=decode_qk,
         decode_v_dim=decode_v,
+        kv_scale_runs=runs,
     )
 
 

@@ -107,7 +107,7 @@ def prefill_time(
         h.weight_read_rate,
     )
     pairs = batch * (new * cached + new * (new + 1) / 2) / pcp
-    kv_token = m.kv_entries_per_token * h.act_bytes
+    kv_token = h.kv_token_bytes(m)
     keys_read = batch * (cached + new) / (dcp if algorithm == "pass-Q" else 1)
     before = b.compute_s + b.memory_s
     b = _roofline(
@@ -154,7 +154,7 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         b,
         keys * m.decode_attention_flops_per_pair * m.num_layers,
         attn_rate,
-        keys * m.kv_entries_per_token * h.act_bytes * m.num_layers,
+        keys * h.kv_token_bytes(m) * m.num_layers,
         mem,
     )
     b = b.plus(tp_comm=_tp_allreduces(m, h, batch), overhead=_host_s(m, h))

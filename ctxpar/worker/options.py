@@ -112,7 +112,7 @@ def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolic
     the same one from the same config and profile."""
     return derive_policy(
         shape_from_hf_config(hf_config.to_dict(), "the model"),
-        engine_hardware(config.hardware_profile, one_host),
+        engine_hardware(config.hardware_profile, one_host).with_kv_cache_dtype(config.kv_cache_dtype),
         config.pcp_size,
         config.dcp_size,
         config.pcp_min_tokens,

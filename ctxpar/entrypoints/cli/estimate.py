@@ -15,6 +15,7 @@ import argparse
 import json
 
 from ctxpar.checks import nonnegative_int, positive_int
+from ctxpar.config import KV_CACHE_DTYPES
 from ctxpar.costmodel import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, load_hardware, load_model_shape
 
 
@@ -32,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_OUTPUT_TOKENS,
         help="answer length the recommendation optimises for: least TTFT + N decode steps "
         f"(default {DEFAULT_OUTPUT_TOKENS}; 0: TTFT alone)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype, as the engine's --kv-cache-dtype (default: the profile's, "
+        "normally auto: the activation dtype); int8 / fp8 store a byte a value and a scale per head",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     p.add_argument(
@@ -55,6 +62,8 @@ def _row(e: Estimate) -> str:
 
 def run(args: argparse.Namespace) -> None:
     model, hardware = load_model_shape(args.model), load_hardware(args.hardware)
+    if args.kv_cache_dtype is not None:
+        hardware = hardware.with_kv_cache_dtype(args.kv_cache_dtype)
     if args.plot:
         from pathlib import Path
 
@@ -74,7 +83,9 @@ def run(args: argparse.Namespace) -> None:
         f"model {model.name}: {model.total_params / 1e9:.1f}B parameters; hardware {hardware.name}: "
         f"{hardware.description}"
     )
-    print(f"context {args.context} tokens ({args.cached} cached), batch {args.batch}")
+    print(
+        f"context {args.context} tokens ({args.cached} cached), batch {args.batch}, KV cache {hardware.kv_cache_dtype}"
+    )
     print(
         "  P   D     algo |   TTFT (s)  compute  memory TP comm CP comm overhead | decode ms CP comm | "
         "GiB/rank   KV GiB"
