@@ -80,14 +80,16 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     quant: KVQuant | None = None,
-) -> list[torch.Tensor]:
-    """Per layer (num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_slots, row_bytes) uint8
-    rows, zeroed; on the CPU in huge pages (a decode step reads each row's whole context)."""
-    shape = (num_slots, *kv_entry_shape) if quant is None else (num_slots, quant.row_bytes)
+) -> torch.Tensor:
+    """(num_layers, num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_layers, num_slots,
+    row_bytes) uint8 rows, zeroed; on the CPU in huge pages (a decode step reads each row's whole
+    context). One allocation: element i is layer i's cache, and a slot's entries of every layer
+    move in one indexing op (a led step's broadcast)."""
+    shape = (num_layers, num_slots, *kv_entry_shape) if quant is None else (num_layers, num_slots, quant.row_bytes)
     dtype = dtype if quant is None else torch.uint8
     if device.type == "cpu":
-        return [huge_zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return huge_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:

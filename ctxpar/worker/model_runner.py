@@ -54,7 +54,7 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         self._led_buffer = torch.empty(0, dtype=options.dtype, device=device)  # led steps' KV, see _share_led_kv
         self.kv_quant = KVQuant.of(options.kv_cache_dtype, tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))
-        self.kv_caches = allocate_kv_caches(
+        self.kv_stack = allocate_kv_caches(  # (layers, slots, *entry)
             model.num_kv_layers,
             options.num_blocks * options.block_size,
             model.kv_entry_shape,
@@ -62,6 +62,7 @@ class ModelRunner:
             device,
             self.kv_quant,
         )
+        self.kv_caches = list(self.kv_stack.unbind(0))  # per layer (slots, *entry): views of the stack
         # Steps of decodes as one compiled call where the model allows it (enforce_eager: never).
         self.compiled = None if options.enforce_eager else CompiledDecode.build(model, self.kv_caches, self.kv_quant)
 
@@ -198,22 +199,18 @@ class ModelRunner:
     def _broadcast_kv(self, n: int, slots: np.ndarray | None, my_slots: Callable[[], np.ndarray]) -> None:
         """Every layer's cache entries at rank 0's ``slots`` (n,) into the other ranks'
         caches at ``my_slots()`` (n,): rank 0 sends, the others receive and store."""
-        first = self.kv_caches[0]
-        shape = (len(self.kv_caches), n, *first.shape[1:])  # (layers, n, *entry)
+        stack = self.kv_stack  # (layers, slots, *entry): every layer's entries of a slot in one op
+        shape = (stack.shape[0], n, *stack.shape[2:])  # (layers, n, *entry)
         if self._led_buffer.numel() < math.prod(shape):  # reused: fresh pages each step cost more than the copy
-            self._led_buffer = first.new_empty(2 * math.prod(shape))
+            self._led_buffer = stack.new_empty(2 * math.prod(shape))
         entries = self._led_buffer[: math.prod(shape)].view(shape)
         if self.rank == 0:
             assert slots is not None  # rank 0 names what it sends
-            at = torch.from_numpy(slots).to(self.device)
-            for cache, out in zip(self.kv_caches, entries):
-                torch.index_select(cache, 0, at, out=out)
+            torch.index_select(stack, 1, torch.from_numpy(slots).to(self.device), out=entries)
             self._pcp_group().broadcast_(entries)
             return
         self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
-        at = torch.from_numpy(my_slots()).to(self.device)
-        for cache, new in zip(self.kv_caches, entries):
-            cache.index_copy_(0, at, new)
+        stack.index_copy_(1, torch.from_numpy(my_slots()).to(self.device), entries)
 
     def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
         """What the attention layers need under DCP (ctxpar/layers/sharded_attention.py): the new keys of
