@@ -40,7 +40,14 @@ from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.errors import CtxparError
-from ctxpar.parallel.context_cost import GATHER_COST_RATIO, WORKSPACE_TOKENS, ContextCost, gathers, moved_bytes
+from ctxpar.parallel.context_cost import (
+    GATHER_COST_RATIO,
+    WORKSPACE_TOKENS,
+    ContextCost,
+    MovedBytes,
+    gathers,
+    moved_bytes,
+)
 from ctxpar.parallel.pcp import plan_pcp_layout
 from ctxpar.parallel.pcp_groups import SPLIT_MODES, split_groups
 
@@ -157,15 +164,19 @@ class PCPPolicy:
         """Whether split rows of ``q`` new tokens after ``c`` cached ones (D = P) reach their
         context by passing queries: the engine's choice (ctxpar/layers/sharded_context.py),
         made on the same bytes, with each rank's share of the new tokens as its queries."""
-        m, h, P = self.model, self.hardware, self.pcp_size
         context = int(c.sum())
         if context == 0:
             return False
+        ratio = GATHER_COST_RATIO if self.gather_ratio is None else self.gather_ratio
+        return not gathers(self._moved(q, c), context, self.pcp_size, self.workspace_tokens, self.context_cost, ratio)
+
+    def _moved(self, q: np.ndarray, c: np.ndarray) -> MovedBytes:
+        """What each context path would move for these rows: queries as the attention
+        sends them under DCP (MLA: absorbed into the latent), partials at its output width."""
+        m, h, P = self.model, self.hardware, self.pcp_size
         n = -(-int(q.sum()) // P)
         query_bytes, entry_bytes = m.num_heads * m.decode_qk_dim * h.act_bytes, h.kv_token_bytes(m)
-        moved = moved_bytes(context, n, m.num_heads, query_bytes, entry_bytes, m.decode_v_dim, P, False)
-        ratio = GATHER_COST_RATIO if self.gather_ratio is None else self.gather_ratio
-        return not gathers(moved, context, P, self.workspace_tokens, self.context_cost, ratio)
+        return moved_bytes(int(c.sum()), n, m.num_heads, query_bytes, entry_bytes, m.v_head_dim, P, False)
 
 
 def _gemm(h: HardwareProfile) -> float:

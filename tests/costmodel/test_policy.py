@@ -136,21 +136,38 @@ def test_dcp_pass_q_evens_out_the_context_whatever_the_groups() -> None:
     assert sorted(groups(pass_q, q, c) or []) == [(0, 1), (1, 1)]
 
 
-@pytest.mark.parametrize("context", [64, 512, 4096, 60_000])
-@pytest.mark.parametrize("new", [[8], [300, 900], [2000]])
-def test_policy_prices_the_path_the_engine_takes(context: int, new: list[int]) -> None:
+@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
+def test_policy_prices_the_path_the_engine_takes(name: str) -> None:
     """The policy's guess of a step's context path under DCP is the engine's own rule
     (ctxpar/layers/sharded_context.py) on the same bytes: each rank's share of the new
-    tokens as its queries, the model's head shapes, the profile's rates."""
+    tokens as its queries, shaped as the model's attention sends them (MLA: absorbed
+    into the latent space), the partials at its output width, the profile's rates."""
     import torch
 
-    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context
+    from ctxpar.costmodel.shapes import shape_from_hf_config
+    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
+    from ctxpar.models.deepseek import DeepseekV3ForCausalLM
+    from ctxpar.models.llama import LlamaForCausalLM
+    from helpers.deepseek_configs import tiny_deepseek_configs
+    from helpers.models import tiny_configs
 
-    policy = derive_policy(MODEL, CPU, 2, 2, workspace_tokens=1024)
-    q, c = np.array(new), np.full(len(new), context)
-    n = -(-int(q.sum()) // 2)
-    queries = torch.zeros(n, MODEL.num_heads, MODEL.decode_qk_dim)
-    entries = torch.zeros(n, MODEL.kv_entries_per_token)
+    config = tiny_deepseek_configs()["v3"] if name == "deepseek-v3" else tiny_configs()[name]
+    with torch.device("meta"):  # shapes only
+        model = (DeepseekV3ForCausalLM if name == "deepseek-v3" else LlamaForCausalLM)(config)
+    layer = getattr(model, "model", model).layers[0].self_attn
+    kind = getattr(layer, "attn", layer)  # the layers' AttentionKind: GQA beside Llama's projections, MLA itself
+    shape = shape_from_hf_config(config.to_dict(), name)
+    policy = derive_policy(shape, CPU, 2, 2, workspace_tokens=1024)
     rule = GatherPolicy(workspace_tokens=1024, cost=policy.context_cost)
-    engine = gathers_context(rule, int(c.sum()), queries, entries, MODEL.decode_v_dim, 2, False)
-    assert policy._passes_queries(q, c) == (not engine)
+    picks = []
+    for context in (16, 256, 4096, 60_000):
+        for new in ([8], [300, 900], [2000]):
+            q, c = np.array(new), np.full(len(new), context)
+            n = -(-int(q.sum()) // 2)
+            queries = kind.shard_query(torch.zeros(n, shape.num_heads, shape.qk_head_dim, device="meta"))
+            entries = torch.zeros(n, *model.kv_entry_shape, device="meta")
+            engine = gathers_context(rule, int(c.sum()), queries, entries, kind.out_dim, 2, False)
+            assert policy._moved(q, c) == moved_bytes(int(c.sum()), queries, entries, kind.out_dim, 2, False)
+            assert policy._passes_queries(q, c) == (not engine), (context, new)
+            picks.append(engine)
+    assert any(picks) and not all(picks)  # both paths taken
