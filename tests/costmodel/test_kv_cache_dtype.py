@@ -69,3 +69,16 @@ def test_estimate_cli_takes_the_kv_cache_dtype() -> None:
     assert gib[1] < gib[0]
     bad = run("--kv-cache-dtype", "fp4")
     assert bad.returncode == 2 and "invalid choice: 'fp4'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_profile_with_an_unknown_kv_cache_dtype_is_refused(tmp_path) -> None:
+    import dataclasses
+    import json
+
+    from ctxpar.errors import CtxparError
+
+    profile = {**dataclasses.asdict(load_hardware("cpu-core-gloo")), "kv_cache_dtype": "fp4"}
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(CtxparError, match="kv_cache_dtype must be one of auto, fp8"):
+        load_hardware(str(path))
