@@ -107,7 +107,8 @@ class PCPPolicy:
         if auto:
             modes = [m for m in SPLIT_MODES if m != "whole" or len(rows) < self.pcp_size]  # else == disjoint
             options = [split_groups(m, work, self.pcp_size) for m in modes]
-            first, width = min(options, key=lambda g: self._step_seconds(q, c, g))  # first minimum: "all" on ties
+            even = self.dcp_size > 1 and self._passes_queries(q, c)  # the step's path, whatever the groups
+            first, width = min(options, key=lambda g: self._step_seconds(q, c, g, even))  # first minimum: "all" on ties
         else:
             first, width = split_groups(self.split_mode, work, self.pcp_size)
         if (width == self.pcp_size).all():
@@ -125,7 +126,9 @@ class PCPPolicy:
             h
         )
 
-    def _step_seconds(self, q: np.ndarray, c: np.ndarray, groups: tuple[np.ndarray, np.ndarray]) -> float:
+    def _step_seconds(
+        self, q: np.ndarray, c: np.ndarray, groups: tuple[np.ndarray, np.ndarray], even_context: bool
+    ) -> float:
         """Predicted seconds of the slowest rank for the split rows laid out over ``groups``:
         its linear layers (weights read once) and its rows' attention, each the slower
         of compute and memory traffic (a row reads the keys of its whole context), and a
@@ -133,8 +136,8 @@ class PCPPolicy:
         the groups, so it does not enter the choice; nor, under DCP, does reaching the
         sharded context (every rank takes part in either path's collectives).
 
-        Under DCP, a step whose rows pass their queries (``_passes_queries``) attends
-        each row's cached context shard by shard: every rank attends every row's
+        even_context: a DCP step whose rows pass their queries (``_passes_queries``)
+        attends each row's cached context shard by shard: every rank attends every row's
         queries over its own 1/P of the context, whatever the groups, so that part of
         the work is even; only the new tokens' causal part follows the groups."""
         m, h, P = self.model, self.hardware, self.pcp_size
@@ -147,7 +150,7 @@ class PCPPolicy:
             return np.bincount(np.repeat(np.arange(P), rows), weights=values, minlength=P)
 
         keys = per_rank(ends)
-        if self.dcp_size > 1 and self._passes_queries(q, c):
+        if even_context:
             cached = c[layout.row_req_idx]  # (rows,) context of each row piece
             pairs += float((q * c).sum()) / P - per_rank(cached * layout.row_num_tokens)
             keys += float(c.sum()) / P - per_rank(cached)

@@ -9,29 +9,17 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from ctxpar.costmodel import estimate, load_hardware, load_model_shape
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.costmodel.timing import decode_time
 from ctxpar.layers.kv_quant import KVQuant
-
-
-def _engine_model(name: str):
-    from ctxpar.models.deepseek import DeepseekV3ForCausalLM
-    from ctxpar.models.llama import LlamaForCausalLM
-    from helpers.deepseek_configs import tiny_deepseek_configs
-    from helpers.models import tiny_configs
-
-    config = tiny_deepseek_configs()["v3"] if name == "deepseek-v3" else tiny_configs()[name]
-    cls = DeepseekV3ForCausalLM if name == "deepseek-v3" else LlamaForCausalLM
-    with torch.device("meta"):  # shapes only
-        return config, cls(config)
+from helpers.models import meta_model
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v3"])
 def test_kv_bytes_are_the_engine_cache_rows(name: str) -> None:
-    config, model = _engine_model(name)
+    config, model = meta_model(name)
     shape = shape_from_hf_config(config.to_dict(), name)
     assert shape.kv_bytes("auto", 4.0) == 4 * math.prod(model.kv_entry_shape)
     for kv in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):

@@ -146,14 +146,9 @@ def test_policy_prices_the_path_the_engine_takes(name: str) -> None:
 
     from ctxpar.costmodel.shapes import shape_from_hf_config
     from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
-    from ctxpar.models.deepseek import DeepseekV3ForCausalLM
-    from ctxpar.models.llama import LlamaForCausalLM
-    from helpers.deepseek_configs import tiny_deepseek_configs
-    from helpers.models import tiny_configs
+    from helpers.models import meta_model
 
-    config = tiny_deepseek_configs()["v3"] if name == "deepseek-v3" else tiny_configs()[name]
-    with torch.device("meta"):  # shapes only
-        model = (DeepseekV3ForCausalLM if name == "deepseek-v3" else LlamaForCausalLM)(config)
+    config, model = meta_model(name)
     layer = getattr(model, "model", model).layers[0].self_attn
     kind = getattr(layer, "attn", layer)  # the layers' AttentionKind: GQA beside Llama's projections, MLA itself
     shape = shape_from_hf_config(config.to_dict(), name)

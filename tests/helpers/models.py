@@ -50,3 +50,18 @@ def tiny_configs() -> dict:
         "qwen2": Qwen2Config(**TINY_COMMON),
         "qwen3": Qwen3Config(**TINY_COMMON, head_dim=32),
     }
+
+
+def meta_model(name: str):
+    """(transformers config, ctxpar model) of a tiny config ("deepseek-v3", or one of
+    ``tiny_configs``'s names), built on the meta device: its shapes, no weights."""
+    import torch
+
+    from ctxpar.models.deepseek import DeepseekV3ForCausalLM
+    from ctxpar.models.llama import LlamaForCausalLM
+    from helpers.deepseek_configs import tiny_deepseek_configs
+
+    config = tiny_deepseek_configs()["v3"] if name == "deepseek-v3" else tiny_configs()[name]
+    cls = DeepseekV3ForCausalLM if name == "deepseek-v3" else LlamaForCausalLM
+    with torch.device("meta"):
+        return config, cls(config)
