@@ -64,17 +64,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _first_layers(model: str | None, layers: int) -> str:
     """A checkpoint of the model's first ``layers`` layers with its embeddings, norm and head
-    (in ctxpar's cache, next to the converted GGUF); its directory."""
+    (in ctxpar's cache if it may be used: ctxpar.paths); its directory."""
     from safetensors.torch import load_file, save_file
 
+    from ctxpar import paths
     from ctxpar.models import gguf
     from ctxpar.models.loader import default_model_path
 
     path = Path(model) if model is not None else default_model_path()
     source, _ = gguf.gguf_to_hf_dir(path) if path.is_file() else (path, False)
-    out = gguf.cache_root() / f"{source.name}.first{layers}"
+    out = (paths.cache_dir("first-layers") or paths.temporary_dir("first-layers")) / f"{source.name}.first{layers}"
+    why = paths.tree_refusal(out) if out.is_symlink() or out.exists() else None
+    if why is not None:
+        paths.warn_refused(f"the draft checkpoint {out}", why)
+        out = paths.temporary_dir("first-layers") / out.name
     if not (out / "model.safetensors").exists():
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(mode=0o700, exist_ok=True)
         for f in source.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors"):
                 shutil.copy(f, out / f.name)
@@ -90,6 +95,7 @@ def _first_layers(model: str | None, layers: int) -> str:
             state.update(load_file(f))
         keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
         save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+        paths.make_private(out)
     return str(out)
 
 

@@ -9,7 +9,12 @@ prefill reads, wrapped in ``kv_cache.py``); they include no PyTorch header, so
 seconds (a PyTorch extension takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
 cache shared between machines never serves one CPU's build to another), and
-is called through ctypes with the tensors' data pointers. Its OpenMP threads
+is called through ctypes with the tensors' data pointers. Loading it runs its
+code, so the directory and the library must be this user's and writable by
+nobody else (ctxpar.paths); otherwise the library is built afresh in a private
+temporary directory. The kernels trust the pointers and sizes they get: the
+wrappers here check what a wrong layout would turn into an out-of-bounds
+access, with real checks (``python -O`` drops ``assert``). Its OpenMP threads
 are PyTorch's own: both load the same ``libgomp.so.1``, so
 ``torch.set_num_threads`` rules both.
 
@@ -32,9 +37,8 @@ from typing import Protocol
 
 import torch
 
-from ctxpar.errors import CtxparError
 from ctxpar.machine import cpu_info
-from ctxpar.paths import cache_root
+from ctxpar.paths import cache_dir, refusal, temporary_dir, warn_refused
 
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 HERE = Path(__file__).parent
@@ -89,19 +93,30 @@ def available() -> bool:
 
 
 def _build_dir() -> Path:
-    """``<cache>/kernels``, or a directory of this user's under the system's
-    temporary one if the cache cannot be written (a read-only home)."""
-    for path in (cache_root() / "kernels", Path(tempfile.gettempdir()) / f"ctxpar-kernels-{os.getuid()}"):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
-            continue
-    raise CtxparError(
-        f"cannot write ctxpar's kernels to {cache_root() / 'kernels'} nor to the temporary "
-        "directory; set CTXPAR_CACHE to a writable directory"
-    )
+    """``<cache>/kernels`` if it may be used (ctxpar.paths.cache_dir), else a private
+    directory of this process under the system's temporary one."""
+    return cache_dir("kernels") or temporary_dir("kernels")
+
+
+def _trusted_library(path: Path) -> Path:
+    """``path``, or the same name in a private temporary directory if a library
+    there may not be loaded (dlopen runs its code): refused with a warning."""
+    try:
+        why = refusal(path)
+    except FileNotFoundError:
+        return path
+    if why is None:
+        return path
+    warn_refused(f"the kernel library {path}", f"it {why}")
+    return temporary_dir("kernels") / path.name
+
+
+def _library_name(flags: list[str], compiler_version: str) -> str:
+    """The library's file name, ``ctxpar_kernels-<key>.so``: the key hashes the
+    sources, the flags, the compiler and the CPU's flags."""
+    texts = [f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]]
+    parts = [*texts, *flags, compiler_version, " ".join(sorted(cpu_info().flags))]
+    return f"ctxpar_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
 @cache
@@ -119,11 +134,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
             "Install g++ (or set CXX) to build ctxpar's kernels."
         )
         return None
-    texts = [f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, " ".join(sorted(cpu_info().flags))]).encode()).hexdigest()[
-        :16
-    ]
-    path = _build_dir() / f"ctxpar_kernels-{key}.so"
+    path = _trusted_library(_build_dir() / _library_name(flags, version))
     if not path.exists():
         # Build under a temporary name, then rename: ranks that start together may
         # build at once, and none may load a half-written file.
@@ -137,6 +148,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
                 f"path:\n{build.stderr[-2000:]}"
             )
             return None
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask: keep it this user's alone
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
     for name, (args, result) in SIGNATURES.items():
@@ -181,6 +193,13 @@ def paged_decode(
     without keys gets out 0 and lse -inf.
     """
     rows, heads, dim = q.shape
+    # The kernel reads slots and starts as int64 arrays of these lengths; the slots'
+    # values are checked once per step, against the cache, by the model runner.
+    if slots.dtype != torch.int64 or starts.dtype != torch.int64 or starts.shape != (rows + 1,):
+        raise ValueError(
+            f"paged_decode: slots and starts must be int64, starts ({rows + 1},); got {slots.dtype}, "
+            f"{starts.dtype} {tuple(starts.shape)}"
+        )
     q = q.to(torch.float32).contiguous()
     slots, starts = slots.contiguous(), starts.contiguous()
     out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
@@ -258,9 +277,18 @@ def prefill_attention(
     out (L, H, Dv), written into `out` if given (contiguous float32), and lse
     (L, H), float32."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
+    if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and L > S):
+        raise ValueError(
+            f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+            "(k's width must be q's, v as many keys and heads as k, heads a multiple of k's, L <= S if causal)"
+        )
     if out is None:
         out = torch.empty(L, H, Dv, dtype=torch.float32)
-    assert out.shape == (L, H, Dv) and out.dtype == torch.float32 and out.is_contiguous()
+    if out.shape != (L, H, Dv) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"prefill_attention: out must be a contiguous float32 ({L}, {H}, {Dv}) tensor, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     lse = torch.empty(L, H, dtype=torch.float32)
     _library().prefill_attention_f32(
         q.data_ptr(),
@@ -296,10 +324,27 @@ def linear_packed(
     panel_width) with x float32, or bfloat16 (ceil(out / panel_width), ceil(in / 2),
     panel_width, 2) with x bfloat16 (gemv.cpp's layouts)."""
     n, in_features = x.shape
+    # The kernel reads ceil(out / panel_width) panels of the packing's width, and out_features biases.
+    if (
+        packed.dim() < 3
+        or packed.shape[2] != panel_width()
+        or packed.shape[0] * packed.shape[2] < out_features
+        or not packed.is_contiguous()
+    ):
+        raise ValueError(
+            f"linear_packed: the packed weight {tuple(packed.shape)} (contiguous: {packed.is_contiguous()}) "
+            f"does not hold {out_features} output rows"
+        )
+    if bias is not None and bias.numel() != out_features:
+        raise ValueError(f"linear_packed: bias has {bias.numel()} values for {out_features} outputs")
     out = torch.empty(n, out_features, dtype=torch.float32)
     bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
     if packed.dtype == torch.bfloat16:
-        assert packed.is_contiguous() and packed.shape[1] == -(-in_features // 2) and x.dtype == torch.bfloat16
+        if packed.shape[1] != -(-in_features // 2) or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"linear_packed: a bfloat16 packing {tuple(packed.shape)} takes bfloat16 x of "
+                f"{2 * packed.shape[1] - 1} or {2 * packed.shape[1]} features, got {x.dtype} {tuple(x.shape)}"
+            )
         if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1 or x.data_ptr() % 4:  # read in aligned pairs
             x = torch.nn.functional.pad(x, (0, in_features % 2))
         _library().linear_packed_bf16(
@@ -308,7 +353,11 @@ def linear_packed(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    assert packed.is_contiguous() and packed.shape[1] == in_features and x.dtype == torch.float32
+    if packed.shape[1] != in_features or x.dtype != torch.float32 or packed.dtype != torch.float32:
+        raise ValueError(
+            f"linear_packed: a {packed.dtype} packing {tuple(packed.shape)} takes float32 x of "
+            f"{packed.shape[1]} features, got {x.dtype} {tuple(x.shape)}"
+        )
     _library().linear_packed_f32(
         x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features, bias_ptr, out.data_ptr()
     )

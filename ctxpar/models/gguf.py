@@ -7,7 +7,10 @@ names in fp32, the tokenizer with its chat template) and later loads read that
 directory like any HF checkpoint. ``<cache>`` is $CTXPAR_CACHE or
 ~/.cache/ctxpar; the key hashes the file's absolute path, size and mtime.
 The directory appears atomically (built under a temporary name, then
-renamed), so ranks that convert concurrently never see half a cache.
+renamed), so ranks that convert concurrently never see half a cache. Its name
+is no proof of what it holds: it is served only if it, and every file in it,
+is this user's and writable by nobody else (ctxpar.paths), else the file is
+converted afresh into a private temporary directory.
 
 With ``quantization="gguf"`` the projections and the embedding are read
 from the GGUF itself instead, as blocks (``quantized_tensors``): the kernel's
@@ -21,7 +24,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import torch
 from ctxpar.errors import CtxparError
 from ctxpar.layers.quant_blocks import FORMATS, decode
 from ctxpar.layers.quant_linear import QuantWeight
-from ctxpar.paths import cache_root
+from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
 FORMAT_VERSION = 1  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
@@ -69,29 +71,29 @@ def cache_dir_for(path: Path) -> Path:
 def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
     """Return (HF directory holding the converted GGUF, is_temporary).
 
-    Uses the cache when it holds this file; converts and fills it otherwise.
-    If the cache cannot be written, converts into a temporary directory that
-    the caller deletes after loading (is_temporary=True).
+    Uses the cache when it holds this file and may be trusted; converts and
+    fills it otherwise. If the cache cannot be used (not writable, or refused:
+    a warning says why), or its directory for this file is refused, converts
+    into a private temporary directory that the caller deletes after loading
+    (is_temporary=True).
     """
-    target = cache_dir_for(path)
+    root = cache_dir("gguf", cost="GGUF files are converted again on every load")
+    if root is None:
+        return _convert_to_temporary(path), True
+    target = root / cache_dir_for(path).name
+    try:
+        why = tree_refusal(target)
+    except FileNotFoundError:
+        why = None
+    if why is not None:
+        warn_refused(f"the converted model {target}", why)
+        return _convert_to_temporary(path), True
     if (target / MARKER).exists():
         return target, False
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except OSError as e:
-        warnings.warn(
-            f"ctxpar cache {cache_root()} is not writable ({e}); set CTXPAR_CACHE to cache converted GGUF files"
-        )
-        tmp = Path(tempfile.mkdtemp(prefix="ctxpar-gguf-"))
-        try:
-            convert_gguf(path, tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return tmp, True
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         convert_gguf(path, tmp)
+        make_private(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race, or a stale partial dir is in the way
@@ -101,6 +103,17 @@ def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, False
+
+
+def _convert_to_temporary(path: Path) -> Path:
+    """The GGUF file converted into a fresh private temporary directory (the caller deletes it)."""
+    tmp = Path(tempfile.mkdtemp(prefix="ctxpar-gguf-"))
+    try:
+        convert_gguf(path, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
 
 
 def convert_gguf(path: Path, out_dir: Path) -> None:
