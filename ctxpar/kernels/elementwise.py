@@ -24,7 +24,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     With residual (n, dim) contiguous: residual += x in place first, and the
     result is the norm of that sum."""
     n, dim = x.shape
-    assert x.stride(1) == 1 and weight.is_contiguous() and (residual is None or residual.is_contiguous())
+    if (
+        x.stride(1) != 1
+        or not weight.is_contiguous()
+        or weight.numel() != dim
+        or (residual is not None and (not residual.is_contiguous() or residual.shape != x.shape))
+    ):
+        raise ValueError("rms_norm: x (n, dim) with contiguous rows, weight (dim,), residual (n, dim) contiguous")
     out = torch.empty(n, dim, dtype=torch.float32)
     residual_ptr = 0 if residual is None else residual.data_ptr()
     kernels._library().rms_norm_f32(
@@ -36,7 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (n, 2I) contiguous, gate then up -> silu(gate) * up (n, I)."""
     n, two_inter = gate_up.shape
-    assert gate_up.is_contiguous()
+    if not gate_up.is_contiguous():
+        raise ValueError("silu_mul: gate_up must be contiguous")
     out = torch.empty(n, two_inter // 2, dtype=torch.float32)
     kernels._library().silu_mul_f32(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
     return out
@@ -46,7 +53,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x (n, heads, dim) in place (half-split pairs), heads contiguous rows
     (tokens may be strided); cos, sin (n, dim/2) contiguous."""
     n, heads, dim = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
+    half = (n, dim // 2)
+    if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_: x's heads must be contiguous rows, cos and sin contiguous")
+    if cos.shape != half or sin.shape != half:
+        raise ValueError(f"rope_: cos and sin must be {half}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
     kernels._library().rope_f32(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())
 
 
@@ -54,5 +65,6 @@ def hadamard_(x: torch.Tensor, scale: float) -> None:
     """Each head of x (n, heads, dim) times the Walsh-Hadamard matrix, then ``scale``,
     in place; heads contiguous rows (tokens may be strided), dim a power of two."""
     n, heads, dim = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == dim
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError("hadamard_: x's heads must be contiguous rows")
     kernels._library().hadamard_f32(x.data_ptr(), x.stride(0), n, heads, dim, scale)

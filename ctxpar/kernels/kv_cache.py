@@ -39,7 +39,11 @@ def prefill_attention_quant(
     rows = rows.contiguous()
     if out is None:
         out = torch.empty(L, H, D, dtype=torch.float32)
-    assert out.shape == (L, H, D) and out.dtype == torch.float32 and out.is_contiguous()
+    if out.shape != (L, H, D) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"prefill_attention_quant: out must be a contiguous float32 ({L}, {H}, {D}) tensor, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     lse = torch.empty(L, H, dtype=torch.float32)
     sizes = (L, S, H, Hk, D, D, q.stride(0), row_bytes, Hk * D, int(causal))
     scales = (kernels.CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head

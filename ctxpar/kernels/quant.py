@@ -28,16 +28,24 @@ def quant_linear(
     n, in_features = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    # Shapes and layouts are the caller's (layers/quant_linear.py builds them once, at load):
-    # a decode step makes ~120 of these calls, so only what is cheap is checked here.
-    assert x.dtype == torch.float32 and in_features % 32 == 0
-    out = torch.empty(n, qs.shape[0], dtype=torch.float32)
+    # The weight's layout is the caller's (layers/quant_linear.py builds and checks it once,
+    # at load); a decode step makes ~120 of these calls, so only what each call brings is
+    # checked: x against the weight's width, and the bias's length.
+    rows, width = qs.shape
+    if x.dtype != torch.float32 or in_features % 32 or width * 8 != in_features * bits:
+        raise ValueError(
+            f"quant_linear: x must be float32 with the weight's {width * 8 // bits} features (a multiple of 32), "
+            f"got {x.dtype} {tuple(x.shape)}"
+        )
+    if bias is not None and bias.numel() != rows:
+        raise ValueError(f"quant_linear: bias has {bias.numel()} values for {rows} outputs")
+    out = torch.empty(n, rows, dtype=torch.float32)
     kernels._library().quant_linear_f32(
         x.data_ptr(),
         x.stride(0),
         n,
         in_features,
-        qs.shape[0],
+        rows,
         bits,
         qs.data_ptr(),
         scales.data_ptr(),
@@ -62,6 +70,7 @@ def quant_dequantize(
     """Rows [first, first + rows) of the weight (as ``quant_linear`` takes it) as
     float32 (rows, in): ``scale * q``, then ``+ offset``."""
     rows = qs.shape[0] - first if rows is None else rows
+    _check_rows(qs, first, rows)
     in_features = qs.shape[1] * 8 // bits
     out = torch.empty(rows, in_features, dtype=torch.float32)
     kernels._library().quant_dequantize_f32(
@@ -91,6 +100,7 @@ def quant_dequantize_panels(
     """Rows [first, first + rows) as ``quant_dequantize`` gives them, in gemv.cpp's panel
     layout (ceil(rows / panel_width), in, panel_width), the last panel zero-padded: what
     ``kernels.linear_packed`` multiplies."""
+    _check_rows(qs, first, rows)
     in_features = qs.shape[1] * 8 // bits
     width = kernels.panel_width()
     out = torch.empty(-(-rows // width), in_features, width, dtype=torch.float32)
@@ -108,3 +118,9 @@ def quant_dequantize_panels(
         out.data_ptr(),
     )
     return out
+
+
+def _check_rows(qs: torch.Tensor, first: int, rows: int) -> None:
+    """Rows [first, first + rows) lie in the weight: the kernels read them unchecked."""
+    if first < 0 or rows < 0 or first + rows > qs.shape[0]:
+        raise ValueError(f"quant_dequantize: rows [{first}, {first + rows}) outside the weight's {qs.shape[0]} rows")

@@ -32,7 +32,7 @@ from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout, split_mask
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
-from ctxpar.worker.step_inputs import rank_order, token_rows_positions, token_slots
+from ctxpar.worker.step_inputs import check_block_tables, rank_order, token_rows_positions, token_slots
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 COPY_SLOTS = 1024  # cache slots per piece of a KV copy (copy_blocks): what a led step of 1K tokens holds
@@ -82,7 +82,9 @@ class ModelRunner:
         """Run one step. Returns, on rank 0, the float32 logits (L, vocab) of the tokens
         of ``plan.logits_token_indices()`` (the last token of each row with needs_logits;
         every token of an all_logits row), in order, and the hidden states of
-        ``plan.hidden_token_indices()``; None on the other ranks."""
+        ``plan.hidden_token_indices()``; None on the other ranks. Raises ValueError,
+        before any kernel runs, if a row's slots would fall outside the KV cache."""
+        self._check_slots(plan)
         layout = plan_pcp_layout(
             plan.num_scheduled_tokens,
             plan.num_computed_tokens,
@@ -156,6 +158,13 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self._share_led_kv(plan, global_slots)
         return out
+
+    def _check_slots(self, plan: StepPlan) -> None:
+        """Every slot the step reads or writes lies in this rank's cache: positions [0, c + q)
+        of each row, or under DCP this rank's share of them."""
+        seq_lens = plan.num_computed_tokens + plan.num_scheduled_tokens
+        needed = seq_lens if self.shard is None else self.shard.local_len(seq_lens)
+        check_block_tables(plan.block_tables, needed, self.block_size, self.kv_stack.shape[1] // self.block_size)
 
     def _split_ranks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
         """The policy's groups of ranks for this step's split rows (None: all ranks)."""

@@ -41,6 +41,32 @@ def token_slots(
     return tables[token_row, where // block_size] * block_size + where % block_size
 
 
+def check_block_tables(
+    block_tables: Sequence[np.ndarray], needed: np.ndarray, block_size: int, num_blocks: int
+) -> None:
+    """Raise ValueError unless every row's slots lie in the cache: its block ids
+    in [0, num_blocks), and its table holding at least ``needed[r]`` slots (the
+    places in its cache that the step reads or writes). Every slot of a step is
+    a table's block times block_size plus an offset below block_size, so this
+    bounds them all; the C++ kernels index the cache with them unchecked, so the
+    runner checks once per step, before any kernel, in a few vectorized ops."""
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    short = np.flatnonzero(lengths * block_size < needed)
+    if len(short):
+        r = int(short[0])
+        raise ValueError(
+            f"step plan: row {r}'s block table holds {lengths[r] * block_size} slots, the step uses {needed[r]}"
+        )
+    if not lengths.any():
+        return
+    ids = np.concatenate(block_tables)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"step plan: block ids must be integers, got {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        raise ValueError(f"step plan: block id {lo if lo < 0 else hi} outside the KV cache's {num_blocks} blocks")
+
+
 def rank_order(owner: np.ndarray, num_ranks: int) -> tuple[np.ndarray, int]:
     """For items each held by rank ``owner[i]``, listed in global order: each
     item's index in its owner's own list, and the longest list (at least 1),
