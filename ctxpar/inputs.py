@@ -7,7 +7,11 @@
 A prompt is a string, a ``TextPrompt`` ({"prompt": text}) or a ``TokensPrompt``
 ({"prompt_token_ids": ids}, optionally with the "prompt" text it came from,
 which is then only echoed in the output). They are TypedDicts: plain dicts
-work the same.
+work the same. Either may carry vLLM's ``cache_salt``: prompts share
+prefix-cache blocks only with prompts of the same salt, so one tenant cannot
+tell from its time to first token what another's prompts began with::
+
+    llm.generate({"prompt": "Hello", "cache_salt": "tenant-a"})
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class TextPrompt(TypedDict):
     """A text prompt, tokenized by the model's tokenizer (with its BOS, as vLLM does)."""
 
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
@@ -30,6 +35,7 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | TextPrompt | TokensPrompt
@@ -41,19 +47,17 @@ _REFUSED_KEYS = {
     "prompt_embeds": "ctxpar takes token ids, not embeddings",
     "token_type_ids": "ctxpar's models take no token type ids",
 }
-# Keys that do not change the output: vLLM's cache isolation salt (ctxpar's
-# prefix cache is shared by all prompts of one LLM, and its hits never change outputs).
-_IGNORED_KEYS = {"cache_salt"}
+_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
-def parse_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, Any]:
-    """(text or None, token ids) of one prompt.
+def parse_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, Any, str | None]:
+    """(text or None, token ids, cache_salt or None) of one prompt.
 
     Token ids are passed on as given: Engine.validate checks they are a
     sequence of integers in the vocabulary.
     """
     if isinstance(prompt, str):
-        return prompt, _encode(prompt, tokenizer)
+        return prompt, _encode(prompt, tokenizer), None
     if not isinstance(prompt, dict):
         raise CtxparError(
             "a prompt must be a string, {'prompt': text} (TextPrompt) or {'prompt_token_ids': [...]} "
@@ -62,16 +66,21 @@ def parse_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, Any]:
     for key in prompt:
         if key in _REFUSED_KEYS:
             raise CtxparError(f"prompt key {key!r} is not supported: {_REFUSED_KEYS[key]}")
-        if key not in ("prompt", "prompt_token_ids") and key not in _IGNORED_KEYS:
-            raise CtxparError(f"unknown prompt key {key!r}; a prompt dict has 'prompt' and/or 'prompt_token_ids'")
+        if key not in _KEYS:
+            raise CtxparError(
+                f"unknown prompt key {key!r}; a prompt dict has 'prompt' and/or 'prompt_token_ids', and 'cache_salt'"
+            )
     text = prompt.get("prompt")
     if text is not None and not isinstance(text, str):
         raise CtxparError(f"'prompt' must be a string, got {type(text).__name__}")
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise CtxparError(f"'cache_salt' must be a non-empty string, got {salt!r}")
     if "prompt_token_ids" in prompt:
-        return text, prompt["prompt_token_ids"]
+        return text, prompt["prompt_token_ids"], salt
     if text is None:
         raise CtxparError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
-    return text, _encode(text, tokenizer)
+    return text, _encode(text, tokenizer), salt
 
 
 def _encode(text: str, tokenizer: Any) -> list[int]:

@@ -117,6 +117,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Normalised view of `stop`, always a list (re-derived by validate()).
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    # The prefix cache's isolation key: vLLM's per-request ``cache_salt``, given with the
+    # prompt ({"prompt": ..., "cache_salt": ...}) or in a server request, carried from
+    # there to the engine's request here. Requests share cached KV blocks only with
+    # requests of the same salt. Not in repr: a tenant's salt is its secret.
+    cache_salt: str | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +169,8 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise CtxparError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise CtxparError(f"cache_salt must be a non-empty string, got {type(self.cache_salt).__name__}")
         self.stop_strings = _strings("stop", self.stop)
         if self.stop_strings and not self.detokenize:
             raise CtxparError("stop strings need detokenize=True (they are matched in the text); drop one of them")

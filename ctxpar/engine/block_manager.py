@@ -9,10 +9,13 @@ block ids only, and knows nothing of tensors, ranks or PCP.
 
 Prefix caching. A full block is identified by a hash chain: the hash of block i
 covers (hash of block i-1, the block's token ids), so equal hashes mean equal
-whole prefixes. Once an owner's full block is computed, the caller registers
-its hash (``cache_blocks``); a later owner whose prompt starts with the same
-blocks takes them (``cached_prefix`` then ``allocate(..., cached=...)``)
-instead of computing them again. Blocks are reference-counted, so running
+whole prefixes. A request's ``cache_salt`` enters its first block's hash, so
+chains of different salts (or salted and unsalted) never meet: a tenant's
+requests share blocks only with each other, and nobody can learn from hit
+timings what another tenant's prompts began with. Once an owner's full block
+is computed, the caller registers its hash (``cache_blocks``); a later owner
+whose prompt starts with the same blocks takes them (``cached_prefix`` then
+``allocate(..., cached=...)``) instead of computing them again. Blocks are reference-counted, so running
 owners share them. A block whose count drops to zero keeps its content and
 hash in the free pool; the pool hands out its least recently freed block
 first, and only then forgets ("evicts") that block's hash. Only full blocks
@@ -30,21 +33,30 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
     """The chain hash of one full block. SHA-256, not Python's ``hash``: a
     collision would hand one prompt another prompt's KV (wrong tokens), and
-    64-bit builtin hashes of integer tuples can be collided on purpose."""
+    64-bit builtin hashes of integer tuples can be collided on purpose. salt:
+    the request's ``cache_salt``, given for a chain's first block (parent None)."""
     h = hashlib.sha256(parent or b"")
+    if salt is not None:
+        # 43 bytes before the tokens: no unsalted block's input (0 or 32 bytes before its
+        # tokens) has this length, so no salted chain can meet an unsalted one.
+        h.update(b"cache_salt\0" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest())
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], tokens: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(
+    hashes: list[BlockHash], tokens: Sequence[int], block_size: int, salt: str | None = None
+) -> None:
     """Extend, in place, the chain ``hashes`` of a sequence's first full blocks
     with every full block of ``tokens``: the sequence's tokens from position
-    ``len(hashes) * block_size`` on. Kept per request, so each block is hashed once."""
+    ``len(hashes) * block_size`` on. Kept per request, so each block is hashed
+    once. salt: the request's ``cache_salt`` (None: none), in its first block's hash."""
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + block_size]))
+        block = tokens[start : start + block_size]
+        hashes.append(hash_block(hashes[-1], block) if hashes else hash_block(None, block, salt))
 
 
 @dataclass

@@ -87,7 +87,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise CtxparError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = parse_prompt(prompt, self._engine.tokenizer)
+        text, ids, salt = parse_prompt(prompt, self._engine.tokenizer)
+        if salt is not None:
+            params = params.clone()  # the salt is this prompt's; the caller's params may serve others
+            params.cache_salt = salt
         return text, self._engine.validate(ids, params), params
 
     def add_request(

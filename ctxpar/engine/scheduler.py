@@ -219,10 +219,12 @@ class Scheduler:
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """The request's hash chain, grown to cover at least its first
-        ``num_blocks`` full blocks (every block is hashed once per request)."""
+        ``num_blocks`` full blocks (every block is hashed once per request); salted
+        with the request's cache_salt, so only requests of the same salt share blocks."""
         bs = self.block_manager.block_size
         if len(req.block_hashes) < num_blocks:
-            extend_block_hashes(req.block_hashes, req.token_ids(len(req.block_hashes) * bs, num_blocks * bs), bs)
+            tokens = req.token_ids(len(req.block_hashes) * bs, num_blocks * bs)
+            extend_block_hashes(req.block_hashes, tokens, bs, req.params.cache_salt)
         return req.block_hashes
 
     def _cache_computed(self, req: Request) -> None:

@@ -59,6 +59,24 @@ class _SpecDecode:
         yield from families.values()
 
 
+class _PrefixCache:
+    """The prefix cache's lookups in prompt tokens (vLLM's prefix_cache counters), read
+    from the engine's totals (set by the engine thread)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.queries = self.hits = 0
+
+    def collect(self):
+        for name, value, doc in (
+            ("ctxpar:prefix_cache_queries", self.queries, "Prompt tokens looked up in the prefix cache"),
+            ("ctxpar:prefix_cache_hits", self.hits, "Prompt tokens found in the prefix cache"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
+
+
 class _RankRecovery:
     """Lost PCP ranks, recoveries and the KV they restored, read from the engine's counts when scraped."""
 
@@ -137,6 +155,8 @@ class ServerMetrics:
         r.register(self.spec_decode)
         self.rank_recovery = _RankRecovery(label)
         r.register(self.rank_recovery)
+        self.prefix_cache = _PrefixCache(label)
+        r.register(self.prefix_cache)
         self._label = label
 
     def record(self, event: OutputEvent) -> None:
@@ -154,6 +174,7 @@ class ServerMetrics:
         self.running.set(snapshot.running)
         self.waiting.set(snapshot.waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
+        self.prefix_cache.queries, self.prefix_cache.hits = snapshot.prefix_cache_queries, snapshot.prefix_cache_hits
         if snapshot.collective_seconds:
             self.collectives.seconds = snapshot.collective_seconds
         self.spec_decode.counts = snapshot.spec_decode

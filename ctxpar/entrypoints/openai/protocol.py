@@ -80,6 +80,9 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: prompt_token_ids and token_ids in the response
     user: str | None = None  # an end-user id for abuse monitoring: has no effect on generation
+    # vLLM extension: requests share prefix-cache blocks only with requests of the same salt
+    # (a tenant's secret), so one cannot time another's prompts.
+    cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extension
@@ -113,6 +116,8 @@ class _Sampling(_Body):
             raise ApiError(
                 400, "prompt_logprobs are returned only without streaming: set stream=false", param="prompt_logprobs"
             )
+        if self.cache_salt == "":
+            raise ApiError(400, "cache_salt must be a non-empty string", param="cache_salt")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the body asks for (at most one way of asking); a 400 if malformed."""
@@ -168,7 +173,7 @@ class _Sampling(_Body):
             )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise CtxparError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
-        return SamplingParams(
+        params = SamplingParams(
             n=self.n,
             best_of=getattr(self, "best_of", None),
             prompt_logprobs=self.prompt_logprobs,
@@ -194,6 +199,8 @@ class _Sampling(_Body):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs,
         )
+        params.cache_salt = self.cache_salt
+        return params
 
     def default_max_tokens(self, room: int) -> int:
         return max(room, 1)  # a too-long prompt is refused by the engine's own check
