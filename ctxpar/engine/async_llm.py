@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -39,9 +40,12 @@ from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
 from ctxpar.engine.recovery import RankRecovery
+from ctxpar.errors import RankFailure
 from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import SamplingParams
+
+logger = logging.getLogger("ctxpar")
 
 IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run, rank health is checked)
 
@@ -237,7 +241,11 @@ class AsyncLLM:
         try:
             return call()
         except Exception as e:
-            why = f"{type(e).__name__}: {e}"
+            # Clients (and /health) read `why`: a lost rank's own account (it names the rank and
+            # how it went); any other exception's text (paths, values) only the log gets, traced.
+            lost_rank = isinstance(e, RankFailure)
+            logger.error("the engine failed: %s: %s", type(e).__name__, e, exc_info=not lost_rank)
+            why = str(e) if lost_rank else f"{type(e).__name__}; the server log has the details"
             self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
             return None
 

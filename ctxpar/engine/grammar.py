@@ -2,7 +2,9 @@
 
     add_request ──► GrammarBackend.grammar(spec)   parse now: a bad schema fails the request alone
                 └─► GrammarBackend.compile(spec)   a Future, on a worker thread, cached by spec.key()
-    Engine.step: a request joins the scheduler once its grammar is compiled
+                                                   in a bounded LRU (grammar_cache.py)
+    Engine.step: a request joins the scheduler once its grammar is compiled, or
+                 fails alone once the compile has taken longer than ``compile_timeout``
       logits (S, V) ──► apply_bitmasks: each constrained row's matcher fills its row
                         of an (S, ceil(V/32)) int32 bitmask; one in-place masking of
                         all those rows sets disallowed logits to -inf
@@ -25,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from ctxpar.engine.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S, GrammarCache
 from ctxpar.errors import CtxparError
 from ctxpar.structured_params import StructuredOutputsParams
 
@@ -37,7 +40,14 @@ def _message(e: Exception) -> str:
 class GrammarBackend:
     """xgrammar over the engine's tokenizer: parses, compiles (cached) and hands out matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
+    ) -> None:
         if tokenizer is None:
             raise CtxparError("structured outputs need a tokenizer: this model has none")
         if not stop_token_ids:
@@ -51,7 +61,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.cache: dict[tuple, Future] = {}
+        self.cache = GrammarCache(cache_bytes)
+        self.compile_timeout = compile_timeout
         # One thread: compiles run beside the step loop (xgrammar releases the GIL), in order.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxpar-grammar")
 
@@ -85,9 +96,16 @@ class GrammarBackend:
         key = spec.key()
         fut = self.cache.get(key)
         if fut is None:
-            grammar = self.grammar(spec)
-            fut = self.cache[key] = self.pool.submit(self.compiler.compile_grammar, grammar)
+            grammar = self.grammar(spec)  # outside the cache's lock: a large schema takes a while
+            fut = self.cache.get_or_compile(key, lambda: self.pool.submit(self.compiler.compile_grammar, grammar))
         return fut
+
+    def timeout_error(self) -> CtxparError:
+        """What a request whose grammar took longer than ``compile_timeout`` is told."""
+        return CtxparError(
+            f"the grammar did not compile within {self.compile_timeout:g} s (the server's --grammar-compile-timeout): "
+            "simplify the schema, regex or grammar"
+        )
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ctxpar import LLM
+from ctxpar.engine.grammar_cache import GrammarCache
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams, StructuredOutputsParams
 from helpers.structured import SCHEMAS, check_json
@@ -307,7 +308,7 @@ def test_a_compile_slower_than_a_step_wait_is_waited_for(llm):
             time.sleep(0.5)  # ten times the step's wait
             return compiler.compile_grammar(grammar)
 
-    backend.compiler, backend.cache = Slow(), {}
+    backend.compiler, backend.cache = Slow(), GrammarCache()
     try:
         [out] = llm.generate(
             ["Pick one:"],

@@ -104,7 +104,7 @@ class Server:
         """/metrics, parsed: {sample name: value} (label sets of one name: the last wins)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.url + "/metrics", timeout=60).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=60).text
         return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:

@@ -6,12 +6,19 @@ Many concurrent requests share each engine step. Ctrl-C or SIGTERM stops
 accepting, lets requests in flight finish for --timeout-graceful-shutdown
 seconds (10), ends the rest with an error, then stops the PCP ranks: the
 process is gone within that time + 5 s in every case (a second signal: at
-once). Client limits (concurrency, queue, body size, slow clients) are flags
-below; /health says healthy, degraded (at those limits) or dead (503).
+once). Client limits (concurrency, queue, body sizes, prompts and sequences
+per request, grammars, slow clients) are flags below; /health says healthy,
+degraded (at those limits) or dead (503).
+
+With an API key (CTXPAR_API_KEY in the environment: a command line, and so
+--api-key, is readable by every user of the machine in /proc), every path
+but /health needs it, /metrics too unless --public-metrics; a request without
+it is refused before its body is read. /docs, /redoc and /openapi.json are
+off unless --enable-docs.
 
 examples:
   ctxpar serve
-  ctxpar serve --model ./my-llama --pcp 2 --port 8000 --api-key secret
+  CTXPAR_API_KEY=$(cat ~/.ctxpar-key) ctxpar serve --model ./my-llama --pcp 2 --host 0.0.0.0
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
 """
@@ -26,6 +33,7 @@ import threading
 
 from ctxpar.checks import int_arg, positive_int
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.entrypoints.openai.access import Access, startup_warnings
 from ctxpar.entrypoints.openai.limits import ServerLimits
 from ctxpar.entrypoints.openai.tools import TOOL_PARSERS
 from ctxpar.errors import CtxparError
@@ -35,13 +43,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1, this machine only; any other without an API key is warned about)",
+    )
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="port to bind (default: 8000; 0 = any free)")
     s.add_argument(
         "--api-key",
         metavar="KEY",
         default=os.environ.get("CTXPAR_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the API (default: $CTXPAR_API_KEY; none = open)",
+        help="require 'Authorization: Bearer KEY' on every path but /health (default: $CTXPAR_API_KEY, the "
+        "better way to give it: a command line is visible to every local user in /proc; none = open)",
+    )
+    s.add_argument(
+        "--enable-docs",
+        action="store_true",
+        help="serve the API's description (/docs, /redoc, /openapi.json), without the key (default: off, 404)",
+    )
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without the API key, for a Prometheus scraper (default: with a key, /metrics needs it)",
     )
     s.add_argument(
         "--served-model-name",
@@ -102,10 +125,63 @@ def _add_limits(g: argparse._ArgumentGroup) -> None:
         metavar="S",
         help=f"after SIGINT/SIGTERM, seconds requests in flight get to finish (default: {d.timeout_graceful_shutdown})",
     )
+    g.add_argument(
+        "--max-body-bytes-in-flight",
+        type=positive_int,
+        default=d.max_body_bytes_in_flight,
+        metavar="BYTES",
+        help=f"bytes of all request bodies being received or served at once (default: {d.max_body_bytes_in_flight}, "
+        f"{d.max_body_bytes_in_flight >> 20} MiB; at least --max-body-size); beyond, 503 with Retry-After",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=d.max_prompts_per_request,
+        metavar="N",
+        help=f"prompts in one /v1/completions request (default: {d.max_prompts_per_request}); more: 400",
+    )
+    g.add_argument(
+        "--max-sequences-per-request",
+        type=positive_int,
+        default=d.max_sequences_per_request,
+        metavar="N",
+        help=f"prompts x max(n, best_of) of one request (default: {d.max_sequences_per_request}); more: 400. One "
+        "request holds one --limit-concurrency slot however many sequences it asks for",
+    )
+    g.add_argument(
+        "--grammar-cache-bytes",
+        type=positive_int,
+        default=d.grammar_cache_bytes,
+        metavar="BYTES",
+        help=f"compiled grammars of structured outputs kept for reuse, by xgrammar's size of each plus its schema "
+        f"(default: {d.grammar_cache_bytes}, {d.grammar_cache_bytes >> 20} MiB); the least recently used go first",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=_seconds,
+        default=d.grammar_compile_timeout,
+        metavar="S",
+        help=f"seconds a request waits for its schema, regex or grammar to compile (default: "
+        f"{d.grammar_compile_timeout:g}); longer: 408. A compile already running still ends on the compile thread",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+
+
+def _access(args: argparse.Namespace) -> Access:
+    return Access(args.api_key or None, enable_docs=args.enable_docs, public_metrics=args.public_metrics)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -117,11 +193,13 @@ def run(args: argparse.Namespace) -> None:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CtxparError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
+    limits, access = _limits(args), _access(args)  # refused here, before the model loads, if inconsistent
+    for warning in startup_warnings(args.host, access, args.api_key == os.environ.get("CTXPAR_API_KEY")):
+        print(f"ctxpar: {warning}", file=sys.stderr, flush=True)
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
         name = args.served_model_name or args.model or llm.engine.loaded.name
         parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-        limits = _limits(args)
-        state = ServerState(llm, name, args.api_key or None, parser, limits)
+        state = ServerState(llm, name, access, parser, limits)
         config = uvicorn.Config(
             build_app(state),
             host=args.host,

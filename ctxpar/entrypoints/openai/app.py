@@ -5,28 +5,30 @@ Handlers tokenize and validate a request completely before it reaches the
 engine (a bad one gets a 400 with the engine's own message and disturbs no
 other), submit it to the AsyncLLM (ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies
 or server-sent events. A client that disconnects aborts its requests. In
-front of the routes, ClientGuard (guard.py) reads bodies within the limits
-and admits generation requests within the concurrency limits (limits.py).
+front of the routes, ClientGuard (guard.py) checks the API key (access.py),
+reads bodies within the limits and admits generation and tokenizer requests
+within the concurrency limits (limits.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ctxpar.engine.async_llm import AsyncLLM, ClientGone, EngineDeadError, Submission
 from ctxpar.entrypoints.openai import health as H
 from ctxpar.entrypoints.openai import responses as R
+from ctxpar.entrypoints.openai.access import Access
+from ctxpar.entrypoints.openai.grammars import compile_first
 from ctxpar.entrypoints.openai.guard import ClientGuard
-from ctxpar.entrypoints.openai.limits import Admission, ServerLimits
+from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits, check_fanout
 from ctxpar.entrypoints.openai.metrics import ServerMetrics
 from ctxpar.entrypoints.openai.protocol import (
     ApiError,
@@ -42,25 +44,28 @@ from ctxpar.errors import CtxparError
 
 class ServerState:
     """What the routes share: the LLM (its engine and chat template), the async engine over
-    it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name and key,
-    the parser of tool_choice "auto" (None: "auto" is refused) and the client limits."""
+    it (whose loop the caller runs: ``engine_client.run_engine_loop()``), the name, who may
+    call what (the API key), the parser of tool_choice "auto" (None: "auto" is refused) and
+    the client limits (the grammar cache's among them)."""
 
     def __init__(
         self,
         llm,
         model_name: str,
-        api_key: str | None,
+        access: Access,
         tool_parser: str | None = None,
         limits: ServerLimits = ServerLimits(),
     ) -> None:
         self.llm = llm
         self.limits = limits
         self.admission = Admission(limits)
+        self.budget = BodyBudget(limits)
+        self.access = access
         self.tool_parser = tool_parser
         self.engine = llm.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
-        self.api_key = api_key
+        self.engine.structured.configure(limits.grammar_cache_bytes, limits.grammar_compile_timeout)
         self.metrics = ServerMetrics(model_name)
         self.engine_client = AsyncLLM(llm.llm_engine, start_engine_loop=False, stat_loggers=[self.metrics])
         self.metrics.rank_recovery.source = lambda: self.engine_client.rank_recovery
@@ -93,9 +98,18 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     """The routes over ``state``; its EngineLoop must run (see command.py) for requests to finish."""
 
-    app = FastAPI(title="ctxpar")
+    # The API's description is off unless asked for: it maps the server for anyone who can reach it.
+    docs = state.access.enable_docs
+    app = FastAPI(
+        title="ctxpar",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.ctxpar = state
-    app.add_middleware(ClientGuard, limits=state.limits, admission=state.admission)
+    app.add_middleware(
+        ClientGuard, limits=state.limits, admission=state.admission, access=state.access, budget=state.budget
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -113,17 +127,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def _gone(request: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
-
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
-
     @app.get("/health")
     async def health() -> Response:
         status, body = H.report(state.engine_client, state.admission)
@@ -133,9 +136,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    api = APIRouter(dependencies=[Depends(authorize)])
-
-    @api.get("/v1/models")
+    @app.get("/v1/models")
     async def models() -> dict:
         card = {
             "id": state.model_name,
@@ -147,13 +148,16 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @api.post("/v1/completions")
+    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
         state.check_model(req.model)
         prompts = []
+        given = req.prompts()
+        check_fanout(state.limits, len(given), req.n, req.best_of)
         constraint = req.structured_outputs_params()
-        for p in req.prompts():
+        await compile_first(state.engine.structured, constraint)
+        for p in given:
             text, ids = (p, state.encode(p)) if isinstance(p, str) else (None, p)
             params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs, constraint)
             prompts.append((text, state.engine.validate(ids, params), params))
@@ -187,7 +191,7 @@ def build_app(state: ServerState) -> FastAPI:
         ]
         return JSONResponse(R.envelope(*meta, choices, usage=_usage(outs)))
 
-    @api.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
         state.check_model(req.model)
@@ -197,6 +201,8 @@ def build_app(state: ServerState) -> FastAPI:
             if constraint is not None:
                 raise ApiError(400, "tool_choice and response_format both constrain the output: give one")
             constraint = tools.constraint
+        check_fanout(state.limits, 1, req.n)
+        await compile_first(state.engine.structured, constraint)
         rendered = state.render_chat(req.messages, req.chat_template_kwargs, req.tools)
         ids = rendered["prompt_token_ids"]
         params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs, constraint)
@@ -230,19 +236,21 @@ def build_app(state: ServerState) -> FastAPI:
         extra = {"prompt_logprobs": R.prompt_logprobs(out)} if req.prompt_logprobs is not None else {}
         return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=_usage([out]), **extra))
 
-    @api.post("/tokenize")
+    # Admitted like generation (guard.py's GATED); the tokenizer runs on a worker thread:
+    # a 16 MiB prompt takes seconds to tokenize, which would stall every stream on the loop.
+    @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req: TokenizeRequest = parse(TokenizeRequest, await request.body())
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
-            tokens = state.encode(req.prompt, req.add_special_tokens)
+            tokens = await asyncio.to_thread(state.encode, req.prompt, req.add_special_tokens)
         else:
-            tokens = state.render_chat(req.messages)["prompt_token_ids"]
+            tokens = (await asyncio.to_thread(state.render_chat, req.messages))["prompt_token_ids"]
         return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
 
-    @api.post("/detokenize")
+    @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req: DetokenizeRequest = parse(DetokenizeRequest, await request.body())
         state.check_model(req.model)
@@ -252,9 +260,8 @@ def build_app(state: ServerState) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, req.tokens)}
 
-    app.include_router(api)
     return app
 
 

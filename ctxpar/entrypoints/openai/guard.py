@@ -1,17 +1,25 @@
 """ClientGuard: the ASGI middleware between uvicorn and the routes that makes a
 hostile or broken client cost the server a bounded amount and nobody else anything.
 
+- The API key is checked first (access.py), on the headers alone: a client
+  without it gets a 401 before a byte of its body is read, and its connection
+  is closed.
 - The body is read here, once, before any route runs: a declared or actual size
   over ``max_body_size`` is a 413, a body that has not arrived within
   ``timeout_client`` (a slow sender) a 408, and a client that leaves half-way
   simply ends its request (no route sees a ClientDisconnect, so nothing is
-  logged). Routes then read the body from memory.
-- Generation requests (POST /v1/completions, /v1/chat/completions) go through
-  the Admission gate (limits.py): at most ``limit_concurrency`` at once, a
-  bounded queue, then 503 + Retry-After.
+  logged). Routes then read the body from memory. Every body counts against
+  the server's BodyBudget (limits.py) from its first byte (its declared length,
+  when it has one) until its response is sent; past the budget, a 503.
+- Generation and tokenizer requests (POST /v1/completions, /v1/chat/completions,
+  /tokenize, /detokenize) go through the Admission gate (limits.py): at most
+  ``limit_concurrency`` at once, a bounded queue, then 503 + Retry-After.
 - A response that its client stops reading (a slow reader) is dropped after
   ``timeout_client`` s without progress; dropping the stream closes its output
   generator, which aborts the request and frees its KV blocks.
+- A route's unexpected exception (a bug) is answered here with a 500 that says
+  where it failed and a request id, the traceback logged under that id
+  (failures.py); the exception's text stays in the log.
 - When uvicorn's graceful shutdown runs out of time it cancels the requests
   left (by then the engine has ended every generation with an error, see
   shutdown.py: what is left waits on its client); the cancellation ends them
@@ -25,7 +33,9 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ctxpar.entrypoints.openai.limits import Admission, ServerLimits, overloaded
+from ctxpar.entrypoints.openai.access import Access
+from ctxpar.entrypoints.openai.failures import internal_error
+from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits, overloaded
 from ctxpar.entrypoints.openai.protocol import ApiError
 
 Message = MutableMapping[str, Any]
@@ -33,7 +43,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
-GATED = {"/v1/completions", "/v1/chat/completions"}
+GATED = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 
 
 class _ClientLeft(Exception):
@@ -45,8 +55,12 @@ class _SlowReader(Exception):
 
 
 class ClientGuard:
-    def __init__(self, app: ASGIApp, limits: ServerLimits, admission: Admission) -> None:
-        self.app, self.limits, self.admission = app, limits, admission
+    """The ASGI middleware (see the module's docstring)."""
+
+    def __init__(
+        self, app: ASGIApp, limits: ServerLimits, admission: Admission, access: Access, budget: BodyBudget
+    ) -> None:
+        self.app, self.limits, self.admission, self.access, self.budget = app, limits, admission, access, budget
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,33 +77,55 @@ class ClientGuard:
             if not sender.started:
                 await _answer(send, _before_body(ApiError(503, "the server is shutting down")))
 
-    async def _handle(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+    async def _handle(self, scope: MutableMapping[str, Any], receive: Receive, send: _Sender) -> None:
+        refused = self.access.refuse(scope)
+        if refused is not None:
+            await _answer(send, _before_body(refused))
+            return
         gated = scope["method"] == "POST" and scope["path"] in GATED
+        held = _Held(self.budget)
         try:
-            if gated:
-                self._admit()
-            body = await self._read_body(scope, receive)
-            if gated:
-                self._admit()  # the queue may have filled while the body arrived
-        except ApiError as e:
-            await _answer(send, e)
-            return
-        replay = _replay(body, receive)
-        if not gated:
-            await self.app(scope, replay, send)
-            return
-        async with self.admission.slot():  # no await since _admit: the queue has room
-            await self.app(scope, replay, send)
+            try:
+                if gated:
+                    self._admit()
+                body = await self._read_body(scope, receive, held)
+                if gated:
+                    self._admit()  # the queue may have filled while the body arrived
+            except ApiError as e:
+                await _answer(send, e)
+                return
+            replay = _replay(body, receive)
+            if not gated:
+                await self._route(scope, replay, send)
+                return
+            async with self.admission.slot():  # no await since _admit: the queue has room
+                await self._route(scope, replay, send)
+        finally:
+            held.release()
+
+    async def _route(self, scope: MutableMapping[str, Any], receive: Receive, send: _Sender) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except (_ClientLeft, _SlowReader):
+            raise
+        except Exception as e:
+            # Caught here, not by an app exception handler: Starlette re-raises from those,
+            # and uvicorn would log the traceback a second time, without the request id.
+            error = internal_error(scope["method"], scope["path"], e)
+            if not send.started:
+                await _answer(send, error)
 
     def _admit(self) -> None:
         if self.admission.full():
             raise _before_body(overloaded(self.limits))
 
-    async def _read_body(self, scope: MutableMapping[str, Any], receive: Receive) -> bytes:
+    async def _read_body(self, scope: MutableMapping[str, Any], receive: Receive, held: _Held) -> bytes:
         limit = self.limits.max_body_size
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _before_body(_too_large(limit))
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise _before_body(_too_large(limit))
+            held.up_to(int(declared))  # the whole body's room now: refused before any of it is read
 
         async def read() -> bytes:
             chunks, size = [], 0
@@ -101,6 +137,7 @@ class ClientGuard:
                 size += len(chunk)
                 if size > limit:
                     raise _before_body(_too_large(limit))
+                held.up_to(size)  # a body of no declared length (chunked): as it comes
                 chunks.append(chunk)
                 if not msg.get("more_body", False):
                     return b"".join(chunks)
@@ -110,6 +147,26 @@ class ClientGuard:
         except asyncio.TimeoutError:
             timeout = self.limits.timeout_client
             raise _before_body(ApiError(408, f"the request body did not arrive within {timeout:g} s")) from None
+
+
+class _Held:
+    """What one request holds of the BodyBudget, given back once its response is sent."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget, self.nbytes = budget, 0
+
+    def up_to(self, nbytes: int) -> None:
+        """Hold ``nbytes`` in all (no more than that is taken); a 503 past the budget."""
+        if nbytes > self.nbytes:
+            try:
+                self.budget.take(nbytes - self.nbytes)
+            except ApiError as e:
+                raise _before_body(e) from None
+            self.nbytes = nbytes
+
+    def release(self) -> None:
+        self.budget.give_back(self.nbytes)
+        self.nbytes = 0
 
 
 def _too_large(limit: int) -> ApiError:

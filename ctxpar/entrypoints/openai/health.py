@@ -12,7 +12,8 @@
   found within a second, or about 3 s under torchrun, not by the next request).
 - "dead" (503): the engine failed (a rank lost beyond --max-rank-recoveries,
   or one that cannot be respawned). The body carries the reason in OpenAI's
-  error shape; restart the server.
+  error shape (a lost rank's own account; of any other failure only its
+  kind, the server's log has the exception); restart the server.
 """
 
 from __future__ import annotations

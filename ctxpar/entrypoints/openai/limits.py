@@ -6,6 +6,14 @@ it is handed to the engine until its response is sent; beyond those, up to
 ``max_queued_requests`` wait (first come, first served) for a slot, and any
 more are refused at once with a 503 and a Retry-After header, so that an
 overload is a fast, explicit answer rather than an ever longer queue.
+
+Bodies are bounded one by one (``max_body_size``) and together: the bytes of
+all bodies being received or served at once stay within
+``max_body_bytes_in_flight`` (BodyBudget), beyond which a request is refused
+with a 503 before more of its body is read. One request is bounded in what
+it asks of the engine: prompts (``max_prompts_per_request``) and sequences,
+prompts x n (``max_sequences_per_request``): otherwise a single admission
+slot could carry thousands of generations.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from ctxpar.engine.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
 from ctxpar.entrypoints.openai.protocol import ApiError
+from ctxpar.errors import CtxparError
 
 # What a refused client is told to wait: slots free as requests finish, which
 # at the server's usual pace is well within a second or two.
@@ -31,6 +41,23 @@ class ServerLimits:
     max_body_size: int = 16 << 20  # bytes of one request body
     timeout_client: int = 30  # s to send a whole body; s a response may wait for its reader
     timeout_graceful_shutdown: int = 10  # s requests in flight get after SIGTERM
+    max_body_bytes_in_flight: int = 256 << 20  # bytes of all bodies being received or served at once
+    max_prompts_per_request: int = 256  # prompts in one /v1/completions request
+    max_sequences_per_request: int = 1024  # prompts x max(n, best_of) in one request
+    grammar_cache_bytes: int = DEFAULT_CACHE_BYTES  # compiled grammars kept (least recently used go first)
+    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S  # s a request waits for its grammar
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes_in_flight < self.max_body_size:
+            raise CtxparError(
+                f"--max-body-bytes-in-flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"--max-body-size ({self.max_body_size}): a body of the largest size could never be received"
+            )
+        if self.max_sequences_per_request < self.max_prompts_per_request:
+            raise CtxparError(
+                f"--max-sequences-per-request ({self.max_sequences_per_request}) must be at least "
+                f"--max-prompts-per-request ({self.max_prompts_per_request}): each prompt is one sequence or more"
+            )
 
 
 def overloaded(limits: ServerLimits) -> ApiError:
@@ -70,3 +97,47 @@ class Admission:
         finally:
             self.running -= 1
             self._slots.release()
+
+
+def check_fanout(limits: ServerLimits, prompts: int, n: int, best_of: int | None = None) -> None:
+    """A 400 naming the limit and its flag if a request of ``prompts`` prompts, each
+    sampled max(n, best_of) times, asks for more than one request may."""
+    if prompts > limits.max_prompts_per_request:
+        raise ApiError(
+            400,
+            f"{prompts} prompts in one request: the server takes at most {limits.max_prompts_per_request} "
+            "(--max-prompts-per-request); send them in several requests",
+            param="prompt",
+        )
+    field, samples = ("best_of", best_of) if best_of is not None and best_of > n else ("n", n)
+    if prompts * samples > limits.max_sequences_per_request:
+        raise ApiError(
+            400,
+            f"{prompts} prompt(s) x {field}={samples} = {prompts * samples} sequences in one request: the server "
+            f"takes at most {limits.max_sequences_per_request} (--max-sequences-per-request)",
+            param=field,
+        )
+
+
+class BodyBudget:
+    """The bytes of request bodies held at once, within ``max_body_bytes_in_flight``
+    (event loop only). A request holds what it has received until its response is
+    sent: its body, and what the route made of it, live that long."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limit = limits.max_body_bytes_in_flight
+        self.held = 0
+
+    def take(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more; a 503 (nothing held) if that would pass the limit."""
+        if self.held + nbytes > self.limit:
+            raise ApiError(
+                503,
+                f"the server is receiving or serving {self.held} bytes of request bodies, and this one would pass its "
+                f"limit of {self.limit} (--max-body-bytes-in-flight): retry after {RETRY_AFTER_S} s",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.held += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= nbytes

@@ -253,8 +253,9 @@ def test_api_key(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=60)
     assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
-    assert httpx.get(server.url + "/health", timeout=60).status_code == 200  # health and metrics stay open
-    assert httpx.get(server.url + "/metrics", timeout=60).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200  # health stays open, metrics not
+    assert httpx.get(server.url + "/metrics", timeout=60).status_code == 401
+    assert httpx.get(server.url + "/metrics", headers=server.headers(), timeout=60).status_code == 200
 
 
 BAD = [
