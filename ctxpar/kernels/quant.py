@@ -2,8 +2,8 @@
 stored (4 or 8 bits a weight, a scale per group of 16 or 32, an optional
 offset per 32; scales and offsets float32, or both float16 where the weight's
 values are halves: half.h), the activations quantized per block of 32
-to int8 inside the kernel; and the weight's rows dequantized to float32, for
-prefill's matrix products (quant_dequant.cpp)."""
+to int8 inside the kernel; and the weight's rows dequantized to float32, where
+no kernel multiplies them (quant_dequant.cpp)."""
 
 from __future__ import annotations
 
@@ -83,38 +83,6 @@ def quant_dequantize(
         first,
         rows,
         in_features,
-        out.data_ptr(),
-    )
-    return out
-
-
-def quant_dequantize_panels(
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    group: int,
-    first: int,
-    rows: int,
-) -> torch.Tensor:
-    """Rows [first, first + rows) as ``quant_dequantize`` gives them, in gemv.cpp's panel
-    layout (ceil(rows / panel_width), in, panel_width), the last panel zero-padded: what
-    ``kernels.linear_packed`` multiplies."""
-    _check_rows(qs, first, rows)
-    in_features = qs.shape[1] * 8 // bits
-    width = kernels.panel_width()
-    out = torch.empty(-(-rows // width), in_features, width, dtype=torch.float32)
-    kernels._library().quant_dequantize_panels_f32(
-        qs.data_ptr(),
-        scales.data_ptr(),
-        0 if offsets is None else offsets.data_ptr(),
-        scales.dtype == torch.float16,
-        bits,
-        group,
-        first,
-        rows,
-        in_features,
-        width,
         out.data_ptr(),
     )
     return out

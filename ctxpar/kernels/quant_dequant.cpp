@@ -1,12 +1,10 @@
 // The rows of a block-quantized weight (quant_gemv.cpp's layout: bits 4 or 8, a scale
-// per group of 16 or 32, an optional offset per 32, float32 or half) as float32: prefill
-// multiplies tiles of them with the fp32 GEMM (gemv.cpp), and tests read them back.
+// per group of 16 or 32, an optional offset per 32, float32 or half) as float32: the
+// embedding's rows, the weights where no kernel multiplies them, and the tests' view.
 // Each weight is scale * q, then + offset: two roundings, as ctxpar's and gguf's
-// dequantizers compute it (built with -std=c++17: no fused multiply-add contraction).
+// dequantizers compute it (the tests compare the two bit for bit).
 
-#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "half.h"
 
@@ -58,29 +56,5 @@ void quant_dequantize_f32(const uint8_t* qs, const void* scales, const void* off
         dequantize_block(qs, sc, off, bits, group, first + r, b, in, out + r * in + b * QB);
   });
 }
-
-// The same rows written straight into gemv.cpp's panel layout, (ceil(rows / np), in, np):
-// row r, weight i at [r / np][i][r % np], the last panel's missing rows zero. Prefill's
-// tiles go to the fp32 panel kernel without a transposing copy.
-void quant_dequantize_panels_f32(const uint8_t* qs, const void* scales, const void* offsets, int64_t half,
-                                 int64_t bits, int64_t group, int64_t first, int64_t rows, int64_t in, int64_t np,
-                                 float* out) {
-  const int64_t panels = (rows + np - 1) / np;
-  with_scales(scales, offsets, half, [&](auto* sc, auto* off) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      float* panel = out + p * in * np;
-      const int64_t lanes = std::min(np, rows - p * np);
-      std::vector<float> block(np * QB, 0.0f);  // one block of the panel's rows, row-major; missing rows stay 0
-      for (int64_t b = 0; b < in / QB; ++b) {
-        for (int64_t lane = 0; lane < lanes; ++lane)
-          dequantize_block(qs, sc, off, bits, group, first + p * np + lane, b, in, block.data() + lane * QB);
-        for (int i = 0; i < QB; ++i)  // transposed: each weight's np rows side by side, whole cache lines
-          for (int64_t lane = 0; lane < np; ++lane) panel[(b * QB + i) * np + lane] = block[lane * QB + i];
-      }
-    }
-  });
-}
-
 
 }  // extern "C"

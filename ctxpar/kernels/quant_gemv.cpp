@@ -1,7 +1,8 @@
-// y = x W^T (+ bias) against a block-quantized weight, for a decode step's few
-// rows: the weight stays as stored (4 or 8 bits a weight), so a step reads
-// 4-8x fewer bytes than against fp32, and a decode step is bound by reading
-// the weights.
+// y = x W^T (+ bias) against a block-quantized weight, for any number of rows (a
+// decode step's one, a prefill's thousands) on one path, so that a row's result
+// never depends on the rows beside it: the weight stays as stored (4 or 8 bits a
+// weight), and a decode step, bound by reading the weights, reads 4-8x fewer
+// bytes than against fp32.
 //
 // The weight: row o holds in/32 blocks of 32 weights, weight i of a block
 // = scale[group of i] * q[i] + offset[block] (ctxpar/layers/quant_blocks.py
@@ -21,7 +22,8 @@
 // |qx| <= 127 twice is < 2^12, and the 8-bit path multiplies |q| <= 128 by
 // |qx| <= 127 (llama.cpp's sign trick: maddubs(|q|, sign(qx, q))), twice
 // 32512 < 32767. Without AVX2 (the library is built per CPU, -march=native) a
-// scalar loop computes the same integers.
+// scalar loop computes the same integers. With AVX-512 VNNI, quant_tiles.h takes
+// every call instead (16 outputs a vector, AMX-INT8 for groups of 16 rows).
 
 #include <algorithm>
 #include <array>
@@ -36,10 +38,16 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "quant_tiles.h"  // every row count on these CPUs
+#define CTXPAR_TILES 1
+#endif
+
 namespace {
 
 constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
+constexpr int64_t ROW_BLOCK_BYTES = 1 << 18;
 
 // x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
 // and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
@@ -88,7 +96,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8
       const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
       xs[m * nb + b] = xd[m * nb + b] * float(sum);
     }
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; xp && b < nb; ++b) {
       const int8_t* q = xq + m * in + b * QB;
       int8_t* y = xp + m * in + (b & ~int64_t(1)) * QB;
       if (b == nb - 1 && nb % 2) {
@@ -301,17 +309,33 @@ constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int
 template <typename S>
 void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
                   const uint8_t* qs, const S* scales, int64_t group, const S* offsets, const float* bias, float* out) {
-  const int64_t nb = in / QB, row_bytes = in * bits / 8, row_scales = in / group;
-  static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
-  static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
+  const int64_t nb = in / QB;
   // The quantized activations, kept per calling thread between calls: a decode step makes ~120.
   // (Pointers taken here: inside the parallel loop each thread would name its own vectors.)
   static thread_local std::vector<int8_t> xq_buf, xp_buf;
   static thread_local std::vector<float> xd_buf, xs_buf;
-  if (int64_t(xq_buf.size()) < n * in) xq_buf.resize(n * in), xp_buf.resize(n * in);
+  if (int64_t(xq_buf.size()) < n * in) xq_buf.resize(n * in);
   if (int64_t(xd_buf.size()) < n * nb) xd_buf.resize(n * nb), xs_buf.resize(n * nb);
-  int8_t *xq = xq_buf.data(), *xp = xp_buf.data();
+  int8_t* xq = xq_buf.data();
   float *xd = xd_buf.data(), *xs = xs_buf.data();
+#if defined(CTXPAR_TILES)
+  // Row blocks of ~256 KB of codes: a block stays in L2 while every tile of the weight passes it.
+  const int64_t row_block = std::max<int64_t>(16, ROW_BLOCK_BYTES / in / 16 * 16);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < n; ++m)
+      quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, nullptr);
+    for (int64_t r0 = 0; r0 < n; r0 += row_block)
+      tiles::product(qs, scales, offsets, bits, group, in, out_features, xq, xd, xs, r0, std::min(n, r0 + row_block),
+                     bias, out);
+  }
+#else
+  const int64_t row_bytes = in * bits / 8, row_scales = in / group;
+  static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
+  static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
+  if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
+  int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, xp);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < out_features; ++o) {
@@ -325,6 +349,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
       for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
     }
   }
+#endif
 }
 
 }  // namespace

@@ -104,10 +104,6 @@ class ForwardContext:
     # attend through ctxpar.layers.sharded_attention (context_slots unused). None: a full cache.
     dcp: DCPStep | None = None
     memo: StepMemo = field(default_factory=StepMemo)
-    # Tokens of the whole step, every rank's (no padding): a size every rank and one rank
-    # alone see alike, by which a layer may pick its kernel so that the path a token takes
-    # does not depend on the ranks (quantized projections: layers/quant_linear.py).
-    step_tokens: int | None = None
     # Each local row's queries in the whole step (its request's scheduled tokens, every
     # rank's chunks together; None: the local counts). Attention picks a row's kernel by
     # it, so a row's queries take the same kernel split over the ranks or whole, and get

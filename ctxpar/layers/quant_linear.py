@@ -11,17 +11,16 @@ float32 where not (the K-quants' products of two scales, int8 weights
 quantized at load), which holds them exactly; the 5- and 6-bit formats widen
 to 8 bits.
 
-``linear`` runs a decode step's few rows through the integer kernel, and
-more rows (prefill) as float32 products over tiles of rows dequantized on
-the fly (dequantized straight into gemv.cpp's panel layout): at many rows reusing each
-dequantized weight wins over integer dot products (docs/benchmarks.md, "Quantized weights").
+On the CPU every row count takes the one integer kernel (quant_gemv.cpp):
+a row's activations are rounded to int8 per block of 32 and multiplied by the
+weight's integers, a decode step's one row and a prefill's thousands alike, so
+a row's result never depends on how many rows share its step (DESIGN.md §7).
+Elsewhere (GPUs, or ``CTXPAR_KERNELS=0``) the weight is dequantized for
+``F.linear``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,13 +31,7 @@ from ctxpar import kernels
 from ctxpar.kernels import quant
 from ctxpar.layers.quant_blocks import Decoded
 
-# Rows at or above which a projection dequantizes tiles and multiplies in float32:
-# the crossover measured on SmolLM2's shapes, AVX2, one core (~100 rows; at 64 the
-# integer kernel is 1.2x faster, at 256 the tiles 1.3x: docs/benchmarks.md).
-GEMM_MIN_ROWS = 96
-# The rows a path is picked by, where the caller sets it (``path_rows``); else each call's own.
-_PATH_ROWS: ContextVar[int | None] = ContextVar("ctxpar_quant_path_rows", default=None)
-TILE_ROWS = 512  # weight rows per dequantized tile: 512 x 1536 floats = 3 MiB, within L2/L3
+TILE_ROWS = 512  # weight rows dequantized at a time where the kernels do not run: 512 x 1536 floats = 3 MiB
 
 
 @dataclass
@@ -53,14 +46,23 @@ class QuantWeight:
     group: int  # 16 or 32
 
     def __post_init__(self) -> None:
-        # The kernel reads these through raw pointers: their layout is checked here, once.
+        # The kernel reads these through raw pointers: their layout is checked here, once
+        # (a real check, not an assert: ``python -O`` would remove that).
         rows, cols = self.qs.shape[0], self.qs.shape[1] * 8 // self.bits
-        assert self.bits in (4, 8) and self.group in (16, 32) and cols % 32 == 0, (self.bits, self.group, cols)
-        assert self.qs.dtype == torch.uint8 and self.scales.dtype in (torch.float32, torch.float16)
-        assert self.scales.shape == (rows, cols // self.group)
         off = self.offsets
-        assert off is None or (off.dtype == self.scales.dtype and off.shape == (rows, cols // 32))
-        assert all(t.is_contiguous() for t in self.tensors())
+        layout_ok = (
+            self.bits in (4, 8)
+            and self.group in (16, 32)
+            and cols % 32 == 0
+            and self.qs.dtype == torch.uint8
+            and self.scales.dtype in (torch.float32, torch.float16)
+            and self.scales.shape == (rows, cols // self.group)
+            and (off is None or (off.dtype == self.scales.dtype and off.shape == (rows, cols // 32)))
+            and all(t.is_contiguous() for t in self.tensors())
+        )
+        if not layout_ok:
+            shapes = [(tuple(t.shape), t.dtype) for t in self.tensors()]
+            raise ValueError(f"QuantWeight: bits {self.bits}, group {self.group} and tensors {shapes} do not match")
 
     @property
     def out_features(self) -> int:
@@ -158,47 +160,20 @@ def _widen(p: QuantWeight, bits: int, group: int) -> QuantWeight:
     return QuantWeight.from_decoded(Decoded(d.q, scales, d.offsets, group), bits)
 
 
-@contextmanager
-def path_rows(rows: int | None) -> Iterator[None]:
-    """Within it, projections pick their path (integer kernel or dequantized tiles) by
-    `rows` instead of their own row count: a model's forward passes the step's global
-    token count, so a PCP rank computes each token the way one rank alone does (the two
-    paths round differently: int8 activations or float32). Both paths compute each
-    output row alone, so the same path gives the same row whatever the others."""
-    token = _PATH_ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _PATH_ROWS.reset(token)
-
-
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype; the path by ``path_rows`` if set."""
+    """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype."""
     dtype = x.dtype
     if dtype != torch.float32:
         x = x.float()
-    n = x.shape[0]
-    rows = _PATH_ROWS.get()
-    if (n if rows is None else rows) < GEMM_MIN_ROWS and x.device.type == "cpu" and kernels.available():
+    if x.device.type == "cpu" and kernels.available():
         out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias)
     else:
-        out = torch.empty(n, w.out_features, dtype=torch.float32)
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
         for first in range(0, w.out_features, TILE_ROWS):
             end = min(w.out_features, first + TILE_ROWS)
             tile_bias = None if bias is None else bias[first:end].float()
-            out[:, first:end] = _tile_product(x, w, first, end, tile_bias)
+            out[:, first:end] = F.linear(x, w.dequantize(first, end).to(x.device), tile_bias)
     return out if dtype == torch.float32 else out.to(dtype)
-
-
-def _tile_product(x: torch.Tensor, w: QuantWeight, first: int, end: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (n, in) @ w's rows [first, end)^T (+ bias): dequantized into the fp32 panel
-    kernel's layout (gemv.cpp) where it runs, whose every output row is summed in
-    one order whatever the other rows (so P ranks' row subsets compute as one rank
-    does); else dequantized for F.linear."""
-    if not (kernels.available() and x.device.type == "cpu"):
-        return F.linear(x, w.dequantize(first, end), bias)
-    panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, first, end - first)
-    return kernels.linear_packed(x, panels, end - first, bias)
 
 
 def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
 from ctxpar.layers.paged_attention import decode_batch
-from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
+from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -171,8 +171,6 @@ class CompiledDecode:
         local token a decode-kernel query, written to its own slot, nothing gathered."""
         if ctx.gather is not None or ctx.dcp is not None or ctx.write_src is not None:
             return False
-        if (ctx.step_tokens if ctx.step_tokens is not None else num_tokens) >= GEMM_MIN_ROWS:
-            return False  # projections of that many rows take the dequantized tiles
         batch = decode_batch(ctx, True)
         return batch is not None and batch.whole and num_tokens == ctx.query_start_loc[-1]
 

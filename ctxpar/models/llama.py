@@ -26,7 +26,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import default_runs
 from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.quant_linear import QuantWeight, concat, path_rows
+from ctxpar.layers.quant_linear import QuantWeight, concat
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
@@ -140,9 +140,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""
         h = embedding(input_ids, self.embed_tokens, self.norm.weight.dtype)  # (n, hidden)
         cos, sin = self.rotary(positions)  # (n, hd/2) each, fp32
-        with path_rows(ctx.step_tokens):  # quantized projections: one path for the step on every rank
-            for layer in self.layers:
-                h = layer(h, cos, sin, ctx)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:

@@ -136,7 +136,6 @@ class ModelRunner:
             kv_quant=self.kv_quant,
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
-            step_tokens=plan.num_tokens,
             row_queries=plan.num_scheduled_tokens[rows.req_idx].tolist(),
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])

@@ -26,30 +26,9 @@ from ctxpar.kernels import quant
 from ctxpar.layers import quant_linear
 from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
 from ctxpar.layers.quant_linear import QuantWeight, concat
+from helpers.gguf_blocks import random_blocks
 
-# Byte ranges of each format's fp16 fields (d, and m / dmin where there is one).
-FP16_FIELDS = {
-    "Q8_0": [0],
-    "Q4_0": [0],
-    "Q4_1": [0, 2],
-    "Q5_0": [0],
-    "Q5_1": [0, 2],
-    "Q4_K": [0, 2],
-    "Q5_K": [0, 2],
-    "Q6_K": [208],
-}
 ALL = sorted(FORMATS)
-
-
-def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, cols / block * nbytes) random bytes whose fp16 fields are finite values of
-    varied magnitude (random bytes would make some inf or NaN)."""
-    fmt = FORMATS[name]
-    blocks = rng.integers(0, 256, size=(rows * cols // fmt.block, fmt.nbytes), dtype=np.uint8)
-    for start in FP16_FIELDS[name]:
-        values = (rng.standard_normal(len(blocks)) * 10.0 ** rng.uniform(-4, 0, len(blocks))).astype(np.float16)
-        blocks[:, start : start + 2] = values.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
 
 
 def reference(raw: np.ndarray, name: str) -> np.ndarray:
@@ -80,10 +59,6 @@ def test_kernel_layout_keeps_every_weight(name: str) -> None:
     assert torch.equal(w.dequantize(), want)
     assert torch.equal(w.dequantize(2, 7), want[2:7])
     assert torch.equal(w.rows(3, 8).dequantize(), want[3:8])
-    # In the fp32 panel kernel's layout (prefill's tiles): row r at [r // width][:, r % width], zero padding.
-    panels = quant.quant_dequantize_panels(w.qs, w.scales, w.offsets, w.bits, w.group, 1, 7)
-    rows = panels.transpose(1, 2).reshape(-1, 768)
-    assert torch.equal(rows[:7], want[1:8]) and not rows[7:].any()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CTXPAR_KERNELS", "0")
         assert torch.equal(w.dequantize(), want)
@@ -100,10 +75,10 @@ def test_concat_widens_without_changing_a_weight() -> None:
     assert torch.equal(joined.dequantize(), torch.from_numpy(want))
 
 
-@pytest.fixture(params=["native", "x86-64"])
+@pytest.fixture(params=["native", "haswell", "x86-64"])
 def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """This CPU's build (AVX2, or VNNI where the CPU has it) and one without AVX2,
-    whose scalar loop CPUs without it run."""
+    """This CPU's build (AVX-512 VNNI's tiles, with AMX where the CPU has it), the
+    AVX2 build and one without AVX2, whose scalar loop CPUs without it run."""
     if request.param != "native":
         lib = kernels._library(request.param)
         assert lib is not None
@@ -138,7 +113,8 @@ def check(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> No
 @pytest.mark.parametrize("name", ALL)
 def test_kernel_matches_float64_product(name: str, build: str) -> None:
     rng = np.random.default_rng(200 + ALL.index(name))
-    shapes = [(1, 1, 256), (1, 37, 512), (3, 64, 1536), (5, 19, 256), (9, 8, 768)]
+    # Up to 15 rows: the VNNI loop; 16 and more: AMX's groups of 16 (where the CPU has it), then the loop.
+    shapes = [(1, 1, 256), (1, 37, 512), (3, 64, 1536), (5, 19, 256), (9, 8, 768), (16, 33, 256), (37, 18, 512)]
     if FORMATS[name].block == 32:  # rows of 3, 7 and 10 blocks: an odd last block, fewer than 8 after the last 8
         shapes += [(2, 5, 96), (1, 7, 224), (4, 3, 320)]
     for n, out, cols in shapes:
@@ -152,28 +128,16 @@ def test_kernel_matches_float64_product(name: str, build: str) -> None:
         check(y, x, weights, bias.astype(np.float64))
 
 
-def test_strided_rows_and_layer_paths() -> None:
-    """Token rows with a stride (views the layers pass), and quant_linear's two paths:
-    the integer kernel below GEMM_MIN_ROWS rows, dequantized tiles at and above."""
+def test_strided_rows() -> None:
+    """Token rows with a stride (views the layers pass), one row and many alike."""
     rng = np.random.default_rng(5)
     raw = random_blocks("Q4_1", 1100, 256, rng)  # more rows than one tile
     w = QuantWeight.from_decoded(decode(raw, "Q4_1", 256))
     weights = reference(raw, "Q4_1").reshape(1100, 256)
-    wide = torch.randn(3, 300)
-    x = wide[:, 10:266]  # rows 300 floats apart
-    check(quant_linear.quant_linear(x, w), x.contiguous().numpy(), weights, np.zeros(1100))
-    many = torch.randn(quant_linear.GEMM_MIN_ROWS, 256)
-    exact = many.double() @ torch.from_numpy(weights).double().T
-    tiles = quant_linear.quant_linear(many, w)
-    assert torch.allclose(tiles.double(), exact, rtol=1e-4, atol=1e-4)
-    # path_rows (a step's global token count) picks the path instead of the rows at hand;
-    # either path computes each row alone: a row's output is the same in any company.
-    with quant_linear.path_rows(1):
-        integer = quant_linear.quant_linear(many, w)
-    assert not torch.equal(integer, tiles)
-    assert torch.equal(integer[3:4], quant_linear.quant_linear(many[3:4], w))
-    with quant_linear.path_rows(quant_linear.GEMM_MIN_ROWS):
-        assert torch.equal(quant_linear.quant_linear(many[3:4], w), tiles[3:4])
+    for n in (3, 40):
+        wide = torch.randn(n, 300)
+        x = wide[:, 10:266]  # rows 300 floats apart
+        check(quant_linear.quant_linear(x, w), x.contiguous().numpy(), weights, np.zeros(1100))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -4,10 +4,9 @@
 - ``quantize_int8`` against float64: every weight within half a step of its
   group's scale, and each scale tight (the group's largest |w| maps to 127);
 - the engine: every projection and the embedding become 8-bit QuantWeights,
-  and a prefill of >= GEMM_MIN_ROWS tokens (dequantized tiles in float32) gives
-  the prompt logprobs of the float model whose weights are those blocks
-  dequantized, to float32 summation error: what is loaded is exactly the
-  quantization, nothing else.
+  and a prefill gives the prompt logprobs of the float model whose weights are
+  those blocks dequantized, within what the kernel's int8 activations move them
+  (each row's activations rounded per block of 32: ``ACTIVATION_TOL``).
 """
 
 from __future__ import annotations
@@ -23,8 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.layers.quant_blocks import dequantize, quantize_int8
-from ctxpar.layers.quant_linear import GEMM_MIN_ROWS, QuantWeight
+from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.models.loader import INT8_WEIGHTS
+
+# Nats a prompt logprob may move by the int8 activations (measured here: 0.04).
+ACTIVATION_TOL = 0.2
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,7 +61,7 @@ def dequantized_dir(tiny_model_dirs, tmp_path_factory):
 
 
 def test_int8_engine_is_the_dequantized_model(tiny_model_dirs, dequantized_dir):
-    prompt = list(np.random.default_rng(3).integers(0, 256, size=GEMM_MIN_ROWS + 20))
+    prompt = list(np.random.default_rng(3).integers(0, 256, size=116))
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
 
     def logprobs(llm: LLM) -> np.ndarray:
@@ -73,4 +75,4 @@ def test_int8_engine_is_the_dequantized_model(tiny_model_dirs, dequantized_dir):
         got = logprobs(llm)
     with LLM(str(dequantized_dir), dtype="float32") as llm:
         want = logprobs(llm)
-    np.testing.assert_allclose(got, want, atol=1e-3)
+    np.testing.assert_allclose(got, want, atol=ACTIVATION_TOL)

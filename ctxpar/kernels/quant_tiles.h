@@ -1,0 +1,308 @@
+// The block-quantized projection on CPUs with AVX-512 VNNI (and AMX-INT8 where the
+// CPU has it): every row count, a decode step's one row and a prefill's thousands,
+// takes this one path, so a row's result never depends on the rows beside it.
+//
+// Included by quant_gemv.cpp (its weight layout, its int8 activations: xq codes, xd
+// scales, xs = xd * sum of codes, per block of 32).
+//
+// Per call the weight's output rows are taken 16 at a time (a tile), and a tile's
+// integers are laid out for the dot-product instructions, once per block of
+// activation rows:
+//
+//   row o, weights 4j..4j+3 of block b     ->    q[b][j][o % 16][0..3]   (u8 for 4 bits, s8 for 8)
+//   scale of group g of row o              ->    scales[g][o % 16]       (float32)
+//   offset of block b of row o             ->    offsets[b][o % 16]
+//
+// so one 512-bit vector holds the same four weights of the 16 outputs, which is both
+// what VNNI's dpbusd multiplies against four broadcast activation bytes and AMX's
+// B-tile layout. A group's integer dot product (16 or 32 weights by 16 or 32 codes)
+// is exact in int32 whichever unit computes it; everything after it is one code
+// shape, for output o and activation row m:
+//
+//   acc = 0
+//   for each block b, for each group g of b:   acc = fma(float(s_g), scale_g * xd_b, acc)
+//                     then, with offsets:      acc = fma(offset_b, xs_b, acc)
+//   out = acc + bias
+//
+// one lane per output, blocks in order. AMX computes the integer sums of 16 rows at
+// once and the same instructions finish them; the rows no 16-row group covers take
+// the VNNI loop. Both give the same bits, so which rows AMX takes does not matter.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CTXPAR_AMX 1
+#endif
+
+namespace tiles {
+
+constexpr int64_t QB = 32;  // weights per block
+constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
+constexpr int MR = 4;       // activation rows per pass of the VNNI loop over a tile
+
+// One tile of the weight, laid out as above (buffers reused between calls).
+struct Tile {
+  std::vector<uint8_t> q;      // (nb, 8, 16, 4)
+  std::vector<float> scales;   // (in / group, 16)
+  std::vector<float> offsets;  // (nb, 16), or empty
+};
+
+// 16 rows' 16 bytes at `src + o * stride` as four vectors, dword j of each row in lane
+// j of a 4 x 4 transpose: out[j] = (row 0's dword j, row 1's, ..., row 15's).
+inline void gather_dwords(const uint8_t* src, int64_t stride, int64_t rows, __m512i out[4]) {
+  __m128i r[T];
+  for (int64_t o = 0; o < T; ++o)
+    r[o] = o < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + o * stride)) : _mm_setzero_si128();
+  // a[k]: rows k, 4 + k, 8 + k, 12 + k in its four 128-bit lanes, so that lane L of the
+  // transposed vectors holds rows 4L..4L+3, in order.
+  __m512i a[4];
+  for (int k = 0; k < 4; ++k) {
+    __m512i v = _mm512_castsi128_si512(r[k]);
+    v = _mm512_inserti32x4(v, r[4 + k], 1);
+    v = _mm512_inserti32x4(v, r[8 + k], 2);
+    a[k] = _mm512_inserti32x4(v, r[12 + k], 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// A 16 x 16 float matrix transposed in registers: r[i] row i in, r[c] column c out.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3
+    u[4 * i] = lo(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = hi(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = lo(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = hi(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 p0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44), p1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xEE);
+    const __m512 q0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512 q1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_f32x4(p0, q0, 0x88);
+    r[4 + k] = _mm512_shuffle_f32x4(p0, q0, 0xDD);
+    r[8 + k] = _mm512_shuffle_f32x4(p1, q1, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(p1, q1, 0xDD);
+  }
+}
+
+inline __m512 load_floats(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+inline __m512 load_floats(const Half* p, __mmask16 keep) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p)); }
+
+// A (rows, cols) matrix with `stride` between rows (rows <= 16) as floats into out
+// (cols, 16), column-major: out[c][o] = m[o][c], zero for o >= rows.
+template <typename S>
+void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const int64_t w = std::min<int64_t>(16, cols - c0);
+    const __mmask16 keep = __mmask16((1u << w) - 1);
+    __m512 r[16];
+    for (int64_t o = 0; o < 16; ++o) r[o] = o < rows ? load_floats(m + o * stride + c0, keep) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(out + (c0 + c) * T, r[c]);
+  }
+}
+
+// Rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero).
+template <typename S>
+void pack_tile(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits, int64_t group, int64_t in,
+               int64_t o0, int64_t rows, Tile& tile) {
+  const int64_t nb = in / QB, ng = in / group, row_bytes = in * bits / 8;
+  tile.q.resize(nb * 8 * T * 4);
+  tile.scales.resize(ng * T);
+  tile.offsets.resize(offsets ? nb * T : 0);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
+    const uint8_t* src = qs + o0 * row_bytes + b * QB * bits / 8;
+    __m512i d[4];
+    gather_dwords(src, row_bytes, rows, d);
+    if (bits == 4) {  // byte i holds weight i (low nibble) and weight 16 + i (high)
+      for (int j = 0; j < 4; ++j) {
+        _mm512_storeu_si512(q + j, _mm512_and_si512(d[j], low));
+        _mm512_storeu_si512(q + 4 + j, _mm512_and_si512(_mm512_srli_epi16(d[j], 4), low));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, d[j]);
+      gather_dwords(src + 16, row_bytes, rows, d);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, d[j]);
+    }
+  }
+  columns(scales + o0 * ng, ng, rows, ng, tile.scales.data());
+  if (offsets) columns(offsets + o0 * nb, nb, rows, nb, tile.offsets.data());
+}
+
+// The float steps of one group for one row: acc = fma(float(s), scale * xd, acc).
+inline __m512 scale_add(__m512i s, const float* scale, float xd, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(xd)), acc);
+}
+
+// Rows [m0, m0 + mr) against the tile with VNNI: per block, the 8 weight vectors are
+// loaded once and serve mr rows; a row's group sum is dpbusd over the group's dwords.
+template <int mr>
+void vnni_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, const float* xd, const float* xs,
+               int64_t m0, int64_t in, __m512* acc) {
+  const int64_t nb = in / QB, dwords = group / 4;
+  const bool offsets = !tile.offsets.empty();
+  for (int m = 0; m < mr; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i* q = reinterpret_cast<const __m512i*>(tile.q.data() + b * 8 * T * 4);
+    __m512i w[8];
+    __mmask64 negative[8];
+    for (int j = 0; j < 8; ++j) {
+      w[j] = _mm512_loadu_si512(q + j);
+      if (bits == 8) {  // dpbusd multiplies unsigned by signed: |w| by x with w's sign
+        negative[j] = _mm512_movepi8_mask(w[j]);
+        w[j] = _mm512_abs_epi8(w[j]);
+      }
+    }
+    for (int64_t g0 = 0; g0 < 8; g0 += dwords) {
+      const float* scale = tile.scales.data() + (b * QB / group + g0 / dwords) * T;
+      for (int m = 0; m < mr; ++m) {
+        const int64_t r = m0 + m;
+        const int32_t* x = reinterpret_cast<const int32_t*>(xq + r * in + b * QB);
+        __m512i s = _mm512_setzero_si512();
+        for (int64_t j = g0; j < g0 + dwords; ++j) {
+          __m512i xb = _mm512_set1_epi32(x[j]);
+          if (bits == 8) xb = _mm512_mask_sub_epi8(xb, negative[j], _mm512_setzero_si512(), xb);
+          s = _mm512_dpbusd_epi32(s, w[j], xb);
+        }
+        acc[m] = scale_add(s, scale, xd[r * nb + b], acc[m]);
+      }
+    }
+    if (offsets) {
+      const __m512 off = _mm512_loadu_ps(tile.offsets.data() + b * T);
+      for (int m = 0; m < mr; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
+    }
+  }
+}
+
+#if defined(CTXPAR_AMX)
+// Linux hands out AMX's tile state only on request, once per process.
+inline bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ready;
+}
+
+// Tile registers: 0 the activations (16 rows x group bytes), 1 the weights (group / 4
+// rows x 64 bytes), 2 the sums (16 x 16 int32). Configured per thread, per group size.
+inline void amx_configure(int64_t group) {
+  static thread_local int64_t configured = 0;
+  if (configured == group) return;
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;  // palette 1
+  uint16_t* colsb = reinterpret_cast<uint16_t*>(cfg + 16);
+  uint8_t* rows = cfg + 48;
+  colsb[0] = uint16_t(group), rows[0] = 16;
+  colsb[1] = 64, rows[1] = uint8_t(group / 4);
+  colsb[2] = 64, rows[2] = 16;
+  _tile_loadconfig(cfg);
+  configured = group;
+}
+
+// Rows [m0, m0 + 16) against the tile: AMX computes each group's 16 x 16 integer sums,
+// then the same float steps as vnni_rows, row by row.
+inline void amx_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, const float* xd,
+                     const float* xs, int64_t m0, int64_t in, __m512* acc) {
+  const int64_t nb = in / QB, groups = QB / group;
+  const bool offsets = !tile.offsets.empty();
+  alignas(64) int32_t sums[16 * 16];
+  for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t k = 0; k < groups; ++k) {
+      _tile_loadd(0, xq + m0 * in + b * QB + k * group, in);
+      _tile_loadd(1, tile.q.data() + (b * 8 + k * group / 4) * T * 4, 64);
+      _tile_zero(2);
+      if (bits == 4)
+        _tile_dpbsud(2, 0, 1);  // signed codes by unsigned nibbles
+      else
+        _tile_dpbssd(2, 0, 1);
+      _tile_stored(2, sums, 64);
+      const float* scale = tile.scales.data() + (b * groups + k) * T;
+      for (int m = 0; m < 16; ++m)
+        acc[m] = scale_add(_mm512_load_si512(sums + 16 * m), scale, xd[(m0 + m) * nb + b], acc[m]);
+    }
+    if (offsets) {
+      const __m512 off = _mm512_loadu_ps(tile.offsets.data() + b * T);
+      for (int m = 0; m < 16; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
+    }
+  }
+}
+#endif
+
+inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, const float* bias, float* out,
+                       int64_t out_features, int64_t m0) {
+  const __mmask16 keep = __mmask16((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + o0) : _mm512_setzero_ps();
+  for (int m = 0; m < mr; ++m)
+    _mm512_mask_storeu_ps(out + (m0 + m) * out_features + o0, keep, _mm512_add_ps(acc[m], b));
+}
+
+template <int... R>
+constexpr auto vnni_table(std::integer_sequence<int, R...>) {
+  using Fn = decltype(&vnni_rows<1>);
+  return std::array<Fn, sizeof...(R)>{vnni_rows<R + 1>...};
+}
+
+// Rows [r0, r1) of the quantized activations against every output, tiles shared out
+// over the threads (inside an OpenMP parallel region).
+template <typename S>
+void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits, int64_t group, int64_t in,
+             int64_t out_features, const int8_t* xq, const float* xd, const float* xs, int64_t r0, int64_t r1,
+             const float* bias, float* out) {
+  static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
+  static thread_local Tile tile;
+  const int64_t tiles_n = (out_features + T - 1) / T;
+#if defined(CTXPAR_AMX)
+  const bool amx = r1 - r0 >= 16 && amx_ready();
+  if (amx) amx_configure(group);
+#endif
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tiles_n; ++t) {
+    const int64_t o0 = t * T, cols = std::min(T, out_features - o0);
+    pack_tile(qs, scales, offsets, bits, group, in, o0, cols, tile);
+    int64_t m0 = r0;
+#if defined(CTXPAR_AMX)
+    for (; amx && m0 + 16 <= r1; m0 += 16) {
+      __m512 acc[16];
+      amx_rows(tile, bits, group, xq, xd, xs, m0, in, acc);
+      store_rows(acc, 16, o0, cols, bias, out, out_features, m0);
+    }
+#endif
+    for (; m0 < r1; m0 += MR) {
+      const int mr = int(std::min<int64_t>(MR, r1 - m0));
+      __m512 acc[MR];
+      vnni[mr - 1](tile, bits, group, xq, xd, xs, m0, in, acc);
+      store_rows(acc, mr, o0, cols, bias, out, out_features, m0);
+    }
+  }
+}
+
+}  // namespace tiles

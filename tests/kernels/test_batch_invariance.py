@@ -1,0 +1,164 @@
+"""Batch invariance, kernel by kernel (DESIGN.md §7): a row's result is the same bits
+whatever other rows share the call. For each kernel a row can take, hypothesis draws
+a batch; every row (and every run of rows) computed alone must equal its row of the
+whole call, compared with ``==``.
+
+- projections: block-quantized weights in every GGUF format on every build this CPU
+  runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 and bf16 panels;
+- RMSNorm (with and without the residual), SiLU·up, rope;
+- attention: prefill chunks (a prompt's queries cut anywhere, as chunked prefill and
+  PCP cut them) and decode rows alone or in a batch, fp32 and quantized caches;
+- the sampler's logprobs, per row or in one call (prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ctxpar import kernels
+from ctxpar.engine.sampler import logprobs_of
+from ctxpar.kernels import elementwise, quant
+from ctxpar.layers.kv_quant import KVQuant, default_runs
+from ctxpar.layers.linear import PanelWeight
+from ctxpar.layers.quant_blocks import FORMATS, decode
+from ctxpar.layers.quant_linear import QuantWeight
+from helpers.gguf_blocks import random_blocks
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the compiled kernels")
+
+SETTINGS = settings(max_examples=25, deadline=None)
+BUILDS = ["native", "haswell", "x86-64"]
+
+
+def random_weight(name: str, rows: int, cols: int, rng: np.random.Generator) -> QuantWeight:
+    """A QuantWeight of random blocks with finite fp16 fields."""
+    return QuantWeight.from_decoded(decode(random_blocks(name, rows, cols, rng), name, cols))
+
+
+def split_points(n: int, data: st.DataObject) -> list[int]:
+    """Cut points of [0, n) into runs: 0 < ... < n."""
+    cuts = data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4, unique=True)) if n > 1 else []
+    return [0, *sorted(c for c in cuts if 0 < c < n), n]
+
+
+def assert_rows_alone(run, x: torch.Tensor, data: st.DataObject) -> None:
+    """run(x) row-wise equals run over runs of x's rows, and each of a few rows alone."""
+    whole = run(x)
+    bounds = split_points(x.shape[0], data)
+    parts = torch.cat([run(x[a:b]) for a, b in zip(bounds, bounds[1:])])
+    assert torch.equal(parts, whole)
+    for r in data.draw(st.lists(st.integers(0, x.shape[0] - 1), min_size=1, max_size=3)):
+        assert torch.equal(run(x[r : r + 1]), whole[r : r + 1]), r
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@SETTINGS
+@given(data=st.data())
+def test_quantized_projection(name: str, build: str, data: st.DataObject) -> None:
+    lib = kernels._library(build)
+    assert lib is not None
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    block = 256 if FORMATS[name].block == 256 else 32
+    cols = block * data.draw(st.integers(1, 3 if block == 256 else 12))
+    out = data.draw(st.integers(1, 40))
+    w = random_weight(name, out, cols, rng)
+    n = data.draw(st.integers(1, 70))  # across AMX's groups of 16 rows and the rows after them
+    x = torch.from_numpy((rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32))
+    bias = torch.randn(out) if data.draw(st.booleans()) else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "_library", lambda march="native": lib)
+        assert_rows_alone(lambda r: quant.quant_linear(r, w.qs, w.scales, w.offsets, w.bits, w.group, bias), x, data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@SETTINGS
+@given(data=st.data())
+def test_panel_projection(dtype: torch.dtype, data: st.DataObject) -> None:
+    out, cols = data.draw(st.integers(1, 80)), data.draw(st.integers(1, 200))
+    w = PanelWeight.pack(torch.randn(out, cols).to(dtype))
+    x = torch.randn(data.draw(st.integers(1, 60)), cols).to(dtype)
+    assert_rows_alone(lambda rows: kernels.linear_packed(rows, w.data, out), x, data)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_elementwise(data: st.DataObject) -> None:
+    n, heads, dim = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 4)), 2 * data.draw(st.integers(4, 40))
+    x, weight = torch.randn(n, heads * dim), torch.randn(heads * dim)
+    residual = torch.randn(n, heads * dim)
+    assert_rows_alone(lambda rows: elementwise.rms_norm(rows, weight, 1e-5), x, data)
+
+    def with_residual(rows: torch.Tensor) -> torch.Tensor:
+        own = rows.clone()
+        return torch.cat([elementwise.rms_norm(rows, weight, 1e-5, own), own], dim=1)
+
+    assert_rows_alone(with_residual, residual, data)
+    assert_rows_alone(lambda rows: elementwise.silu_mul(rows.contiguous()), x, data)
+    angles = torch.randn(n, dim // 2)
+    cos, sin = angles.cos(), angles.sin()
+
+    def rope(rows: torch.Tensor) -> torch.Tensor:
+        r = rows.shape[0]
+        idx = [i for i in range(n) if torch.equal(x[i], rows[0])][0]  # the rows' own angles
+        y = rows.clone().view(r, heads, dim)
+        elementwise.rope_(y, cos[idx : idx + r].contiguous(), sin[idx : idx + r].contiguous())
+        return y.view(r, -1)
+
+    assert_rows_alone(rope, x, data)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_prefill_attention_any_chunks(data: st.DataObject) -> None:
+    """A prompt's queries cut into chunks (chunked prefill, PCP's chunks, a prefix-cache
+    hit's suffix): each chunk's queries over their causal prefix are the whole prompt's."""
+    kv_heads, group, dim = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), 64
+    S = data.draw(st.integers(1, 300))
+    L = data.draw(st.integers(1, S))
+    q, k, v = torch.randn(L, kv_heads * group, dim), torch.randn(S, kv_heads, dim), torch.randn(S, kv_heads, dim)
+    whole, whole_lse = kernels.prefill_attention(q, k, v, 0.125)
+    bounds = split_points(L, data)
+    for a, b in zip(bounds, bounds[1:]):
+        keys = S - L + b  # the chunk's last query sees this many keys
+        out, lse = kernels.prefill_attention(q[a:b], k[:keys], v[:keys], 0.125)
+        assert torch.equal(out, whole[a:b]) and torch.equal(lse, whole_lse[a:b])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
+@SETTINGS
+@given(data=st.data())
+def test_decode_rows_alone_or_batched(kv_dtype: str, data: st.DataObject) -> None:
+    kv_heads, group, dim = 3, 3, 64
+    rows = data.draw(st.integers(1, 12))
+    lengths = data.draw(st.lists(st.integers(1, 700), min_size=rows, max_size=rows))
+    slots_of = [torch.randperm(2048)[:n] for n in lengths]  # each row's slots, anywhere in the cache
+    entries = torch.randn(2048, 2, kv_heads, dim)
+    quant = KVQuant.of(kv_dtype, (2, kv_heads, dim), default_runs((2, kv_heads, dim)))
+    cache = entries if quant is None else quant.quantize(entries)
+    q = torch.randn(rows, kv_heads * group, dim)
+
+    def decode_rows(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.cat([slots_of[i] for i in idx])
+        starts = torch.tensor([0, *np.cumsum([lengths[i] for i in idx])], dtype=torch.int64)
+        return kernels.gqa_paged_decode(q[idx], cache, slots, starts, 0.125, quant)
+
+    out, lse = decode_rows(list(range(rows)))
+    for r in data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=3)):
+        alone, alone_lse = decode_rows([r])
+        assert torch.equal(alone[0], out[r]) and torch.equal(alone_lse[0], lse[r])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_logprobs_per_row(data: st.DataObject) -> None:
+    k, vocab = data.draw(st.integers(1, 20)), data.draw(st.integers(2, 3000))
+    logits = torch.randn(k, vocab) * data.draw(st.floats(0.1, 30))
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=k, max_size=k))
+    together = logprobs_of(logits, ids, 5)
+    for r in range(k):
+        assert logprobs_of(logits[r : r + 1], ids[r : r + 1], 5)[0] == together[r]
