@@ -1,10 +1,11 @@
 """The HTTP side: FastAPI routes of the OpenAI API (plus vLLM's /tokenize,
 /detokenize, /health and /metrics).
 
-Handlers tokenize and validate a request completely before it reaches the
-engine (a bad one gets a 400 with the engine's own message and disturbs no
-other), submit it to the AsyncLLM (ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies
-or server-sent events. A client that disconnects aborts its requests. In
+Handlers tokenize and validate a request completely (on a worker thread, off
+the event loop) before it reaches the engine (a bad one gets a 400 with the
+engine's own message and disturbs no other), submit it to the AsyncLLM
+(ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies or
+server-sent events. A client that disconnects aborts its requests. In
 front of the routes, ClientGuard (guard.py) checks the API key (access.py),
 reads bodies within the limits and admits generation and tokenizer requests
 within the concurrency limits (limits.py).
@@ -22,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ctxpar.engine.async_llm import AsyncLLM, ClientGone, EngineDeadError, Submission
+from ctxpar.engine.async_llm import AsyncLLM, ClientGone, EngineDeadError, Prepared, Submission
 from ctxpar.entrypoints.openai import health as H
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.access import Access
@@ -40,6 +41,7 @@ from ctxpar.entrypoints.openai.protocol import (
 )
 from ctxpar.entrypoints.openai.tools import ToolParser, merge_calls, plan_tools
 from ctxpar.errors import CtxparError
+from ctxpar.structured_params import StructuredOutputsParams
 
 
 class ServerState:
@@ -87,6 +89,26 @@ class ServerState:
         except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
             raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
         return rendered
+
+    # The two below run on a worker thread: tokenizing or templating a 16 MiB body takes
+    # seconds, which on the event loop would stall every stream.
+    def prepare_prompts(
+        self, req: CompletionRequest, prompts: list[str | list[int]], constraint: StructuredOutputsParams | None
+    ) -> list[Prepared]:
+        """The engine's (text, token ids, params) of each prompt of a completion request, validated."""
+        out = []
+        for p in prompts:
+            text, ids = (p, self.encode(p)) if isinstance(p, str) else (None, p)
+            params = req.sampling_params(len(ids), self.engine.max_model_len, req.logprobs, constraint)
+            out.append((text, self.engine.validate(ids, params), params))
+        return out
+
+    def prepare_chat(self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None) -> Prepared:
+        """The engine's (text, token ids, params) of a chat request: its rendered conversation, validated."""
+        rendered = self.render_chat(req.messages, req.chat_template_kwargs, req.tools)
+        ids = rendered["prompt_token_ids"]
+        params = req.sampling_params(len(ids), self.engine.max_model_len, req.num_logprobs, constraint)
+        return rendered["prompt"], self.engine.validate(ids, params), params
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The same tokenization as LLM.generate's, so outputs match it token for token.
@@ -152,16 +174,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.body())
         state.check_model(req.model)
-        prompts = []
         given = req.prompts()
         check_fanout(state.limits, len(given), req.n, req.best_of)
         constraint = req.structured_outputs_params()
         await compile_first(state.engine.structured, constraint)
-        for p in given:
-            text, ids = (p, state.encode(p)) if isinstance(p, str) else (None, p)
-            params = req.sampling_params(len(ids), state.engine.max_model_len, req.logprobs, constraint)
-            prompts.append((text, state.engine.validate(ids, params), params))
-        sub = state.engine_client.submit(prompts)
+        sub = state.engine_client.submit(await asyncio.to_thread(state.prepare_prompts, req, given, constraint))
         meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
 
         def choice(i: int, out, d: R.Delta, sample: int) -> dict:
@@ -203,10 +220,7 @@ def build_app(state: ServerState) -> FastAPI:
             constraint = tools.constraint
         check_fanout(state.limits, 1, req.n)
         await compile_first(state.engine.structured, constraint)
-        rendered = state.render_chat(req.messages, req.chat_template_kwargs, req.tools)
-        ids = rendered["prompt_token_ids"]
-        params = req.sampling_params(len(ids), state.engine.max_model_len, req.num_logprobs, constraint)
-        sub = state.engine_client.submit([(rendered["prompt"], state.engine.validate(ids, params), params)])
+        sub = state.engine_client.submit([await asyncio.to_thread(state.prepare_chat, req, constraint)])
         meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
         top = req.top_logprobs or 0
         parsers: dict[int, ToolParser | None] = {}  # per choice: its text -> tool calls
