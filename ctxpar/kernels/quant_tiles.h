@@ -24,9 +24,12 @@
 //                     then, with offsets:      acc = fma(offset_b, xs_b, acc)
 //   out = acc + bias
 //
-// one lane per output, blocks in order. AMX computes the integer sums of 16 rows at
-// once and the same instructions finish them; the rows no 16-row group covers take
-// the VNNI loop. Both give the same bits, so which rows AMX takes does not matter.
+// one lane per output, blocks in order. Three integer engines feed it, and give the
+// same bits because the integers are exact and the float steps one code shape:
+//   - AMX computes 16 rows' group sums at once (rows in groups of 16, where the CPU has it);
+//   - the VNNI loop the rows left over, MR at a time, against the laid-out tile;
+//   - a call of fewer than DIRECT_ROWS rows (a decode step) reads the weight where it
+//     lies (direct_row): laying out a tile for one row would cost more than using it.
 
 #pragma once
 
@@ -49,6 +52,7 @@ namespace tiles {
 constexpr int64_t QB = 32;  // weights per block
 constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
 constexpr int MR = 4;       // activation rows per pass of the VNNI loop over a tile
+constexpr int64_t DIRECT_ROWS = 4;  // fewer rows than this read the weight in place (direct_row)
 
 // One tile of the weight, laid out as above (buffers reused between calls).
 struct Tile {
@@ -127,14 +131,10 @@ void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out)
   }
 }
 
-// Rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero).
-template <typename S>
-void pack_tile(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits, int64_t group, int64_t in,
-               int64_t o0, int64_t rows, Tile& tile) {
-  const int64_t nb = in / QB, ng = in / group, row_bytes = in * bits / 8;
+// The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero).
+inline void pack_q(const uint8_t* qs, int64_t bits, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
+  const int64_t nb = in / QB, row_bytes = in * bits / 8;
   tile.q.resize(nb * 8 * T * 4);
-  tile.scales.resize(ng * T);
-  tile.offsets.resize(offsets ? nb * T : 0);
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
@@ -152,6 +152,15 @@ void pack_tile(const uint8_t* qs, const S* scales, const S* offsets, int64_t bit
       for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, d[j]);
     }
   }
+}
+
+// The tile's scales and offsets as columns (both paths read them so).
+template <typename S>
+void pack_columns(const S* scales, const S* offsets, int64_t group, int64_t in, int64_t o0, int64_t rows,
+                  Tile& tile) {
+  const int64_t nb = in / QB, ng = in / group;
+  tile.scales.resize(ng * T);
+  tile.offsets.resize(offsets ? nb * T : 0);
   columns(scales + o0 * ng, ng, rows, ng, tile.scales.data());
   if (offsets) columns(offsets + o0 * nb, nb, rows, nb, tile.offsets.data());
 }
@@ -198,6 +207,103 @@ void vnni_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, 
       const __m512 off = _mm512_loadu_ps(tile.offsets.data() + b * T);
       for (int m = 0; m < mr; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
     }
+  }
+}
+
+// Sums of 16 outputs' partial dot products: v[o] (16 int32 lanes, lane 4L + p the p-th
+// partial of 128-bit lane L) -> r[L] = (lane L's four partials summed, output 0..15),
+// by two transposing add steps within 128-bit lanes and a transpose of the lanes.
+inline void sum_partials(const __m512i v[16], __m512i r[4]) {
+  __m512i t[4];
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* w = v + 4 * g;
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(w[0], w[1]), _mm512_unpackhi_epi32(w[0], w[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(w[2], w[3]), _mm512_unpackhi_epi32(w[2], w[3]));
+    t[g] = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+  }
+  const __m512i p0 = _mm512_shuffle_i32x4(t[0], t[1], 0x44), p1 = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+  const __m512i q0 = _mm512_shuffle_i32x4(t[2], t[3], 0x44), q1 = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+  r[0] = _mm512_shuffle_i32x4(p0, q0, 0x88);
+  r[1] = _mm512_shuffle_i32x4(p0, q0, 0xDD);
+  r[2] = _mm512_shuffle_i32x4(p1, q1, 0x88);
+  r[3] = _mm512_shuffle_i32x4(p1, q1, 0xDD);
+}
+
+// One row against rows [o0, o0 + rows) of the weight read where they lie, for a few
+// rows (a decode step): no tile is laid out. A 512-bit load holds 4 blocks (4 bits) or
+// 2 (8 bits) of one output; dpbusd leaves partial sums of 4 products per lane, which
+// sum_partials adds up per group and turns into one vector over the 16 outputs. The
+// group sums are the integers vnni_rows finds, and the float steps are the same, so
+// the bits are too. xk: the row's codes as the 4-bit loads pair them (direct_codes).
+inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t in, int64_t o0, int64_t rows,
+                       const Tile& tile, const int8_t* xq, const int8_t* xk, const float* xd, const float* xs,
+                       __m512* acc) {
+  const int64_t nb = in / QB, row_bytes = in * bits / 8, per_load = bits == 4 ? 4 : 2;
+  const bool offsets = !tile.offsets.empty();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  *acc = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += per_load) {
+    const int64_t blocks = std::min(per_load, nb - b0);
+    const int64_t width = blocks * QB * bits / 8;  // bytes of this load: 64, or fewer at the row's end
+    const __mmask64 bytes = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
+    __m512i v[16], x = _mm512_setzero_si512();
+    if (bits == 4) {
+      const __m512i xl = _mm512_loadu_si512(xk + b0 * QB), xh = _mm512_loadu_si512(xk + b0 * QB + 64);
+      for (int64_t o = 0; o < T; ++o) {
+        if (o >= rows) {
+          v[o] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512i w = _mm512_maskz_loadu_epi8(bytes, qs + (o0 + o) * row_bytes + b0 * 16);
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        v[o] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+      }
+    } else {
+      // dpbusd multiplies unsigned by signed: w + 128 (its sign bit flipped) by x, and
+      // 128 * (the group's sum of x) subtracted after the sums (the same for every output).
+      x = _mm512_maskz_loadu_epi8(bytes, xq + b0 * QB);
+      const __m512i flip = _mm512_set1_epi8(char(0x80));
+      for (int64_t o = 0; o < T; ++o) {
+        const __m512i w = o < rows ? _mm512_maskz_loadu_epi8(bytes, qs + (o0 + o) * row_bytes + b0 * QB) : flip;
+        v[o] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(w, flip), x);
+      }
+    }
+    __m512i r[4];
+    sum_partials(v, r);
+    if (bits == 8) {
+      __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(0x80)), x);
+      c = _mm512_add_epi32(c, _mm512_shuffle_epi32(c, _MM_PERM_BADC));
+      c = _mm512_add_epi32(c, _mm512_shuffle_epi32(c, _MM_PERM_CDAB));  // each 128-bit lane's total, 4 times
+      r[0] = _mm512_sub_epi32(r[0], _mm512_shuffle_i32x4(c, c, 0x00));
+      r[1] = _mm512_sub_epi32(r[1], _mm512_shuffle_i32x4(c, c, 0x55));
+      r[2] = _mm512_sub_epi32(r[2], _mm512_shuffle_i32x4(c, c, 0xAA));
+      r[3] = _mm512_sub_epi32(r[3], _mm512_shuffle_i32x4(c, c, 0xFF));
+    }
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t b = b0 + k;
+      // Group sums of block b: 4 bits, r[k] (a block's 32 products in one 128-bit lane);
+      // 8 bits, r[2k] and r[2k + 1] (its halves), added for a group of 32.
+      if (bits == 4) {
+        *acc = scale_add(r[k], tile.scales.data() + b * T, xd[b], *acc);
+      } else if (group == QB) {
+        *acc = scale_add(_mm512_add_epi32(r[2 * k], r[2 * k + 1]), tile.scales.data() + b * T, xd[b], *acc);
+      } else {
+        *acc = scale_add(r[2 * k], tile.scales.data() + 2 * b * T, xd[b], *acc);
+        *acc = scale_add(r[2 * k + 1], tile.scales.data() + (2 * b + 1) * T, xd[b], *acc);
+      }
+      if (offsets) *acc = _mm512_fmadd_ps(_mm512_loadu_ps(tile.offsets.data() + b * T), _mm512_set1_ps(xs[b]), *acc);
+    }
+  }
+}
+
+// A row's codes as direct_row's 4-bit loads pair them: per 4 blocks, the first 16 codes
+// of each (which meet the weights' low nibbles), then the last 16 (the high nibbles).
+inline void direct_codes(const int8_t* xq, int64_t in, int8_t* xk) {
+  const int64_t nb = in / QB;
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t* quad = xk + (b / 4) * 4 * QB;
+    std::copy(xq + b * QB, xq + b * QB + 16, quad + (b % 4) * 16);
+    std::copy(xq + b * QB + 16, xq + (b + 1) * QB, quad + 64 + (b % 4) * 16);
   }
 }
 
@@ -284,10 +390,29 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits,
   const bool amx = r1 - r0 >= 16 && amx_ready();
   if (amx) amx_configure(group);
 #endif
+  // A few rows read the weight in place; more lay each tile out once for all of them.
+  const bool direct = r1 - r0 < DIRECT_ROWS;
+  static thread_local std::vector<int8_t> xk;
+  const int64_t xk_row = (in / QB + 3) / 4 * 4 * QB;  // a row's codes in direct_codes' order, whole quads
+  if (direct && bits == 4) {
+    xk.assign((r1 - r0) * xk_row, 0);
+    for (int64_t m = r0; m < r1; ++m) direct_codes(xq + m * in, in, xk.data() + (m - r0) * xk_row);
+  }
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles_n; ++t) {
     const int64_t o0 = t * T, cols = std::min(T, out_features - o0);
-    pack_tile(qs, scales, offsets, bits, group, in, o0, cols, tile);
+    pack_columns(scales, offsets, group, in, o0, cols, tile);
+    if (direct) {
+      for (int64_t m = r0; m < r1; ++m) {
+        __m512 acc;
+        const int8_t* row_xk = xk.data() + (m - r0) * xk_row;
+        direct_row(qs, bits, group, in, o0, cols, tile, xq + m * in, row_xk, xd + m * (in / QB),
+                   xs + m * (in / QB), &acc);
+        store_rows(&acc, 1, o0, cols, bias, out, out_features, m);
+      }
+      continue;
+    }
+    pack_q(qs, bits, in, o0, cols, tile);
     int64_t m0 = r0;
 #if defined(CTXPAR_AMX)
     for (; amx && m0 + 16 <= r1; m0 += 16) {
