@@ -100,6 +100,7 @@ def _patterns_rank(
     steps: list[tuple[int, int]],
     model: str | None,
     repeat: int,
+    secret: bytes,
 ):
     """One of two ranks timing the combine patterns (d) and the split step's
     ways to the context (e); rank 0 prints."""
@@ -113,11 +114,11 @@ def _patterns_rank(
     from ctxpar.costmodel.shapes import shape_from_hf_config
     from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
     from ctxpar.models.loader import load_model
-    from ctxpar.parallel.comm import PCPGroup
+    from ctxpar.parallel.comm import Launch, PCPGroup
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=60))
-    group = PCPGroup(rank, 2, torch.device("cpu"), store)
+    group = PCPGroup(rank, 2, torch.device("cpu"), store, Launch(secret, spawned=True))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     loaded = load_model(model, torch.float32, torch.device("cpu"))
     cfg, entry_shape = loaded.hf_config, loaded.model.kv_entry_shape  # a GQA model: (2, kv_heads, head_dim)
@@ -247,6 +248,7 @@ def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) ->
     import torch.multiprocessing as mp
 
     from ctxpar.executor.multiproc import free_port
+    from ctxpar.parallel.auth import new_secret
 
     # A decode step's T = n = batch; a split step's n = T / 2.
     shapes = [(f"decode, batch {b}", b, b) for b in batches] + [(f"split prefill, {chunk} tokens", chunk // 2, chunk)]
@@ -260,7 +262,8 @@ def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) ->
     print(
         "\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce"
     )
-    mp.spawn(_patterns_rank, args=(free_port(), shapes, contexts, chunk, steps, model, repeat), nprocs=2)
+    args = (free_port(), shapes, contexts, chunk, steps, model, repeat, new_secret())
+    mp.spawn(_patterns_rank, args=args, nprocs=2)
 
 
 def run(args: argparse.Namespace) -> None:

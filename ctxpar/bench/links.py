@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -85,11 +86,13 @@ def _run_pcp(
     cmds: list[list[str]] = []
     envs: list[dict[str, str]] = []
     rdzv_id = f"links-{os.getpid()}-{time.monotonic_ns()}"
+    secret = secrets.token_hex(32)  # the job's, shared by its hosts
     pcp, cores = len(hosts), os.cpu_count() or 1
     for rank, host in enumerate(hosts):
         driver = _driver_args(model, args, pcp, dcp)
         cmds.append(netns.torchrun_command(host, rank, pcp, rank % cores, rdzv_id, driver))
-        envs.append(_env(GLOO_SOCKET_IFNAME=host.device))  # gloo binds the veth, not the hostname's address
+        # gloo binds the veth, not the hostname's address.
+        envs.append(_env(GLOO_SOCKET_IFNAME=host.device, CTXPAR_CLUSTER_SECRET=secret))
     return _parse(netns.run_job(cmds, envs, args.timeout, label))
 
 

@@ -6,9 +6,14 @@ torchrun (the torch.distributed environment variables are set): then every
 process runs the same program, rank 0 drives and the others serve in
 ``MultiRankExecutor.__init__`` until rank 0 shuts down, and then exit.
 
-Ranks meet through the handshake of startup.py; spawned workers ignore
-SIGINT (a terminal's Ctrl-C reaches the whole process group): their lifetime
-is rank 0's to decide, and rank 0 stops them when it is interrupted.
+Ranks meet through the handshake of startup.py, on a store whose keys lie
+under a prefix derived from the launch's secret and whose values are tagged
+with it (parallel/auth.py); spawned workers receive the secret in their spawn
+arguments, torchrun's ranks share one (parallel/cluster_secret.py).
+
+Spawned workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process
+group): their lifetime is rank 0's to decide, and rank 0 stops them when it
+is interrupted.
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure, RanksStopped
 from ctxpar.executor import rank_worker, recovery, startup
 from ctxpar.executor.recovery import Members, Regrouped
+from ctxpar.parallel.auth import new_secret, store_prefix
+from ctxpar.parallel.cluster_secret import cluster_secret
 from ctxpar.parallel.comm import (
     STARTUP_TIMEOUT_S,
+    Launch,
     PCPGroup,
     TorchrunEnv,
     data_timeout_s,
+    host_store,
     open_store,
     torchrun_env,
 )
+from ctxpar.parallel.signed_store import SignedStore
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.step_plan import KVCopy, StepOutput, StepPlan
 
@@ -47,7 +57,7 @@ __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 
 # Each executor's handshake keys get their own prefix: under torchrun the
 # agent's store outlives an LLM, and every process creates its LLMs in the
-# same order, so the n-th LLM of every rank meets under "ctxpar/n/".
+# same order, so the n-th LLM of every rank meets under "<launch prefix>n/".
 _executor_serial = itertools.count()
 
 EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
@@ -76,20 +86,22 @@ class MultiRankExecutor:
         self._generation = 0  # recoveries so far: ranks meet under recovery.generation_store
         self._torchrun_ranks = list(range(config.pcp_size))  # torchrun's number of each rank now (heartbeats)
         self._heartbeats: recovery.Heartbeats | None = None  # torchrun ranks' (rank 0 reads them)
+        self._signed_stores: list[SignedStore] = []  # kept alive while stores built on them are used
         env = torchrun_env()
         rank = env.rank if env is not None else 0
         self.rank_model = load_rank(config, resolve_device(config.device, env.local_rank if env is not None else 0))
-        self._prefix = f"ctxpar/{next(_executor_serial)}/"
+        self.launch = Launch(secret=cluster_secret() if env is not None else new_secret(), spawned=env is None)
+        self._prefix = f"{store_prefix(self.launch.secret)}{next(_executor_serial)}/"
         if env is not None:
-            self.store = dist.PrefixStore(self._prefix, _torchrun_store(env))
+            self.store = self._signed(_torchrun_store(env))
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
             self._heartbeats = recovery.Heartbeats(self.store)
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
-            self._server = open_store(config.master_addr, config.master_port or 0, is_master=True)
+            self._server = host_store(config.master_addr, config.master_port or 0)
             self._port = self._server.port
-            self.store = dist.PrefixStore(self._prefix, self._server)
+            self.store = self._signed(self._server)
         try:
             if env is None:
                 self._spawn(range(1, config.pcp_size))
@@ -102,12 +114,18 @@ class MultiRankExecutor:
                 raise
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
 
+    def _signed(self, store: dist.Store) -> dist.Store:
+        """This executor's keys on ``store``, every value tagged with the launch secret."""
+        signed = SignedStore(store, self.launch.secret)
+        self._signed_stores.append(signed)
+        return dist.PrefixStore(self._prefix, signed)
+
     def _form_group(self, store: dist.Store, fresh: bool) -> None:
         """Meet every rank under ``store``'s keys and form the group; a fresh runner at
         start-up, rank 0's own runner (and KV cache) kept after a recovery."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         startup.lead(store, self.size, dict(enumerate(self.procs, start=1)), deadline)
-        self.group = PCPGroup(0, self.size, self.rank_model.device, store)
+        self.group = PCPGroup(0, self.size, self.rank_model.device, store, self.launch)
         if fresh:
             self.runner = rank_worker.make_runner(self.config, self.rank_model, self.group)
             self.runner_options = self.runner.target.options
@@ -123,7 +141,9 @@ class MultiRankExecutor:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             for r in ranks:
-                args = (self.config, r, self.size, self.config.master_addr, self._port, self._prefix, self._generation)
+                # The launch (its secret) reaches the worker through the spawn pipe, never the store.
+                addr, port, prefix = self.config.master_addr, self._port, self._prefix
+                args = (self.config, r, self.size, addr, port, prefix, self._generation, self.launch)
                 p = ctx.Process(target=rank_worker.worker_main, args=args, daemon=True)
                 p.start()
                 if r <= len(self.procs):
@@ -138,10 +158,9 @@ class MultiRankExecutor:
         the rest of the program (or raise RankFailure if rank 0 goes away or goes on
         without this rank)."""
         assert self.store is not None  # __init__ joined the store first
-        prefix = self._prefix
-        recovery.start_heartbeat(lambda: dist.PrefixStore(prefix, _torchrun_store(env)), rank)
+        recovery.start_heartbeat(lambda: self._signed(_torchrun_store(env)), rank)
         try:
-            group, runner = rank_worker.join(self.config, self.store, rank, self.size, self.rank_model)
+            group, runner = rank_worker.join(self.config, self.store, rank, self.size, self.rank_model, self.launch)
         except Exception as e:
             startup.report_failure(self.store, rank, e)
             raise
@@ -324,6 +343,7 @@ class MultiRankExecutor:
             group.close()
         self.store = None  # rank 0's store server (spawned ranks) goes with it
         self._server = None
+        self._signed_stores = []
 
     def __del__(self) -> None:
         self.close()

@@ -16,6 +16,7 @@ from ctxpar.config import EngineConfig
 from ctxpar.costmodel.profiles import load_hardware
 from ctxpar.device import resolve_device
 from ctxpar.errors import CtxparError
+from ctxpar.parallel.cluster_secret import cluster_secret
 from ctxpar.parallel.comm import port_in_use, torchrun_env
 
 # Spawning more CPU ranks than cores only time-slices them; a few are still
@@ -36,7 +37,8 @@ def check_launch(config: EngineConfig) -> None:
 
     - under torchrun the world size rules: every process it started must be a
       PCP rank, else each would run an engine of its own (pcp_size=1
-      included) and print everything once per process;
+      included) and print everything once per process; and the ranks must
+      share a secret (parallel/cluster_secret.py);
     - when spawning: a spawned rank re-importing a main module that creates
       an LLM (no main guard), more ranks than the machine holds, a
       master_addr that is not this machine's and a busy master_port;
@@ -52,6 +54,8 @@ def check_launch(config: EngineConfig) -> None:
                 f"{env.rank}); pass --pcp {env.world_size} (pcp_size={env.world_size}), or start "
                 f"{config.pcp_size} process(es) in all (--nnodes x --nproc-per-node)"
             )
+        if config.pcp_size > 1:
+            cluster_secret()
         return
     if config.pcp_size == 1:
         return

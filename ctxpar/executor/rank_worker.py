@@ -22,8 +22,10 @@ from ctxpar.errors import RankFailure
 from ctxpar.executor import recovery, startup
 from ctxpar.executor.shared_weights import share_weights
 from ctxpar.layers.weight_arena import place_on_huge_pages
-from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, PCPGroup, open_store
+from ctxpar.parallel.auth import Unauthenticated
+from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, open_store
 from ctxpar.parallel.shm_channel import PeerLost
+from ctxpar.parallel.signed_store import SignedStore
 from ctxpar.worker.loading import RankModel, load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
@@ -49,18 +51,24 @@ def make_runner(config: EngineConfig, rank_model: RankModel, group: PCPGroup, sh
 
 
 def join(
-    config: EngineConfig, store: dist.Store, rank: int, size: int, rank_model: RankModel, share: bool = True
+    config: EngineConfig,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    rank_model: RankModel,
+    launch: Launch,
+    share: bool = True,
 ) -> tuple[PCPGroup, Runners]:
     """A worker with its model loaded: handshake, then (group, runner); share: see make_runner."""
-    group = meet(store, rank, size, rank_model.device)
+    group = meet(store, rank, size, rank_model.device, launch)
     return group, make_runner(config, rank_model, group, share)
 
 
-def meet(store: dist.Store, rank: int, size: int, device: torch.device) -> PCPGroup:
+def meet(store: dist.Store, rank: int, size: int, device: torch.device, launch: Launch) -> PCPGroup:
     """Handshake under ``store``'s keys (startup.follow), then form the group: at
     start-up, and again each time rank 0 re-forms it after a lost rank."""
     startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-    return PCPGroup(rank, size, device, store)
+    return PCPGroup(rank, size, device, store, launch)
 
 
 def serve(runner: Runners, group: PCPGroup) -> None:
@@ -104,7 +112,8 @@ def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, gen
             rank = members.new_rank(group.rank)
             if rank is None:
                 raise RankFailure(f"{failure}; rank 0 found PCP rank {group.rank} lost and went on without it")
-            group = meet(dist.PrefixStore(members.keys, store), rank, len(members.ranks), group.device)
+            keys = dist.PrefixStore(members.keys, store)
+            group = meet(keys, rank, len(members.ranks), group.device, group.launch)
             runner.rejoin(group)
 
 
@@ -113,29 +122,35 @@ def is_link_failure(e: Exception) -> bool:
     return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, addr: str, port: int, prefix: str, generation: int) -> None:
+def worker_main(
+    config: EngineConfig, rank: int, size: int, addr: str, port: int, prefix: str, generation: int, launch: Launch
+) -> None:
     """Entry point of a spawned rank of a group of ``size``. generation: 0 at start-up; g
     for a rank respawned by rank 0's g-th recovery (it meets the others under that
-    generation's keys)."""
+    generation's keys). launch: the launch's secret, given here rather than on the store."""
     # Started with SIGINT blocked (see MultiRankExecutor._spawn): ignore it, then unblock.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     store = gstore = None
     try:
-        store = dist.PrefixStore(prefix, open_store(addr, port, is_master=False))
+        signed = SignedStore(open_store(addr, port, is_master=False), launch.secret)  # kept for the rank's life
+        store = dist.PrefixStore(prefix, signed)
         gstore = recovery.generation_store(store, generation)
         gstore.set(f"started/{rank}", "")
         rank_model = load_rank(config, resolve_device(config.device, rank))
-        group, runner = join(config, gstore, rank, size, rank_model, share=generation == 0)
+        group, runner = join(config, gstore, rank, size, rank_model, launch, share=generation == 0)
     except Exception as e:
         startup.report_failure(gstore, rank, e)
-        if not isinstance(e, RankFailure):  # rank 0 gave up: it tells the user why
+        if not isinstance(e, (RankFailure, Unauthenticated)):  # rank 0 tells the user why
             print(f"ctxpar: PCP rank {rank} failed to start:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
     try:
         serve_until_stopped(store, runner, group, generation)
     except RankFailure as e:  # rank 0 is gone, or went on without this rank
         print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Unauthenticated as e:  # a forged message: refused, and this rank leaves rather than guess
+        print(f"ctxpar: PCP rank {rank}: {e}; exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception:
         print(f"ctxpar: PCP rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ctxpar.errors import RankFailure
 from ctxpar.executor.startup import POLL_S
+from ctxpar.parallel.auth import Unauthenticated
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S
 
 HEARTBEAT_S = 0.5  # how often a torchrun rank says it lives
@@ -110,7 +111,7 @@ def await_recovery(store: dist.Store, generation: int, rank: int, failure: RankF
                 raise RankFailure(f"{failure}; rank 0 did not re-form the PCP group within {STARTUP_TIMEOUT_S} s")
             time.sleep(POLL_S)
         value = json.loads(store.get(key))
-    except RankFailure:
+    except (RankFailure, Unauthenticated):
         raise
     except Exception as e:  # the store's connection: rank 0 is gone
         raise RankFailure(f"{failure}, and rank 0's rendezvous store is gone ({type(e).__name__})") from e

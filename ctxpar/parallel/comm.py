@@ -14,28 +14,37 @@ Two groups over the same ranks:
   on one host send the plans through the shared pages too (workers wait
   there without a timeout, and notice a dead rank 0 within milliseconds).
 
-Ranks meet through a TCPStore: rank 0 hosts it when it spawns the workers,
-torchrun's agent hosts it under torchrun. The start-up handshake on it (see
-startup.py) is polled, so a rank that dies while starting is noticed within a
-poll interval instead of at the end of a long blocking wait.
+Ranks meet through a TCPStore: rank 0 hosts it when it spawns the workers
+(listening on master_addr alone, loopback by default, and the gloo groups on
+the loopback interface), torchrun's agent hosts it under torchrun. The
+start-up handshake on it (see startup.py) is polled, so a rank that dies while
+starting is noticed within a poll interval instead of at the end of a long
+blocking wait.
+
+Nothing a rank reads from a peer is trusted unchecked: the store's values are
+tagged with the launch secret (signed_store.py), and so is every plan rank 0
+sends (auth.PlanSeal), checked before it is unpickled.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pickle
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ctxpar.errors import CtxparError, RankFailure
+from ctxpar.parallel.auth import PlanSeal
 from ctxpar.parallel.host_shm import on_one_host
 from ctxpar.parallel.shm_channel import ShmChannel
 
@@ -55,20 +64,33 @@ def data_timeout_s() -> float:
     return float(value) if value else float(DATA_TIMEOUT_S)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What the ranks of one launch share besides the store: the secret that tags
+    their messages (auth.py), and whether rank 0 spawned them all on this host
+    (then gloo listens on the loopback interface only)."""
+
+    secret: bytes = field(repr=False)
+    spawned: bool
+
+
 class PCPGroup:
-    def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store, launch: Launch) -> None:
         """Form the groups. Called by every rank once all have loaded their
         models (the start-up handshake), so a short timeout suffices."""
         self.rank, self.size, self.device = rank, size, device
         self.timeout_s = data_timeout_s()
+        self.launch = launch
+        self.seal = PlanSeal(launch.secret)
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=self.timeout_s)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        self.data = dist.new_group(backend=backend, timeout=timeout)
-        # Timeouts are per process: rank 0 gives up on a silent worker after
-        # the timeout, while workers wait for rank 0's next plan indefinitely.
-        control_timeout = timeout if rank == 0 else timedelta(days=365)
-        self.control = dist.new_group(backend="gloo", timeout=control_timeout)
+        with _gloo_interface(_loopback_interface() if launch.spawned else None):
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+            self.data = dist.new_group(backend=backend, timeout=timeout)
+            # Timeouts are per process: rank 0 gives up on a silent worker after
+            # the timeout, while workers wait for rank 0's next plan indefinitely.
+            control_timeout = timeout if rank == 0 else timedelta(days=365)
+            self.control = dist.new_group(backend="gloo", timeout=control_timeout)
         self.store = store
         # Ranks of one CPU host exchange data through shared pages (and share their weights).
         one_host = device.type == "cpu" and on_one_host(store, rank, size)
@@ -130,35 +152,64 @@ class PCPGroup:
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0 sends `obj`; every rank returns it. Rank 0 gives up on silent
         ranks after DATA_TIMEOUT_S; the others wait for it indefinitely (as long
-        as it lives)."""
+        as it lives). The others unpickle it only once its HMAC checks, and
+        raise auth.Unauthenticated for a forged one."""
         t0 = time.perf_counter()
-        if self.shm is not None:
-            obj = self._shm_broadcast_object(obj)
+        # A tagged header (the length), then the tagged pickle: on one host through
+        # the shared pages (microseconds, against gloo's milliseconds), else the control group.
+        wait = None if self.rank == 0 else math.inf
+        if self.rank == 0:
+            header, payload = self.seal.seal(pickle.dumps(obj))
+            self._broadcast_bytes(_as_tensor(header), wait)
+            self._broadcast_bytes(_as_tensor(payload), None)
         else:
-            box = [obj]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            obj = box[0]
+            head = torch.empty(PlanSeal.HEADER_BYTES, dtype=torch.uint8)
+            self._broadcast_bytes(head, wait)
+            body = torch.empty(self.seal.open_header(head.numpy().tobytes()), dtype=torch.uint8)
+            self._broadcast_bytes(body, None)
+            obj = pickle.loads(self.seal.open_payload(body.numpy().tobytes()))
         self.control_seconds += time.perf_counter() - t0
         return obj
 
-    def _shm_broadcast_object(self, obj: object) -> object:
-        # Its length, then the pickle: microseconds, against gloo's milliseconds for the two messages.
-        shm = self.shm
-        assert shm is not None  # called only on one host
-        wait = None if self.rank == 0 else math.inf
-        if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            shm.broadcast_(torch.tensor([payload.numel()]), timeout_s=wait)
+    def _broadcast_bytes(self, data: torch.Tensor, timeout_s: float | None) -> None:
+        """Rank 0's uint8 tensor into the others' (same size) on the control path;
+        timeout_s: the shared pages' wait for rank 0 (None: the channel's)."""
+        if self.shm is not None:
+            self.shm.broadcast_(data, timeout_s=timeout_s)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
-            shm.broadcast_(size, timeout_s=wait)
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        shm.broadcast_(payload)
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            dist.broadcast(data, src=0, group=self.control)
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _loopback_interface() -> str:
+    """The name of this host's loopback interface ("lo" on Linux)."""
+    names = {name for _, name in socket.if_nameindex()}
+    return "lo" if "lo" in names else "lo0"
+
+
+@contextmanager
+def _gloo_interface(name: str | None) -> Iterator[None]:
+    """gloo reads the interface to listen on from its environment as a group
+    forms; set it for that moment only (rank 0 is the user's process)."""
+    if name is None:
+        yield
+        return
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
 @dataclass(frozen=True)
@@ -194,13 +245,39 @@ def port_in_use(port: int) -> CtxparError:
     )
 
 
-def open_store(addr: str, port: int, is_master: bool) -> dist.TCPStore:
+def host_store(addr: str, port: int) -> dist.TCPStore:
+    """Host the spawned ranks' rendezvous store, listening on ``addr`` alone (port 0:
+    any free port, read back from store.port). TCPStore binds every interface of
+    the host when left to itself; here it serves a socket bound to addr."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRINUSE:
+            raise port_in_use(port) from None
+        raise
+    bound = listener.getsockname()[1]
+    return open_store(addr, bound, is_master=True, listen_fd=listener.detach())  # the store owns it now
+
+
+def open_store(addr: str, port: int, is_master: bool, listen_fd: int | None = None) -> dist.TCPStore:
     """Host (is_master) or join the rendezvous store at addr:port (port 0:
-    any free port, read back from store.port). Never blocks for other ranks:
-    they are waited for by polling, see startup.py."""
+    any free port, read back from store.port); listen_fd: a socket bound to port
+    for the host to listen on. Never blocks for other ranks: they are waited
+    for by polling, see startup.py."""
     try:
         return dist.TCPStore(
-            addr, port, None, is_master, timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False
+            addr,
+            port,
+            None,
+            is_master,
+            timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except dist.DistNetworkError as e:
         if is_master and "EADDRINUSE" in str(e):

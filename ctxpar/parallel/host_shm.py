@@ -1,7 +1,8 @@
 """Shared pages for the PCP ranks of one host (/dev/shm).
 
-Rank 0 creates a file in /dev/shm, fills it, and names it in the rendezvous
-store; every other rank maps it and says so; rank 0 then unlinks the file.
+Rank 0 creates a file in /dev/shm (mode 0600), fills it, and names it in the
+rendezvous store; every other rank maps it, once it proves to be that private
+file (private_file.py), and says so; rank 0 then unlinks the file.
 The mappings outlive the name, so nothing is left behind however the ranks
 end. Used for the ranks' one shared copy of the weights
 (shared_weights.py) and for the collectives' exchange buffers
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from ctxpar import kernels
 from ctxpar.errors import RankFailure
+from ctxpar.parallel.private_file import create_private, open_private
 
 SHM_DIR = Path("/dev/shm")
 WAIT_S = 60  # ranks are all started when this runs; a missing one has died
@@ -87,7 +89,8 @@ def shared_segment(
 
 
 def _map(path: Path, nbytes: int, create: bool) -> torch.Tensor:
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    # The name comes from the store: only a private file of the agreed size is mapped.
+    fd = create_private(path) if create else open_private(path, nbytes, SHM_DIR)
     try:
         if create:
             os.posix_fallocate(fd, 0, nbytes)  # reserve the pages now: a full /dev/shm fails here, not as SIGBUS later

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -207,7 +208,7 @@ def test_torchrun_rank0_drives_and_others_serve(models, tmp_path, one_rank, dcp)
             print("TOKENS", json.dumps(tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))))
     """)
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CTXPAR_CLUSTER_SECRET=secrets.token_hex(32))
     cmd = [
         sys.executable,
         "-m",

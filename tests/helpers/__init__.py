@@ -14,6 +14,7 @@ given it (the scripts that tests write for torchrun).
 - attention_reference: float64 attention that ops and kernels are checked against
 - pcp_harness, dcp_harness: scripted step plans run on real ranks
 - shm_ranks: the rank processes of the shared-memory channel tests
+- attack_ranks: a victim rank and an attacker posing as rank 0 (rendezvous security tests)
 - server_harness: a real ``ctxpar serve`` process
-- procs: a process's mappings of ctxpar's shared files
+- procs: a process's mappings of ctxpar's shared files, and the addresses it listens on
 """

@@ -78,14 +78,15 @@ def run_single(model_dir: str, plans: list[StepPlan]) -> Result:
 def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: list[StepPlan], out: str) -> None:
     """One process: for each group size P it takes part in (rank < P), a fresh
     process group of P ranks runs every job."""
-    from ctxpar.parallel.comm import PCPGroup
+    from ctxpar.parallel.comm import Launch, PCPGroup
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+    launch = Launch(secret=b"one secret for the harness's ranks", spawned=True)
     for size in sizes:
         if rank >= size:
             continue
-        group = PCPGroup(rank, size, torch.device("cpu"), dist.PrefixStore(f"P{size}/", store))
+        group = PCPGroup(rank, size, torch.device("cpu"), dist.PrefixStore(f"P{size}/", store), launch)
         try:
             for j, job in enumerate(jobs):
                 runner = _runner(job.model, group, replace(job, dcp_size=size))

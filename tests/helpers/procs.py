@@ -1,6 +1,9 @@
-"""What a process maps of ctxpar's shared files, read from /proc."""
+"""What a process maps of ctxpar's shared files, and the addresses it listens on, read from /proc."""
 
 from __future__ import annotations
+
+import ipaddress
+import os
 
 
 def shm_mappings(pid: int) -> dict[str, int]:
@@ -12,3 +15,31 @@ def shm_mappings(pid: int) -> dict[str, int]:
             lo, hi = (int(a, 16) for a in fields[0].split("-"))
             sizes[fields[5]] = sizes.get(fields[5], 0) + hi - lo
     return sizes
+
+
+def listening_addresses(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) pairs that pid's TCP sockets listen on, IPv4 and IPv6."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)  # the header
+            for line in f:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    addr, port = fields[1].split(":")
+                    found.add((_address(bytes.fromhex(addr), width), int(port, 16)))
+    return found
+
+
+def _address(raw: bytes, width: int) -> str:
+    # /proc/net/tcp* print each 32-bit word of the address in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+    return str(ipaddress.ip_address(words))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -113,9 +114,10 @@ def start_nodes(hosts, model: str, tmp_path, keep_going: bool | None) -> list[su
     text = SCRIPT if keep_going is not None else IN_FLIGHT_SCRIPT
     script.write_text(textwrap.dedent(text.format(here=here, tests=tests, model=model, keep_going=keep_going)))
     procs = []
+    secret = secrets.token_hex(32)  # the hosts' shared one
     for rank, (ns, dev) in enumerate(hosts):
         # gloo binds to the address of this interface, not the hostname's.
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=dev)
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=dev, CTXPAR_CLUSTER_SECRET=secret)
         cmd = [
             "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
             "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", ADDRS[0],
