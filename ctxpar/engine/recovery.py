@@ -112,6 +112,7 @@ def _plan(rows: list[tuple[Request, int, int]], block_table: Callable[[Request],
         num_scheduled_tokens=np.array([n for _, _, n in rows], dtype=np.int64),
         num_computed_tokens=np.array([s for _, s, _ in rows], dtype=np.int64),
         is_prefilling=np.ones(len(rows), dtype=bool),
+        num_prompt_tokens=np.array([req.num_prompt_tokens for req, _, _ in rows], dtype=np.int64),
         needs_logits=np.zeros(len(rows), dtype=bool),
         block_tables=[block_table(req) for req, _, _ in rows],
     )

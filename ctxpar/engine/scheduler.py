@@ -272,13 +272,14 @@ class Scheduler:
         q_arr = np.empty(n, dtype=np.int64)
         c_arr = np.empty(n, dtype=np.int64)
         is_prefilling = np.empty(n, dtype=bool)
+        prompt = np.empty(n, dtype=np.int64)
         needs_logits = np.empty(n, dtype=bool)
         verifies = np.empty(n, dtype=bool)
         ids: list[int] = []
         tables: list[np.ndarray] = []
         for i, (req, q) in enumerate(rows):
             c = req.num_computed_tokens
-            q_arr[i], c_arr[i] = q, c
+            q_arr[i], c_arr[i], prompt[i] = q, c, req.num_prompt_tokens
             ids.extend(req.token_ids(c, min(c + q, req.num_tokens)))
             ids.extend(req.spec_token_ids)  # a verify row: the last known token, then the drafts
             # A decode: one token, everything before it cached, prompt done. A verify row
@@ -293,6 +294,7 @@ class Scheduler:
             num_scheduled_tokens=q_arr,
             num_computed_tokens=c_arr,
             is_prefilling=is_prefilling,
+            num_prompt_tokens=prompt,
             needs_logits=needs_logits,
             block_tables=tables,
             all_logits=verifies if verifies.any() else None,

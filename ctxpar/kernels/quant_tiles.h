@@ -318,10 +318,9 @@ inline bool amx_ready() {
 }
 
 // Tile registers: 0 the activations (16 rows x group bytes), 1 the weights (group / 4
-// rows x 64 bytes), 2 the sums (16 x 16 int32). Configured per thread, per group size.
+// rows x 64 bytes), 2 the sums (16 x 16 int32). Loaded on every call: other libraries
+// on these threads (oneDNN's AMX kernels in PyTorch) release the tiles when they finish.
 inline void amx_configure(int64_t group) {
-  static thread_local int64_t configured = 0;
-  if (configured == group) return;
   alignas(64) uint8_t cfg[64] = {};
   cfg[0] = 1;  // palette 1
   uint16_t* colsb = reinterpret_cast<uint16_t*>(cfg + 16);
@@ -330,7 +329,6 @@ inline void amx_configure(int64_t group) {
   colsb[1] = 64, rows[1] = uint8_t(group / 4);
   colsb[2] = 64, rows[2] = 16;
   _tile_loadconfig(cfg);
-  configured = group;
 }
 
 // Rows [m0, m0 + 16) against the tile: AMX computes each group's 16 x 16 integer sums,
@@ -428,6 +426,9 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits,
       store_rows(acc, mr, o0, cols, bias, out, out_features, m0);
     }
   }
+#if defined(CTXPAR_AMX)
+  if (amx) _tile_release();  // the thread's tile state back to init, as the next user expects
+#endif
 }
 
 }  // namespace tiles

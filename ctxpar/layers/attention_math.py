@@ -4,7 +4,7 @@
   bottom-right causal);
 - ``attention_lse``: attention with its log-sum-exp (DCP's partials);
 - ``merge_attention``: the exact merge of partials over disjoint key sets;
-- the one rule that sends a call to ctxpar's compiled kernels (``takes_kernel``
+- the one rule that sends a call to ctxpar's compiled kernels (``kernel_inputs``
   for query blocks, ``paged_kernel`` for one-query rows over the paged cache).
 """
 
@@ -16,44 +16,46 @@ import torch
 
 from ctxpar import kernels
 
-# Causal rows of at least this many queries run in the compiled kernel; shorter
-# ones in PyTorch's, whose call costs less (`ctxpar bench kernels`, docs/benchmarks.md).
-KERNEL_MIN_QUERIES = 64
-
 
 def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    min_queries: int = KERNEL_MIN_QUERIES,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Attention of L queries that are the *last* L positions of S keys.
 
     q: (L, H, D)  k: (S, Hk, D)  v: (S, Hk, D)  with H a multiple of Hk (GQA)
-    returns (L, H, D), written into `out` (contiguous) if given
+    returns (L, H, D) in q's dtype, written into `out` (contiguous) if given
 
     Query i (absolute position S - L + i) sees keys [0, S - L + i]: causal,
-    aligned bottom-right. On the CPU in fp32, rows of at least `min_queries`
-    queries run in ctxpar's compiled kernel, which aligns bottom-right itself
-    (and gives a query the same bits whatever the queries with it). Otherwise:
-    PyTorch's ``is_causal`` aligns top-left, so a continued prefill (0 < S - L,
-    L > 1) is split into a mask-free part over the old context and a causal
-    part over the new keys, merged by their log-sum-exp: faster on CPU than an
-    explicit mask.
+    aligned bottom-right. On the CPU every call runs in ctxpar's compiled kernel
+    (bf16 inputs widened to fp32), which aligns bottom-right itself and gives a
+    query the same bits whatever the queries with it: one path for any L, so a
+    prompt's tokens do not depend on how it was chunked. Elsewhere: PyTorch's
+    ``is_causal`` aligns top-left, so a continued prefill (0 < S - L, L > 1) is
+    split into a mask-free part over the old context and a causal part over the
+    new keys, merged by their log-sum-exp: faster than an explicit mask.
     """
-    if takes_kernel(q, k, v, min_queries):
-        return kernels.prefill_attention(q, k, v, scale, out=out)[0]
-    result = _torch_causal_attention(q, k, v, scale)
-    return result if out is None else out.copy_(result)
+    inputs = kernel_inputs(q, k, v)
+    if inputs is not None:
+        direct = out if out is not None and out.dtype == torch.float32 else None
+        result = kernels.prefill_attention(*inputs, scale, out=direct)[0]
+    else:
+        result = _torch_causal_attention(q, k, v, scale)
+    if out is None:
+        return result.to(q.dtype)
+    return out if result is out else out.copy_(result)
 
 
-def takes_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_queries: int = KERNEL_MIN_QUERIES) -> bool:
-    """Whether attention of these runs in the compiled kernel (``causal_attention``
-    and DCP's ``attention_lse``): rows of at least `min_queries` queries the
-    kernel takes. Unlike PyTorch's CPU kernel, it takes V narrower than Q and K."""
-    return q.shape[0] >= min_queries and kernels.prefill_usable(q, k, v)
+def kernel_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q, k, v as the compiled prefill kernel takes them (fp32; bf16 widened), or None
+    where it does not run (``causal_attention`` and DCP's ``attention_lse``). Unlike
+    PyTorch's CPU kernel, it takes V narrower than Q and K."""
+    if q.device.type != "cpu" or not kernels.available() or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if q.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    return (q, k, v) if kernels.prefill_usable(q, k, v) else None
 
 
 def paged_kernel(cache: torch.Tensor, *widths: int) -> bool:
@@ -130,8 +132,9 @@ def attention_lse(
 
     Returns out (L, H, Dv) and lse (L, H), both float32.
     """
-    if takes_kernel(q, k, v):
-        return kernels.prefill_attention(q, k, v, scale, causal)  # causal with L == m: bottom-right is top-left
+    inputs = kernel_inputs(q, k, v)
+    if inputs is not None:
+        return kernels.prefill_attention(*inputs, scale, causal)  # causal with L == m: bottom-right is top-left
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
     if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

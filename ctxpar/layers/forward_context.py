@@ -40,7 +40,9 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    rows: set[int]  # local row numbers of the one-query rows in groups
+    # Per local row, its leading queries left to the row's own call (prompt positions);
+    # the rest are in the groups.
+    prompt_queries: list[int]
     groups: list[DecodeGroup]
     # One group whose queries are every local token of the rows, in order (a step of
     # decodes): its output is the layer's as it comes, with no gather or scatter.
@@ -104,21 +106,21 @@ class ForwardContext:
     # attend through ctxpar.layers.sharded_attention (context_slots unused). None: a full cache.
     dcp: DCPStep | None = None
     memo: StepMemo = field(default_factory=StepMemo)
-    # Each local row's queries in the whole step (its request's scheduled tokens, every
-    # rank's chunks together; None: the local counts). Attention picks a row's kernel by
-    # it, so a row's queries take the same kernel split over the ranks or whole, and get
-    # the same bits (ctxpar/layers/paged_attention.py).
-    row_queries: list[int] | None = None
+    # Each local row's prompt length (None: every query is a prompt position). A query at
+    # a prompt position attends in the prefill kernel, any other (a generated token, a
+    # draft) in the decode kernel, wherever the row is cut (ctxpar/layers/paged_attention.py).
+    prompt_lens: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.start_pos)
 
-    def queries_of(self, r: int) -> int:
-        """Row r's queries in the whole step (``row_queries``)."""
-        return (
-            self.query_start_loc[r + 1] - self.query_start_loc[r] if self.row_queries is None else self.row_queries[r]
-        )
+    def prompt_queries(self, r: int) -> int:
+        """How many of local row r's queries, from its first, are prompt positions."""
+        queries = self.query_start_loc[r + 1] - self.query_start_loc[r]
+        if self.prompt_lens is None:
+            return queries
+        return min(queries, max(0, self.prompt_lens[r] - self.start_pos[r]))
 
 
 def gather_and_store_kv(entries: torch.Tensor, ctx: ForwardContext, layer_idx: int) -> torch.Tensor:

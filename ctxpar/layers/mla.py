@@ -24,8 +24,10 @@ queries are [q_nope | roped q_pe] per head and its cache entries the latents;
 ``attend`` chooses between the full cache and DCP's shards, where every shard
 is attended in latent space.
 
-``ATTENTION_PATH`` picks the path: "auto" (absorbed for 1-token rows, expanded
-otherwise), or "absorbed"/"expanded" to force one (tests compare them).
+``ATTENTION_PATH`` picks the path: "auto" (absorbed for queries past their
+prompt, decodes and drafts; expanded for prompt positions, however the prompt
+is chunked, so a token takes one path), or "absorbed"/"expanded" to force one
+(tests compare them).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 
 from ctxpar import kernels
 from ctxpar.layers.attention import attend
-from ctxpar.layers.attention_math import attention_lse, causal_attention, paged_kernel, takes_kernel
+from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, from_cache
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.norm import RMSNorm
@@ -145,16 +147,18 @@ class MLAttention(nn.Module):
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
             o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel, ctx.kv_quant)
             out.index_copy_(0, grp.tokens, self._unabsorb(o))
-        batched = dec.rows if dec is not None else set()
         qsl = ctx.query_start_loc
-        for r in range(ctx.num_rows):
-            a, b = qsl[r], qsl[r + 1]
-            if b == a or r in batched:
+        for r in range(ctx.num_rows):  # the rows' other queries: prompt positions, over their causal prefix
+            a = qsl[r]
+            b = a + (dec.prompt_queries[r] if dec is not None else qsl[r + 1] - a)
+            if b == a:
                 continue
-            absorbed = ATTENTION_PATH == "absorbed" or (ATTENTION_PATH == "auto" and b - a == 1)
-            attend_row = self._absorbed if absorbed else self._expanded
+            # "auto" up-projects every prompt query (a prompt position takes one path however
+            # its prompt is chunked); decodes attend in latent space above.
+            attend_row = self._absorbed if ATTENTION_PATH == "absorbed" else self._expanded
             # Up-projecting (expanded) needs float latents: a quantized row's are dequantized.
-            context = from_cache(cache.index_select(0, ctx.context_slots[r]), ctx, q.dtype)
+            slots = ctx.context_slots[r][: ctx.start_pos[r] + b - a]
+            context = from_cache(cache.index_select(0, slots), ctx, q.dtype)
             out[a:b] = attend_row(q_nope[a:b], q_pe[a:b], context)
         return out
 
@@ -170,7 +174,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv_up.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(S, h, self.rope_dim)], dim=-1)
         q, v = torch.cat([q_nope, q_pe], dim=-1), v.contiguous()
-        if not takes_kernel(q, k, v):  # PyTorch's CPU kernel needs Q, K and V of one width
+        if kernel_inputs(q, k, v) is None:  # PyTorch's CPU kernel needs Q, K and V of one width
             d = max(self.qk_head_dim, self.v_head_dim)
             if self.qk_head_dim < d:  # zero dims add nothing to q·k; the scale is explicit
                 q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))

@@ -1,38 +1,32 @@
-"""Attention of a step's local rows over the paged KV cache, dispatched by row kind.
+"""Attention of a step's local rows over the paged KV cache, dispatched by query kind.
 
-- One-query rows (decodes, one-token prompt suffixes) run together:
-  - on the CPU, all of them in one call of the compiled kernel
-    (ctxpar/kernels), which reads each key and value once, in place; rows of
-    a few queries (up to ``FEW_QUERIES``: speculative decoding's verify rows,
-    short prompt suffixes) join them query by query, each query a one-query
-    row over its causal prefix, instead of copying their whole context out of
-    the cache in every layer;
-  - elsewhere (a GPU, or ``CTXPAR_KERNELS=0``, or no compiler) those of at most
-    ``DECODE_BATCH_MAX_KEYS`` keys in batched ``decode_attention`` calls: their
-    contexts are read out of the cache by one gather per call into the layout
-    the GEMMs want. Rows of similar context length share a call (sorted by
-    length, a group closes before padding would exceed ``MAX_PADDING`` of its
-    keys): decode is memory-bound, and reading padding costs as much as
-    reading keys.
-- Other rows (prefill chunks, and there long decodes) attend one by one with
-  ``causal_attention``: each is a large computation or a large gather. With
-  the kernels, every one of them in the prefill kernel, whose output for a
-  query is the same bits whichever queries share its call.
-
-Which path a row takes is decided by its queries in the whole step
-(``ForwardContext.row_queries``), not by the chunk a rank holds: the chunks
-of a row split over the PCP ranks take the path the whole row takes on one
-rank, and with the kernels give its very bits (the KV all-gather moves
-bytes, the projections and elementwise kernels compute each token alone).
+- With ctxpar's kernels (the CPU), by the query's position: a position past its
+  request's prompt (a decode, a speculative draft, a generated token recomputed
+  after a lost rank or a preemption) attends in the decode kernel, every such
+  query of the step in one call that reads each key and value once, in place,
+  each query over its causal prefix; a prompt position attends in the prefill
+  kernel, its row's prompt queries in one call. Each kernel gives a query the
+  same bits whichever queries share its call, so a token's attention depends
+  on its query and its context only: not on the batch, on how its prompt was
+  chunked (``max_num_batched_tokens``, PCP's chunks), on a prefix-cache hit, or
+  on a recovery (DESIGN.md §7).
+- Elsewhere (a GPU, or ``CTXPAR_KERNELS=0``, or no compiler) one-query rows of
+  at most ``DECODE_BATCH_MAX_KEYS`` keys go in batched ``decode_attention``
+  calls: their contexts are read out of the cache by one gather per call into
+  the layout the GEMMs want. Rows of similar context length share a call
+  (sorted by length, a group closes before padding would exceed
+  ``MAX_PADDING`` of its keys): decode is memory-bound, and reading padding
+  costs as much as reading keys. Other rows attend one by one with
+  ``causal_attention``. PyTorch's kernels choose their blocking by shape, so
+  there a token's bits may depend on its company.
 
 The index tensors of the decode batch are the same for every layer of a step,
 so they are built once and kept in the step's ``StepMemo``.
 
 A quantized cache (ctxpar/layers/kv_quant.py) is read by the same kernels, which
-dequantize a run of keys at a time; its prefill rows all take the compiled kernel
-(even short ones: any other path would dequantize the row's context first). Only
-where no kernel runs (a GPU, ``CTXPAR_KERNELS=0``, head widths the kernels'
-vectors do not divide) are the rows' contexts dequantized.
+dequantize a run of keys at a time. Only where no kernel runs (a GPU,
+``CTXPAR_KERNELS=0``, head widths the kernels' vectors do not divide) are the
+rows' contexts dequantized.
 """
 
 from __future__ import annotations
@@ -52,8 +46,6 @@ MAX_PADDING = 0.25  # padded keys a decode group may add, as a share of its real
 # beats the batched call's gather of per-head rows. Measured per 30-layer step at
 # SmolLM2's shapes, the two break even at about this many keys per row.
 DECODE_BATCH_MAX_KEYS = 128
-# With the kernel, rows of at most this many queries attend query by query in place.
-FEW_QUERIES = 16
 
 
 def _group_by_length(lengths: list[int]) -> list[list[int]]:
@@ -72,34 +64,32 @@ def _group_by_length(lengths: list[int]) -> list[list[int]]:
 
 
 def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
-    """The step's one-query rows in groups, or None if it has none (memoised per
-    step): with the ``kernel``, all of them in one group, with the queries of rows
-    of up to FEW_QUERIES queries in the whole step (a split row's chunks go where the
-    whole row would); without, the one-query rows of at most DECODE_BATCH_MAX_KEYS
-    keys, in length groups."""
+    """The step's decode-kernel queries in groups, or None if it has none (memoised per
+    step): with the ``kernel``, every query past its row's prompt, in one group;
+    without, the one-query rows of at most DECODE_BATCH_MAX_KEYS keys, in length groups."""
     if kernel not in ctx.memo.decode_batches:
         qsl = ctx.query_start_loc
-        few = FEW_QUERIES if kernel else 1
-        rows = [
-            r
+        counts = [qsl[r + 1] - qsl[r] for r in range(ctx.num_rows)]
+        if kernel:
+            prompt = [ctx.prompt_queries(r) for r in range(ctx.num_rows)]
+        else:
+            prompt = [0 if n == 1 and ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS else n for r, n in enumerate(counts)]
+        # (query token, keys it attends): query j of a row sees its context and its first j + 1 tokens.
+        queries = [
+            (t, ctx.seq_lens[r] - (qsl[r + 1] - t) + 1, r)
             for r in range(ctx.num_rows)
-            if 1 <= qsl[r + 1] - qsl[r]
-            and ctx.queries_of(r) <= few
-            and (kernel or ctx.seq_lens[r] <= DECODE_BATCH_MAX_KEYS)
+            for t in range(qsl[r] + prompt[r], qsl[r + 1])
         ]
         batch = None
-        if rows:
-            device = ctx.context_slots[rows[0]].device
-            # (query token, keys it attends): query j of a row sees its context and its first j + 1 tokens.
-            queries = [(t, ctx.seq_lens[r] - (qsl[r + 1] - t) + 1) for r in rows for t in range(qsl[r], qsl[r + 1])]
-            row_of = [r for r in rows for _ in range(qsl[r], qsl[r + 1])]
+        if queries:
+            device = ctx.context_slots[queries[0][2]].device
             groups = []
-            for members in [list(range(len(queries)))] if kernel else _group_by_length([n for _, n in queries]):
+            for members in [list(range(len(queries)))] if kernel else _group_by_length([n for _, n, _ in queries]):
                 tokens = torch.tensor([queries[i][0] for i in members], dtype=torch.int64, device=device)
-                slots = [ctx.context_slots[row_of[i]][: queries[i][1]] for i in members]
+                slots = [ctx.context_slots[queries[i][2]][: queries[i][1]] for i in members]
                 groups.append(DecodeGroup(tokens, *concat_slots(slots)))
-            whole = len(groups) == 1 and [t for t, _ in queries] == list(range(qsl[-1]))
-            batch = DecodeBatch(set(rows), groups, whole)
+            whole = len(groups) == 1 and [t for t, _, _ in queries] == list(range(qsl[-1]))
+            batch = DecodeBatch(prompt, groups, whole)
         ctx.memo.decode_batches[kernel] = batch
     return ctx.memo.decode_batches[kernel]
 
@@ -127,14 +117,14 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
             k, v = _padded_kv(cache, table, quant)  # (B, Hk, S, D) each
             o, _ = decode_attention(q_rows, k.to(q.dtype), v.to(q.dtype), lengths, scale)
         out.index_copy_(0, grp.tokens, o.to(out.dtype))
-    single = dec.rows if dec is not None else set()
-    for r in range(ctx.num_rows):
-        a, b = qsl[r], qsl[r + 1]
-        if b - a < 1 or r in single:
+    for r in range(ctx.num_rows):  # the rows' other queries: prompt positions, over their causal prefix
+        a = qsl[r]
+        b = a + (dec.prompt_queries[r] if dec is not None else qsl[r + 1] - a)
+        if b == a:
             continue
-        kv = cache.index_select(0, ctx.context_slots[r])  # (S, 2, Hk, D), or (S, row_bytes) quantized
-        if quant is None:  # every row here in the prefill kernel where it runs: chunks of a row alike
-            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b], min_queries=1)
+        kv = cache.index_select(0, ctx.context_slots[r][: ctx.start_pos[r] + b - a])  # (S, 2, Hk, D) or quantized
+        if quant is None:
+            causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
         elif kv_kernels.prefill_quant_usable(q[a:b], quant):
             kv_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
         else:

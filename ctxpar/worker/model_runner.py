@@ -136,7 +136,7 @@ class ModelRunner:
             kv_quant=self.kv_quant,
             gather=self._pcp_group().all_gather if gathers else None,
             dcp=dcp,
-            row_queries=plan.num_scheduled_tokens[rows.req_idx].tolist(),
+            prompt_lens=self._prompt_lens(plan)[rows.req_idx].tolist(),
         )
         input_ids = to_dev(plan.input_ids[rows.token_idx])
         extra = {}
@@ -157,6 +157,14 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
         self._share_led_kv(plan, global_slots)
         return out
+
+    @staticmethod
+    def _prompt_lens(plan: StepPlan) -> np.ndarray:
+        """(R,) each row's prompt length: the plan's, or else a prefilling row's tokens all prompt."""
+        if plan.num_prompt_tokens is not None:
+            return plan.num_prompt_tokens
+        computed = plan.num_computed_tokens
+        return np.where(plan.is_prefilling, computed + plan.num_scheduled_tokens, computed)
 
     def _check_slots(self, plan: StepPlan) -> None:
         """Every slot the step reads or writes lies in this rank's cache: positions [0, c + q)

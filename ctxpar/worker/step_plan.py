@@ -35,6 +35,11 @@ class StepPlan:
     # (T, H) per-token input hidden states for a model that takes them (the mtp layer: the
     # target's state at each position), or None.
     hidden_states: torch.Tensor | None = None
+    # (R,) int64 the prompt length of each row's request, or None (then a prefilling row's
+    # tokens all count as prompt, a decode row's as generated). Attention picks a query's
+    # kernel by it: a prompt position always takes the prefill kernel and a generated one
+    # the decode kernel, however the row is chunked, cached or recomputed.
+    num_prompt_tokens: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:

@@ -80,22 +80,26 @@ def test_latent_decode_single_shared_head_with_narrower_value() -> None:
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
 def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """gqa_paged_attention over a step mixing short decodes, a long decode, a
-    few-query chunk with context (a speculative verify row), a longer prefill
-    chunk and a padding token: every row as if it attended alone. The compiled
-    kernel takes every decode and the few-query chunk (query by query) in one
-    call; the PyTorch path batches the short decodes in length groups and
-    attends the rest one by one."""
+    verify row (8 queries past the prompt), a prefill chunk, a recomputed row whose
+    prompt ends inside it (a lost rank's or a preemption's recompute) and a padding
+    token: every row as if it attended alone. With the compiled kernels a query
+    takes the decode kernel iff it lies past its prompt, so every decode, the verify
+    row and the recomputed row's generated tokens share one call; the prompt
+    queries attend in the prefill kernel. The PyTorch path batches the short
+    decodes in length groups and attends the rest one by one."""
     monkeypatch.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
     from ctxpar.layers.forward_context import ForwardContext
-    from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, FEW_QUERIES, decode_batch, gqa_paged_attention
+    from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
 
     g = torch.Generator().manual_seed(7)
     Hk, H, D = 2, 6, 16
     cache = torch.randn(4096, 2, Hk, D, generator=g)
     perm = torch.randperm(4096, generator=g)
-    # Row 5: 8 queries after 32 cached; row 6: FEW_QUERIES + 4 queries after 30 cached.
-    seq_lens = [5, 6, 90, 100, DECODE_BATCH_MAX_KEYS + 50, 40, FEW_QUERIES + 34]
-    num_tokens = [1, 1, 1, 1, 1, 8, FEW_QUERIES + 4]
+    # Row 5: 8 queries after 32 cached; row 6: 20 prompt queries after 30 cached; row 7:
+    # 50 queries from 0 whose prompt is the first 35.
+    seq_lens = [5, 6, 90, 100, DECODE_BATCH_MAX_KEYS + 50, 40, 50, 50]
+    num_tokens = [1, 1, 1, 1, 1, 8, 20, 50]
+    prompt_lens = [4, 3, 50, 99, 7, 32, 50, 35]
     qsl = [0]
     for t in num_tokens:
         qsl.append(qsl[-1] + t)
@@ -109,15 +113,16 @@ def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch:
         write_src=None,
         write_slots=torch.empty(0, dtype=torch.int64),
         kv_caches=[cache],
+        prompt_lens=prompt_lens,
     )
     n = qsl[-1] + 1  # one padding token
     q = torch.randn(n, H, D, generator=g)
     out = gqa_paged_attention(q, cache, ctx, 0.3)
     dec = decode_batch(ctx, kernel)
-    if kernel:  # every decode, long or short, and the few-query chunk in one call; the long chunk alone
-        assert dec.rows == {0, 1, 2, 3, 4, 5} and len(dec.groups) == 1
-    else:  # long decode and prefill go one by one
-        assert dec.rows == {0, 1, 2, 3} and len(dec.groups) == 2
+    if kernel:  # by position: prompt queries to the prefill kernel, the rest in one decode call
+        assert dec.prompt_queries == [0, 0, 0, 0, 0, 0, 20, 35] and len(dec.groups) == 1
+    else:  # long decode and the rest one by one
+        assert dec.prompt_queries == [0, 0, 0, 0, 1, 8, 20, 50] and len(dec.groups) == 2
     for r in range(len(seq_lens)):
         kv = cache[slots[r]]
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], 0.3)

@@ -139,6 +139,7 @@ def draft_plan(
         num_scheduled_tokens=q,
         num_computed_tokens=c,
         is_prefilling=(q > 1) | (c < prompt),  # a one-token row past the prompt is laid out as a decode
+        num_prompt_tokens=prompt,
         needs_logits=needs_logits,
         block_tables=[np.asarray(table, dtype=np.int64) for _, _, _, table in rows],
         draft=True,
