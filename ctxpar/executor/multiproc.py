@@ -316,10 +316,15 @@ class MultiRankExecutor:
         """Why a collective failed: the ranks that died (read before close()
         forgets them), else the error, which after the collective timeout means a hung rank."""
         self._await_exits()
-        dead = [f"rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead()]
+        dead = [f"rank {r} {startup.exit_reason(p.exitcode)}{self._refused(p)}" for r, p in self._dead()]
         if dead:
             return "; ".join(dead) + f" ({startup.first_line(e)})"
         return f"{startup.first_line(e)} (a rank died, or was silent for {data_timeout_s():g} s)"
+
+    def _refused(self, proc: BaseProcess) -> str:
+        """ ", after refusing a forged message (...)" when the worker left for that."""
+        why = rank_worker.refusal(self.store, proc.pid)
+        return f", after refusing a forged message ({why})" if why else ""
 
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)

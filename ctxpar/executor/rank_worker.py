@@ -7,6 +7,7 @@ MultiRankExecutor.__init__ through ``serve_until_stopped``.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -117,6 +118,24 @@ def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, gen
             runner.rejoin(group)
 
 
+def report_refusal(store: dist.Store, e: Unauthenticated) -> None:
+    """Tell rank 0 why this rank leaves, under its pid (rank 0 knows its workers by
+    process; their numbers change when a group re-forms). Best effort."""
+    try:
+        store.set(f"refused/{os.getpid()}", str(e))
+    except Exception:
+        pass  # the store is gone: rank 0 still sees the exit
+
+
+def refusal(store: dist.Store | None, pid: int | None) -> str | None:
+    """Why the worker of process ``pid`` refused a message and left, if it said so."""
+    key = f"refused/{pid}"
+    try:
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except Exception:
+        return None  # the reason itself failed its check, or the store is gone: the exit says enough
+
+
 def is_link_failure(e: Exception) -> bool:
     # gloo's transport errors surface as plain RuntimeErrors naming the transport.
     return isinstance(e, (dist.DistError, PeerLost)) or "gloo/transport" in str(e)
@@ -150,6 +169,7 @@ def worker_main(
         print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     except Unauthenticated as e:  # a forged message: refused, and this rank leaves rather than guess
+        report_refusal(store, e)
         print(f"ctxpar: PCP rank {rank}: {e}; exiting", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception:

@@ -216,7 +216,7 @@ def test_an_engine_worker_sent_a_forged_plan_leaves_with_a_clear_error(tiny_mode
     """The attack on a live engine: its next plan arrives under a key other than the
     launch's (as anything that writes into the channel without the secret sends it).
     The worker refuses it and leaves, saying why; the step fails with a RankFailure
-    naming the rank instead of running what it was sent."""
+    naming the rank and the reason instead of running what it was sent."""
     with LLM(str(tiny_model_dirs["llama"]), pcp_size=2, num_threads=1, max_rank_recoveries=0) as llm:
         prompt = [{"prompt_token_ids": list(range(20))}]
         assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # serving
@@ -224,8 +224,9 @@ def test_an_engine_worker_sent_a_forged_plan_leaves_with_a_clear_error(tiny_mode
         forger = PlanSeal(b"not the launch secret")
         forger.seq = group.seal.seq
         group.seal = forger
-        with pytest.raises(RankFailure, match="rank 1 exited with code 1"):
+        with pytest.raises(RankFailure, match="rank 1 exited with code 1, after refusing a forged message") as e:
             llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert "failed authentication" in str(e.value)
     err = capfd.readouterr().err
     assert "ctxpar: PCP rank 1: PCP message" in err and "failed authentication" in err, err[-2000:]
 
