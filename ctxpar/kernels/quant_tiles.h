@@ -121,14 +121,15 @@ inline __m512 load_floats(const Half* p, __mmask16 keep) { return _mm512_cvtph_p
 // (cols, 16), column-major: out[c][o] = m[o][c], zero for o >= rows.
 template <typename S>
 void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    const int64_t w = std::min<int64_t>(16, cols - c0);
-    const __mmask16 keep = __mmask16((1u << w) - 1);
+  int64_t c0 = 0;
+  for (; c0 + 16 <= cols; c0 += 16) {
     __m512 r[16];
-    for (int64_t o = 0; o < 16; ++o) r[o] = o < rows ? load_floats(m + o * stride + c0, keep) : _mm512_setzero_ps();
+    for (int64_t o = 0; o < 16; ++o) r[o] = o < rows ? load_floats(m + o * stride + c0, 0xFFFF) : _mm512_setzero_ps();
     transpose16(r);
-    for (int64_t c = 0; c < w; ++c) _mm512_storeu_ps(out + (c0 + c) * T, r[c]);
+    for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(out + (c0 + c) * T, r[c]);
   }
+  for (; c0 < cols; ++c0)  // the last few columns one by one: cheaper than a transpose
+    for (int64_t o = 0; o < 16; ++o) out[c0 * T + o] = o < rows ? to_float(m[o * stride + c0]) : 0.0f;
 }
 
 // The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero).
