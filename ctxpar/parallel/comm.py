@@ -23,7 +23,9 @@ blocking wait.
 
 Nothing a rank reads from a peer is trusted unchecked: the store's values are
 tagged with the launch secret (signed_store.py), and so is every plan rank 0
-sends (auth.PlanSeal), checked before it is unpickled.
+sends (auth.PlanSeal), checked before it is unpickled. Under torchrun (ranks
+on several hosts) so is every rank's contribution to a gloo data collective
+(sealed_collectives.py), checked before it is used; NCCL's are not.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.parallel.auth import PlanSeal
 from ctxpar.parallel.host_shm import on_one_host
+from ctxpar.parallel.sealed_collectives import SealedCollectives
 from ctxpar.parallel.shm_channel import ShmChannel
 
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
@@ -95,6 +98,11 @@ class PCPGroup:
         # Ranks of one CPU host exchange data through shared pages (and share their weights).
         one_host = device.type == "cpu" and on_one_host(store, rank, size)
         self.shm = ShmChannel(store, rank, size, self.timeout_s) if one_host else None
+        # torchrun's ranks may be on several hosts: their gloo data collectives carry
+        # tags of the launch secret (sealed_collectives.py). Spawned ranks (one host)
+        # and NCCL do not; an empty secret (CTXPAR_INSECURE_CLUSTER) has nothing to tag with.
+        tagged = backend == "gloo" and not launch.spawned and bool(launch.secret) and self.shm is None
+        self.sealed = SealedCollectives(launch.secret, rank, size, self.data) if tagged else None
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
@@ -119,6 +127,8 @@ class PCPGroup:
         with self._data_collective("all_gather"):
             if self.shm is not None:
                 return self.shm.all_gather(x)
+            if self.sealed is not None:
+                return self.sealed.all_gather(x)
             out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
             _all_gather(out, x.contiguous(), group=self.data)
             return out
@@ -128,6 +138,8 @@ class PCPGroup:
         with self._data_collective("all_to_all"):
             if self.shm is not None:
                 return self.shm.all_to_all(x)
+            if self.sealed is not None:
+                return self.sealed.all_to_all(x)
             out = torch.empty_like(x)
             dist.all_to_all_single(out, x.contiguous(), group=self.data)
             return out
@@ -137,6 +149,8 @@ class PCPGroup:
         with self._data_collective("gather_to_first"):
             if self.shm is not None:
                 return self.shm.gather_to_first(x)
+            if self.sealed is not None:
+                return self.sealed.gather_to_first(x)
             parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(x.contiguous(), parts, dst=0, group=self.data)
             return torch.stack(parts) if parts is not None else None
@@ -146,6 +160,8 @@ class PCPGroup:
         with self._data_collective("broadcast"):
             if self.shm is not None:
                 self.shm.broadcast_(x)
+            elif self.sealed is not None:
+                self.sealed.broadcast_(x)
             else:
                 dist.broadcast(x, src=0, group=self.data)
 
