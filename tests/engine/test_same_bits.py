@@ -63,7 +63,7 @@ def in_a_mix(seed: int, **config) -> list[tuple]:
 CONFIGS = {
     "gguf": ({}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}, {"pcp_size": 3, "pcp_min_tokens": 8}]),
     "gguf-spec": ({}, [{"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}]),
-    "gguf-int8-kv": ({"kv_cache_dtype": "int8"}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}]),
+    "gguf-int8-kv": ({"kv_cache_dtype": "int8"}, [{"pcp_size": 2, "pcp_min_tokens": 8}]),
     "fp32": ({"quantization": "none"}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}]),
     "bf16": ({"quantization": "none", "dtype": "bfloat16"}, [{}]),
     "int8-weights": ({"quantization": "int8"}, [{}]),

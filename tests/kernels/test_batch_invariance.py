@@ -30,7 +30,7 @@ from helpers.gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the compiled kernels")
 
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=15, deadline=None)
 BUILDS = ["native", "haswell", "x86-64"]
 
 

@@ -1,6 +1,8 @@
 """Structured outputs across ranks: the mask is applied where sampling happens (rank 0),
 so at P = 2 and under DCP (D = 2) every output validates and has the tokens of one
-rank, greedy and seeded alike."""
+rank, greedy and seeded alike. DCP merges its shards in another order than one rank,
+which int8 activations can turn into another token at a near-tie (outside the
+same-bits guarantee: docs/architecture.md), so it runs on the file dequantized."""
 
 from __future__ import annotations
 
@@ -26,17 +28,25 @@ def requests() -> tuple[list[str], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    with LLM(dtype="float32") as llm:
-        return [o.outputs[0] for o in llm.generate(*requests(), use_tqdm=False)]
+_ONE_RANK: dict[str | None, list] = {}
 
 
-@pytest.mark.parametrize("layout", [dict(pcp_size=2), dict(pcp_size=2, dcp_size=2)], ids=["pcp2", "pcp2-dcp2"])
-def test_outputs_validate_and_equal_one_rank(layout, one_rank):
-    with LLM(dtype="float32", pcp_min_tokens=0, **layout) as llm:
+def one_rank(quantization: str | None) -> list:
+    if quantization not in _ONE_RANK:
+        with LLM(dtype="float32", quantization=quantization) as llm:
+            _ONE_RANK[quantization] = [o.outputs[0] for o in llm.generate(*requests(), use_tqdm=False)]
+    return _ONE_RANK[quantization]
+
+
+@pytest.mark.parametrize(
+    ("layout", "quantization"),
+    [(dict(pcp_size=2), None), (dict(pcp_size=2, dcp_size=2), "none")],
+    ids=["pcp2", "pcp2-dcp2"],
+)
+def test_outputs_validate_and_equal_one_rank(layout, quantization):
+    with LLM(dtype="float32", quantization=quantization, pcp_min_tokens=0, **layout) as llm:
         outs = [o.outputs[0] for o in llm.generate(*requests(), use_tqdm=False)]
-    for (name, _, _), out, ref in zip(REQUESTS, outs, one_rank):
+    for (name, _, _), out, ref in zip(REQUESTS, outs, one_rank(quantization)):
         check_json(ref.text, SCHEMAS[name])
         check_json(out.text, SCHEMAS[name])
         assert out.token_ids == ref.token_ids  # greedy, and seeded sampling too: the same logits
