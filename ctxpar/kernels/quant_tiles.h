@@ -171,6 +171,11 @@ inline __m512 scale_add(__m512i s, const float* scale, float xd, __m512 acc) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(xd)), acc);
 }
 
+// A block's offset term for one row, after its groups: acc = fma(offset, xs, acc).
+inline __m512 offset_add(const float* offset, float xs, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(offset), _mm512_set1_ps(xs), acc);
+}
+
 // Rows [m0, m0 + mr) against the tile with VNNI: per block, the 8 weight vectors are
 // loaded once and serve mr rows; a row's group sum is dpbusd over the group's dwords.
 template <int mr>
@@ -204,10 +209,8 @@ void vnni_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, 
         acc[m] = scale_add(s, scale, xd[r * nb + b], acc[m]);
       }
     }
-    if (offsets) {
-      const __m512 off = _mm512_loadu_ps(tile.offsets.data() + b * T);
-      for (int m = 0; m < mr; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
-    }
+    for (int m = 0; offsets && m < mr; ++m)
+      acc[m] = offset_add(tile.offsets.data() + b * T, xs[(m0 + m) * nb + b], acc[m]);
   }
 }
 
@@ -292,7 +295,7 @@ inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t i
         *acc = scale_add(r[2 * k], tile.scales.data() + 2 * b * T, xd[b], *acc);
         *acc = scale_add(r[2 * k + 1], tile.scales.data() + (2 * b + 1) * T, xd[b], *acc);
       }
-      if (offsets) *acc = _mm512_fmadd_ps(_mm512_loadu_ps(tile.offsets.data() + b * T), _mm512_set1_ps(xs[b]), *acc);
+      if (offsets) *acc = offset_add(tile.offsets.data() + b * T, xs[b], *acc);
     }
   }
 }
@@ -354,10 +357,8 @@ inline void amx_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t
       for (int m = 0; m < 16; ++m)
         acc[m] = scale_add(_mm512_load_si512(sums + 16 * m), scale, xd[(m0 + m) * nb + b], acc[m]);
     }
-    if (offsets) {
-      const __m512 off = _mm512_loadu_ps(tile.offsets.data() + b * T);
-      for (int m = 0; m < 16; ++m) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[(m0 + m) * nb + b]), acc[m]);
-    }
+    for (int m = 0; offsets && m < 16; ++m)
+      acc[m] = offset_add(tile.offsets.data() + b * T, xs[(m0 + m) * nb + b], acc[m]);
   }
 }
 #endif

@@ -110,8 +110,9 @@ def row_parts(weight: Weight, parts: int) -> list[tuple[PanelWeight | QuantWeigh
     output rows, as views: (the range's weight, first row, end row) each; None for
     other weights. Each output computes exactly as uncut: the kernels sum every
     output over the input in one fixed order, whatever the rows around it (a
-    PanelWeight is cut between panels; a QuantWeight between the tiles its
-    prefill path dequantizes, so they are the same tiles)."""
+    PanelWeight is cut between panels; a QuantWeight between the tiles of
+    TILE_ROWS rows that the path without kernels dequantizes, so that path
+    multiplies the same tiles cut or uncut)."""
     if isinstance(weight, QuantWeight):
         tiles = -(-weight.out_features // TILE_ROWS)
         cuts = [min(weight.out_features, tiles * k // parts * TILE_ROWS) for k in range(parts + 1)]

@@ -44,7 +44,7 @@ from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel
 from ctxpar.layers.forward_context import ForwardContext, from_cache
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention
+from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention, prompt_spans
 from ctxpar.layers.rotary import apply_rotary
 
 ATTENTION_PATH = "auto"  # "auto" | "absorbed" | "expanded"
@@ -147,17 +147,11 @@ class MLAttention(nn.Module):
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
             o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel, ctx.kv_quant)
             out.index_copy_(0, grp.tokens, self._unabsorb(o))
-        qsl = ctx.query_start_loc
-        for r in range(ctx.num_rows):  # the rows' other queries: prompt positions, over their causal prefix
-            a = qsl[r]
-            b = a + (dec.prompt_queries[r] if dec is not None else qsl[r + 1] - a)
-            if b == a:
-                continue
-            # "auto" up-projects every prompt query (a prompt position takes one path however
-            # its prompt is chunked); decodes attend in latent space above.
-            attend_row = self._absorbed if ATTENTION_PATH == "absorbed" else self._expanded
+        # "auto" up-projects every prompt query (a prompt position takes one path however
+        # its prompt is chunked); decodes attend in latent space above.
+        attend_row = self._absorbed if ATTENTION_PATH == "absorbed" else self._expanded
+        for a, b, slots in prompt_spans(ctx, dec):
             # Up-projecting (expanded) needs float latents: a quantized row's are dequantized.
-            slots = ctx.context_slots[r][: ctx.start_pos[r] + b - a]
             context = from_cache(cache.index_select(0, slots), ctx, q.dtype)
             out[a:b] = attend_row(q_nope[a:b], q_pe[a:b], context)
         return out

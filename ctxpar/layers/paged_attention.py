@@ -31,6 +31,8 @@ rows' contexts dequantized.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ctxpar import kernels
@@ -94,6 +96,17 @@ def decode_batch(ctx: ForwardContext, kernel: bool) -> DecodeBatch | None:
     return ctx.memo.decode_batches[kernel]
 
 
+def prompt_spans(ctx: ForwardContext, dec: DecodeBatch | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The queries no decode group took (prompt positions), row by row: (a, b, slots),
+    local tokens [a, b) over their causal prefix, the row's first start + (b - a) slots."""
+    qsl = ctx.query_start_loc
+    for r in range(ctx.num_rows):
+        a = qsl[r]
+        b = a + (dec.prompt_queries[r] if dec is not None else qsl[r + 1] - a)
+        if b > a:
+            yield a, b, ctx.context_slots[r][: ctx.start_pos[r] + b - a]
+
+
 def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
     """q (n, H, D) of the local tokens, cache (num_slots, 2, Hk, D) (or its
     quantized rows) already holding this step's entries -> attention output
@@ -117,12 +130,8 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
             k, v = _padded_kv(cache, table, quant)  # (B, Hk, S, D) each
             o, _ = decode_attention(q_rows, k.to(q.dtype), v.to(q.dtype), lengths, scale)
         out.index_copy_(0, grp.tokens, o.to(out.dtype))
-    for r in range(ctx.num_rows):  # the rows' other queries: prompt positions, over their causal prefix
-        a = qsl[r]
-        b = a + (dec.prompt_queries[r] if dec is not None else qsl[r + 1] - a)
-        if b == a:
-            continue
-        kv = cache.index_select(0, ctx.context_slots[r][: ctx.start_pos[r] + b - a])  # (S, 2, Hk, D) or quantized
+    for a, b, slots in prompt_spans(ctx, dec):
+        kv = cache.index_select(0, slots)  # (S, 2, Hk, D), or (S, row_bytes) quantized
         if quant is None:
             causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
         elif kv_kernels.prefill_quant_usable(q[a:b], quant):
