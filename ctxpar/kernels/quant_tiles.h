@@ -239,9 +239,12 @@ inline void sum_partials(const __m512i v[16], __m512i r[4]) {
 // sum_partials adds up per group and turns into one vector over the 16 outputs. The
 // group sums are the integers vnni_rows finds, and the float steps are the same, so
 // the bits are too. xk: the row's codes as the 4-bit loads pair them (direct_codes).
+// next_rows: rows of the tile after this one, whose same bytes each load prefetches:
+// the loads of a tile are 16 streams a row apart, which the hardware prefetchers do
+// not run ahead of, so without it a decode step waits on memory at every tile.
 inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t in, int64_t o0, int64_t rows,
-                       const Tile& tile, const int8_t* xq, const int8_t* xk, const float* xd, const float* xs,
-                       __m512* acc) {
+                       int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk, const float* xd,
+                       const float* xs, __m512* acc) {
   const int64_t nb = in / QB, row_bytes = in * bits / 8, per_load = bits == 4 ? 4 : 2;
   const bool offsets = !tile.offsets.empty();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -251,6 +254,8 @@ inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t i
     const int64_t width = blocks * QB * bits / 8;  // bytes of this load: 64, or fewer at the row's end
     const __mmask64 bytes = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
     __m512i v[16], x = _mm512_setzero_si512();
+    const uint8_t* ahead = qs + (o0 + T) * row_bytes + b0 * QB * bits / 8;
+    for (int64_t o = 0; o < next_rows; ++o) _mm_prefetch(reinterpret_cast<const char*>(ahead + o * row_bytes), _MM_HINT_T0);
     if (bits == 4) {
       const __m512i xl = _mm512_loadu_si512(xk + b0 * QB), xh = _mm512_loadu_si512(xk + b0 * QB + 64);
       for (int64_t o = 0; o < T; ++o) {
@@ -403,10 +408,11 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits,
     const int64_t o0 = t * T, cols = std::min(T, out_features - o0);
     pack_columns(scales, offsets, group, in, o0, cols, tile);
     if (direct) {
+      const int64_t next_rows = std::clamp<int64_t>(out_features - o0 - T, 0, T);
       for (int64_t m = r0; m < r1; ++m) {
         __m512 acc;
         const int8_t* row_xk = xk.data() + (m - r0) * xk_row;
-        direct_row(qs, bits, group, in, o0, cols, tile, xq + m * in, row_xk, xd + m * (in / QB),
+        direct_row(qs, bits, group, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
                    xs + m * (in / QB), &acc);
         store_rows(&acc, 1, o0, cols, bias, out, out_features, m);
       }
