@@ -2,7 +2,7 @@
 rows that are not split are spread, and over which ranks each split prompt goes.
 
 At start-up (``derive_policy``), for the model's shapes, P, D and a hardware
-profile, two thresholds the engine used to take as fixed constants:
+profile, two thresholds, derived rather than fixed constants:
 
 - ``min_tokens``: the fewest new tokens for which splitting a prompt over P
   ranks is predicted faster than computing it on one (timing.prefill_time);

@@ -43,9 +43,9 @@ _H100X8 = dict(
 )
 
 # One rank = one core of the 2-core AVX2 development VM (AMD EPYC), fp32, as
-# `ctxpar calibrate --threads 1` measured it (2026-12-03 23:38 UTC, two other jobs
-# sharing the cores): GEMM 93.5 GFLOP/s, ctxpar's attention 40.0 GFLOP/s, memory
-# read 20.9 GB/s; 2-rank all-gather: shm 59 us + 0.38 GB/s, gloo 248 us + 0.29 GB/s.
+# `ctxpar calibrate --threads 1` measured it with two other jobs sharing the cores:
+# GEMM 93.5 GFLOP/s, ctxpar's attention 40.0 GFLOP/s, memory read 20.9 GB/s; 2-rank
+# all-gather: shm 59 us + 0.38 GB/s, gloo 248 us + 0.29 GB/s.
 _CPU_CORE = dict(
     gemm_flops=93.5e9,
     attention_flops=40.0e9,
@@ -61,9 +61,9 @@ _CPU_CORE = dict(
 def _with_lead(rank: HardwareProfile) -> HardwareProfile:
     """``rank`` (one core of the VM) with its lead, the VM's two cores as one rank leading a
     step for the ranks on that host: the rank's rates times what `ctxpar calibrate --threads 1
-    --link shm` measured with both cores against one (2026-12-04 23:10 UTC, quiet): GEMM
-    199.5 / 101.8, attention 164.5 / 81.8, memory read 36.3 / 33.5, projection weights 57.8 /
-    32.1 GB/s (the one-core rank streams its projections at its memory rate)."""
+    --link shm` measured with both cores against one on the quiet VM: GEMM 199.5 / 101.8,
+    attention 164.5 / 81.8, memory read 36.3 / 33.5, projection weights 57.8 / 32.1 GB/s
+    (the one-core rank streams its projections at its memory rate)."""
     lead = replace(
         rank,
         name=f"{rank.name}-lead",
