@@ -45,7 +45,7 @@ SETUPS: dict[str, dict[str, Any]] = {
     "fp32": dict(quantization="none", dtype="float32"),
     "bf16": dict(quantization="none", dtype="bfloat16"),
 }
-NOMINAL_BANDWIDTH = 18e9  # bytes/s: docs/DESIGN.md's figure for these machines
+NOMINAL_BANDWIDTH = 18e9  # bytes/s: issue 25's nominal figure for these machines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

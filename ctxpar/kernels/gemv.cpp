@@ -5,7 +5,7 @@
 // reads them at the memory bus's speed (faster than oneDNN's packed copy
 // here), and within a few percent of oneDNN at prefill. Unlike oneDNN's
 // copy, the layout is a plain tensor: the ranks of one host keep one copy of
-// it in shared pages (ctxpar/parallel/shared_weights.py).
+// it in shared pages (ctxpar/executor/shared_weights.py).
 //
 // Layout: the weight's output rows in panels of NP (two vectors: 32 floats
 // with AVX-512, 16 with AVX2), each panel stored input-major, so one input

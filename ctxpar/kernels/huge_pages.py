@@ -5,9 +5,10 @@ pages that is a TLB miss every 4 KiB (SmolLM2's Q4_1 weights and a 2K-token
 int8 cache are ~30K pages, ten times what the TLB holds), each a page-table
 walk whose entries have themselves been evicted by the step's other bytes.
 Transparent huge pages cut the walks 512-fold: SmolLM2's Q4_1 decode steps take
-0.94-0.97x the time (docs/benchmarks.md, "Huge pages"). Linux backs memory with them where it was
-advised ``MADV_HUGEPAGE`` before its first touch (its default "madvise" mode),
-so a buffer here is a fresh private anonymous mapping, advised, then filled.
+0.94-0.97x the time (docs/benchmarks.md, "Decode steps as one compiled call").
+Linux backs memory with them where it was advised ``MADV_HUGEPAGE`` before its
+first touch (its default "madvise" mode), so a buffer here is a fresh private
+anonymous mapping, advised, then filled.
 Where the OS has no huge pages the advice is ignored and the pages are small.
 """
 

@@ -1,4 +1,4 @@
-"""The guarantee (README, "The same bits whatever else runs"; DESIGN.md §7): a request's
+"""The guarantee (README and docs/architecture.md, "The same bits whatever else runs"): a request's
 token ids, sample logprobs and prompt logprobs are the same bits alone and inside any
 mix of other requests, however its prompt is chunked (``max_num_batched_tokens``),
 whether its prefix came from the prefix cache, at any P, and with speculative

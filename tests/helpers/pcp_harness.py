@@ -92,7 +92,7 @@ def run_plans(
 
 
 def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    """Every step's logits within 1e-5 of the reference's (DESIGN.md section 7)."""
+    """Every step's logits within 1e-5 of the reference's."""
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, f"step {step}"
