@@ -1,0 +1,38 @@
+"""The routes that describe the server: GET /health (health.py's report),
+GET /metrics (Prometheus, metrics.py) and GET /v1/models (the one model served)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ctxpar.entrypoints.openai import health as H
+from ctxpar.entrypoints.openai import responses as R
+from ctxpar.entrypoints.openai.state import ServerDep
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerDep) -> Response:
+    status, body = H.report(state.engine_client, state.admission)
+    return JSONResponse(body, status_code=status)
+
+
+@router.get("/metrics")
+async def metrics(state: ServerDep) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(state: ServerDep) -> dict:
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": R.now(),
+        "owned_by": "ctxpar",
+        "root": state.engine.loaded.name,
+        "max_model_len": state.engine.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
