@@ -48,8 +48,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
     "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
     "paged_decode_quant": ([_ptr] * 4 + [_i64] * 13 + [_f32, _ptr, _ptr], None),
-    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_f32, _ptr, _ptr], None),
-    "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 14 + [_f32, _ptr, _ptr], None),
+    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _f32, _ptr, _ptr], None),
+    "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 10 + [_ptr] + [_i64] * 4 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
     "kv_quantize": ([_ptr, _i64, _i64, _ptr] + [_i64] * 4 + [_ptr], None),
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
@@ -268,26 +268,22 @@ def prefill_attention(
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
     k (S, Hk, D), v (S, Hk, Dv), all ``prefill_usable`` (views with strided
-    tokens are fine). causal: the queries are the last L of the S keys
-    (bottom-right aligned, L <= S); else every query sees every key. Returns
-    out (L, H, Dv), written into `out` if given (contiguous float32), and lse
-    (L, H), float32."""
+    tokens are fine). counts (L,) int64, if given: query i sees keys
+    [0, counts[i]), 1 <= counts[i] <= S; else causal: the queries are the last
+    L of the S keys (bottom-right aligned, L <= S), or every query sees every
+    key. Returns out (L, H, Dv), written into `out` if given (contiguous
+    float32), and lse (L, H), float32."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
-    if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and L > S):
+    if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and counts is None and L > S):
         raise ValueError(
             f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
             "(k's width must be q's, v as many keys and heads as k, heads a multiple of k's, L <= S if causal)"
         )
-    if out is None:
-        out = torch.empty(L, H, Dv, dtype=torch.float32)
-    if out.shape != (L, H, Dv) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(
-            f"prefill_attention: out must be a contiguous float32 ({L}, {H}, {Dv}) tensor, "
-            f"got {out.dtype} {tuple(out.shape)}"
-        )
+    out = attention_out(out, (L, H, Dv), "prefill_attention")
     lse = torch.empty(L, H, dtype=torch.float32)
     _library().prefill_attention_f32(
         q.data_ptr(),
@@ -303,11 +299,34 @@ def prefill_attention(
         k.stride(0),
         v.stride(0),
         int(causal),
+        key_counts(counts, L, S),
         scale,
         out.data_ptr(),
         lse.data_ptr(),
     )
     return out, lse
+
+
+def attention_out(out: torch.Tensor | None, shape: tuple[int, int, int], name: str) -> torch.Tensor:
+    """``out`` checked to be what the attention kernels write, or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    if out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous float32 {shape} tensor, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def key_counts(counts: torch.Tensor | None, L: int, S: int) -> int | None:
+    """The address of the per-query key counts the prefill kernels read (None: no counts),
+    checked: (L,) contiguous int64 on the CPU, each in [1, S]."""
+    if counts is None:
+        return None
+    if counts.shape != (L,) or counts.dtype != torch.int64 or not counts.is_contiguous() or counts.device.type != "cpu":
+        got = f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
+        raise ValueError(f"key counts must be a contiguous int64 ({L},) CPU tensor, got {got}")
+    if L and (int(counts.min()) < 1 or int(counts.max()) > S):
+        raise ValueError(f"key counts must lie in [1, {S}], got [{int(counts.min())}, {int(counts.max())}]")
+    return counts.data_ptr()
 
 
 def panel_width() -> int:

@@ -30,25 +30,23 @@ def prefill_attention_quant(
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefill_attention`` over S quantized rows (S, row_bytes) of a GQA cache
     (K and V of each head with its own scale), dequantized block by block in the
-    kernel: q (L, H, D) ``prefill_quant_usable``. Returns out (L, H, D), written
-    into `out` if given, and lse (L, H), float32."""
+    kernel: q (L, H, D) ``prefill_quant_usable``; causal and counts as there.
+    Returns out (L, H, D), written into `out` if given, and lse (L, H), float32."""
     (L, H, D), (S, row_bytes), (_, Hk, _) = q.shape, rows.shape, quant.entry_shape
     rows = rows.contiguous()
-    if out is None:
-        out = torch.empty(L, H, D, dtype=torch.float32)
-    if out.shape != (L, H, D) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(
-            f"prefill_attention_quant: out must be a contiguous float32 ({L}, {H}, {D}) tensor, "
-            f"got {out.dtype} {tuple(out.shape)}"
-        )
+    out = kernels.attention_out(out, (L, H, D), "prefill_attention_quant")
     lse = torch.empty(L, H, dtype=torch.float32)
     sizes = (L, S, H, Hk, D, D, q.stride(0), row_bytes, Hk * D, int(causal))
     scales = (kernels.CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
     pointers = (q.data_ptr(), rows.data_ptr())
-    kernels._library().prefill_attention_quant(*pointers, *sizes, *scales, scale, out.data_ptr(), lse.data_ptr())
+    lib = kernels._library()
+    lib.prefill_attention_quant(
+        *pointers, *sizes, kernels.key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
+    )
     return out, lse
 
 

@@ -1,7 +1,8 @@
 // Causal attention of a prefill chunk: L queries that are the last L of S
-// keys (query i at position S - L + i sees keys 0 .. S - L + i), or unmasked
-// (every query sees every key: DCP's context shards), grouped-query heads,
-// fp32. Flash attention's blocking, with register-tiled inner products:
+// keys (query i at position S - L + i sees keys 0 .. S - L + i), unmasked
+// (every query sees every key), or with a key count per query (query i sees
+// keys 0 .. counts[i] - 1: DCP's shards, whose keys up to a query's position
+// are a prefix of the shard), grouped-query heads, fp32. Flash attention's blocking, with register-tiled inner products:
 //
 //   for each (KV head h, block of BQ queries)            <- one task
 //     Q block: BQ queries x g heads = M rows, scaled      (packed, M x D)
@@ -102,10 +103,12 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
 template <typename T>
 void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
              int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
-             const Scales* sc, float scale, float* out, float* lse) {
+             const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
-  // Query i sees keys up to offset + i: bottom-right causal, or every key.
+  // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key).
+  // A task's padding rows (i >= L) read the last query's count; they are never written out.
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
+  auto seen_by = [&](int64_t i) { return counts ? counts[std::min(i, L - 1)] : offset + i + 1; };
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
   // Float keys: K^T per KV head, zero-padded to whole blocks, packed once per call:
@@ -143,7 +146,8 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
 
-        const int64_t last_pos = offset + i0 + n - 1;  // the block's last query sees keys up to here
+        int64_t last_pos = -1;  // the task's queries see keys up to here
+        for (int64_t i = 0; i < n; ++i) last_pos = std::max(last_pos, seen_by(i0 + i) - 1);
         for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
           const float* kt_s0 = kt.data() + h * dim * S_pad + s0;  // row d of K^T at kt_s0 + d * kt_ld
@@ -163,7 +167,7 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
           // running max is finite and no rescale below is 2^(-inf - -inf).
           for (int64_t m = 0; m < M; ++m) {  // mask the future (and padding keys), row maxima
             float* row = scores.data() + m * BK;
-            const int64_t seen = std::min(keys, std::max<int64_t>(0, offset + i0 + m / g - s0 + 1));
+            const int64_t seen = std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0));
             for (int64_t s = seen; s < BK; ++s) row[s] = -INFINITY;
             vec tops = loadv<vec>(row);
             for (int64_t s = W; s < BK; s += W) tops = tops < loadv<vec>(row + s) ? loadv<vec>(row + s) : tops;
@@ -183,7 +187,12 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
             float* row = scores.data() + m * BK;
             vec sum = loadv<vec>(totals.data() + m * W) * rescale[m];
             for (int64_t s = 0; s < BK; s += W) {
-              const vec p = exp2_nonpositive<vec, veci>(loadv<vec>(row + s) - top[m]);
+              const vec x = loadv<vec>(row + s);
+              vec p = exp2_nonpositive<vec, veci>(x - top[m]);
+              // With counts, a key the query does not see weighs exactly 0 (not 2^-125): a block
+              // only other queries of the task see, or a shorter key tensor, changes no bit even
+              // of an output that is 0 (a quantized value's zero code).
+              if (counts) p = x == vec{} - INFINITY ? vec{} : p;
               storev(row + s, p);
               sum += p;
             }
@@ -211,15 +220,17 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
 extern "C" {
 
 // q (L, H, D) with q_stride floats between tokens; k, v: key/value s of KV
-// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; causal:
-// query i sees keys up to S - L + i (L <= S), else every key; out (L, H, Dv)
-// contiguous; lse (L, H) or null. D and Dv multiples of the vector width W
-// (Dv of 4W).
+// head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; counts
+// (L,), if not null: query i sees keys [0, counts[i]) (1 <= counts[i] <= S);
+// else causal: query i sees keys up to S - L + i (L <= S), or every key; out
+// (L, H, Dv) contiguous; lse (L, H) or null. D and Dv multiples of the vector
+// width W (Dv of 4W).
 void prefill_attention_f32(const float* q, const float* k, const float* v, int64_t L, int64_t S, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
-                           int64_t v_stride, int64_t causal, float scale, float* out, float* lse) {
-  prefill(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, nullptr, scale, out,
-          lse);
+                           int64_t v_stride, int64_t causal, const int64_t* counts, float scale, float* out,
+                           float* lse) {
+  prefill(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, nullptr,
+          scale, out, lse);
 }
 
 // The same over S rows of a quantized cache (row_bytes apart; K of head h at byte
@@ -227,12 +238,13 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
 // scales as kv_codes.h's Scales, one per K or V head).
 void prefill_attention_quant(const float* q, const uint8_t* rows, int64_t L, int64_t S, int64_t heads,
                              int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t row_bytes,
-                             int64_t v_offset, int64_t causal, int64_t code, int64_t scale_offset, int64_t scale_head,
-                             int64_t scale_value, float scale, float* out, float* lse) {
+                             int64_t v_offset, int64_t causal, const int64_t* counts, int64_t code,
+                             int64_t scale_offset, int64_t scale_head, int64_t scale_value, float scale, float* out,
+                             float* lse) {
   const Scales sc{scale_offset, scale_head, scale_value, dim};
   auto run = [&](auto* codes) {
     prefill(q, codes, codes + v_offset, L, S, heads, kv_heads, dim, value_dim, q_stride, row_bytes, row_bytes, causal,
-            &sc, scale, out, lse);
+            counts, &sc, scale, out, lse);
   };
   if (code == 0) run(reinterpret_cast<const int8_t*>(rows));
   if (code == 1) run(reinterpret_cast<const E4M3*>(rows));

@@ -7,7 +7,8 @@ whole call, compared with ``==``.
   runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 and bf16 panels;
 - RMSNorm (with and without the residual), SiLU·up, rope;
 - attention: prefill chunks (a prompt's queries cut anywhere, as chunked prefill and
-  PCP cut them) and decode rows alone or in a batch, fp32 and quantized caches;
+  PCP cut them), queries with a key count each (DCP's shards) and decode rows alone
+  or in a batch, fp32 and quantized caches;
 - the sampler's logprobs, per row or in one call (prompt logprobs).
 """
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from ctxpar import kernels
 from ctxpar.engine.sampler import logprobs_of
-from ctxpar.kernels import elementwise, quant
+from ctxpar.kernels import elementwise, kv_cache, quant
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_blocks import FORMATS, decode
@@ -127,6 +128,38 @@ def test_prefill_attention_any_chunks(data: st.DataObject) -> None:
         keys = S - L + b  # the chunk's last query sees this many keys
         out, lse = kernels.prefill_attention(q[a:b], k[:keys], v[:keys], 0.125)
         assert torch.equal(out, whole[a:b]) and torch.equal(lse, whole_lse[a:b])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_prefill_attention_key_counts(kv_dtype: str, data: st.DataObject) -> None:
+    """Queries with a key count each (DCP: a query over the prefix of a shard's keys up to
+    its position): a query's result depends on its own count and keys only, the same bits
+    in any run of queries and alone over just its keys (a quantized cache's zero codes
+    included: a key a query does not see weighs exactly 0)."""
+    kv_heads, group, dim = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), 64
+    S, L = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 80))
+    counts = torch.tensor(sorted(data.draw(st.lists(st.integers(1, S), min_size=L, max_size=L))))
+    if data.draw(st.booleans()):
+        counts = counts[torch.randperm(L)]  # the kernel takes any order
+    q, kv = torch.randn(L, kv_heads * group, dim), torch.randn(S, 2, kv_heads, dim)
+    quant = KVQuant.of(kv_dtype, (2, kv_heads, dim), default_runs((2, kv_heads, dim)))
+    rows = kv if quant is None else quant.quantize(kv)
+
+    def attend(queries: torch.Tensor, keys: torch.Tensor, n: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if quant is None:
+            return kernels.prefill_attention(queries, keys[:, 0], keys[:, 1], 0.125, counts=n)
+        return kv_cache.prefill_attention_quant(queries, keys, quant, 0.125, counts=n)
+
+    whole, whole_lse = attend(q, rows, counts)
+    bounds = split_points(L, data)
+    for a, b in zip(bounds, bounds[1:]):
+        out, lse = attend(q[a:b], rows[: int(counts[a:b].max())], counts[a:b].clone())
+        assert torch.equal(out, whole[a:b]) and torch.equal(lse, whole_lse[a:b])
+    for i in data.draw(st.lists(st.integers(0, L - 1), min_size=1, max_size=3)):
+        out, lse = attend(q[i : i + 1], rows[: int(counts[i])], counts[i : i + 1].clone())
+        assert torch.equal(out[0], whole[i]) and torch.equal(lse[0], whole_lse[i]), i
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])

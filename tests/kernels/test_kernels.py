@@ -10,6 +10,7 @@ float64 (fp32 tolerance 1e-5).
 
 from __future__ import annotations
 
+import re
 import tempfile
 import warnings
 
@@ -250,3 +251,17 @@ def test_dcp_attention_lse_takes_the_kernel(causal: bool, monkeypatch: pytest.Mo
         assert calls == [1]
         torch.testing.assert_close(out, want, **TOL)
         torch.testing.assert_close(lse, want_lse, **TOL)
+
+
+def test_key_counts_the_kernel_cannot_read_are_refused() -> None:
+    """The kernel reads L int64 counts: another shape, dtype or a count outside [1, S] is a
+    ValueError before it runs (python -O keeps the checks)."""
+    q, kv = torch.randn(3, 2, 64), torch.randn(5, 2, 1, 64)
+    for counts, words in [
+        (torch.tensor([1, 2]), "(3,)"),
+        (torch.tensor([1, 2, 3], dtype=torch.int32), "int64"),
+        (torch.tensor([0, 2, 3]), "[1, 5]"),
+        (torch.tensor([1, 2, 6]), "[1, 5]"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, counts=counts)
