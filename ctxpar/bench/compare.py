@@ -146,7 +146,7 @@ def _model_dir(model: str | None) -> tuple[str, int]:
 
     path = Path(model) if model else default_model_path()
     if path.is_file() and gguf.is_gguf(path):
-        path, temporary = gguf.gguf_to_hf_dir(path)
+        path, temporary = gguf.gguf_to_hf_dir(path, with_weights=True)
         if temporary:
             raise CtxparError(f"cannot cache the converted {model}: set CTXPAR_CACHE to a writable directory")
     return str(path), AutoConfig.from_pretrained(path).vocab_size

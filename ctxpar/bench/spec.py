@@ -72,7 +72,7 @@ def _first_layers(model: str | None, layers: int) -> str:
     from ctxpar.models.loader import default_model_path
 
     path = Path(model) if model is not None else default_model_path()
-    source, _ = gguf.gguf_to_hf_dir(path) if path.is_file() else (path, False)
+    source, _ = gguf.gguf_to_hf_dir(path, with_weights=True) if path.is_file() else (path, False)
     out = (paths.cache_dir("first-layers") or paths.temporary_dir("first-layers")) / f"{source.name}.first{layers}"
     why = paths.tree_refusal(out) if out.is_symlink() or out.exists() else None
     if why is not None:

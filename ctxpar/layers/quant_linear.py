@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ctxpar import kernels
 from ctxpar.kernels import quant
-from ctxpar.layers.quant_blocks import Decoded
+from ctxpar.layers.quant_blocks import Decoded, decode
 
 TILE_ROWS = 512  # weight rows dequantized at a time where the kernels do not run: 512 x 1536 floats = 3 MiB
 
@@ -101,6 +101,31 @@ class QuantWeight:
         as_tensor = lambda f: torch.from_numpy(np.ascontiguousarray(f.astype(np.float16 if halves else np.float32)))
         offsets = None if d.offsets is None else as_tensor(d.offsets)
         return cls(torch.from_numpy(np.ascontiguousarray(qs)), as_tensor(d.scales), offsets, bits, d.group)
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, fmt: str, cols: int) -> QuantWeight:
+        """The kernel's layout of a GGUF tensor's blocks, raw (rows, cols / 32 * bytes)
+        uint8 (a memory map of the file). Q4_0, Q4_1 and Q8_0 blocks already hold the
+        kernel's integers (a nibble byte pairs weights i and i + 16, as here) and
+        half scales: their fields are copied out as they are, one pass over the bytes,
+        giving what ``from_decoded(decode(...))`` gives; other formats are decoded."""
+        rows = raw.shape[0]
+        start = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}.get(fmt)
+        if start is None or cols % 32:
+            return cls.from_decoded(decode(raw, fmt, cols))
+        blocks = raw.reshape(rows, cols // 32, -1)
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[:, :, 0]  # (rows, cols / 32)
+        qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1))
+        offsets = None
+        if fmt == "Q4_1":
+            offsets = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0])
+        elif fmt == "Q4_0":  # d (q - 8) = d q + (-8 d): exact in float16 unless it overflows
+            with np.errstate(over="ignore"):
+                minus8 = d * np.float16(-8)
+            if not np.isfinite(minus8).all() and np.isfinite(d).all():
+                return cls.from_decoded(decode(raw, fmt, cols))
+            offsets = torch.from_numpy(minus8)
+        return cls(qs, torch.from_numpy(d), offsets, 4 if fmt != "Q8_0" else 8, 32)
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""

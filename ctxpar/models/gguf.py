@@ -1,20 +1,24 @@
-"""GGUF files (llama.cpp) -> a cached Hugging Face model directory.
+"""GGUF files (llama.cpp): the model read from a memory map of the file.
 
-Reading and dequantising a GGUF takes seconds, and rebuilding its tokenizer
-through transformers 5-15 more, so a file is converted once into
-``<cache>/gguf/<stem>-<key>/`` (config.json, model.safetensors with HF tensor
-names in fp32, the tokenizer with its chat template) and later loads read that
-directory like any HF checkpoint. ``<cache>`` is $CTXPAR_CACHE or
-~/.cache/ctxpar; the key hashes the file's absolute path, size and mtime.
-The directory appears atomically (built under a temporary name, then
-renamed), so ranks that convert concurrently never see half a cache. Its name
-is no proof of what it holds: it is served only if it, and every file in it,
-is this user's and writable by nobody else (ctxpar.paths), else the file is
-converted afresh into a private temporary directory.
+The weights are read where they lie: ``gguf_weights`` maps the file
+(models/gguf_file.py: read-only, the page cache's pages) and yields each tensor
+under its Hugging Face name, a projection kept quantized as the kernel's
+layout of its blocks (``QuantWeight``: Q4_0, Q4_1 and Q8_0 blocks are one
+strided copy of the file's bytes, the other formats decoded once), the rest
+dequantized. Nothing the size of the weights is written anywhere.
 
-With ``quantization="gguf"`` the projections and the embedding are read
-from the GGUF itself instead, as blocks (``quantized_tensors``): the kernel's
-layout of each tensor (layers/quant_linear.py), built in about a second.
+What is slow to rebuild is the tokenizer (transformers takes 5-15 s to build
+it from the GGUF's vocabulary), so that, with the config, is cached once in
+``<cache>/gguf/<stem>-<key>/`` (config.json, the tokenizer with its chat
+template: a few MB). ``<cache>`` is $CTXPAR_CACHE or ~/.cache/ctxpar; the key
+hashes the file's absolute path, size and mtime. The directory appears
+atomically (built under a temporary name, then renamed), so ranks that
+convert concurrently never see half a cache. Its name is no proof of what it
+holds: it is served only if it, and every file in it, is this user's and
+writable by nobody else (ctxpar.paths), else it is built afresh into a private
+temporary directory. Benchmarks that hand the model to another program
+(vLLM, transformers) ask for the weights too (``with_weights``): a full fp32
+safetensors checkpoint in a directory of its own.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import numpy as np
 import torch
 
 from ctxpar.errors import CtxparError
-from ctxpar.layers.quant_blocks import FORMATS, decode
+from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
-FORMAT_VERSION = 1  # bump when the cached layout changes
+FORMAT_VERSION = 2  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -61,15 +66,17 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def cache_dir_for(path: Path) -> Path:
+def cache_dir_for(path: Path, with_weights: bool = False) -> Path:
     """Where the converted form of the GGUF file `path` lives (or will)."""
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{FORMAT_VERSION}"
-    return cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    suffix = "-weights" if with_weights else ""
+    return cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}{suffix}"
 
 
-def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
-    """Return (HF directory holding the converted GGUF, is_temporary).
+def gguf_to_hf_dir(path: Path, with_weights: bool = False) -> tuple[Path, bool]:
+    """Return (HF directory of the GGUF's config and tokenizer, is_temporary);
+    ``with_weights`` adds model.safetensors, the weights dequantized to fp32.
 
     Uses the cache when it holds this file and may be trusted; converts and
     fills it otherwise. If the cache cannot be used (not writable, or refused:
@@ -79,20 +86,20 @@ def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
     """
     root = cache_dir("gguf", cost="GGUF files are converted again on every load")
     if root is None:
-        return _convert_to_temporary(path), True
-    target = root / cache_dir_for(path).name
+        return _convert_to_temporary(path, with_weights), True
+    target = root / cache_dir_for(path, with_weights).name
     try:
         why = tree_refusal(target)
     except FileNotFoundError:
         why = None
     if why is not None:
         warn_refused(f"the converted model {target}", why)
-        return _convert_to_temporary(path), True
+        return _convert_to_temporary(path, with_weights), True
     if (target / MARKER).exists():
         return target, False
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
-        convert_gguf(path, tmp)
+        convert_gguf(path, tmp, with_weights)
         make_private(tmp)
         try:
             os.rename(tmp, target)
@@ -105,33 +112,30 @@ def gguf_to_hf_dir(path: Path) -> tuple[Path, bool]:
     return target, False
 
 
-def _convert_to_temporary(path: Path) -> Path:
+def _convert_to_temporary(path: Path, with_weights: bool) -> Path:
     """The GGUF file converted into a fresh private temporary directory (the caller deletes it)."""
     tmp = Path(tempfile.mkdtemp(prefix="ctxpar-gguf-"))
     try:
-        convert_gguf(path, tmp)
+        convert_gguf(path, tmp, with_weights)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp
 
 
-def convert_gguf(path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer of GGUF `path` into out_dir."""
-    from gguf import GGUFReader
-    from safetensors.torch import save_file
+def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
+    """Write config.json and the tokenizer of GGUF `path` into out_dir, and with
+    ``with_weights`` model.safetensors (fp32, Hugging Face names)."""
     from transformers import AutoTokenizer
 
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:
-        raise CtxparError(
-            f"cannot read GGUF file {path}: {e}. The file is corrupt or not GGUF; download it again"
-        ) from e
+    reader = open_gguf(path)
     config = config_from_gguf(reader, path)
-    tensors = dict(hf_tensors(reader, config, path))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    if with_weights:
+        from safetensors.torch import save_file
+
+        tensors = {name: t for name, t in gguf_weights(reader, config, path, keep_quantized=False)}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
     config.save_pretrained(out_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -141,20 +145,21 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     (out_dir / MARKER).write_text(json.dumps({"source": str(path.resolve()), "version": FORMAT_VERSION}))
 
 
-def _metadata(reader) -> dict:
-    """Scalar and string fields of the GGUF header (large arrays such as the vocabulary are skipped)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if len(field.data) <= 1:
-            meta[key] = field.contents()
-    return meta
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header, its tensors views of a read-only memory map (models/gguf_file.py)."""
+    try:
+        return GGUFFile(path)
+    except Exception as e:
+        raise CtxparError(
+            f"cannot read GGUF file {path}: {e}. The file is corrupt or not GGUF; download it again"
+        ) from e
 
 
-def config_from_gguf(reader, path: Path):
+def config_from_gguf(reader: GGUFFile, path: Path):
     """A transformers LlamaConfig built from the GGUF metadata."""
     from transformers import LlamaConfig
 
-    meta = _metadata(reader)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CtxparError(f"GGUF file {path} has architecture {arch!r}; ctxpar reads only 'llama' GGUF files")
@@ -169,7 +174,9 @@ def config_from_gguf(reader, path: Path):
         return meta[f"llama.{key}"]
 
     heads, hidden = get("attention.head_count"), get("embedding_length")
-    vocab = meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = meta.get("llama.vocab_size") or reader.array_lengths.get("tokenizer.ggml.tokens")
+    if not vocab:
+        raise CtxparError(f"GGUF file {path} states no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
         vocab_size=vocab,
@@ -205,44 +212,31 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensors(reader, config, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantised fp32 tensors of the GGUF under HF names, Q and K un-permuted."""
+def gguf_weights(
+    reader: GGUFFile, config, path: Path, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Every tensor of the GGUF under its HF name, Q and K rows un-permuted, read
+    from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors
+    in a block format of layers/quant_blocks.py as the kernel's layout
+    (``QuantWeight``; a row permutation moves whole rows of blocks); otherwise,
+    and for the rest (norms; F16/F32 weights), float32 tensors."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if ".self_attn.q_proj." in name:
-            w = unpermute(w, config.num_attention_heads)
-        elif ".self_attn.k_proj." in name:
-            w = unpermute(w, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-
-
-def quantized_tensors(path: Path, config) -> dict[str, QuantWeight]:
-    """The GGUF's block-quantized 2-D tensors (formats of layers/quant_blocks.py)
-    under HF names, in the kernel's layout, Q and K rows un-permuted (a row
-    permutation moves whole rows of blocks). Other tensors (norms; F16/F32
-    weights) are not here: they load dequantized from the converted directory."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    out: dict[str, QuantWeight] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in FORMATS or len(t.shape) != 2:
+        kind = t.kind.name
+        heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
+        n_head = next((n for key, n in heads.items() if key in name), None)
+        if keep_quantized and kind in FORMATS and len(t.shape) == 2:
+            raw = t.data  # (rows, blocks * bytes), mapped
+            if n_head is not None:
+                raw = unpermute(raw, n_head)
+            yield name, QuantWeight.from_blocks(raw, kind, int(t.shape[0]))
             continue
-        name = hf_name(t.name)
-        if name is None:
-            raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
-        cols, rows = int(t.shape[0]), int(t.shape[1])  # innermost first
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)  # (rows, blocks * bytes)
-        if ".self_attn.q_proj." in name:
-            raw = unpermute(raw, config.num_attention_heads)
-        elif ".self_attn.k_proj." in name:
-            raw = unpermute(raw, config.num_key_value_heads)
-        out[name] = QuantWeight.from_decoded(decode(raw, kind, cols))
-    return out
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
+        w = np.asarray(dequantize(t.data, t.kind), dtype=np.float32).reshape(shape)
+        if n_head is not None:
+            w = unpermute(w, n_head)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))

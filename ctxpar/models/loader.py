@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
-import itertools
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -118,7 +117,8 @@ def load_model(
             name,
             hf_overrides,
             shown=gguf_path,
-            quantized_from=gguf_path if quantization == "gguf" else None,
+            gguf_file=gguf_path,
+            keep_quantized=quantization == "gguf",
             int8=quantization == "int8",
         )
     finally:
@@ -173,30 +173,30 @@ def _load_hf_dir(
     name: str,
     hf_overrides: dict[str, Any] | None,
     shown: Path | None = None,
-    quantized_from: Path | None = None,
+    gguf_file: Path | None = None,
+    keep_quantized: bool = False,
     int8: bool = False,
 ) -> LoadedModel:
     """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from);
-    `quantized_from`: the GGUF whose quantized tensors are kept as blocks, not read from `d`;
+    `gguf_file`: the GGUF the weights are read from (mapped), `d` holding only its config and
+    tokenizer; `keep_quantized`: its block-quantized tensors kept as blocks;
     int8: quantize the projection weights as they are read (``int8_weights``)."""
     shown = shown or d
     config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
-    if (quantized_from is not None or int8) and not hasattr(cls, "_place_quantized"):
+    if (keep_quantized or int8) and not hasattr(cls, "_place_quantized"):
         raise CtxparError(
             f"quantized weights run in Llama-style models (Llama, Qwen, SmolLM2); {shown} is a {cls.__name__}: "
             "leave quantization=None"
         )
-    files = _safetensors_files(d, shown)
-    quantized = gguf.quantized_tensors(quantized_from, config) if quantized_from is not None else {}
+    if gguf_file is not None:
+        weights = gguf.gguf_weights(gguf.open_gguf(gguf_file), config, gguf_file, keep_quantized)
+    else:
+        weights = _iter_safetensors(_safetensors_files(d, shown))
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
     model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
-    floats = _iter_safetensors(files, lambda name: name not in quantized)
-    if int8:
-        floats = int8_weights(floats)
-    model.load_weights(itertools.chain(floats, quantized.items()))
-    quantized.clear()  # the parts a fused weight was joined from
+    model.load_weights(int8_weights(weights) if int8 else weights)
     model.eval()
     if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
         model.pack_for_cpu()
@@ -217,12 +217,12 @@ INT8_WEIGHTS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
 def int8_weights(
-    weights: Iterator[tuple[str, torch.Tensor]],
+    weights: Iterator[tuple[str, torch.Tensor | QuantWeight]],
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """``weights`` with every one named by INT8_WEIGHTS (2-D, rows of whole groups of 32)
     quantized to int8 blocks (layers/quant_blocks.py's ``quantize_int8``)."""
     for name, w in weights:
-        if name.endswith(INT8_WEIGHTS) and w.dim() == 2 and w.shape[1] % 32 == 0:
+        if isinstance(w, torch.Tensor) and name.endswith(INT8_WEIGHTS) and w.dim() == 2 and w.shape[1] % 32 == 0:
             yield name, QuantWeight.from_decoded(quantize_int8(w.float().numpy()), bits=8)
         else:
             yield name, w

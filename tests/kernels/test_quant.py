@@ -64,6 +64,25 @@ def test_kernel_layout_keeps_every_weight(name: str) -> None:
         assert torch.equal(w.dequantize(), want)
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_layout_from_the_files_bytes_is_the_decoded_layout(name: str) -> None:
+    """``from_blocks`` copies Q4_0, Q4_1 and Q8_0 fields out of the file's bytes as they
+    are (and decodes the rest): the same tensors, dtypes and values as the decoded path.
+    A Q4_0 scale whose -8 d is past float16's range takes the decoded path's float32."""
+    rng = np.random.default_rng(200 + ALL.index(name))
+    raw = random_blocks(name, 5, 512, rng)
+    cases = [raw]
+    if name == "Q4_0":
+        big = raw.copy()
+        big[0, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+        cases.append(big)
+    for r in cases:
+        got, want = QuantWeight.from_blocks(r, name, 512), QuantWeight.from_decoded(decode(r, name, 512))
+        assert (got.bits, got.group) == (want.bits, want.group)
+        for a, b in zip(got.tensors(), want.tensors(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_concat_widens_without_changing_a_weight() -> None:
     """A fused projection whose parts differ in format (Q4_K rows and Q6_K rows, as
     llama.cpp's Q4_K_M files mix them) joins at 8 bits and groups of 16."""

@@ -28,7 +28,7 @@ def source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where refused conversions go
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
 
-    def convert(path: Path, out_dir: Path) -> None:
+    def convert(path: Path, out_dir: Path, with_weights: bool = False) -> None:
         (out_dir / "config.json").write_text(json.dumps({"by": "ctxpar"}))
         (out_dir / gguf.MARKER).write_text("{}")
 

@@ -1,0 +1,117 @@
+"""A GGUF file's header, and its tensors as views of a read-only memory map.
+
+The ``gguf`` package's reader turns every element of every metadata array
+(a vocabulary's 50-150K strings, its merges) into numpy objects, seconds
+for a large vocabulary; loading needs the scalars, the tensors' places and
+an array's length only. So this reads the header once, with the array
+elements skipped, and maps the file read-only: a tensor's bytes are the
+page cache's pages, shared by every process that maps the same file.
+
+Layout (ggml's gguf.md, versions 2 and 3, little-endian):
+
+    "GGUF" u32 version  u64 n_tensors  u64 n_kv
+    n_kv x    (string key, u32 type, value)          string = u64 length + bytes
+    n_tensors x (string name, u32 n_dims, u64 dims[n_dims] innermost first, u32 type, u64 offset)
+    padding to general.alignment (32)
+    tensor data: each at data start + its offset
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# value type -> struct format of a scalar (8 string, 9 array: read apart)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    kind: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # innermost first, as the file lists it
+    data: np.ndarray  # (rows, bytes a row) uint8: a view of the mapped file
+
+
+class GGUFFile:
+    """metadata: the scalar and string fields; array_lengths: each array field's
+    element count; tensors: in the file's order."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._pos = 0
+        if self._take(4) != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        version = self._read("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}; ctxpar reads versions 2 and 3")
+        n_tensors, n_kv = self._read("Q"), self._read("Q")
+        self.metadata: dict[str, Any] = {}
+        self.array_lengths: dict[str, int] = {}
+        for _ in range(n_kv):
+            key, kind = self._string(), self._read("I")
+            if kind == _ARRAY:
+                self.array_lengths[key] = self._skip_array()
+            else:
+                self.metadata[key] = self._value(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = self._string(), self._read("I")
+            dims = tuple(self._read("Q") for _ in range(n_dims))
+            infos.append((name, dims, GGMLQuantizationType(self._read("I")), self._read("Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-self._pos // align) * align
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensors: list[GGUFTensor] = []
+        for name, dims, kind, offset in infos:
+            block, nbytes = GGML_QUANT_SIZES[kind]
+            rows = int(np.prod(dims[1:], dtype=np.int64))
+            row_bytes = dims[0] // block * nbytes
+            at = start + offset
+            if dims[0] % block or at + rows * row_bytes > len(whole):
+                raise ValueError(f"tensor {name!r} ({kind.name}, {dims}) lies outside the file or splits a block")
+            self.tensors.append(GGUFTensor(name, kind, dims, whole[at : at + rows * row_bytes].reshape(rows, -1)))
+
+    def _take(self, n: int) -> bytes:
+        if self._pos + n > len(self._map):
+            raise ValueError("the header runs past the end of the file (truncated)")
+        b = self._map[self._pos : self._pos + n]
+        self._pos += n
+        return b
+
+    def _read(self, fmt: str) -> Any:
+        return struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        return self._take(self._read("Q")).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self._string()
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self._read(_SCALARS[kind])
+
+    def _skip_array(self) -> int:
+        kind, count = self._read("I"), self._read("Q")
+        if kind == _STRING:
+            for _ in range(count):
+                length = self._read("Q")  # read first: `_pos += _read()` would lose _read's own advance
+                self._pos += length
+        elif kind == _ARRAY:
+            for _ in range(count):
+                self._skip_array()
+        elif kind in _SCALARS:
+            self._take(count * struct.calcsize(_SCALARS[kind]))
+        else:
+            raise ValueError(f"unknown metadata array type {kind}")
+        return count
