@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -208,21 +209,75 @@ def plan_pcp_layout(
         split_ranks,
     )
     P = pcp_size
+    kinds = _classify_rows(q, prefilling, P, replicate_below, spread_min_rows)
+    first, width = _split_groups(q[kinds.split_rows], kinds.split_rows, P, split_ranks)
+    off, length = _chunk_spans(q[kinds.split_rows], first, width, P)
+    own = _own_rows(q, c, kinds.own_rows, _chunk_rows(c, kinds.split_rows, off, length), P)
+    table = _row_table(q, kinds.rep_rows, own, P)
     qsl = _exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
+    padded_gather_idx, kv_write_mask, hidden_restore_idx = _token_maps(qsl, table, P)
+    return PCPLayout(
+        pcp_size=P,
+        num_tokens=int(qsl[-1]),
+        num_tokens_padded=table.num_tokens_padded,
+        per_rank_num_tokens=_frozen(table.per_rank),
+        padded_gather_idx=_frozen(padded_gather_idx),
+        kv_write_mask=_frozen(kv_write_mask),
+        hidden_restore_idx=_frozen(hidden_restore_idx),
+        is_split=_frozen(kinds.is_split),
+        is_assigned=_frozen(kinds.is_assigned),
+        num_replicated_rows=len(kinds.rep_rows),
+        rank_row_start=_frozen(table.rank_row_start),
+        row_req_idx=_frozen(table.req),
+        row_start_pos=_frozen(c[table.req] + table.off),
+        row_num_tokens=_frozen(table.len),
+    )
+
+
+# The stages of plan_pcp_layout, in order. Arrays are indexed by global row (R,),
+# split row (S,), rank (P,) or chunk column (2S: a split row's head and tail chunks).
+
+
+class _RowKinds(NamedTuple):
+    """Which rows a step splits, assigns to one rank, or replicates (rows without tokens: none)."""
+
+    is_split: np.ndarray  # (R,) bool
+    is_assigned: np.ndarray  # (R,) bool
+    rep_rows: np.ndarray  # (Rr,) replicated rows, in request order
+    own_rows: np.ndarray  # (A,) assigned rows, in request order
+    split_rows: np.ndarray  # (S,) split rows, in request order
+
+
+def _classify_rows(
+    q: np.ndarray, prefilling: np.ndarray, P: int, replicate_below: int, spread_min_rows: int | None
+) -> _RowKinds:
+    """Stage 1: split the prefilling rows of at least ``replicate_below`` tokens; the other rows
+    with tokens are, all together, assigned or replicated as ``pcp_spread.spreads`` decides."""
     is_split = split_mask(q, prefilling, replicate_below)  # (R,)
     unsplit = ~is_split & (q > 0)  # (R,)
     spread = spreads(int(unsplit.sum()), bool(is_split.any()), P, spread_min_rows)
     is_assigned = unsplit & spread
     rep_rows, own_rows = (unsplit & ~spread).nonzero()[0], is_assigned.nonzero()[0]  # (Rr,), (A,)
-    split_rows = is_split.nonzero()[0]  # (S,)
+    return _RowKinds(is_split, is_assigned, rep_rows, own_rows, is_split.nonzero()[0])
 
-    # Split row s goes over the w ranks of its group; the group's j-th rank owns chunk j
-    # ("head") and chunk 2w-1-j ("tail") of the row's 2w chunks. Ranks outside own nothing.
-    qs = q[split_rows]  # (S,)
+
+def _split_groups(
+    qs: np.ndarray, split_rows: np.ndarray, P: int, split_ranks: tuple[np.ndarray, np.ndarray] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 2: (first, width), each (S,): split row s goes over ranks [first[s], first[s] + width[s])
+    (``split_ranks``'s entries of the split rows; None: every rank)."""
     if split_ranks is None:
-        first, width = np.zeros_like(qs), np.full_like(qs, P)
-    else:
-        first, width = (np.asarray(a, dtype=np.int64)[split_rows] for a in split_ranks)
+        return np.zeros_like(qs), np.full_like(qs, P)
+    first, width = (np.asarray(a, dtype=np.int64)[split_rows] for a in split_ranks)
+    return first, width
+
+
+def _chunk_spans(qs: np.ndarray, first: np.ndarray, width: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 3: (offset, length), each (P, 2S), of every rank's two chunks of every split row of
+    ``qs`` tokens, columns in (row, head | tail) order; length 0 for a rank outside the row's group.
+
+    The group's j-th rank owns chunk j ("head") and chunk 2w-1-j ("tail") of the row's 2w
+    chunks; its last rank's two chunks touch and make one (head) span, its tail empty."""
     j = np.arange(P)[:, None] - first  # (P, S): each rank's index in each row's group
     inside = (j >= 0) & (j < width)
     j = np.clip(j, 0, width - 1)
@@ -232,8 +287,14 @@ def plan_pcp_layout(
     end[:, :, 0] = np.where(last, end[:, :, 1], end[:, :, 0])
     end[:, :, 1] = np.where(last, off[:, :, 1], end[:, :, 1])
     end = np.where(inside[:, :, None], end, off)
-    # (P, 2S): per rank, columns in (request, position) order
-    off, length = off.reshape(P, -1), (end - off).reshape(P, -1)
+    return off.reshape(P, -1), (end - off).reshape(P, -1)
+
+
+def _chunk_rows(
+    c: np.ndarray, split_rows: np.ndarray, off: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage 4: the non-empty chunks as rows (rank, request, offset in the request's tokens, length),
+    rank-major and, within a rank, in local order: chunks with context, then chunks at position 0."""
     chunk_req = np.repeat(split_rows, 2)  # (2S,)
     at_zero = c[chunk_req] + off == 0  # (P, 2S)
     # Non-empty chunks in columns [with context | at position 0]: reading this rank-major
@@ -241,31 +302,76 @@ def plan_pcp_layout(
     keep = np.concatenate([(length > 0) & ~at_zero, (length > 0) & at_zero], axis=1)  # (P, 4S)
     rank_of, col = np.divmod(keep.ravel().nonzero()[0], max(keep.shape[1], 1))  # (rows_c,)
     col %= max(off.shape[1], 1)  # table column -> chunk column
-    # Each rank's own rows: its assigned rows, then its chunk rows. A stable sort by rank of
-    # [assigned (request order) | chunks (rank-major, local order)] lists them in local order.
-    own_rank = np.concatenate([assign_ranks(q[own_rows], c[own_rows] + q[own_rows], P), rank_of])
+    return rank_of, chunk_req[col], off[rank_of, col], length[rank_of, col]
+
+
+class _OwnRows(NamedTuple):
+    """Every rank's own rows (assigned, then chunks), rank-major, in local order."""
+
+    rank: np.ndarray  # (rows_o,) the rank owning each row, sorted
+    req: np.ndarray  # (rows_o,) global row
+    off: np.ndarray  # (rows_o,) offset of its first token in the request's tokens of the step
+    len: np.ndarray  # (rows_o,) tokens
+
+
+def _own_rows(
+    q: np.ndarray,
+    c: np.ndarray,
+    own_rows: np.ndarray,
+    chunks: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    P: int,
+) -> _OwnRows:
+    """Stage 5: the assigned rows dealt to ranks (``pcp_spread.assign_ranks``) merged with
+    the chunk rows of stage 4, each rank's assigned rows first."""
+    chunk_rank, chunk_req, chunk_off, chunk_len = chunks
+    # A stable sort by rank of [assigned (request order) | chunks (rank-major, local order)]
+    # lists every rank's rows in local order.
+    own_rank = np.concatenate([assign_ranks(q[own_rows], c[own_rows] + q[own_rows], P), chunk_rank])
     by_rank = own_rank.argsort(kind="stable")
     zeros = np.zeros(len(own_rows), dtype=np.int64)
     own_req, own_off, own_len = (
-        np.concatenate(pair)[by_rank]
-        for pair in ((own_rows, chunk_req[col]), (zeros, off[rank_of, col]), (q[own_rows], length[rank_of, col]))
+        np.concatenate(pair)[by_rank] for pair in ((own_rows, chunk_req), (zeros, chunk_off), (q[own_rows], chunk_len))
+    )
+    return _OwnRows(own_rank[by_rank], own_req, own_off, own_len)
+
+
+class _RowTable(NamedTuple):
+    """The layout's row table and every rank's token count."""
+
+    req: np.ndarray  # (rows,) global row: replicated rows, then own rows rank-major
+    off: np.ndarray  # (rows,) offset of the row's first token in its request's tokens of the step
+    len: np.ndarray  # (rows,) tokens
+    rank_row_start: np.ndarray  # (P+1,) where each rank's own rows start in the table
+    num_replicated_tokens: int  # T_rep: the replicated rows' tokens, on every rank
+    per_rank: np.ndarray  # (P,) int64: tokens of each rank, replicated ones included
+    num_tokens_padded: int  # n: the most tokens of any rank
+
+
+def _row_table(q: np.ndarray, rep_rows: np.ndarray, own: _OwnRows, P: int) -> _RowTable:
+    """Stage 6: the row table, replicated rows (shared by all ranks), then own rows rank-major."""
+    Rr = len(rep_rows)
+    T_rep = int(q[rep_rows].sum())
+    per_rank = T_rep + np.bincount(own.rank, weights=own.len, minlength=P).astype(np.int64)
+    return _RowTable(
+        req=np.concatenate([rep_rows, own.req]),
+        off=np.concatenate([np.zeros(Rr, dtype=np.int64), own.off]),
+        len=np.concatenate([q[rep_rows], own.len]),
+        rank_row_start=Rr + _exclusive_cumsum(np.bincount(own.rank, minlength=P)),
+        num_replicated_tokens=T_rep,
+        per_rank=per_rank,
+        num_tokens_padded=int(per_rank.max()),
     )
 
-    # Row table: replicated rows (shared by all ranks), then own rows rank-major.
-    Rr = len(rep_rows)
-    row_req = np.concatenate([rep_rows, own_req])  # (rows,)
-    row_off = np.concatenate([np.zeros(Rr, dtype=np.int64), own_off])
-    row_len = np.concatenate([q[rep_rows], own_len])
-    rank_row_start = Rr + _exclusive_cumsum(np.bincount(own_rank, minlength=P))  # (P+1,)
-    T_rep = int(q[rep_rows].sum())
-    per_rank = T_rep + np.bincount(own_rank[by_rank], weights=own_len, minlength=P).astype(np.int64)
-    n = int(per_rank.max())
 
+def _token_maps(qsl: np.ndarray, table: _RowTable, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stage 7: the index maps over the gathered space: padded_gather_idx (P*n,),
+    kv_write_mask (P*n,) and hidden_restore_idx (T,) (see PCPLayout)."""
+    T_rep, n = table.num_replicated_tokens, table.num_tokens_padded
     # Every rank's local tokens: the replicated tokens (same slots on every rank), then its
     # own tokens; the row table's tokens, in order, are exactly that.
-    tok = _ragged_arange(qsl[row_req] + row_off, row_len)  # (T_rep + T_own,)
+    tok = _ragged_arange(qsl[table.req] + table.off, table.len)  # (T_rep + T_own,)
     j = np.arange(n)
-    kv_write_mask = (j >= T_rep) & (j < per_rank[:, None])  # (P, n) own tokens...
+    kv_write_mask = (j >= T_rep) & (j < table.per_rank[:, None])  # (P, n) own tokens...
     own_slots = kv_write_mask.ravel().nonzero()[0]  # (T_own,)
     kv_write_mask[0, :T_rep] = True  # ...and rank 0's copy of the replicated tokens
     padded_gather_idx = np.zeros((P, n), dtype=np.int64)
@@ -274,22 +380,7 @@ def plan_pcp_layout(
     hidden_restore_idx = np.empty(int(qsl[-1]), dtype=np.int64)  # (T,) authoritative = written copy
     hidden_restore_idx[tok[:T_rep]] = j[:T_rep]
     hidden_restore_idx[tok[T_rep:]] = own_slots
-    return PCPLayout(
-        pcp_size=P,
-        num_tokens=int(qsl[-1]),
-        num_tokens_padded=n,
-        per_rank_num_tokens=_frozen(per_rank),
-        padded_gather_idx=_frozen(padded_gather_idx.reshape(-1)),
-        kv_write_mask=_frozen(kv_write_mask.reshape(-1)),
-        hidden_restore_idx=_frozen(hidden_restore_idx),
-        is_split=_frozen(is_split),
-        is_assigned=_frozen(is_assigned),
-        num_replicated_rows=Rr,
-        rank_row_start=_frozen(rank_row_start),
-        row_req_idx=_frozen(row_req),
-        row_start_pos=_frozen(c[row_req] + row_off),
-        row_num_tokens=_frozen(row_len),
-    )
+    return padded_gather_idx.reshape(-1), kv_write_mask.reshape(-1), hidden_restore_idx
 
 
 # Small helpers called several times per step; ndarray methods skip numpy's Python wrappers.
