@@ -45,15 +45,13 @@ def build_app(state: ServerState) -> FastAPI:
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        # What a route's error is answered with (the handler of the exception's closest class).
+        exception_handlers={ApiError: _api_error, CtxparError: _user_error, EngineDeadError: _dead, ClientGone: _gone},
     )
     app.state.ctxpar = state
     app.add_middleware(
         ClientGuard, limits=state.limits, admission=state.admission, access=state.access, budget=state.budget
     )
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(CtxparError, _user_error)
-    app.add_exception_handler(EngineDeadError, _dead)
-    app.add_exception_handler(ClientGone, _gone)
     for routes in (info, completions, chat, tokens):  # in this order: /openapi.json lists them so
         app.include_router(routes.router)
     return app

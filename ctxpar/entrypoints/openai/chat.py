@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -49,7 +50,7 @@ async def chat(request: Request, state: ServerDep) -> Response:
     choices = [choice(j, out, R.ChoiceCursor(j).advance(out), j, key="message") for j in range(len(out.outputs))]
     for c in choices:
         c["message"]["role"] = "assistant"
-    extra = {"prompt_logprobs": R.prompt_logprobs(out)} if req.prompt_logprobs is not None else {}
+    extra: dict[str, Any] = {"prompt_logprobs": R.prompt_logprobs(out)} if req.prompt_logprobs is not None else {}
     return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=usage([out]), **extra))
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
+from typing import cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +19,7 @@ from ctxpar.engine.async_llm import ClientGone, EngineDeadError, Submission
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.errors import CtxparError
+from ctxpar.outputs import RequestOutput
 
 # A route's body of choice ``index`` (request output, the delta to send, sample number).
 ChoiceFn = Callable[..., dict]
@@ -34,13 +36,19 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _outputs(sub: Submission, gone: asyncio.Future) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``sub.outputs(gone)``, typed as what it is, an async generator (async_llm.py's annotation
+    says AsyncIterator), so that aclosing may close it."""
+    return cast(AsyncGenerator[tuple[int, RequestOutput], None], sub.outputs(gone))
+
+
 async def collect(request: Request, sub: Submission) -> list:
     """The final output of each of the submission's requests, in order."""
     gone = asyncio.ensure_future(_wait_disconnect(request))
     final = {}
     try:
         # ClientGone if the client leaves; closing the iterator aborts what is unfinished.
-        async with aclosing(sub.outputs(gone)) as outputs:
+        async with aclosing(_outputs(sub, gone)) as outputs:
             async for i, out in outputs:
                 if out.finished:
                     final[i] = out
@@ -71,7 +79,7 @@ def sse(
         try:
             if first is not None:
                 yield chunk(first)
-            async with aclosing(sub.outputs(gone)) as outputs:  # closed (aborting) even if sending fails
+            async with aclosing(_outputs(sub, gone)) as outputs:  # closed (aborting) even if sending fails
                 async for i, out in outputs:
                     n = len(out.outputs)
                     for j in range(n):

@@ -26,7 +26,7 @@ async def tokenize(request: Request, state: ServerDep) -> dict:
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
         tokens = await asyncio.to_thread(state.encode, req.prompt, req.add_special_tokens)
-    else:
+    elif req.messages is not None:  # always, the one given
         tokens = (await asyncio.to_thread(state.render_chat, req.messages))["prompt_token_ids"]
     return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
 
