@@ -7,6 +7,7 @@ context limit) are computed from it and passed explicitly, never written back.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,11 @@ PCP_SPLIT_MODES = ("auto", "all", "disjoint", "whole")  # pcp_split_mode (ctxpar
 # The KV cache's storage (vLLM's spellings, plus "int8"): "auto" keeps the model's dtype;
 # the others are 1-byte codes with a float32 scale per token per head (ctxpar/layers/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+DCP_GATHER_RATIO_DEPRECATED = (
+    "dcp_gather_ratio (--dcp-gather-ratio) is deprecated and has no effect: under DCP every query reaches "
+    "the shards by passing queries, one path for every step, so that a request's tokens and logprobs do not "
+    "depend on what else runs; remove the setting (it will be refused in a later release)"
+)
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,9 @@ class EngineConfig:
     # "all" (every one over all ranks), "disjoint" (each over its own group) or "whole" (each
     # on one rank).
     pcp_split_mode: str = "auto"
-    # DCP: split prompts gather their cached context from the shards when the bytes that
-    # moves are below this times what passing their queries moves (else pass-Q). None: the
-    # path predicted faster from the hardware profile's link and memory rates.
+    # Deprecated and ignored (a warning says so): under DCP every query reaches every shard
+    # by passing queries, one path whatever the step, so a request's bits do not depend on
+    # its company. Still accepted so that existing settings keep starting.
     dcp_gather_ratio: float | None = None
     # What the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file
     # of `ctxpar calibrate`; None: ./hardware-profile.json if there, else a built-in CPU core's.
@@ -125,7 +131,8 @@ class EngineConfig:
             modes = ", ".join(PCP_SPLIT_MODES)
             raise CtxparError(f"pcp_split_mode must be one of {modes}, got {self.pcp_split_mode!r}")
         if self.dcp_gather_ratio is not None:
-            check_float("dcp_gather_ratio", self.dcp_gather_ratio, 0.0, why=" or None (from the cost model)")
+            check_float("dcp_gather_ratio", self.dcp_gather_ratio, 0.0, why=" or None")
+            warnings.warn(DCP_GATHER_RATIO_DEPRECATED, FutureWarning, stacklevel=3)
         profile = self.hardware_profile
         if profile is not None and (not isinstance(profile, str) or not profile):
             raise CtxparError(f"hardware_profile must be a profile name or a JSON file, got {profile!r}")

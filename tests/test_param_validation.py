@@ -150,6 +150,20 @@ def test_engine_config_edges_accepted():
     )
 
 
+def test_dcp_gather_ratio_is_deprecated_but_accepted():
+    """The retired knob still starts an engine (as vLLM keeps a deprecated argument for a
+    while), with a warning that says it does nothing, from the API and from the CLI."""
+    import argparse
+
+    from ctxpar.engine.arg_utils import EngineArgs
+
+    with pytest.warns(FutureWarning, match="dcp_gather_ratio .* deprecated and has no effect"):
+        assert EngineConfig(pcp_size=2, dcp_size=2, dcp_gather_ratio=0.5).dcp_gather_ratio == 0.5
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--dcp-gather-ratio", "1"])
+    with pytest.warns(FutureWarning, match="--dcp-gather-ratio"):
+        EngineArgs.from_cli_args(args).create_engine_config()
+
+
 def test_quantization_spellings_and_detection(tmp_path):
     """None detects, as vLLM does: a .gguf file (the default model is one) on the CPU keeps
     its blocks; a directory, or a GPU, computes in the dtype; "none" always dequantizes."""

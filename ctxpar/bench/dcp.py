@@ -12,17 +12,7 @@ and costs, against the same ranks each holding a full replica (D = 1).
 (c) time to first token of a long prompt at P = 2, D = 2 against D = 1;
 (d) the combine's collective patterns on two gloo ranks, at the partials'
     shapes of a decode step and of a split prefill step: all-to-all (what
-    ctxpar uses), all-gather of (out, lse), all-gather of lse + all-reduce of out;
-(e) a split prefill step's two ways to reach a context spread over the
-    shards, on two gloo ranks: pass-Q (the local queries ride along the
-    step's KV all-gather, then one all-to-all of the partials) against
-    gathering the context (each rank all-gathers every shard of the row's
-    cached context). First the collectives alone per layer, with the ratio
-    of bytes they move (ctxpar.layers.sharded_context.moved_bytes); then
-    whole steps (the model's forward of a continued chunk, both paths forced)
-    and the path the engine's rule picks (timed with the hardware profile the
-    engine would load for two ranks of this host). Both paths do the same
-    attention FLOPs.
+    ctxpar uses), all-gather of (out, lse), all-gather of lse + all-reduce of out.
 """
 
 from __future__ import annotations
@@ -91,38 +81,22 @@ def _ttft(llm, vocab: int, n: int, repeat: int, seed: int) -> float:
     return best
 
 
-def _patterns_rank(
-    rank: int,
-    port: int,
-    shapes: list[tuple[str, int, int]],
-    contexts: list[int],
-    chunk: int,
-    steps: list[tuple[int, int]],
-    model: str | None,
-    repeat: int,
-    secret: bytes,
-):
-    """One of two ranks timing the combine patterns (d) and the split step's
-    ways to the context (e); rank 0 prints."""
+def _patterns_rank(rank: int, port: int, shapes: list[tuple[str, int, int]], model: str | None, secret: bytes):
+    """One of two ranks timing the combine patterns (d); rank 0 prints."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from ctxpar.costmodel.policy import derive_policy
-    from ctxpar.costmodel.profiles import engine_hardware
-    from ctxpar.costmodel.shapes import shape_from_hf_config
-    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
     from ctxpar.models.loader import load_model
     from ctxpar.parallel.comm import Launch, PCPGroup
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=60))
-    group = PCPGroup(rank, 2, torch.device("cpu"), store, Launch(secret, spawned=True))
+    PCPGroup(rank, 2, torch.device("cpu"), store, Launch(secret, spawned=True))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     loaded = load_model(model, torch.float32, torch.device("cpu"))
-    cfg, entry_shape = loaded.hf_config, loaded.model.kv_entry_shape  # a GQA model: (2, kv_heads, head_dim)
-    heads, dim = cfg.num_attention_heads, entry_shape[-1]
+    heads, dim = loaded.hf_config.num_attention_heads, loaded.model.kv_entry_shape[-1]  # GQA: (2, kv_heads, head_dim)
 
     def a2a(n: int, T: int) -> None:  # each rank's n local tokens' partials, from each rank
         x = torch.randn(2, n, heads, dim + 1)
@@ -149,102 +123,10 @@ def _patterns_rank(
         times = [timed(p, n, T) for p in (a2a, ag, ag_ar)]
         if rank == 0:
             print(f"{label:>26} | " + " | ".join(f"{t:>8.2f}" for t in times), flush=True)
-
-    # The engine's rule for two ranks of this host: its profile (./hardware-profile.json, else cpu-core-shm).
-    shape, hardware = shape_from_hf_config(cfg.to_dict(), "the model"), engine_hardware(None, one_host=True)
-    engine_rule = GatherPolicy(cost=derive_policy(shape, hardware, 2, 2).context_cost)
-
-    def rule(new: int, context: int) -> tuple[float, bool]:  # bytes gather / pass-Q, and the engine's pick
-        q, entries = torch.empty(new // 2, heads, dim), torch.empty(new // 2, *entry_shape)
-        moved = moved_bytes(context, q, entries, dim, 2, False)
-        return moved.context / moved.pass_q, gathers_context(engine_rule, context, q, entries, dim, 2, False)
-
-    n = chunk // 2  # local tokens of a split step
-
-    def pass_q(context: int) -> None:  # the queries' share of the KV all-gather, then the partials
-        q = torch.randn(n, heads * dim)
-        gather(q.new_empty(2 * n, heads * dim), q)
-        a2a(n, chunk)
-
-    def gather_context(context: int) -> None:  # every shard of the cached context to every rank
-        shard = torch.randn(context // 2, *entry_shape)
-        gather(shard.new_empty(context, *entry_shape), shard)
-
-    if rank == 0:
-        print(
-            f"\n(e) split prefill of {chunk} new tokens after a cached context, "
-            "collectives in ms per layer on 2 gloo ranks"
-        )
-        print(f"{'cached context':>14} | {'pass-Q':>8} | {'gather context':>14} | ratio | bytes ratio")
-    for context in contexts:
-        a, b = timed(pass_q, context), timed(gather_context, context)
-        if rank == 0:
-            print(
-                f"{context:>14} | {a:>8.2f} | {b:>14.2f} | {b / a:>5.2f} | {rule(chunk, context)[0]:>11.2f}", flush=True
-            )
-    _whole_steps(group, loaded, steps, repeat, rule)
     dist.destroy_process_group()
 
 
-def _whole_steps(group, loaded, steps: list[tuple[int, int]], repeat: int, rule) -> None:
-    """(e), whole steps: one continued chunk of ``new`` tokens after ``context`` cached
-    ones (the cache holds zeros: only the time matters), at P = D = 2, both paths forced,
-    interleaved and repeated (the best kept); rank 0 prints."""
-    import torch
-
-    from ctxpar.layers.sharded_context import GatherPolicy
-    from ctxpar.worker.model_runner import ModelRunner
-    from ctxpar.worker.options import RunnerOptions
-    from ctxpar.worker.step_plan import StepPlan
-
-    block, paths = 16, ("pass_q", "gather")
-    blocks = max(new + context for new, context in steps) // (block * 2) + 1
-    runners = {
-        p: ModelRunner(
-            loaded.model,
-            RunnerOptions(blocks, block, dcp_size=2, context_gather=GatherPolicy(p)),
-            torch.device("cpu"),
-            group,
-        )
-        for p in paths
-    }
-    rng = np.random.default_rng(0)
-
-    def plan(new: int, context: int) -> StepPlan:
-        return StepPlan(
-            input_ids=rng.integers(0, loaded.hf_config.vocab_size, size=new),
-            num_scheduled_tokens=np.array([new]),
-            num_computed_tokens=np.array([context]),
-            is_prefilling=np.array([True]),
-            needs_logits=np.array([True]),
-            block_tables=[np.arange(blocks)],
-        )
-
-    runners["pass_q"].execute(plan(*steps[0]))  # warm-up
-    best = {}
-    for _ in range(repeat):
-        for new, context in steps:
-            for p in paths:
-                group.all_gather(torch.zeros(1))  # start together
-                c0, t0 = group.comm_seconds, time.perf_counter()
-                runners[p].execute(plan(new, context))
-                dt, comm = time.perf_counter() - t0, group.comm_seconds - c0
-                if dt < best.get((new, context, p), (float("inf"),))[0]:
-                    best[new, context, p] = (dt, comm)
-    if group.rank != 0:
-        return
-    print(f"\n(e) whole step, a continued chunk at P = D = 2 (s, best of {repeat}; in collectives, waits included)")
-    print(f"{'new':>5} | {'context':>7} | {'pass-Q':>14} | {'gather context':>14} | ratio | rule picks")
-    for new, context in steps:
-        (a, ca), (b, cb) = best[new, context, "pass_q"], best[new, context, "gather"]
-        pick = "gather" if rule(new, context)[1] else "pass-Q"
-        print(
-            f"{new:>5} | {context:>7} | {a:>6.2f} ({ca:>5.2f}) | {b:>6.2f} ({cb:>5.2f}) | {b / a:>5.2f} | {pick}",
-            flush=True,
-        )
-
-
-def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) -> None:
+def _patterns(batches: list[int], chunk: int, model: str | None) -> None:
     import torch.multiprocessing as mp
 
     from ctxpar.executor.multiproc import free_port
@@ -252,18 +134,10 @@ def _patterns(batches: list[int], chunk: int, model: str | None, repeat: int) ->
 
     # A decode step's T = n = batch; a split step's n = T / 2.
     shapes = [(f"decode, batch {b}", b, b) for b in batches] + [(f"split prefill, {chunk} tokens", chunk // 2, chunk)]
-    contexts = [chunk // 2, chunk, 2 * chunk, 3 * chunk, 4 * chunk]
-    # Whole steps: a full chunk after the contexts a long prompt's chunks see, and a short
-    # chunk after a long context (pass-Q's case); new + context within SmolLM2's 8192 positions.
-    steps = [(chunk, c) for c in (chunk // 2, chunk, 2 * chunk, 3 * chunk)] + [
-        (chunk // 4, chunk),
-        (chunk // 4, 3 * chunk),
-    ]
     print(
         "\n(d) combine collectives on 2 gloo ranks, ms per layer: all-to-all | all-gather | all-gather lse + all-reduce"
     )
-    args = (free_port(), shapes, contexts, chunk, steps, model, repeat, new_secret())
-    mp.spawn(_patterns_rank, args=args, nprocs=2)
+    mp.spawn(_patterns_rank, args=(free_port(), shapes, model, new_secret()), nprocs=2)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -311,4 +185,4 @@ def run(args: argparse.Namespace) -> None:
     for name, (_, first) in rows.items():
         if first is not None:
             print(f"{name:>14} | {first:>7.2f} s | {first / base:>5.2f}x of P=2 D=1")
-    _patterns(args.batch, 2048, args.model, args.repeat)
+    _patterns(args.batch, 2048, args.model)

@@ -10,16 +10,11 @@ profile, two thresholds, derived rather than fixed constants:
   rank (1/P of the rows each, plus a KV all-gather per layer and the sampled
   states' gather) is predicted faster than every rank computing all of them.
 
-Under DCP, the rates split prompts' gather/pass-Q choice is timed with
-(``context_cost``: the profile's link alpha-beta and memory rate,
-ctxpar/parallel/context_cost.py), unless the user set ``dcp_gather_ratio``
-(then the path that moves fewer bytes, by that ratio).
-
 A value the user set wins. Per step (``PCPPolicy.split_ranks``), the split rows'
 groups of ranks (ctxpar/parallel/pcp_groups.py): in mode "auto", of "all",
 "disjoint" and "whole", the one with the least predicted time of the slowest
-rank (ties keep "all"; under DCP, priced on the context path the engine will
-take: passing queries spreads every row's context work over all the ranks);
+rank (ties keep "all"; under DCP every rank attends every query over its
+shard, so there the groups move only the linear layers' work);
 the other modes force one. Every input is the plan's
 (rank-invariant) and the arithmetic deterministic, so every rank picks the same.
 
@@ -40,14 +35,6 @@ from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.errors import CtxparError
-from ctxpar.parallel.context_cost import (
-    GATHER_COST_RATIO,
-    WORKSPACE_TOKENS,
-    ContextCost,
-    MovedBytes,
-    gathers,
-    moved_bytes,
-)
 from ctxpar.parallel.pcp import plan_pcp_layout
 from ctxpar.parallel.pcp_groups import SPLIT_MODES, split_groups
 
@@ -68,12 +55,7 @@ class PCPPolicy:
     min_tokens: int  # prefill rows shorter than this are not split
     spread_min_rows: int  # unsplit rows are spread in steps of at least this many (or beside a split row)
     split_mode: str  # "auto" (per step, from the model), "all", "disjoint" or "whole"
-    derived: tuple[str, ...] = ()  # which of min_tokens, spread_min_rows, gather_ratio came from the model
-    # DCP: split prompts gather their cached context when its bytes are below this times
-    # pass-Q's (set by the user); None: the path context_cost predicts faster.
-    gather_ratio: float | None = None
-    context_cost: ContextCost | None = None
-    workspace_tokens: int = WORKSPACE_TOKENS  # DCP: context positions gathered per round (a step's token budget)
+    derived: tuple[str, ...] = ()  # which of min_tokens, spread_min_rows came from the model
 
     def describe(self) -> str:
         def show(name: str, value: int) -> str:
@@ -81,17 +63,11 @@ class PCPPolicy:
             how = "DCP: decodes on every rank" if name == "pcp_spread_min_rows" and self.dcp_size > 1 else how
             return f"{name}={'never' if value == NEVER else value} ({how})"
 
-        text = (
+        return (
             f"PCP policy ({self.hardware.name}, P={self.pcp_size}, D={self.dcp_size}): "
             f"{show('pcp_min_tokens', self.min_tokens)}, {show('pcp_spread_min_rows', self.spread_min_rows)}, "
             f"split prompts over: {self.split_mode}"
         )
-        if self.dcp_size == 1:
-            return text
-        if self.context_cost is None:
-            ratio = f"{self.gather_ratio:g}"
-            return f"{text}, dcp_gather_ratio={ratio} (set: gather when its bytes are below {ratio}x pass-Q's)"
-        return f"{text}, gather or pass-Q: the faster predicted ({self.context_cost.describe()}; from the cost model)"
 
     def split_ranks(
         self, num_tokens: np.ndarray, num_computed: np.ndarray, is_split: np.ndarray
@@ -107,8 +83,7 @@ class PCPPolicy:
         if auto:
             modes = [m for m in SPLIT_MODES if m != "whole" or len(rows) < self.pcp_size]  # else == disjoint
             options = [split_groups(m, work, self.pcp_size) for m in modes]
-            even = self.dcp_size > 1 and self._passes_queries(q, c)  # the step's path, whatever the groups
-            first, width = min(options, key=lambda g: self._step_seconds(q, c, g, even))  # first minimum: "all" on ties
+            first, width = min(options, key=lambda g: self._step_seconds(q, c, g))  # first minimum: "all" on ties
         else:
             first, width = split_groups(self.split_mode, work, self.pcp_size)
         if (width == self.pcp_size).all():
@@ -126,34 +101,26 @@ class PCPPolicy:
             h
         )
 
-    def _step_seconds(
-        self, q: np.ndarray, c: np.ndarray, groups: tuple[np.ndarray, np.ndarray], even_context: bool
-    ) -> float:
+    def _step_seconds(self, q: np.ndarray, c: np.ndarray, groups: tuple[np.ndarray, np.ndarray]) -> float:
         """Predicted seconds of the slowest rank for the split rows laid out over ``groups``:
         its linear layers (weights read once) and its rows' attention, each the slower
         of compute and memory traffic (a row reads the keys of its whole context), and a
         fixed cost per row and layer. The KV all-gather moves the same tokens whatever
-        the groups, so it does not enter the choice; nor, under DCP, does reaching the
-        sharded context (every rank takes part in either path's collectives).
+        the groups, so it does not enter the choice; nor, under DCP, do the queries that
+        travel with it and the partials' all-to-all.
 
-        even_context: a DCP step whose rows pass their queries (``_passes_queries``)
-        attends each row's cached context shard by shard: every rank attends every row's
-        queries over its own 1/P of the context, whatever the groups, so that part of
-        the work is even; only the new tokens' causal part follows the groups."""
+        Under DCP every rank attends every query of the step over its own 1/P of the
+        keys (ctxpar/layers/sharded_attention.py), whatever the groups: the attention
+        work is even, and only the linear layers follow the groups."""
         m, h, P = self.model, self.hardware, self.pcp_size
         layout = plan_pcp_layout(q, c, np.ones(len(q), dtype=bool), P, split_ranks=groups)
         tokens, pairs = layout.per_rank_num_tokens, layout.attention_work().astype(np.float64)
         ends = layout.row_start_pos + layout.row_num_tokens  # (rows,) keys each row reads
         rows = np.diff(layout.rank_row_start)  # (P,) row pieces on each rank
-
-        def per_rank(values: np.ndarray) -> np.ndarray:  # (rows,) -> (P,) sums over each rank's pieces
-            return np.bincount(np.repeat(np.arange(P), rows), weights=values, minlength=P)
-
-        keys = per_rank(ends)
-        if even_context:
-            cached = c[layout.row_req_idx]  # (rows,) context of each row piece
-            pairs += float((q * c).sum()) / P - per_rank(cached * layout.row_num_tokens)
-            keys += float(c.sum()) / P - per_rank(cached)
+        keys = np.bincount(np.repeat(np.arange(P), rows), weights=ends, minlength=P)  # (P,) over each rank's pieces
+        if self.dcp_size > 1:
+            pairs = np.full(P, float((q * c + q * (q + 1) / 2).sum()) / P)
+            keys = np.full(P, float((c + q).sum()) / P)
         linear = np.maximum(
             2 * m.linear_params_per_token * tokens / _gemm(h), m.dense_params * h.weight_bytes / h.weight_read_rate
         )
@@ -162,24 +129,6 @@ class PCPPolicy:
             keys * h.kv_token_bytes(m) * m.num_layers / h.memory_rate,
         )
         return float((linear + attention + rows * m.num_layers * h.row_overhead_s).max())
-
-    def _passes_queries(self, q: np.ndarray, c: np.ndarray) -> bool:
-        """Whether split rows of ``q`` new tokens after ``c`` cached ones (D = P) reach their
-        context by passing queries: the engine's choice (ctxpar/layers/sharded_context.py),
-        made on the same bytes, with each rank's share of the new tokens as its queries."""
-        context = int(c.sum())
-        if context == 0:
-            return False
-        ratio = GATHER_COST_RATIO if self.gather_ratio is None else self.gather_ratio
-        return not gathers(self._moved(q, c), context, self.pcp_size, self.workspace_tokens, self.context_cost, ratio)
-
-    def _moved(self, q: np.ndarray, c: np.ndarray) -> MovedBytes:
-        """What each context path would move for these rows: queries as the attention
-        sends them under DCP (MLA: absorbed into the latent), partials at its output width."""
-        m, h, P = self.model, self.hardware, self.pcp_size
-        n = -(-int(q.sum()) // P)
-        query_bytes, entry_bytes = m.num_heads * m.decode_qk_dim * h.act_bytes, h.kv_token_bytes(m)
-        return moved_bytes(int(c.sum()), n, m.num_heads, query_bytes, entry_bytes, m.v_head_dim, P, False)
 
 
 def _gemm(h: HardwareProfile) -> float:
@@ -239,23 +188,14 @@ def derive_policy(
     min_tokens: int | None = None,
     spread_min_rows: int | None = None,
     split_mode: str = "auto",
-    gather_ratio: float | None = None,
-    workspace_tokens: int = WORKSPACE_TOKENS,
 ) -> PCPPolicy:
-    """The policy for these shapes and this hardware; a threshold or ratio given (not None) is kept."""
+    """The policy for these shapes and this hardware; a threshold given (not None) is kept."""
     if split_mode not in PCP_SPLIT_MODES:
         raise CtxparError(f"pcp_split_mode must be one of {', '.join(PCP_SPLIT_MODES)}, got {split_mode!r}")
     if dcp_size > 1:
         spread_min_rows = NEVER  # a decode's queries must be on every rank (each attends its own shard)
-    given = (
-        ("pcp_min_tokens", min_tokens),
-        ("pcp_spread_min_rows", spread_min_rows),
-        ("dcp_gather_ratio", gather_ratio),
-    )
+    given = (("pcp_min_tokens", min_tokens), ("pcp_spread_min_rows", spread_min_rows))
     derived = tuple(name for name, value in given if value is None)
-    link = hardware.link_bandwidth * hardware.link_efficiency
-    memory = hardware.memory_rate
-    cost = ContextCost(hardware.link_latency_s, link, memory) if gather_ratio is None else None
     return PCPPolicy(
         model=model,
         hardware=hardware,
@@ -265,7 +205,4 @@ def derive_policy(
         spread_min_rows=spread_rows(model, hardware, pcp_size) if spread_min_rows is None else spread_min_rows,
         split_mode=split_mode,
         derived=derived,
-        gather_ratio=gather_ratio,
-        context_cost=cost,
-        workspace_tokens=workspace_tokens,
     )

@@ -84,9 +84,8 @@ FLAGS: dict[str, Flag] = {
         choices=PCP_SPLIT_MODES,
     ),
     "dcp_gather_ratio": Flag(
-        "with --dcp: split prompts gather their cached context when that moves fewer bytes than R times "
-        "passing their queries (0: always pass-Q; default: whichever the cost model predicts faster for "
-        "--hardware-profile)",
+        "deprecated, ignored (a warning says so): under --dcp every query reaches the shards by passing "
+        "queries, so a request's bits do not depend on what else runs",
         "R",
         parse=float,
     ),

@@ -57,9 +57,9 @@ class AttentionKind(Protocol):
         """The queries as the sharded path attends them (MLA: in latent space)."""
         ...
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None) -> Partials:
-        """Queries (L, H, Dq) over KV entries (m, *E), or over cache rows of the quantized
-        format ``quant``: ctxpar.layers.sharded_attention.Attend."""
+    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None) -> Partials:
+        """Queries (L, H, Dq), query i over the first counts[i] KV entries of (m, *E), or
+        of cache rows of the quantized format ``quant``: ctxpar.layers.sharded_attention.Attend."""
         ...
 
     def decode_lse(
@@ -111,12 +111,12 @@ class GQA:
     def shard_query(self, q: torch.Tensor) -> torch.Tensor:
         return q
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None) -> Partials:
+    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None) -> Partials:
         if quant is not None:
             if kv_kernels.prefill_quant_usable(q, quant):  # the rows read in place
-                return kv_kernels.prefill_attention_quant(q, kv, quant, self.scale, causal)
+                return kv_kernels.prefill_attention_quant(q, kv, quant, self.scale, counts=counts)
             kv = quant.dequantize(kv).to(q.dtype)
-        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, causal)
+        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, counts)
 
     def decode_lse(
         self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None

@@ -2,7 +2,8 @@
 
 - ``causal_attention``: queries that are the last L of S keys (prefill chunks,
   bottom-right causal);
-- ``attention_lse``: attention with its log-sum-exp (DCP's partials);
+- ``attention_lse``: attention with its log-sum-exp, each query over its own
+  prefix of the keys (DCP's partials);
 - ``merge_attention``: the exact merge of partials over disjoint key sets;
 - the one rule that sends a call to ctxpar's compiled kernels (``kernel_inputs``
   for query blocks, ``paged_kernel`` for one-query rows over the paged cache).
@@ -115,36 +116,47 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
     outs (K, ..., D), lses (K, ...) natural-log sums of exp scores -> out
     (..., D) (in the promoted dtype of outs and lses), lse (...). A part with
     lse -inf (no keys) weighs nothing; if all are, out is 0 and lse -inf (no NaN).
+    The sums run over k in order, element by element, so an element's result
+    depends on its own parts only (DCP merges a query's shards with it).
     """
     top = lses.amax(0)
     top = torch.where(top.isfinite(), top, 0.0)
     w = torch.exp(lses - top)  # (K, ...): exp(-inf) = 0
-    total = w.sum(0)
-    out = (outs * w.unsqueeze(-1)).sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
-    return out, top + torch.log(total)
+    total, out = w[0], outs[0] * w[0].unsqueeze(-1)
+    for k in range(1, len(w)):
+        total, out = total + w[k], out + outs[k] * w[k].unsqueeze(-1)
+    return out / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1), top + torch.log(total)
+
+
+# Scores the PyTorch path of attention_lse holds at once: queries are taken in blocks
+# of about this many (query, head, key) scores.
+SCORES_PER_BLOCK = 1 << 24
 
 
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its log-sum-exp. q (L, H, D), k/v (m, Hk, D) with H a
-    multiple of Hk; causal: L == m and query i sees keys [0, i].
+    """Attention with its log-sum-exp, each query over a prefix of the keys (DCP: a
+    shard's keys up to the query's position). q (L, H, D), k (m, Hk, D), v (m, Hk, Dv)
+    with H a multiple of Hk; counts (L,) int64: query i sees keys [0, counts[i]),
+    1 <= counts[i] <= m.
 
-    Returns out (L, H, Dv) and lse (L, H), both float32.
+    Returns out (L, H, Dv) and lse (L, H), both float32. In the compiled prefill
+    kernel a query's result depends on its own query, count and keys only.
     """
     inputs = kernel_inputs(q, k, v)
     if inputs is not None:
-        return kernels.prefill_attention(*inputs, scale, causal)  # causal with L == m: bottom-right is top-left
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, D)
-    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = flash(qh, kh, vh, 0.0, causal, scale=scale)[:2]
-        return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
-    rep = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(rep, 1).float(), vh.repeat_interleave(rep, 1).float()
-    s = (qh.float() @ kh.transpose(-1, -2)) * scale  # (1, H, L, m)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)  # (1, H, L)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ vh
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        return kernels.prefill_attention(*inputs, scale, counts=counts)
+    L, m, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    kh, vh = k.transpose(0, 1).repeat_interleave(rep, 0).float(), v.transpose(0, 1).repeat_interleave(rep, 0).float()
+    outs, lses = [], []
+    step = max(1, SCORES_PER_BLOCK // max(1, q.shape[1] * m))
+    for a in range(0, L, step):
+        qh = q[a : a + step].transpose(0, 1).float()  # (H, l, D)
+        s = (qh @ kh.transpose(-1, -2)) * scale  # (H, l, m)
+        hidden = torch.arange(m, device=q.device) >= counts[a : a + step, None].to(q.device)  # (l, m)
+        s = s.masked_fill(hidden, float("-inf"))
+        lse = torch.logsumexp(s, -1)  # (H, l)
+        outs.append((torch.exp(s - lse.unsqueeze(-1)) @ vh).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)

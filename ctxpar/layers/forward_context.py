@@ -19,7 +19,6 @@ import torch
 
 from ctxpar.layers.attention_ops import padded_slot_table
 from ctxpar.layers.kv_quant import KVQuant
-from ctxpar.layers.sharded_context import SplitContext
 
 
 @dataclass
@@ -49,16 +48,6 @@ class DecodeBatch:
     whole: bool = False
 
 
-@dataclass(frozen=True)
-class OneQueryRows:
-    """DCP's one-query rows of a step (decodes), attended over their shards in one call."""
-
-    rows: list[int]  # their global rows
-    tokens: torch.Tensor  # (B,) int64 their tokens' rows in the partials
-    slots: torch.Tensor  # (N,) int64 their shards' cache slots back to back
-    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
-
-
 @dataclass
 class StepMemo:
     """Per-step values, the same in every layer: built by the first layer that needs them."""
@@ -66,23 +55,29 @@ class StepMemo:
     # The one-query rows in groups (paged_attention.decode_batch), keyed by whether the
     # compiled kernel reads the cache (one group) or not (length groups).
     decode_batches: dict[bool, DecodeBatch | None] = field(default_factory=dict)
-    # DCP's one-query rows, keyed by the rows left out (their context is gathered instead).
-    one_query_rows: dict[frozenset[int], OneQueryRows | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardQueries:
+    """One row's queries of one kind (prompt positions, or generated tokens) over this
+    rank's shard of the row's keys: the step's tokens [start, end) in global order,
+    query i over the first counts[i] of ``slots`` (its shard's keys up to its position)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # (m,) int64: my shard's cache slots of the row in position order, m = counts[-1]
+    counts: torch.Tensor  # (end - start,) int64, each >= 1 (a query my shard holds no key of is left out)
 
 
 @dataclass
 class DCPStep:
-    """What the sharded attention of one step needs, the same for every layer."""
+    """What the sharded attention of one step needs, the same for every layer: every
+    query of the step over this rank's shard (ctxpar/layers/sharded_attention.py)."""
 
-    # New keys, per LOCAL row: rows of the layer's (gathered or local) entries holding the
-    # row's new keys up to its last query, in position order: [step start, start_pos + len).
-    new_key_idx: list[torch.Tensor]
-    # Context, per GLOBAL row of the plan.
-    replicated_context: bool  # some row with queries on every rank has context: partials exchanged
-    split_context: SplitContext | None  # the split rows with context (a split step), and how to gather it
     query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
-    query_start_loc: list[int]  # (R+1,) global token range of each row
-    shard_slots: list[torch.Tensor]  # R x (m_r,) int64: cache slots of my shard of the row's context
+    prompt: list[ShardQueries]  # prompt positions, row by row: the prefill kernel
+    generated: list[ShardQueries]  # generated tokens and drafts, row by row: the decode kernel
+    decodes: DecodeGroup | None  # the generated ones in one decode-kernel call (tokens: global)
     send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
     all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
 

@@ -183,16 +183,16 @@ class MLAttention(nn.Module):
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def attend_lse(
-        self, q: torch.Tensor, kv: torch.Tensor, causal: bool, quant: KVQuant | None
+        self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope) over latents
-        (m, r + rope), or their quantized rows (``AttentionKind.attend_lse``). W_UV is linear,
-        so applying it before the cross-rank combine is exact, and partials travel at
-        v_head_dim, not kv_lora_rank."""
-        if quant is not None:  # a few queries' latents over their context: dequantized for the product
+        """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope), query i over the
+        first counts[i] latents of (m, r + rope), or of their quantized rows
+        (``AttentionKind.attend_lse``). W_UV is linear, so applying it before the cross-rank
+        combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
+        if quant is not None:  # the latents are dequantized for the product
             kv = quant.dequantize(kv).to(q.dtype)
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
-        o, lse = attention_lse(q, k, k, self.scale, causal)
+        o, lse = attention_lse(q, k, k, self.scale, counts)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
 
     def decode_lse(

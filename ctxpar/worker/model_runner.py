@@ -21,15 +21,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ctxpar.layers.forward_context import DCPStep, ForwardContext
+from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import row_parts
-from ctxpar.layers.sharded_context import split_context
 from ctxpar.models.base import CausalLM
 from ctxpar.models.compiled_decode import CompiledDecode
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout, split_mask
+from ctxpar.worker.dcp_step import dcp_step
 from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import check_block_tables, rank_order, token_rows_positions, token_slots
@@ -123,7 +123,9 @@ class ModelRunner:
             ]
         else:
             writes = writes & (self.shard.owner(token_pos) == self.rank)[token_of]
-            dcp, context_slots = self._dcp_step(plan, layout, rows, to_dev), []
+            all_to_all = self._pcp_group().all_to_all
+            dcp = dcp_step(plan, layout, self.shard, self.block_size, self._prompt_lens(plan), all_to_all, to_dev)
+            context_slots = []
         write_src = np.flatnonzero(writes)
         ctx = ForwardContext(
             query_start_loc=rows.query_start_loc.tolist(),
@@ -227,37 +229,6 @@ class ModelRunner:
             return
         self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
         stack.index_copy_(1, torch.from_numpy(my_slots()).to(self.device), entries)
-
-    def _dcp_step(self, plan: StepPlan, layout: PCPLayout, rows, to_dev) -> DCPStep:
-        """What the attention layers need under DCP (ctxpar/layers/sharded_attention.py): the new keys of
-        my local rows, and my shard of every global row's context."""
-        assert self.shard is not None  # under DCP
-        c = plan.num_computed_tokens.astype(np.int64)
-        qsl = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens)))
-        # A split step's entries are gathered (global token t at hidden_restore_idx[t]); in a
-        # step of replicated rows every rank's local token j is global token j, and so is
-        # hidden_restore_idx[j].
-        new_keys = [
-            to_dev(layout.hidden_restore_idx[qsl[r] : qsl[r] + max(s + m - c[r], 0)])
-            for r, s, m in zip(rows.req_idx.tolist(), rows.start_pos.tolist(), rows.num_tokens.tolist())
-        ]
-        shard_slots = [
-            slots_of(t, np.arange(m), self.block_size) for t, m in zip(plan.block_tables, self.shard.local_len(c))
-        ]
-        return DCPStep(
-            new_key_idx=new_keys,
-            replicated_context=bool((c[~layout.is_split] > 0).any()),
-            split_context=split_context(
-                self.shard, layout.is_split, c, rows, shard_slots, self.options.context_gather, to_dev
-            ),
-            query_idx=to_dev(layout.hidden_restore_idx),
-            query_start_loc=qsl.tolist(),
-            shard_slots=[to_dev(s) for s in shard_slots],
-            send_idx=to_dev(np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)).view(
-                self.pcp_size, -1
-            ),
-            all_to_all=self._pcp_group().all_to_all,
-        )
 
     def _outputs_on_rank0(
         self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, gathers: bool

@@ -4,7 +4,7 @@ frozen object built from EngineConfig (the same on every rank)."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,8 +15,6 @@ from ctxpar.costmodel.policy import PCPPolicy, derive_policy
 from ctxpar.costmodel.profiles import engine_hardware
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.device import torch_dtype
-from ctxpar.layers.sharded_context import GatherPolicy
-from ctxpar.parallel.context_cost import GATHER_COST_RATIO
 
 
 @dataclass(frozen=True)
@@ -31,9 +29,7 @@ class RunnerOptions:
     also picks, per step, the ranks each split row goes over; None: all of them.
 
     dcp_size: 1 (every rank holds the whole KV cache) or the group's size (each
-    holds the shard of ctxpar.parallel.dcp_shard), with cp_interleave;
-    context_gather: how split prefill rows reach a context sharded by DCP
-    (ctxpar/layers/sharded_context.py).
+    holds the shard of ctxpar.parallel.dcp_shard), with cp_interleave.
 
     spread_min_rows: unsplit rows (decodes, short prompts) go to one rank each
     in steps that split a row or have at least this many of them
@@ -54,7 +50,6 @@ class RunnerOptions:
     pcp_min_tokens: int = 0
     dcp_size: int = 1
     cp_interleave: int = 1
-    context_gather: GatherPolicy = field(default_factory=GatherPolicy)
     spread_min_rows: int | None = None
     lead_threads: int | None = None
     policy: PCPPolicy | None = None
@@ -83,7 +78,6 @@ class RunnerOptions:
             pcp_min_tokens=policy.min_tokens if policy is not None else 0,
             dcp_size=config.dcp_size,
             cp_interleave=config.cp_interleave,
-            context_gather=context_gather(config, policy),
             spread_min_rows=policy.spread_min_rows if policy is not None else None,
             lead_threads=_lead_threads(threads, config.pcp_size) if one_host and threads is not None else None,
             policy=policy,
@@ -98,14 +92,6 @@ def _lead_threads(threads: int, pcp_size: int) -> int | None:
     return min(threads * pcp_size, max(threads, usable_cores())) if pcp_size > 1 else None
 
 
-def context_gather(config: EngineConfig, policy: PCPPolicy | None) -> GatherPolicy:
-    """How split rows reach a context sharded by DCP: the path the policy's rates predict
-    faster, or by bytes at the user's dcp_gather_ratio; in rounds of one step's token budget."""
-    ratio = GATHER_COST_RATIO if config.dcp_gather_ratio is None else config.dcp_gather_ratio
-    cost = policy.context_cost if policy is not None else None  # None where the user set the ratio
-    return GatherPolicy(workspace_tokens=config.max_num_batched_tokens, cost=cost, ratio=ratio)
-
-
 def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolicy:
     """The PCP policy of P > 1 ranks: the thresholds config leaves None derived from the
     cost model for the model's shapes, P, D and the hardware profile. Every rank derives
@@ -118,6 +104,4 @@ def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolic
         config.pcp_min_tokens,
         config.pcp_spread_min_rows,
         config.pcp_split_mode,
-        config.dcp_gather_ratio,
-        config.max_num_batched_tokens,
     )

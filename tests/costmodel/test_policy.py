@@ -52,10 +52,10 @@ def test_a_gpu_node_splits_later_than_a_cpu_core() -> None:
 
 
 def test_set_values_win_and_one_rank_splits_nothing() -> None:
-    policy = derive_policy(MODEL, CPU, 2, 1, min_tokens=500, spread_min_rows=7, split_mode="whole", gather_ratio=1.0)
+    policy = derive_policy(MODEL, CPU, 2, 1, min_tokens=500, spread_min_rows=7, split_mode="whole")
     assert (policy.min_tokens, policy.spread_min_rows, policy.split_mode, policy.derived) == (500, 7, "whole", ())
     auto = derive_policy(MODEL, CPU, 2, 1)
-    assert auto.derived == ("pcp_min_tokens", "pcp_spread_min_rows", "dcp_gather_ratio")
+    assert auto.derived == ("pcp_min_tokens", "pcp_spread_min_rows")
     assert "from the cost model" in auto.describe()
     one = derive_policy(MODEL, CPU, 1, 1)
     assert (one.min_tokens, one.spread_min_rows) == (0, NEVER)
@@ -123,46 +123,11 @@ def test_an_unknown_profile_is_refused_before_loading() -> None:
         check_launch(EngineConfig(hardware_profile="no-such-profile"))
 
 
-def test_dcp_pass_q_evens_out_the_context_whatever_the_groups() -> None:
-    """Under DCP a split row that passes its queries is attended over every rank's own shard
-    of its cached context, whichever ranks hold its queries: a long context no longer weighs
-    on the rank its row is given to, so equal new parts go whole, one to a rank. Gathering
-    the context (or D = 1) attends it where the queries are: the row is split over all."""
+def test_dcp_evens_out_the_attention_whatever_the_groups() -> None:
+    """Under DCP every query of a split row is attended over every rank's own shard of its
+    keys, whichever ranks hold its queries: a long context no longer weighs on the rank its
+    row is given to, so equal new parts go whole, one to a rank. At D = 1 the context is
+    attended where the queries are: the row is split over all."""
     q, c = [512, 512], [60_000, 0]
     assert groups(derive_policy(MODEL, CPU, 2, 1), q, c) is None
-    gather = derive_policy(MODEL, CPU, 2, 2, gather_ratio=1e9)  # gathers any context
-    pass_q = derive_policy(MODEL, CPU, 2, 2, gather_ratio=0.0)  # never gathers
-    assert groups(gather, q, c) is None
-    assert sorted(groups(pass_q, q, c) or []) == [(0, 1), (1, 1)]
-
-
-@pytest.mark.parametrize("name", ["llama", "deepseek-v3"])
-def test_policy_prices_the_path_the_engine_takes(name: str) -> None:
-    """The policy's guess of a step's context path under DCP is the engine's own rule
-    (ctxpar/layers/sharded_context.py) on the same bytes: each rank's share of the new
-    tokens as its queries, shaped as the model's attention sends them (MLA: absorbed
-    into the latent space), the partials at its output width, the profile's rates."""
-    import torch
-
-    from ctxpar.costmodel.shapes import shape_from_hf_config
-    from ctxpar.layers.sharded_context import GatherPolicy, gathers_context, moved_bytes
-    from helpers.models import meta_model
-
-    config, model = meta_model(name)
-    layer = getattr(model, "model", model).layers[0].self_attn
-    kind = getattr(layer, "attn", layer)  # the layers' AttentionKind: GQA beside Llama's projections, MLA itself
-    shape = shape_from_hf_config(config.to_dict(), name)
-    policy = derive_policy(shape, CPU, 2, 2, workspace_tokens=1024)
-    rule = GatherPolicy(workspace_tokens=1024, cost=policy.context_cost)
-    picks = []
-    for context in (16, 256, 4096, 60_000):
-        for new in ([8], [300, 900], [2000]):
-            q, c = np.array(new), np.full(len(new), context)
-            n = -(-int(q.sum()) // 2)
-            queries = kind.shard_query(torch.zeros(n, shape.num_heads, shape.qk_head_dim, device="meta"))
-            entries = torch.zeros(n, *model.kv_entry_shape, device="meta")
-            engine = gathers_context(rule, int(c.sum()), queries, entries, kind.out_dim, 2, False)
-            assert policy._moved(q, c) == moved_bytes(int(c.sum()), queries, entries, kind.out_dim, 2, False)
-            assert policy._passes_queries(q, c) == (not engine), (context, new)
-            picks.append(engine)
-    assert any(picks) and not all(picks)  # both paths taken
+    assert sorted(groups(derive_policy(MODEL, CPU, 2, 2), q, c) or []) == [(0, 1), (1, 1)]

@@ -1,18 +1,18 @@
 """The guarantee (README and docs/architecture.md, "The same bits whatever else runs"): a request's
 token ids, sample logprobs and prompt logprobs are the same bits alone and inside any
 mix of other requests, however its prompt is chunked (``max_num_batched_tokens``),
-whether its prefix came from the prefix cache, at any P, and with speculative
-decoding, in every dtype, weight quantization and KV-cache dtype.
+whether its prefix came from the prefix cache, at any P, under DCP, and with
+speculative decoding, in every dtype, weight quantization and KV-cache dtype.
 
 Each configuration runs four target requests (greedy with logprobs and prompt
 logprobs, seeded sampling, two sharing a long prefix) one at a time with the prefix
 cache off: the reference. Then the same targets inside a shuffled mix of random
 other prompts with random budgets, after a request that warms the cache with their
 shared prefix, under a small token budget (every long prompt chunked), and compares
-with ``==``. Under DCP (D > 1) the shards' partial attentions merge by log-sum-exp,
-per chunk, another summation order than one rank's: that is outside the guarantee
-(docs/architecture.md says so); in fp32 the tokens are compared with one rank's, and
-the logprobs within ``DCP_TOL``.
+with ``==``. Under DCP (D > 1) the reference is the targets alone at the same D: a
+query's shards merge by log-sum-exp in rank order, another summation order than one
+rank's, so against D = 1 the tokens are the same (in fp32) and the logprobs within
+``DCP_TOL``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ CONFIGS = {
     "fp32": ({"quantization": "none"}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}]),
     "bf16": ({"quantization": "none", "dtype": "bfloat16"}, [{}]),
     "int8-weights": ({"quantization": "int8"}, [{}]),
+    "gguf-dcp": ({"pcp_size": 2, "dcp_size": 2, "pcp_min_tokens": 8}, [{}]),
 }
 
 
@@ -82,13 +83,16 @@ def test_alone_equals_in_any_mix(name: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_dcp_keeps_one_ranks_tokens_in_fp32() -> None:
-    """D = 2 against D = 1 (fp32 weights): the shards merge in another order, so the
-    logprobs within DCP_TOL and the same tokens. With quantized weights the int8
-    activations can turn that rounding into a step of a block: tokens may part where
-    the top two are that close (docs/architecture.md, "The same bits")."""
+def test_dcp_in_fp32_keeps_its_bits_and_one_ranks_tokens() -> None:
+    """D = 2 with fp32 weights: alone and in a mix, ==; against D = 1 the shards merge in
+    another order, so the logprobs within DCP_TOL and the same tokens. With quantized
+    weights the int8 activations can turn that rounding into a step of a block: tokens
+    may part from one rank's where the top two are that close (docs/architecture.md,
+    "The same bits whatever else runs")."""
+    dcp = dict(quantization="none", pcp_size=2, dcp_size=2, pcp_min_tokens=8)
+    got = alone(**dcp)
+    assert in_a_mix(0, **dcp) == got
     want = alone(quantization="none")
-    got = alone(quantization="none", pcp_size=2, dcp_size=2, pcp_min_tokens=8)
     worst = 0.0
     for i, (g, w) in enumerate(zip(got, want)):
         assert g[0] == w[0], f"target {i}"

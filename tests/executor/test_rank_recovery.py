@@ -145,9 +145,9 @@ def random_kills(seed: int, ranks: list[int], n: int) -> dict[int, tuple[int, fl
 )
 def test_lost_ranks_are_recovered_with_the_same_tokens(request, model, pcp, dcp, seed):
     kills = random_kills(seed, list(range(1, pcp)), n=2)
-    # DCP's shards merge per chunk (outside the same-bits guarantee): its recovered runs
-    # are compared with its undisturbed run on the fp32 tiny model; the rest with each
-    # request alone in the default configuration.
+    # DCP merges a query's shards in another order than one rank: its recovered runs are
+    # compared with an undisturbed one-rank run on the fp32 tiny model (tokens); the rest
+    # with each request alone in the default configuration.
     want, on = (request.getfixturevalue("undisturbed"), model) if dcp > 1 else (request.getfixturevalue("alone"), None)
     out, rec = run(on, kills, repeat_first=True, pcp_size=pcp, dcp_size=dcp)
     assert out == want, kills

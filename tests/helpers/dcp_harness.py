@@ -2,10 +2,10 @@
 rank computed: rank 0's logits and each rank's KV cache.
 
 One set of processes forms groups of several sizes in turn, and each group
-runs many jobs (model, cp_interleave, pcp_min_tokens, how split rows reach
-their context) one after the other, each with a fresh ModelRunner (and KV cache)
-over the same process group and the same loaded models: starting processes
-and loading models is what costs time on a small machine.
+runs many jobs (model, cp_interleave, pcp_min_tokens) one after the other,
+each with a fresh ModelRunner (and KV cache) over the same process group and
+the same loaded models: starting processes and loading models is what costs
+time on a small machine.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxpar.layers.sharded_context import GatherPolicy
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
@@ -36,8 +35,7 @@ class Job:
     dcp_size: int = 1  # run_groups sets it to each group's size
     cp_interleave: int = 1
     pcp_min_tokens: int = 0
-    # Split rows with cached context: pass-Q unless a test asks for the other path or the rule.
-    context_gather: GatherPolicy = GatherPolicy("pass_q")
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -64,7 +62,7 @@ def _runner(model_dir: str, group, job: Job):
         pcp_min_tokens=job.pcp_min_tokens,
         dcp_size=job.dcp_size,
         cp_interleave=job.cp_interleave,
-        context_gather=job.context_gather,
+        kv_cache_dtype=job.kv_cache_dtype,
     )
     return ModelRunner(_model(model_dir), options, torch.device("cpu"), group)
 

@@ -35,12 +35,18 @@ STEPS = [
 
 
 def scripted_plans(
-    vocab: int, seed: int = 0, prompt_len: dict[int, int] = PROMPT_LEN, steps: list[list[tuple[int, int]]] = STEPS
+    vocab: int,
+    seed: int = 0,
+    prompt_len: dict[int, int] = PROMPT_LEN,
+    steps: list[list[tuple[int, int]]] = STEPS,
+    same_tokens: dict[int, int] | None = None,
 ) -> list[StepPlan]:
     """One StepPlan per step of ``steps`` (rows of (request, tokens computed), in
-    order); a request computes its prompt (``prompt_len``) and then decodes."""
+    order); a request computes its prompt (``prompt_len``) and then decodes.
+    same_tokens: {request: an earlier request whose token ids it repeats}."""
     rng = np.random.default_rng(seed)
     tokens = {r: rng.integers(0, vocab, size=n + 8).tolist() for r, n in prompt_len.items()}
+    tokens.update({r: tokens[other] for r, other in (same_tokens or {}).items()})
     computed = {r: 0 for r in prompt_len}
     plans = []
     for rows in steps:

@@ -1,14 +1,13 @@
 """Decode context parallelism on real ranks (gloo): with the KV cache sharded
 over D = P ranks, teacher-forced logits equal one rank's, and the union of the
-ranks' shards is the one-rank cache, entry for entry, each entry stored once.
+ranks' shards is the one-rank cache, entry for entry, each entry stored once;
+and a token's logits are the same bits however its steps are cut.
 
 The script (pcp_harness.scripted_plans) mixes decodes, fresh prefills,
 continued chunks and prompts of 3 and 5 tokens, shorter than D·I for the
 larger interleaves (some ranks' shards of them are empty). pcp_min_tokens=25
 replicates its short prompts instead of splitting them (multi-token rows with
-queries on every rank). Split rows with cached context take the pass-Q path
-here (dcp_harness.Job's default); tests/parallel/test_dcp_gather.py covers gathering
-the context instead, and the rule that picks between them.
+queries on every rank).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 
 from ctxpar.parallel.dcp_shard import DCPShard
 from helpers.dcp_harness import Job, run_groups, run_single, shard_slots
+from helpers.models import TINY_COMMON, save_tiny_model
 from helpers.pcp_harness import BLOCK_SIZE, four_families, scripted_plans
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server
@@ -103,3 +103,41 @@ def test_pytorch_path_without_kernels_matches_one_rank(model_dirs, plans, single
             torch.testing.assert_close(
                 g, w, atol=1e-5 * w.abs().max().item(), rtol=0, msg=lambda m: f"step {step}: {m}"
             )
+
+
+# Requests 3-5 repeat 0-2's tokens. Alone: each prompt in one step, then decodes. Mixed:
+# the prompts cut elsewhere and side by side (the context boundary moves), decodes among
+# them, and a two-token row past a prompt (a verify of a draft).
+ALONE = [[(0, 37)], [(0, 1)], [(0, 1)], [(1, 21)], [(1, 1)], [(1, 1)], [(2, 50)], [(2, 1)], [(2, 1)]]
+MIXED = [[(3, 10), (4, 21)], [(3, 27), (4, 1), (5, 7)], [(3, 1), (5, 30), (4, 1)], [(5, 13), (3, 1)], [(5, 2)]]
+
+
+def logits_by_position(plans, steps, prompt_len, logits) -> dict[tuple[int, int], torch.Tensor]:
+    """{(request mod 3, position): logits row} of every row that computed logits."""
+    done, got = dict.fromkeys(prompt_len, 0), {}
+    for rows, step in zip(steps, logits):
+        wanted = [(r, done[r] + n - 1) for r, n in rows if done[r] + n >= prompt_len[r]]
+        for (r, pos), row in zip(wanted, step):
+            got[r % 3, pos] = row
+        for r, n in rows:
+            done[r] += n
+    return got
+
+
+def test_a_tokens_bits_do_not_depend_on_how_its_steps_are_cut(tmp_path):
+    """A tiny Llama whose heads the compiled kernels take (head_dim 64), P = D = 2, an
+    fp32 and an int8 cache: every logits row the two scripts both compute is ==."""
+    from transformers import LlamaConfig
+
+    model = str(save_tiny_model(LlamaConfig(**TINY_COMMON, head_dim=64, tie_word_embeddings=False), tmp_path / "m"))
+    prompt_len = {0: 37, 1: 21, 2: 50, 3: 37, 4: 21, 5: 50}
+    plans = scripted_plans(256, 0, prompt_len, ALONE + MIXED, same_tokens={3: 0, 4: 1, 5: 2})
+    jobs = [Job(model), Job(model, kv_cache_dtype="int8")]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for res in run_groups([2], jobs, plans, runs)[2]:
+        alone = logits_by_position(plans, ALONE, prompt_len, res.logits[: len(ALONE)])
+        mixed = logits_by_position(plans, MIXED, prompt_len, res.logits[len(ALONE) :])
+        assert len(set(alone) & set(mixed)) == 8
+        for key in set(alone) & set(mixed):
+            assert torch.equal(alone[key], mixed[key]), key

@@ -1,8 +1,8 @@
 """Structured outputs across ranks: the mask is applied where sampling happens (rank 0),
 so at P = 2 and under DCP (D = 2) every output validates and has the tokens of one
 rank, greedy and seeded alike. DCP merges its shards in another order than one rank,
-which int8 activations can turn into another token at a near-tie (outside the
-same-bits guarantee: docs/architecture.md), so it runs on the file dequantized."""
+which int8 activations can turn into another token at a near-tie (DCP's bits are its
+own, not one rank's: docs/architecture.md), so it runs on the file dequantized."""
 
 from __future__ import annotations
 
