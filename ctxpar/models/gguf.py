@@ -233,10 +233,14 @@ def gguf_weights(
             raw = t.data  # (rows, blocks * bytes), mapped
             if n_head is not None:
                 raw = unpermute(raw, n_head)
-            yield name, QuantWeight.from_blocks(raw, kind, int(t.shape[0]))
+            weight = QuantWeight.from_blocks(raw, kind, int(t.shape[0]))  # a copy: the map's pages can go
+            reader.release(t)
+            yield name, weight
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         w = np.asarray(dequantize(t.data, t.kind), dtype=np.float32).reshape(shape)
         if n_head is not None:
             w = unpermute(w, n_head)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        copy = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        reader.release(t)
+        yield name, copy

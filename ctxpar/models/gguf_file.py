@@ -37,6 +37,7 @@ class GGUFTensor:
     kind: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # innermost first, as the file lists it
     data: np.ndarray  # (rows, bytes a row) uint8: a view of the mapped file
+    offset: int  # of its first byte in the file
 
 
 class GGUFFile:
@@ -79,7 +80,15 @@ class GGUFFile:
             at = start + offset
             if dims[0] % block or at + rows * row_bytes > len(whole):
                 raise ValueError(f"tensor {name!r} ({kind.name}, {dims}) lies outside the file or splits a block")
-            self.tensors.append(GGUFTensor(name, kind, dims, whole[at : at + rows * row_bytes].reshape(rows, -1)))
+            self.tensors.append(GGUFTensor(name, kind, dims, whole[at : at + rows * row_bytes].reshape(rows, -1), at))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's mapping (the page cache keeps
+        them): once its bytes are copied into the kernel's layout, the mapped copy
+        would count twice in the process's memory. Reading it again faults them back."""
+        first = tensor.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(self._map), tensor.offset + tensor.data.nbytes)
+        self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def _take(self, n: int) -> bytes:
         if self._pos + n > len(self._map):

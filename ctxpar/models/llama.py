@@ -228,7 +228,10 @@ class LlamaForCausalLM(nn.Module):
             if tuple(tensor.shape) != expected:
                 raise CtxparError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
             if isinstance(tensor, QuantWeight):
-                quantized.setdefault(id(param), []).append((start, tensor))
+                parts = quantized.setdefault(id(param), [])
+                parts.append((start, tensor))
+                if sum(w.out_features for _, w in parts) == param.shape[0]:  # whole: joined now, parts freed
+                    self._place_quantized(param, quantized.pop(id(param)))
             else:
                 param[start : start + rows].copy_(tensor)
             missing.discard(name)
@@ -238,28 +241,25 @@ class LlamaForCausalLM(nn.Module):
                 f"{len(missing)} missing tensor(s) {sorted(missing)[:5]}, "
                 f"{len(unexpected)} unexpected tensor(s) {sorted(unexpected)[:5]}"
             )
-        self._place_quantized(quantized)
-
-    def _place_quantized(self, quantized: dict[int, list[tuple[int, QuantWeight]]]) -> None:
-        """Each parameter whose rows all came quantized becomes one QuantWeight (the
-        parts of a fused one joined, layers/quant_linear.py's ``concat``), a plain
-        attribute in the parameter's place; one with float rows too gets the
-        quantized parts dequantized into it (the float path, as exact)."""
-        owners = {id(p): (m, n) for m in self.modules() for n, p in m._parameters.items() if p is not None}
+        # Left: parameters whose rows came partly as floats. Their quantized parts are
+        # dequantized into them (the float path, as exact).
+        params = {id(p): p for p, _, _ in targets.values()}
         for key, parts in quantized.items():
-            module, name = owners[key]
-            param = getattr(module, name)
-            parts.sort(key=lambda part: part[0])
-            if sum(w.out_features for _, w in parts) != param.shape[0]:
-                for start, w in parts:
-                    param[start : start + w.out_features].copy_(w.dequantize())
-                continue
-            joined = parts[0][1] if len(parts) == 1 else concat([w for _, w in parts])
-            for m in self.modules():  # every name it goes by (tied embeddings: embed_tokens and lm_head)
-                for n, p in list(m._parameters.items()):
-                    if p is param:
-                        delattr(m, n)
-                        setattr(m, n, joined)
+            for start, w in parts:
+                params[key][start : start + w.out_features].copy_(w.dequantize())
+
+    def _place_quantized(self, param: torch.nn.Parameter, parts: list[tuple[int, QuantWeight]]) -> None:
+        """A parameter whose rows all came quantized becomes one QuantWeight (the parts
+        of a fused one joined, layers/quant_linear.py's ``concat``), a plain attribute
+        in the parameter's place, as soon as its last part arrives: the parts are freed
+        then, not after the whole model (which would hold two copies of it at once)."""
+        parts.sort(key=lambda part: part[0])
+        joined = parts[0][1] if len(parts) == 1 else concat([w for _, w in parts])
+        for m in self.modules():  # every name it goes by (tied embeddings: embed_tokens and lm_head)
+            for n, p in list(m._parameters.items()):
+                if p is param:
+                    delattr(m, n)
+                    setattr(m, n, joined)
 
 
 # Qwen2/Qwen3 are the same code; the config's model_type selects bias and q/k norm.
