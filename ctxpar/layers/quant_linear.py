@@ -14,7 +14,7 @@ to 8 bits.
 On the CPU every row count takes the one integer kernel (quant_gemv.cpp):
 a row's activations are rounded to int8 per block of 32 and multiplied by the
 weight's integers, a decode step's one row and a prefill's thousands alike, so
-a row's result never depends on how many rows share its step (DESIGN.md §7).
+a row's result never depends on how many rows share its step (docs/architecture.md, "The same bits whatever else runs").
 Elsewhere (GPUs, or ``CTXPAR_KERNELS=0``) the weight is dequantized for
 ``F.linear``.
 """
