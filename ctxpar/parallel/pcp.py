@@ -210,8 +210,9 @@ def plan_pcp_layout(
     )
     P = pcp_size
     kinds = _classify_rows(q, prefilling, P, replicate_below, spread_min_rows)
-    first, width = _split_groups(q[kinds.split_rows], kinds.split_rows, P, split_ranks)
-    off, length = _chunk_spans(q[kinds.split_rows], first, width, P)
+    qs = q[kinds.split_rows]  # (S,)
+    first, width = _split_groups(qs, kinds.split_rows, P, split_ranks)
+    off, length = _chunk_spans(qs, first, width, P)
     own = _own_rows(q, c, kinds.own_rows, _chunk_rows(c, kinds.split_rows, off, length), P)
     table = _row_table(q, kinds.rep_rows, own, P)
     qsl = _exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
