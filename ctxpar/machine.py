@@ -31,3 +31,29 @@ def cpu_info() -> CpuInfo:
     except OSError:
         pass
     return CpuInfo(model or platform.processor() or platform.machine(), flags)
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """A process's resident memory (bytes), by what backs it (Linux's /proc/PID/status)."""
+
+    resident: int  # VmRSS: all of it
+    anonymous: int  # RssAnon: its own heap (weights copied into the kernels' layout, the KV cache)
+    file_mapped: int  # RssFile: pages of mapped files (the page cache's: a GGUF being read)
+    shared: int  # RssShmem: shared memory (the PCP ranks' one copy of the weights)
+
+
+def memory_use(pid: int) -> MemoryUse | None:
+    """Process ``pid``'s MemoryUse, or None where /proc cannot tell (not Linux, gone)."""
+    fields: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    fields[key] = int(value.split()[0]) * 1024  # reported in kB
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 4:
+        return None
+    return MemoryUse(fields["VmRSS"], fields["RssAnon"], fields["RssFile"], fields["RssShmem"])

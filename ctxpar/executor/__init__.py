@@ -48,6 +48,10 @@ class Executor(Protocol):
         """Rank 0's KV of these blocks into every other rank's cache."""
         ...
 
+    def rank_pids(self) -> list[int | None]:
+        """Each rank's process id on this host, by rank (None: another host's, torchrun)."""
+        ...
+
     def close(self, graceful: bool = True) -> None:
         """Stop the ranks (politely, unless after a failure) and release them."""
         ...

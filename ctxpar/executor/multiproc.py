@@ -19,6 +19,7 @@ is interrupted.
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import socket
 import sys
@@ -178,6 +179,11 @@ class MultiRankExecutor:
         out = self._lead(sent, lambda _: self.runner.execute(plan))
         assert out is not None  # rank 0 always gets them
         return out
+
+    def rank_pids(self) -> list[int | None]:
+        if not self.launch.spawned:  # torchrun's ranks live on their own hosts
+            return [os.getpid()] + [None] * (self.size - 1)
+        return [os.getpid()] + [p.pid for p in self.procs[: self.size - 1]]
 
     def copy_kv(self, block_ids: np.ndarray) -> None:
         """Rank 0's KV (every model's cache) of these blocks into every other rank's:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,9 @@ class UniProcExecutor:
 
     def recover_lost_ranks(self) -> Regrouped:
         raise RankFailure("one rank in this process has no rank to lose")  # execute never raises RankFailure
+
+    def rank_pids(self) -> list[int | None]:
+        return [os.getpid()]
 
     def copy_kv(self, block_ids: np.ndarray) -> None:
         pass  # the only cache is rank 0's

@@ -48,6 +48,8 @@ def test_sharded_cache_holds_it_and_matches_one_rank(tiny_model_dirs, capsys):
         shown = capsys.readouterr().err
         assert f"{BYTES_PER_TOKEN // 2:g} bytes per token per rank" in shown and "384 tokens in all" in shown
         assert "P=2, D=2): pcp_min_tokens=50 (set), pcp_spread_min_rows=never (DCP" in shown
+        pids = engine.executor.rank_pids()  # each rank's memory, read from its own process
+        assert len(set(pids)) == 2 and all(f"rank {r}: resident " in shown for r in range(2))
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
         # The long request alone takes 19 of the 24 logical blocks: the others were preempted.
         assert engine.scheduler.num_preemptions > 0

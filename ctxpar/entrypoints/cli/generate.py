@@ -125,11 +125,32 @@ def _describe(llm, load_s: float) -> None:
         f"{sharding} = {tokens} tokens in all, {kv_mib:.0f} MiB per rank, "
         f"{tokens_per_gib(per_tok * model.num_kv_layers, D)} tokens per GiB of KV per rank",
     ]
+    lines += _memory_lines(engine.executor.rank_pids(), kv_mib)
     options = engine.executor.runner_options
     if options.policy is not None:
         led = " (ranks on one host lead steps without a split row)" if options.lead_threads is not None else ""
         lines.append(options.policy.describe() + led)
     print("\n".join(lines), file=sys.stderr)
+
+
+def _memory_lines(pids: list[int | None], kv_mib: float) -> list[str]:
+    """Each rank's resident memory by what backs it: its own copies (the weights in the
+    kernels' layout, the KV cache as it fills), mapped files, the ranks' shared weights."""
+    from ctxpar.machine import memory_use
+
+    lines = []
+    for rank, pid in enumerate(pids):
+        use = memory_use(pid) if pid is not None else None
+        if use is None:
+            lines.append(f"rank {rank}: memory not readable from this host; KV cache {kv_mib:.0f} MiB")
+            continue
+        mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+        lines.append(
+            f"rank {rank}: resident {mib(use.resident)} (own {mib(use.anonymous)}, mapped files "
+            f"{mib(use.file_mapped)}, shared with the other ranks {mib(use.shared)}); KV cache {kv_mib:.0f} MiB "
+            "allocated, resident as it fills"
+        )
+    return lines
 
 
 def prefix_cache_summary(engine) -> str:
