@@ -68,8 +68,9 @@ def environment(device) -> dict:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from ctxpar.bench.calibrate import calibrate
+    from ctxpar.costmodel.calibrate import calibrate
     from ctxpar.device import resolve_device
+    from ctxpar.entrypoints.cli.calibrate_host import host_overhead
     from ctxpar.errors import CtxparError
 
     device = resolve_device(args.device)
@@ -94,7 +95,9 @@ def run(args: argparse.Namespace) -> None:
         elif "calibrate" not in args.skip:
             progress = lambda line: print(line, flush=True)
             profile = guarded(
-                failures, "calibrate", lambda: calibrate(torch.get_num_threads(), "bf16", "shm", progress, device)
+                failures,
+                "calibrate",
+                lambda: calibrate(torch.get_num_threads(), "bf16", "shm", progress, host_overhead, device),
             )
             if profile is not None:
                 results["profile"] = json.loads(profile.to_json())

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ctxpar.bench.cuda_models import correctness_configs, guarded, save_random_model, transformers_greedy
+from ctxpar.bench.cuda_models import correctness_configs, guarded, transformers_greedy
+from ctxpar.models.random_checkpoint import save_random_model
 
 MODELS = ("smollm2", "qwen3", "deepseek-v3")  # correctness_configs' names
 TIE = 0.05  # a top-2 logit gap under this is a near-tie: two correct engines may pick either token

@@ -5,7 +5,6 @@ reported, not fatal."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,33 +68,6 @@ def correctness_configs(layers: int) -> dict[str, Any]:
             **none,
         ),
     }
-
-
-def save_random_model(config, path: Path, seed: int, scale: float = 2.0) -> Path:
-    """A random transformers model of ``config``, saved as a checkpoint: matrices times
-    ``scale`` (so that the top logits are rarely near-ties), vectors (zero biases, unit
-    norms) perturbed so that loading them is tested too."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(scale)
-            else:
-                p.add_(0.2 * torch.randn_like(p))
-    # A second's write: no progress bar in the middle of a command's lines (calibrate, bench links).
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(path)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    return path
 
 
 def transformers_greedy(model, prompt: list[int], max_new_tokens: int, device=None) -> tuple[list[int], Any]:

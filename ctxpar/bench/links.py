@@ -33,9 +33,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ctxpar.bench import netns
-from ctxpar.bench.links_driver import SLACK, SMALL_BYTES, fit_link
+from ctxpar.bench.links_driver import SLACK
 from ctxpar.checks import int_arg, positive_int
+from ctxpar.costmodel import netns
+from ctxpar.costmodel.calibrate_link import SMALL_BYTES, fit_link
 from ctxpar.errors import CtxparError
 
 Result = dict[str, Any]

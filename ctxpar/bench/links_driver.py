@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from ctxpar.costmodel.calibrate_link import measure_link
 
 if TYPE_CHECKING:
     from ctxpar import LLM
 
-SMALL_BYTES = 4 << 10  # an all-gather this small costs the link's latency alone
 SLACK = 16  # max_model_len = longest prompt + decode tokens + this
 
 
@@ -47,52 +46,6 @@ def kv_bytes_per_token(model: str) -> int:
         c = json.load(f)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return 2 * c["num_key_value_heads"] * head_dim * 4
-
-
-def best_of(fn: Callable[[], object], runs: int) -> float:
-    """Fastest of exactly ``runs`` calls (after one warm-up call): collectives need the
-    same count on every rank (here and in ctxpar calibrate's)."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def measure_link(step_bytes: list[int], world: int) -> dict[str, float]:
-    """Every rank: gloo all-gather times over the link, best of a few, per message size
-    (bytes per rank); the default process group is formed here and destroyed again
-    so that the engine can form its own."""
-    import torch
-    import torch.distributed as dist
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # env:// from torchrun
-    times: dict[str, float] = {}
-    try:
-        for size in sorted({SMALL_BYTES, *step_bytes}):
-            x = torch.zeros(size // 4)
-            out = torch.empty(world * x.numel())
-            times[str(size)] = best_of(lambda: gather(out, x), 20 if size <= 1 << 20 else 3)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return times
-
-
-def fit_link(times: dict[str, float]) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of all-gathers timed at two or more sizes, by bytes
-    per rank (each rank receives one message of each other rank): the smallest
-    message's time is the latency (it costs nothing else); the bandwidth is the
-    inverse slope of a least-squares line of time against bytes through every size."""
-    import numpy as np
-
-    sizes = sorted(times, key=int)
-    x, y = np.array([int(s) for s in sizes], dtype=float), np.array([times[s] for s in sizes])
-    slope = float(np.polyfit(x, y, 1)[0])
-    return times[sizes[0]], 1 / max(slope, 1e-15)
 
 
 def prompt_ids(n: int, vocab: int) -> list[int]:

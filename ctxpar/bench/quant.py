@@ -33,11 +33,11 @@ import argparse
 import time
 from typing import Any
 
-from ctxpar.bench.decode_timing import decode_step_seconds
 from ctxpar.bench.machine import describe_machine
 from ctxpar.bench.perplexity import perplexity_texts, prompt_perplexity
 from ctxpar.checks import positive_int
 from ctxpar.config import KV_CACHE_DTYPES
+from ctxpar.entrypoints.cli.calibrate_host import decode_step_seconds
 
 SETUPS: dict[str, dict[str, Any]] = {
     "gguf": dict(quantization="gguf"),
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from ctxpar import LLM
-    from ctxpar.bench.calibrate import read_bandwidth
+    from ctxpar.costmodel.calibrate import read_bandwidth
 
     if args.threads:
         torch.set_num_threads(args.threads)

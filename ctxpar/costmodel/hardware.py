@@ -55,7 +55,7 @@ class HardwareProfile:
     # launch and its LSE merge (measured as the gap between P ranks and 1/P of one).
     ring_step_overhead_s: float = 0.0
     # The host's cost of a forward step beyond its kernels' work (framework, launches,
-    # the engine's Python): once a step, and once a layer (ctxpar/bench/calibrate_host.py).
+    # the engine's Python): once a step, and once a layer (ctxpar/entrypoints/cli/calibrate_host.py).
     step_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     # Fixed cost of one row's attention in one layer (its kernel call, its context's slots):

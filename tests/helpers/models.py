@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxpar.bench.cuda_models import save_random_model
+from ctxpar.models.random_checkpoint import save_random_model
 
 TINY_COMMON = dict(
     vocab_size=256,

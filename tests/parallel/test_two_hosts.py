@@ -22,7 +22,7 @@ import uuid
 import pytest
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.bench.netns import kill_tree
+from ctxpar.costmodel.netns import kill_tree
 from helpers.workloads import long_prompts
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes or a server

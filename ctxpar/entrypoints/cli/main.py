@@ -17,7 +17,7 @@ from ctxpar.errors import CtxparError, RankFailure
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "calibrate": ("ctxpar.bench.calibrate_cli", "measure this machine and save a hardware profile"),
+    "calibrate": ("ctxpar.entrypoints.cli.calibrate", "measure this machine and save a hardware profile"),
     "estimate": ("ctxpar.entrypoints.cli.estimate", "predict TTFT, decode and memory of each CP layout"),
     "generate": ("ctxpar.entrypoints.cli.generate", "generate text, streamed to the terminal"),
     "plan": ("ctxpar.entrypoints.cli.plan", "show how a batch is split across PCP ranks"),

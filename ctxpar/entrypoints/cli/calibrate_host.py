@@ -9,18 +9,21 @@ in their layer count: their kernels take next to nothing, so a step's time is
 
     step_overhead_s + layers x layer_overhead_s
 
-and the two models give both terms. The engine is the real one (``LLM``, one rank),
-in the profile's dtype, on the profile's device.
+and the two models give both terms. The engine is the real one (``LLM``), in the
+profile's dtype, on the profile's device. The cost model's measurements
+(ctxpar/costmodel/calibrate.py) sit below the engine, so `ctxpar calibrate` hands
+them ``host_overhead``.
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ctxpar.bench.decode_timing import decode_step_seconds
+if TYPE_CHECKING:
+    import torch
 
 LAYERS = (2, 10)  # the two models' layer counts
 PROMPT, STEPS, RUNS = 16, 48, 3  # decode steps timed after a short prompt; best of RUNS
@@ -46,6 +49,32 @@ def _tiny_config(layers: int):
     )
 
 
+def decode_step_seconds(llm: Any, context: int, steps: int, seed: int) -> tuple[float, float]:
+    """Seconds per decode step of one request after `context` tokens, and the time of
+    its prefill (a fresh random prompt per seed: no prefix-cache hit). The prefill is
+    kept off the clock, which `LLM.generate` cannot do: the engine is stepped directly
+    (`ctxpar bench quant` reports the same figure)."""
+    import numpy as np
+
+    from ctxpar import SamplingParams
+
+    engine = llm.engine
+    ids = np.random.default_rng(seed).integers(0, engine.vocab_size, size=context).tolist()
+    engine.add_request(ids, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while all(len(q.output_token_ids) == 0 for q in engine.requests.values()):
+        engine.step()  # the prefill
+    prefill = time.perf_counter() - t0
+    engine.step()  # one decode step to warm up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds, prefill
+
+
 def decode_step_s(path: Path, dtype: str, device: torch.device, ranks: int = 1, threads: int | None = None) -> float:
     """Seconds of one decode step of the model at ``path`` on ``ranks`` ranks of ``threads``
     threads (one host: rank 0 leads the step): the best of RUNS runs of STEPS steps."""
@@ -68,7 +97,7 @@ def host_overhead(dtype: str, device: torch.device, ranks: int = 1, threads: int
     """(step_overhead_s, layer_overhead_s) of this host running ctxpar's engine in ``dtype``:
     one rank, or ``ranks`` of ``threads`` threads each sharing it, whose decode steps rank 0
     leads (the plan's broadcast to the ranks, the step's KV sent to them, included)."""
-    from ctxpar.bench.cuda_models import save_random_model
+    from ctxpar.models.random_checkpoint import save_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
         times = [

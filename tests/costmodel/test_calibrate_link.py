@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ctxpar.bench import calibrate as cal
-from ctxpar.bench.calibrate_link import measure_shaped_link
+from ctxpar.costmodel import calibrate as cal
 from ctxpar.costmodel import load_hardware, load_model_shape
+from ctxpar.costmodel.calibrate_link import measure_shaped_link
 from ctxpar.entrypoints.cli import main as cli
 from ctxpar.errors import RankFailure
 

@@ -17,6 +17,10 @@ that rate (as `ctxpar bench links`; needs root and iproute2, within
 ``--link-timeout`` seconds) and saves its latency and bandwidth as the
 profile's link.
 
+The rank's and the links' figures are measured by the cost model
+(ctxpar/costmodel/calibrate.py); the host's cost of a step through the engine
+(ctxpar/entrypoints/cli/calibrate_host.py).
+
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
 the bandwidth and the memory are the GPU's; the link is still measured between
 two host processes (NCCL between GPUs is not), which the profile says.
@@ -28,9 +32,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ctxpar.bench.calibrate_link import TIMEOUT_S
-from ctxpar.bench.netns import LINKS, check_tools
 from ctxpar.checks import max_threads, positive_int, usable_cores
+from ctxpar.costmodel.calibrate_link import TIMEOUT_S
+from ctxpar.costmodel.netns import LINKS, check_tools
 from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
 from ctxpar.errors import CtxparError
 from ctxpar.machine import cpu_info
@@ -86,8 +90,9 @@ def run(args: argparse.Namespace) -> None:
         raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
     if args.link in LINKS:
         check_tools()  # before half a minute of other measurements
-    from ctxpar.bench.calibrate import calibrate
+    from ctxpar.costmodel.calibrate import calibrate
     from ctxpar.device import auto_dtype, resolve_device
+    from ctxpar.entrypoints.cli.calibrate_host import host_overhead
 
     device = resolve_device(args.device)
     dtype = args.dtype or ("bf16" if auto_dtype(device.type) == "bfloat16" else "fp32")
@@ -96,7 +101,9 @@ def run(args: argparse.Namespace) -> None:
         import torch
 
         print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
-    profile = calibrate(threads, dtype, args.link, lambda line: print(line, flush=True), device, args.link_timeout)
+    profile = calibrate(
+        threads, dtype, args.link, lambda line: print(line, flush=True), host_overhead, device, args.link_timeout
+    )
     try:
         out.write_text(profile.to_json())
     except OSError as e:

@@ -1,18 +1,19 @@
-"""Measure this machine for the cost model: one rank's GEMM and attention FLOP/s,
-memory read bandwidth, the rate at which its decode projection reads weights, and
-the collective cost between two local ranks.
+"""Measure this machine for the cost model (`ctxpar calibrate`): one rank's GEMM and
+attention FLOP/s, memory read bandwidth, the rate at which its decode projection
+reads weights, and the collective cost between two local ranks.
 
 Each figure is the best of a few timed repetitions (a shared machine only ever
 makes things slower). Collectives are timed between two spawned processes for
 a small message (alpha: the latency) and a large one (beta: bytes/s), over
 gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
 with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
-network namespaces joined by that link (ctxpar/bench/calibrate_link.py).
-Last, the host's cost of a step beyond its kernels, once a step and once a layer
-(ctxpar/bench/calibrate_host.py). For ranks on one host (``link`` "shm") with
-fewer threads than the host has cores, the rates again with all of them: the
-profile's ``lead``, the rank that runs a step no prompt is split in for every
-rank sharing the host.
+network namespaces joined by that link (ctxpar/costmodel/calibrate_link.py).
+Last, the host's cost of a step beyond its kernels, once a step and once a layer:
+timed through the engine, which sits above the cost model, so the caller passes
+that measurement in (``host_overhead``: ctxpar/entrypoints/cli/calibrate_host.py).
+For ranks on one host (``link`` "shm") with fewer threads than the host has cores,
+the rates again with all of them: the profile's ``lead``, the rank that runs a
+step no prompt is split in for every rank sharing the host.
 
 On a GPU (``device="cuda"``) the rank's figures are the GPU's, at sizes that
 fill it (each timed call ends in a synchronize); the collectives are still
@@ -32,12 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxpar.bench.calibrate_host import host_overhead
-from ctxpar.bench.calibrate_link import TIMEOUT_S, measure_shaped_link
-from ctxpar.bench.links_driver import best_of, fit_link
-from ctxpar.bench.netns import LINKS
 from ctxpar.checks import machine_memory_bytes, usable_cores
+from ctxpar.costmodel.calibrate_link import TIMEOUT_S, best_of, fit_link, measure_shaped_link
 from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.costmodel.netns import LINKS
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
@@ -57,6 +56,9 @@ RUNS = {SMALL: 50, LARGE: 8}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor (as parallel/comm.py).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# (dtype, device, ranks, threads per rank) -> (step_overhead_s, layer_overhead_s): the host's
+# cost of a decode step beyond its kernels, for ranks sharing this host whose steps rank 0 leads.
+HostOverhead = Callable[[str, torch.device, int, int | None], tuple[float, float]]
 
 
 BUDGET_S = 1.5  # seconds of repeated calls per figure
@@ -210,12 +212,14 @@ def calibrate(
     dtype: str,
     link: str,
     progress: Callable[[str], None],
+    host_overhead: HostOverhead,
     device: torch.device = CPU,
     link_timeout_s: float = TIMEOUT_S,
 ) -> HardwareProfile:
     """Measure and return the profile of one rank running ``threads`` threads in ``dtype``
     (on ``device``: the CPU, or one GPU), its link ``link``: "shm", "gloo" (two local
-    processes) or a key of ctxpar.bench.netns.LINKS (measured within ``link_timeout_s``)."""
+    processes) or a key of ctxpar.costmodel.netns.LINKS (measured within ``link_timeout_s``);
+    the host's cost of a step is what ``host_overhead`` measures."""
     torch.set_num_threads(threads)
     notes: dict[str, float] = {"threads": threads}
     for name, torch_dtype in DTYPES.items():
@@ -242,7 +246,7 @@ def calibrate(
             f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
         )
     notes.update(costs)
-    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(dtype, device)
+    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(dtype, device, 1, None)
     progress(
         f"host cost of a step beyond its kernels: {notes['step_overhead_s'] * 1e3:.2f} ms "
         f"+ {notes['layer_overhead_s'] * 1e6:.0f} us a layer"
@@ -278,13 +282,15 @@ def calibrate(
     ranks = usable_cores() // threads
     if link != "shm" or device.type != "cpu" or ranks < 2:
         return profile
-    return replace(profile, lead=lead_profile(profile, ranks, progress))
+    return replace(profile, lead=lead_profile(profile, ranks, progress, host_overhead))
 
 
-def lead_profile(rank: HardwareProfile, ranks: int, progress: Callable[[str], None]) -> HardwareProfile:
+def lead_profile(
+    rank: HardwareProfile, ranks: int, progress: Callable[[str], None], host_overhead: HostOverhead
+) -> HardwareProfile:
     """The step rank 0 leads for ``ranks`` ranks like ``rank`` sharing this host: the rates
-    with all their threads, and the host's cost of such a step, measured through an
-    engine of that many ranks (ctxpar/bench/calibrate_host.py)."""
+    with all their threads, and the host's cost of such a step, measured by ``host_overhead``
+    through an engine of that many ranks."""
     dtype, own = DTYPES[rank.weight_dtype], int(rank.notes["threads"])
     threads = ranks * own
     torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ctxpar.bench import calibrate as cal
+from ctxpar.costmodel import calibrate as cal
 from ctxpar.entrypoints.cli.main import build_parser
 
 
@@ -39,7 +39,7 @@ def test_host_overhead_is_a_cost_a_step_and_a_layer(ranks: int) -> None:
     sharing this host (rank 0 leads each step): a step of the larger model costs the
     host some time, never nothing, and neither term is absurd. (The split between the
     two terms is a difference of two timings, which a busy machine can drive to 0.)"""
-    from ctxpar.bench.calibrate_host import LAYERS, host_overhead
+    from ctxpar.entrypoints.cli.calibrate_host import LAYERS, host_overhead
 
     step, layer = host_overhead("fp32", torch.device("cpu"), ranks, None if ranks == 1 else 1)
     assert 0 <= layer < 5e-3 and 0 <= step < 0.1 and step + LAYERS[1] * layer > 1e-5, (step, layer)
@@ -59,11 +59,11 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
         monkeypatch.setattr(cal, name, small)
     monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
     asked = []
-    monkeypatch.setattr(cal, "host_overhead", lambda *args: asked.append(args) or (1.5e-3, 16e-6))
+    host_overhead = lambda *args: asked.append(args) or (1.5e-3, 16e-6)
     before = torch.get_num_threads()
     rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
     lines: list[str] = []
-    lead = cal.lead_profile(rank, 2, lines.append)
+    lead = cal.lead_profile(rank, 2, lines.append, host_overhead)
     assert torch.get_num_threads() == before and lead.notes == {"threads": 2 * before, "ranks": 2}
     assert "a step led for 2 ranks" in lines[0]
     assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
