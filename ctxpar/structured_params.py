@@ -2,7 +2,7 @@
 
 Exactly one kind per request: a JSON schema, a regex, a list of choices, an
 EBNF grammar, any JSON object, or a structural tag. The engine turns it into a
-grammar (ctxpar/engine/structured_output.py) and masks, at every step, the
+grammar (ctxpar/engine/sample/structured_output.py) and masks, at every step, the
 tokens that would leave the grammar. Importable from ``ctxpar.sampling_params``
 as in vLLM.
 """

@@ -22,18 +22,18 @@ import torch
 
 from ctxpar.config import EngineConfig
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
-from ctxpar.engine.grammar import RequestGrammar
 from ctxpar.engine.output_processor import OutputProcessor, make_output
-from ctxpar.engine.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
 from ctxpar.engine.rank_loss import CacheRebuilt, RankLoss
 from ctxpar.engine.recovery import RankRecovery
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
-from ctxpar.engine.sampler import Sampler
+from ctxpar.engine.sample.grammar import RequestGrammar
+from ctxpar.engine.sample.prompt_logprobs import new_entries, split_logits, wants_prompt_logits
+from ctxpar.engine.sample.sampler import Sampler
+from ctxpar.engine.sample.structured_output import StructuredOutputs
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.engine.spec_decode import SpecDecoder, Verified
 from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.mtp import MTPProposer
-from ctxpar.engine.structured_output import StructuredOutputs
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.executor import start_executor

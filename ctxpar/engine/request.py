@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
-from ctxpar.engine.grammar import RequestGrammar
+from ctxpar.engine.sample.grammar import RequestGrammar
 from ctxpar.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from ctxpar.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None  # with logprobs (or best_of): sum of the sampled tokens'
-    # What the sampler's logits processing needs (ctxpar.engine.sampler.TokenHistory).
+    # What the sampler's logits processing needs (ctxpar.engine.sample.sampler.TokenHistory).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     min_tokens_banned: list[int] = field(default_factory=list)  # EOS and stop ids, banned until min_tokens
     detokenizer: IncrementalDetokenizer | None = None

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import xgrammar as xgr
 
-from ctxpar.engine.grammar_cache import GrammarCache, key_bytes
-from ctxpar.engine.structured_output import StructuredOutputs
+from ctxpar.engine.sample.grammar_cache import GrammarCache, key_bytes
+from ctxpar.engine.sample.structured_output import StructuredOutputs
 from ctxpar.sampling_params import StructuredOutputsParams
 from helpers.tiny_tokenizer import byte_tokenizer
 

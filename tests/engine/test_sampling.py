@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ctxpar.engine.sampler import Sampler, apply_filters, compute_logprobs
+from ctxpar.engine.sample.sampler import Sampler, apply_filters, compute_logprobs
 from ctxpar.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.engine.sampler import apply_filters
-from ctxpar.engine.spec_decode.rejection import DraftedHistory, verify_row
+from ctxpar.engine.sample.rejection import DraftedHistory, verify_row
+from ctxpar.engine.sample.sampler import apply_filters
 from helpers.workloads import SMALL
 
 NO_HISTORY = DraftedHistory([0], [], [], [])

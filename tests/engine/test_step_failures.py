@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ctxpar.engine.sampler as sampler_module
+import ctxpar.engine.sample.sampler as sampler_module
 from ctxpar import LLM, SamplingParams
 from ctxpar.worker.step_plan import StepPlan
 from helpers.step_failures import CONFIG, GREEDY, SEEDED, prompt

@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ctxpar import LLM
-from ctxpar.engine.grammar_cache import GrammarCache
+from ctxpar.engine.sample.grammar_cache import GrammarCache
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams, StructuredOutputsParams
 from helpers.structured import SCHEMAS, check_json

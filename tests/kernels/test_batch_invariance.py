@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxpar import kernels
-from ctxpar.engine.sampler import logprobs_of
+from ctxpar.engine.sample.sampler import logprobs_of
 from ctxpar.kernels import elementwise, kv_cache, quant
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight

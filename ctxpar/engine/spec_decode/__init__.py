@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from ctxpar.engine.request import Request
-from ctxpar.engine.sampler import logprobs_of
+from ctxpar.engine.sample.rejection import verify_row
+from ctxpar.engine.sample.sampler import logprobs_of
 from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.spec_decode.ngram import propose_ngram
-from ctxpar.engine.spec_decode.rejection import verify_row
 from ctxpar.outputs import Logprob
 from ctxpar.speculative_config import SpeculativeConfig
 from ctxpar.worker.step_plan import StepPlan

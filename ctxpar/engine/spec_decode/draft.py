@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ctxpar.engine.request import Request
-from ctxpar.engine.sampler import apply_filters, apply_logits_processing
-from ctxpar.engine.spec_decode.rejection import drafted_history
+from ctxpar.engine.sample.rejection import drafted_history
+from ctxpar.engine.sample.sampler import apply_filters, apply_logits_processing
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 

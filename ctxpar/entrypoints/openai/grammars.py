@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ctxpar.engine.structured_output import StructuredOutputs
+from ctxpar.engine.sample.structured_output import StructuredOutputs
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.structured_params import StructuredOutputsParams
 

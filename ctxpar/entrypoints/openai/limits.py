@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from ctxpar.engine.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
+from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.errors import CtxparError
 

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from ctxpar.engine.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S, GrammarCache
+from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S, GrammarCache
 from ctxpar.errors import CtxparError
 from ctxpar.structured_params import StructuredOutputsParams
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxpar.engine.request import Request, RequestGroup
-from ctxpar.engine.sampler import logprobs_of
+from ctxpar.engine.sample.sampler import logprobs_of
 from ctxpar.outputs import Logprob
 from ctxpar.worker.step_plan import StepPlan
 

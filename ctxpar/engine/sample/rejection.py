@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxpar.engine.sampler import TokenHistory, apply_filters, apply_logits_processing
+from ctxpar.engine.sample.sampler import TokenHistory, apply_filters, apply_logits_processing
 from ctxpar.sampling_params import SamplingParams
 
 

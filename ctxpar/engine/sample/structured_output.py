@@ -1,4 +1,4 @@
-"""The engine's side of constrained decoding (the grammars themselves: ctxpar/engine/grammar.py).
+"""The engine's side of constrained decoding (the grammars themselves: ctxpar/engine/sample/grammar.py).
 
 A constrained request is held until its grammar is compiled (on the backend's
 worker thread, so a new schema does not stall the requests already running),
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ctxpar.engine.grammar import GrammarBackend, apply_bitmasks
-from ctxpar.engine.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
 from ctxpar.engine.request import Request, RequestGroup
+from ctxpar.engine.sample.grammar import GrammarBackend, apply_bitmasks
+from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
 from ctxpar.structured_params import StructuredOutputsParams
 
 
