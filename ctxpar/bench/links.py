@@ -159,7 +159,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.long import _model
+    from ctxpar.bench.long import save_smollm2_shaped
     from ctxpar.bench.machine import describe_machine
 
     netns.check_tools()
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
     )
     # The namespaces first: where they cannot be made, say so before minutes of P = 1.
     with tempfile.TemporaryDirectory(prefix="ctxpar-links-") as tmp, netns.linked_hosts(most) as hosts:
-        model = _model(Path(tmp), args.layers)
+        model = save_smollm2_shaped(Path(tmp), args.layers)
         t0 = time.monotonic()
         print("P=1 on core 0 ...", flush=True)
         cmd = ["taskset", "-c", "0", sys.executable, "-m", *_driver_args(model, args, 1, 1)]

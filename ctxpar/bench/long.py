@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tol", type=fraction, default=1e-4, metavar="X", help="largest logprob difference allowed")
 
 
-def _model(d: Path, layers: int) -> Path:
+def save_smollm2_shaped(d: Path, layers: int) -> Path:
+    """A random model of SmolLM2-135M's shapes with ``layers`` layers, saved in ``d``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
     )
     print(" P | D | TTFT (s) | same tokens | max |logprob - P=1|")
     with tempfile.TemporaryDirectory(prefix="ctxpar-long-") as tmp:
-        model = str(_model(Path(tmp), args.layers))
+        model = str(save_smollm2_shaped(Path(tmp), args.layers))
         first = None
         for pcp, dcp in configs:
             kv_bytes = 2 * args.layers * 2 * 3 * 64 * 4 * (args.context + 1024) // dcp  # K and V, fp32, + slack

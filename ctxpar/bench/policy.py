@@ -107,7 +107,7 @@ def _engine_times(model: str, pcp: int, setting: dict, workloads: dict, args: ar
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.long import _model
+    from ctxpar.bench.long import save_smollm2_shaped
     from ctxpar.bench.machine import describe_machine
 
     print(describe_machine(), flush=True)
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="ctxpar-policy-") as tmp:
-        model = str(_model(Path(tmp), args.layers))
+        model = str(save_smollm2_shaped(Path(tmp), args.layers))
         for pcp in args.pcp:
             _report(pcp, _best_times(model, pcp, _workloads(pcp, args.long, args.short), args))
 

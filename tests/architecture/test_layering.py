@@ -1,9 +1,13 @@
 """The package's layout is its architecture: imports only point down the floors
 (entrypoints -> engine -> executor -> worker -> models -> layers -> parallel ->
 kernels -> the shared types), and no module imports itself back through others.
+The benchmarks (bench/) sit on top: they may use anything public, and nothing in
+the product imports them; the ``ctxpar`` command (ctxpar/cli.py) is where the two
+meet.
 
 The import graph is read from the source (every ``import`` statement, those
-inside functions included), not from what Python happened to load.
+inside functions included), not from what Python happened to load; so the
+commands and benchmarks are loaded by import statements, not from strings.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ FLOORS = [
 ]
 # The package's public re-exports may import from any floor.
 REEXPORTS = {"ctxpar", "ctxpar.cli"}
+BENCH = "ctxpar.bench"
 
 
 def module_name(path: Path) -> str:
@@ -105,3 +110,45 @@ def test_the_floors_are_the_folders():
     """Every subpackage is a floor (a new folder must be placed in FLOORS)."""
     folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == set(FLOORS)
+
+
+def test_nothing_in_the_product_imports_the_benchmarks():
+    """Only the ``ctxpar`` command registers them (`ctxpar bench`)."""
+    product = [
+        f"{m} imports {d}"
+        for m, deps in import_graph().items()
+        if m != "ctxpar.cli" and not m.startswith(BENCH)
+        for d in deps
+        if d == BENCH or d.startswith(BENCH + ".")
+    ]
+    assert not product, "\n".join(product)
+
+
+def private_names_imported(path: Path) -> list[str]:
+    """``from ctxpar.X import _name`` in the file at ``path``: another module's private name."""
+    return [
+        f"{node.module}.{a.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ctxpar")
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+
+
+def test_the_benchmarks_use_only_public_names():
+    """A benchmark measures what a user can run: it imports no module's private name (where it
+    needs the engine's internals, its comment says why)."""
+    private = [f"{p.relative_to(ROOT)}: {n}" for p in (ROOT / "bench").rglob("*.py") for n in private_names_imported(p)]
+    assert not private, "\n".join(private)
+
+
+def test_every_command_and_benchmark_is_an_import_the_graph_sees():
+    """The command tables load their modules by import statements (not importlib strings),
+    so the tests above check what each command and benchmark imports."""
+    from ctxpar.bench.registry import BENCHMARKS
+    from ctxpar.entrypoints.cli.main import COMMANDS
+
+    graph = import_graph()
+    for table, registry in ((COMMANDS, "ctxpar.entrypoints.cli.main"), (BENCHMARKS, "ctxpar.bench.registry")):
+        modules = {table.load(name).__name__ for name in table.help}
+        assert modules <= graph[registry], modules - graph[registry]

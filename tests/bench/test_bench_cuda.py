@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ctxpar.entrypoints.cli.main import main
+from ctxpar.cli import main
 
 
 def test_bench_cuda_on_the_cpu(tmp_path, monkeypatch) -> None:

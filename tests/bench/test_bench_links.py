@@ -15,10 +15,10 @@ import subprocess
 
 import pytest
 
-from ctxpar import LLM, SamplingParams
-from ctxpar.bench import links, netns
+from ctxpar import LLM, SamplingParams, cli
+from ctxpar.bench import links
 from ctxpar.bench.links_driver import prompt_ids
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar.costmodel import netns
 from ctxpar.errors import CtxparError
 
 pytestmark = pytest.mark.multiprocess  # torchrun and its rank processes

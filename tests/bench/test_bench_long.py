@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar import cli
 
 
 @pytest.mark.multiprocess

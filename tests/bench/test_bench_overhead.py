@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar import cli
 
 
 def test_prints_a_row_per_context_and_step(capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar import cli
 
 
 def test_decode_rows_and_the_kv_caches_perplexity(capsys):

@@ -43,7 +43,7 @@ def test_sweep_prints_each_level_and_the_ratios(tiny_model_dirs):
 
 
 def test_only_loopback_urls(capsys):
-    from ctxpar.entrypoints.cli import main as cli
+    from ctxpar import cli
 
     assert cli.main(["bench", "serve", "--url", "http://example.com:8000"]) == 2
     err = capsys.readouterr().err

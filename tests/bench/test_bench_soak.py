@@ -30,7 +30,7 @@ def test_short_soak_with_a_rank_killed_has_no_errors_and_frees_the_cache(tiny_mo
 
 
 def test_only_loopback_urls(capsys):
-    from ctxpar.entrypoints.cli import main as cli
+    from ctxpar import cli
 
     assert cli.main(["bench", "soak", "--url", "http://example.com:8000"]) == 2
     assert capsys.readouterr().err.startswith("error: --url must be an http:// loopback address")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from ctxpar import cli
 from ctxpar.costmodel import calibrate as cal
 from ctxpar.costmodel import load_hardware, load_model_shape
 from ctxpar.costmodel.calibrate_link import measure_shaped_link
-from ctxpar.entrypoints.cli import main as cli
 from ctxpar.errors import RankFailure
 
 pytestmark = pytest.mark.multiprocess  # ranks in namespaces, and calibrate's local ones

@@ -189,8 +189,8 @@ def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, 
 
 def test_bench_kernels_prints_ratios_of_equal_outputs(capsys: pytest.CaptureFixture[str]) -> None:
     """`ctxpar bench kernels`: every case timed both ways, outputs equal within 1e-5."""
+    from ctxpar import cli
     from ctxpar.bench.kernels import DECODE_CASES, ELEMENTWISE_TOKENS, PREFILL_CASES, PROJECTION_CASES
-    from ctxpar.entrypoints.cli import main as cli
 
     assert cli.main(["bench", "kernels", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -1,91 +1,116 @@
-"""The ``ctxpar`` command line.
+"""The ``ctxpar`` command line: the product's commands.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args)``. Modules keep heavy imports (torch, transformers) inside ``run``
-so that ``ctxpar --help`` answers instantly.
+so that ``ctxpar --help`` answers instantly. The ``ctxpar`` command itself
+(ctxpar/cli.py) adds the benchmarks, ``ctxpar bench``, which sit above the
+product: nothing here imports them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
 
 from ctxpar.errors import CtxparError, RankFailure
 
-# name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "calibrate": ("ctxpar.entrypoints.cli.calibrate", "measure this machine and save a hardware profile"),
-    "estimate": ("ctxpar.entrypoints.cli.estimate", "predict TTFT, decode and memory of each CP layout"),
-    "generate": ("ctxpar.entrypoints.cli.generate", "generate text, streamed to the terminal"),
-    "plan": ("ctxpar.entrypoints.cli.plan", "show how a batch is split across PCP ranks"),
-    "serve": ("ctxpar.entrypoints.cli.serve", "serve the model over an OpenAI-compatible HTTP API"),
-}
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "compare": ("ctxpar.bench.compare", "the same workload through ctxpar and vLLM's CPU build, side by side"),
-    "cuda": ("ctxpar.bench.cuda", "one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate"),
-    "dcp": ("ctxpar.bench.dcp", "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1"),
-    "kernels": ("ctxpar.bench.kernels", "the compiled attention kernels vs the PyTorch path they replace"),
-    "quant": (
-        "ctxpar.bench.quant",
-        "decode with a GGUF kept quantized vs dequantized to fp32 and bf16, as a multiple of its floor",
-    ),
-    "planner": ("ctxpar.bench.planner", "PCP layout planner: vectorised vs loop baseline"),
-    "policy": ("ctxpar.bench.policy", "the automatic PCP policy vs fixed settings: mixed, long and short workloads"),
-    "long": ("ctxpar.bench.long", "exactness at 32K tokens: P ranks and D = P against one rank, SmolLM2's shapes"),
-    "overhead": ("ctxpar.bench.overhead", "host work per step (scheduler, layout, slots) at 8K-128K cached tokens"),
-    "links": ("ctxpar.bench.links", "P = 2 on two namespaces over tbf-shaped links (1-100 Gbit/s, RDMA) vs one core"),
-    "recovery": ("ctxpar.bench.recovery", "a SIGKILLed rank: time to recover vs the prefill a restart redoes"),
-    "prefix": ("ctxpar.bench.prefix", "prefix caching: repeated-prefix TTFT and throughput, on vs off"),
-    "serve": ("ctxpar.bench.serve", "the HTTP server under a concurrency sweep vs offline LLM.generate"),
-    "soak": ("ctxpar.bench.soak", "the HTTP server under random request mixes and client aborts for a long time"),
-    "structured": ("ctxpar.bench.structured", "a batch of JSON-schema requests vs the same batch unconstrained"),
-    "spec": ("ctxpar.bench.spec", "speculative decoding (n-gram): decode tokens/s on vs off, copy and free text"),
-    "throughput": ("ctxpar.bench.throughput", "offline throughput vs transformers"),
-    "ttft": ("ctxpar.bench.ttft", "time to first token with PCP ranks vs one rank"),
-}
+
+@dataclass(frozen=True)
+class CommandTable:
+    """Subcommands: each one's one-line help, and ``load(name)``, which imports the named
+    command's module only when it is run (or every parser is built): a command does not
+    need the others' dependencies (serve's pydantic, say, on a GPU machine without them).
+    ``load`` spells each import out, not built from a string, so that the import graph
+    (tests/architecture/test_layering.py) sees every command's module."""
+
+    help: Mapping[str, str]
+    load: Callable[[str], ModuleType]
+    metavar: str = "COMMAND"  # what the usage line calls one (its parsed name's key: lowercase)
 
 
-def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help: str, load: bool = True) -> None:
+def _load_command(name: str) -> ModuleType:
+    match name:
+        case "calibrate":
+            from ctxpar.entrypoints.cli import calibrate
+
+            return calibrate
+        case "estimate":
+            from ctxpar.entrypoints.cli import estimate
+
+            return estimate
+        case "generate":
+            from ctxpar.entrypoints.cli import generate
+
+            return generate
+        case "plan":
+            from ctxpar.entrypoints.cli import plan
+
+            return plan
+        case "serve":
+            from ctxpar.entrypoints.cli import serve
+
+            return serve
+    raise KeyError(name)
+
+
+COMMANDS = CommandTable(
+    help={
+        "calibrate": "measure this machine and save a hardware profile",
+        "estimate": "predict TTFT, decode and memory of each CP layout",
+        "generate": "generate text, streamed to the terminal",
+        "plan": "show how a batch is split across PCP ranks",
+        "serve": "serve the model over an OpenAI-compatible HTTP API",
+    },
+    load=_load_command,
+)
+# A group of subcommands under one name (`ctxpar bench NAME`): name -> (one-line help, its table).
+Groups = Mapping[str, tuple[str, CommandTable]]
+
+
+def _add(subparsers: argparse._SubParsersAction, name: str, table: CommandTable, load: bool = True) -> None:
+    help = table.help[name]
     if not load:  # listed (its one-line help) but not imported: another command was named
         subparsers.add_parser(name, help=help)
         return
-    mod = importlib.import_module(module)
+    mod = table.load(name)
     p = subparsers.add_parser(name, help=help, description=(mod.__doc__ or help).strip().split("\n\n")[0])
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run)
 
 
-def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The parser of every command. With ``argv``, only the module of the command it
-    names is imported: a command does not need the others' dependencies (serve's
-    pydantic, say, on a GPU machine without them)."""
+def build_parser(argv: Sequence[str] | None = None, groups: Groups | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, and of every group's. With ``argv``, only the module
+    of the command it names is imported."""
     command = argv[0] if argv else None
-    benchmark = argv[1] if argv is not None and len(argv) > 1 and command == "bench" else None
     parser = argparse.ArgumentParser(
         prog="ctxpar",
         description="ctxpar: context-parallel LLM inference. Long prompts are split "
         "across ranks so time-to-first-token falls with the number of ranks, "
         "while the output stays exactly that of one rank.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help) in COMMANDS.items():
-        _add(sub, name, module, help, load=argv is None or name == command)
-    bench = sub.add_parser("bench", help="benchmarks that print a ratio against a baseline")
-    bench_sub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, (module, help) in BENCHMARKS.items():
-        _add(bench_sub, name, module, help, load=argv is None or name == benchmark)
+    sub = parser.add_subparsers(dest=COMMANDS.metavar.lower(), metavar=COMMANDS.metavar, required=True)
+    for name in COMMANDS.help:
+        _add(sub, name, COMMANDS, load=argv is None or name == command)
+    for group, (help, table) in (groups or {}).items():
+        named = argv[1] if argv is not None and len(argv) > 1 and command == group else None
+        group_sub = sub.add_parser(group, help=help).add_subparsers(
+            dest=table.metavar.lower(), metavar=table.metavar, required=True
+        )
+        for name in table.help:
+            _add(group_sub, name, table, load=argv is None or name == named)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand. Exit status: 0 ok, 2 a user mistake (CtxparError),
-    1 a runtime failure of the ranks (RankFailure), 130 interrupted (Ctrl-C);
-    each failure is one ``error: ...`` line on stderr, without a traceback."""
+def main(argv: list[str] | None = None, groups: Groups | None = None) -> int:
+    """Run one subcommand (of ``groups`` too). Exit status: 0 ok, 2 a user mistake
+    (CtxparError), 1 a runtime failure of the ranks (RankFailure), 130 interrupted
+    (Ctrl-C); each failure is one ``error: ...`` line on stderr, without a traceback."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args = build_parser(argv, groups).parse_args(argv)
     try:
         args._run(args)
     except CtxparError as e:
@@ -103,7 +128,3 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell tool killed by it
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

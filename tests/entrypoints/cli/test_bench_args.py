@@ -6,14 +6,14 @@ traceback. Nothing here loads a model except the KV-size case."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import subprocess
 import sys
 
 import pytest
 
+from ctxpar import cli
+from ctxpar.bench.registry import BENCHMARKS
 from ctxpar.checks import fraction
-from ctxpar.entrypoints.cli import main as cli
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
 # prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows.
@@ -33,7 +33,7 @@ ZERO_ALLOWED = {
 def options(bench: str) -> list[argparse.Action]:
     """The bench's options (flags), as its parser defines them."""
     parser = argparse.ArgumentParser()
-    importlib.import_module(cli.BENCHMARKS[bench][0]).add_arguments(parser)
+    BENCHMARKS.load(bench).add_arguments(parser)
     return [a for a in parser._actions if a.option_strings]
 
 
@@ -54,17 +54,17 @@ def numeric_options(bench: str) -> list[tuple[str, int]]:
 
 BENCH_CASES = [
     (bench, option, value, count)
-    for bench in cli.BENCHMARKS
+    for bench in BENCHMARKS.help
     for option, count in numeric_options(bench)
     for value in (["-1"] if (bench, option) in ZERO_ALLOWED else ["0", "-1"])
 ]
 
 
 def test_every_bench_has_numeric_options_covered():
-    assert {b for b, _, _, _ in BENCH_CASES} == set(cli.BENCHMARKS)
+    assert {b for b, _, _, _ in BENCH_CASES} == set(BENCHMARKS.help)
     assert len(BENCH_CASES) >= 20
     # A bare `type=int` accepts 0 and negatives: each option must use a validating type.
-    bare = [(b, a.dest) for b in cli.BENCHMARKS for a in typed_actions(b) if a.type in (int, float)]
+    bare = [(b, a.dest) for b in BENCHMARKS.help for a in typed_actions(b) if a.type in (int, float)]
     assert not bare
 
 

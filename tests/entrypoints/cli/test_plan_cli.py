@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar import cli
 
-
-@pytest.fixture(autouse=True)
-def only_planner_commands(monkeypatch: pytest.MonkeyPatch) -> None:
-    # build_parser imports every registered subcommand module; keep this test
-    # independent of the others (they have their own tests).
-    monkeypatch.setattr(cli, "COMMANDS", {"plan": cli.COMMANDS["plan"]})
-    monkeypatch.setattr(cli, "BENCHMARKS", {"planner": cli.BENCHMARKS["planner"]})
+# cli.main imports only the module of the command it is given: these tests need no other's.
 
 
 def test_single_prompt_two_ranks(capsys: pytest.CaptureFixture[str]) -> None:
