@@ -1,5 +1,8 @@
 """The benchmarks, `ctxpar bench NAME`: each a module with ``add_arguments(parser)``
 and ``run(args)``, as the product's commands (ctxpar/entrypoints/cli/main.py).
+A module is named for what it measures where the command's name alone would
+repeat a product module's (`ctxpar bench serve` is server_load.py, not a second
+serve.py).
 
 The ``ctxpar`` command (ctxpar/cli.py) lists them from BENCHMARKS' one-line help
 and imports only the one that is run: each needs what the others may not (vLLM,
@@ -34,17 +37,17 @@ def _load(name: str) -> ModuleType:
 
             return kernels
         case "quant":
-            from ctxpar.bench import quant
+            from ctxpar.bench import quantized_decode
 
-            return quant
+            return quantized_decode
         case "planner":
             from ctxpar.bench import planner
 
             return planner
         case "policy":
-            from ctxpar.bench import policy
+            from ctxpar.bench import policy_vs_fixed
 
-            return policy
+            return policy_vs_fixed
         case "long":
             from ctxpar.bench import long
 
@@ -58,17 +61,17 @@ def _load(name: str) -> ModuleType:
 
             return links
         case "recovery":
-            from ctxpar.bench import recovery
+            from ctxpar.bench import recovery_time
 
-            return recovery
+            return recovery_time
         case "prefix":
             from ctxpar.bench import prefix
 
             return prefix
         case "serve":
-            from ctxpar.bench import serve
+            from ctxpar.bench import server_load
 
-            return serve
+            return server_load
         case "soak":
             from ctxpar.bench import soak
 

@@ -147,7 +147,7 @@ class Tally:
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.machine import describe_machine
-    from ctxpar.bench.serve import free_port, percentile, start_server
+    from ctxpar.bench.server_load import free_port, percentile, start_server
     from ctxpar.errors import CtxparError
 
     url = urllib.parse.urlsplit(args.url or "http://127.0.0.1")
