@@ -1,9 +1,10 @@
 """The cost model: TTFT, decode step and memory per rank of a context-parallel
-layout, from a model's shape and a hardware profile (pure Python, no torch;
-``calibrate`` measures a profile and is imported on its own)."""
+layout, from a model's shape and a hardware profile (pure Python, no torch).
+`ctxpar calibrate`'s measurements of a profile (calibrate.py, calibrate_link.py,
+netns.py) use torch and are imported on their own."""
 
-from ctxpar.costmodel.estimate import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, layouts
 from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
+from ctxpar.costmodel.layout_estimates import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, layouts
 from ctxpar.costmodel.profiles import load_hardware
 from ctxpar.costmodel.shapes import ModelShape, load_model_shape, shape_from_hf_config
 from ctxpar.costmodel.timing import Breakdown

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ctxpar.costmodel.estimate import estimate
 from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.costmodel.layout_estimates import estimate
 from ctxpar.costmodel.published import META_CP_TTFT, META_HARDWARE, META_MODEL, PublishedTTFT
 from ctxpar.costmodel.shapes import ModelShape
 
