@@ -187,7 +187,7 @@ def speed(args: argparse.Namespace, device, tmp: Path, profile, failures: dict[s
     import torch
 
     from ctxpar import LLM, SamplingParams
-    from ctxpar.costmodel.shapes import load_model_shape
+    from ctxpar.costmodel import load_model_shape
     from ctxpar.costmodel.timing import decode_time, prefill_time
 
     config = speed_config(args)

@@ -48,6 +48,8 @@ def _decode_steps(llm, ids: list[int], batch: int, steps: int) -> tuple[float, f
     token each (prefix-cache hit), and the share of it spent in collectives."""
     from ctxpar import SamplingParams
 
+    # ctxpar's Engine stepped directly, and its PCP group's counters: the prefills stay off the
+    # clock and each decode step is timed alone, which LLM.generate and its metrics cannot do.
     engine = llm.engine
     group = getattr(engine.executor, "group", None)
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
@@ -88,6 +90,8 @@ def _patterns_rank(rank: int, port: int, shapes: list[tuple[str, int, int]], mod
     import torch
     import torch.distributed as dist
 
+    # The collectives alone, between two ranks of a PCP group with the model's head shapes:
+    # no engine runs these patterns but all-to-all.
     from ctxpar.models.loader import load_model
     from ctxpar.parallel.comm import Launch, PCPGroup
 
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> None:
     rows, capacity = {}, {}
     for name, kwargs, ttft in setups:
         with LLM(args.model, **common, **kwargs) as llm:
-            e = llm.engine
+            e = llm.engine  # the KV blocks and bytes per token the engine sized: not reported publicly
             D = e.config.dcp_size
             tokens = e.num_blocks * e.config.block_size * D
             per_request = -(-(n + args.steps + 2) // (e.config.block_size * D))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+# The layers' entry points, not the public API: the kernels are what is timed, one at a time.
 from ctxpar import kernels
 from ctxpar.bench.machine import describe_machine
 from ctxpar.checks import positive_int

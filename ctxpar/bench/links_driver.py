@@ -16,6 +16,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+from ctxpar.bench.llm_readings import vocab_size
 from ctxpar.costmodel.calibrate_link import measure_link
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ def _measure(llm: LLM, n: int, decode_tokens: int, vocab: int) -> dict[str, obje
     from ctxpar import SamplingParams
 
     assert llm.engine is not None  # open: inside its with block
+    # The PCP group itself, not LLM.get_metrics(): the prefill's all-gathers are counted apart
+    # from the other data collectives, which the public metrics sum.
     group = getattr(llm.engine.executor, "group", None)
     prompt = prompt_ids(n, vocab)
     params = SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
@@ -115,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.chunk,
         kv_cache_bytes=kv,
     ) as llm:  # ranks other than 0 serve in here and exit when rank 0 closes it
-        assert llm.engine is not None
-        vocab = llm.engine.vocab_size
+        vocab = vocab_size(llm)
         _measure(llm, 256, 2, vocab)  # warm-up: kernels built, buffers allocated
         for n in sorted(args.lengths):
             _emit("PROGRESS", f"P={args.pcp} D={args.dcp}: prefilling {n} tokens")

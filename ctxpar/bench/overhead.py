@@ -48,10 +48,13 @@ def _timer() -> tuple[dict[str, float], Callable[[str, float], float]]:
     return totals, lap
 
 
+# The engine's internals on purpose: this times the scheduler, the layout planner and the slot
+# arithmetic alone, without a model, which no public call can do.
+
+
 def _request(index: int, prompt: list[int]):
+    from ctxpar import RequestMetrics, SamplingParams
     from ctxpar.engine.request import Request
-    from ctxpar.outputs import RequestMetrics
-    from ctxpar.sampling_params import SamplingParams
 
     return Request(f"r{index}", prompt, SamplingParams(max_tokens=1 << 20), index, RequestMetrics(0.0), None)
 

@@ -93,7 +93,7 @@ def _engine_times(model: str, pcp: int, setting: dict, workloads: dict, args: ar
     # No prefix cache: every run computes its prompts in full.
     kwargs = dict(num_threads=1, max_num_batched_tokens=budget, enable_prefix_caching=False)
     with LLM(model, pcp_size=pcp, **kwargs, **setting) as llm:
-        if not setting:  # auto: what it derived
+        if not setting:  # auto: what it derived (the ranks' options: printed by nothing public)
             policy = llm.engine.executor.runner_options.policy
             print(f"    {policy.describe() if policy is not None else 'one rank'}", flush=True)
         llm.generate([{"prompt_token_ids": workloads["short"][0]}], params, use_tqdm=False)  # warm-up

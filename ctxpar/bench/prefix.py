@@ -69,34 +69,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _documents(llm, args: argparse.Namespace) -> list[list[int]]:
-    from ctxpar.bench.throughput import make_prompts
+    from ctxpar.bench.throughput import llm_prompts
 
-    engine = llm.engine
-    [doc] = make_prompts(engine.tokenizer, engine.vocab_size, 1, args.doc_tokens, args.doc_tokens, args.seed)
-    qs = make_prompts(
-        engine.tokenizer, engine.vocab_size, args.questions, args.question_tokens, args.question_tokens, args.seed + 1
-    )
+    [doc] = llm_prompts(llm, 1, args.doc_tokens, args.doc_tokens, args.seed)
+    qs = llm_prompts(llm, args.questions, args.question_tokens, args.question_tokens, args.seed + 1)
     return [doc + q for q in qs]
 
 
 def _warm_up(llm, args: argparse.Namespace) -> None:
     """One short unrelated request, so that no mode pays first-call costs."""
     from ctxpar import SamplingParams
-    from ctxpar.bench.throughput import make_prompts
+    from ctxpar.bench.throughput import llm_prompts
 
-    [p] = make_prompts(llm.engine.tokenizer, llm.engine.vocab_size, 1, 40, 40, args.seed + 4)
+    [p] = llm_prompts(llm, 1, 40, 40, args.seed + 4)
     llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
 
 
 def _shared(llm, args: argparse.Namespace) -> list[list[int]]:
-    from ctxpar.bench.throughput import make_prompts
+    from ctxpar.bench.throughput import llm_prompts
 
-    engine = llm.engine
-    [shared] = make_prompts(
-        engine.tokenizer, engine.vocab_size, 1, args.shared_tokens, args.shared_tokens, args.seed + 2
-    )
+    [shared] = llm_prompts(llm, 1, args.shared_tokens, args.shared_tokens, args.seed + 2)
     lo, hi = args.own_tokens
-    own = make_prompts(engine.tokenizer, engine.vocab_size, args.requests, lo, hi, args.seed + 3)
+    own = llm_prompts(llm, args.requests, lo, hi, args.seed + 3)
     return [shared + o for o in own]
 
 

@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> None:
                 kv: stack.enter_context(LLM(args.model, kv_cache_dtype=kv, enforce_eager=True, **kwargs))
                 for kv in (kvs if args.eager else [])
             }
+            # The loaded model's projections (their bytes, and one timed alone) and the engine's KV
+            # bytes per token: what the floor of a step is computed from, which nothing public reports.
             model = llms[kvs[0]].engine.loaded.model
             weights = weight_bytes(model)
             projections.append((name, projection_seconds(model), weights))

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from ctxpar.bench.llm_readings import vocab_size
 from ctxpar.checks import int_arg, max_threads, positive_int
 
 
@@ -45,13 +46,16 @@ def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
     if dcp > 1:
         kw["cp_interleave"] = args.cp_interleave
     with LLM(args.model, pcp_size=args.pcp, dcp_size=dcp, max_model_len=args.context + 64, **kw) as llm:
+        # LLMEngine steps (vLLM's API) so that the prefill and the decode steps are timed apart;
+        # the scheduler's queues tell when every prefill is done, and the executor which
+        # process is rank 1, to be killed: neither is public.
         engine, core = llm.llm_engine, llm.engine
         rng = np.random.default_rng(0)
         params = SamplingParams(max_tokens=args.decode_steps + 8, temperature=0, ignore_eos=True)
         engine.add_request("warm-up", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
         while engine.has_unfinished_requests():
             engine.step()
-        vocab = core.vocab_size
+        vocab = vocab_size(llm)
         for i in range(args.requests):
             engine.add_request(str(i), {"prompt_token_ids": rng.integers(0, vocab, args.context).tolist()}, params)
         t0 = time.perf_counter()

@@ -179,15 +179,12 @@ def start_server(
 def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], float, list[float]]:
     """Prompts, offline outputs, offline output tok/s, and each prompt's TTFT alone."""
     from ctxpar import LLM, SamplingParams
-    from ctxpar.bench.throughput import make_prompts
+    from ctxpar.bench.throughput import llm_prompts
 
     with LLM(
         args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False, quantization="none"
     ) as llm:
-        engine = llm.engine
-        prompts = make_prompts(
-            engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed
-        )
+        prompts = llm_prompts(llm, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         t0 = time.perf_counter()

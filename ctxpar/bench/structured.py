@@ -87,7 +87,7 @@ def _compile_times(llm) -> tuple[float, float]:
     """Seconds to parse and compile a new schema, and to get it again from the cache."""
     from ctxpar.sampling_params import StructuredOutputsParams
 
-    backend = llm.engine.structured.backend
+    backend = llm.engine.structured.backend  # the compile alone: a request would time its decode too
     schema = dict(SCHEMAS[2], title=f"unseen-{time.time_ns()}")  # a key no earlier request had
     times = []
     for _ in range(2):

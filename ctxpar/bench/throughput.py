@@ -27,7 +27,9 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
+from ctxpar.bench.llm_readings import model_name, vocab_size
 from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
 
 
@@ -104,6 +106,11 @@ def make_prompts(tokenizer, vocab_size: int, n: int, lo: int, hi: int, seed: int
     pool = np.array([t for t in range(vocab_size) if t not in special])
     lengths = rng.integers(lo, hi + 1, n)
     return [rng.choice(pool, int(k)).tolist() for k in lengths]
+
+
+def llm_prompts(llm: Any, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """make_prompts for the model an open ``LLM`` serves."""
+    return make_prompts(llm.get_tokenizer(), vocab_size(llm), n, lo, hi, seed)
 
 
 def load_hf(model: str | None):
@@ -189,13 +196,10 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
         quantization="none",  # a GGUF dequantized: the figures of docs/benchmarks.md, and vLLM's model
         **spread,
     ) as llm:
-        engine = llm.engine
-        prompts = make_prompts(
-            engine.tokenizer, engine.vocab_size, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed
-        )
+        prompts = llm_prompts(llm, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         print(
-            f"model {engine.loaded.name}, {threads} threads over {pcp} rank(s), "
+            f"model {model_name(llm)}, {threads} threads over {pcp} rank(s), "
             f"{len(prompts)} prompts of {min(map(len, prompts))}-"
             f"{max(map(len, prompts))} tokens (sum {sum(map(len, prompts))}), {args.output_len} output tokens each"
         )
@@ -209,7 +213,7 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
         pre, long = None, None
         if args.prefill_len:
             n = args.prefill_len
-            [long] = make_prompts(engine.tokenizer, engine.vocab_size, 1, n, n, args.seed + 1)
+            [long] = llm_prompts(llm, 1, n, n, args.seed + 1)
             [o] = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
             pre = o.metrics.ttft
             print(f"ctxpar P={pcp} prefill of {len(long)} tokens: {pre:.3f} s ({len(long) / pre:.0f} tok/s)")

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from ctxpar.bench.llm_readings import collective_seconds, vocab_size
 from ctxpar.checks import nonnegative_int, positive_int
 
 # Prefix caching off: the repeats of one prompt would time a cache hit, not a prefill. A GGUF
@@ -53,22 +54,20 @@ def _first_token(llm, ids: list[int], repeat: int) -> tuple[float, float]:
     from ctxpar import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    group = getattr(llm.engine.executor, "group", None)
     best, comm = float("inf"), 0.0
     for _ in range(repeat):
-        c0 = group.comm_seconds if group else 0.0
+        c0 = collective_seconds(llm)
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
         dt = time.perf_counter() - t0
         if dt < best:
-            best, comm = dt, (group.comm_seconds - c0 if group else 0.0)
+            best, comm = dt, collective_seconds(llm) - c0
     return best, comm
 
 
 def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int) -> dict:
     from ctxpar import SamplingParams
 
-    group = getattr(llm.engine.executor, "group", None)
     _first_token(llm, prompts[min(prompts)][:256], 1)  # warm up
     result: dict = {}
     for n, ids in prompts.items():
@@ -76,12 +75,12 @@ def _measure(llm, prompts: dict[int, list[int]], repeat: int, decode_steps: int)
         result[n] = (best, comm / best)
     short = prompts[min(prompts)][:64]
     t_first, _ = _first_token(llm, short, 1)
-    b0 = group.control_seconds if group else 0.0
+    b0 = collective_seconds(llm, "control")
     t0 = time.perf_counter()
     decode = SamplingParams(max_tokens=1 + decode_steps, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": short}], decode, use_tqdm=False)
     result["decode"] = (time.perf_counter() - t0 - t_first) / decode_steps
-    result["broadcast"] = (group.control_seconds - b0) / (decode_steps + 1) if group else 0.0
+    result["broadcast"] = (collective_seconds(llm, "control") - b0) / (decode_steps + 1)
     return result
 
 
@@ -92,7 +91,7 @@ def _short_prompts(args: argparse.Namespace) -> None:
     times = {}
     for mode, min_tokens in (("split", 0), ("replicated", 1 << 30)):
         with LLM(args.model, pcp_size=2, num_threads=1, pcp_min_tokens=min_tokens, **EXACT) as llm:
-            prompts = _prompts(args.short, llm.engine.vocab_size, seed=1)
+            prompts = _prompts(args.short, vocab_size(llm), seed=1)
             _first_token(llm, prompts[min(prompts)], 1)  # warm up
             for n, ids in prompts.items():
                 times[mode, n] = _first_token(llm, ids, max(3, args.repeat))[0]
@@ -119,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
     results = {}
     for name, kwargs in setups:
         with LLM(args.model, **common, **kwargs) as llm:
-            prompts = _prompts(args.lengths, llm.engine.vocab_size, seed=0)
+            prompts = _prompts(args.lengths, vocab_size(llm), seed=0)
             results[name] = _measure(llm, prompts, args.repeat, args.decode_steps)
             print(f"measured {name}", flush=True)
     base, two, pcp = (results[name] for name, _ in setups)
