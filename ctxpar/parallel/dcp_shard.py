@@ -41,22 +41,9 @@ class DCPShard:
         """Index of each position among its owner's tokens of the sequence."""
         return (pos // (self.size * self.interleave)) * self.interleave + pos % self.interleave
 
-    def local_len(self, seq_len: np.ndarray | int, rank: np.ndarray | int | None = None) -> np.ndarray:
-        """How many of positions [0, seq_len) ``rank`` (default: this rank) stores
-        (0 for a short sequence on a late rank)."""
+    def local_len(self, seq_len: np.ndarray | int) -> np.ndarray:
+        """How many of positions [0, seq_len) this rank stores (0 for a short sequence
+        on a late rank)."""
         DI, I = self.size * self.interleave, self.interleave
         rounds, rest = np.divmod(seq_len, DI)
-        return rounds * I + np.clip(rest - (self.rank if rank is None else rank) * I, 0, I)
-
-    def range_layout(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Positions [start, end) of a sequence as the ranks hold them: (D,) how
-        many of them each rank stores and (D,) its local index of the first one;
-        per position (end - start,) its owner and its index among the owner's
-        positions of the range. Rank o's j-th entry of the range is the position
-        with that owner and index: what de-interleaves the shards into position order."""
-        ranks = np.arange(self.size)
-        first = self.local_len(start, ranks)
-        counts = self.local_len(end, ranks) - first
-        pos = np.arange(start, end)
-        owner = self.owner(pos)
-        return counts, first, owner, self.local_position(pos) - first[owner]
+        return rounds * I + np.clip(rest - self.rank * I, 0, I)
