@@ -18,8 +18,8 @@ The cache of a layer is then (num_slots, row_bytes) uint8, one row per token:
     [ codes: the entry's values in order, 1 byte each, padded to 4 bytes | scales: float32 per run ]
 
 Rows are opaque bytes to everything that moves them (the cache writes, PCP's
-all-gather, DCP's context gather, prefix-cache reuse, a led step's broadcast), so
-those send the quantized bytes, never floats. The compiled attention kernels read
+all-gather, prefix-cache reuse, a led step's broadcast), so those send the
+quantized bytes, never floats. The compiled attention kernels read
 rows in place and dequantize a run of keys at a time (ctxpar/kernels); other
 paths call ``dequantize`` on the rows they attend.
 """
