@@ -1,8 +1,9 @@
 """The guarantee (README and docs/architecture.md, "The same bits whatever else runs"): a request's
 token ids, sample logprobs and prompt logprobs are the same bits alone and inside any
 mix of other requests, however its prompt is chunked (``max_num_batched_tokens``),
-whether its prefix came from the prefix cache, at any P, under DCP, and with
-speculative decoding, in every dtype, weight quantization and KV-cache dtype.
+whether its prefix came from the prefix cache, whether it was preempted and
+recomputed, at any P, under DCP, and with speculative decoding, in every dtype,
+weight quantization and KV-cache dtype.
 
 Each configuration runs four target requests (greedy with logprobs and prompt
 logprobs, seeded sampling, two sharing a long prefix) one at a time with the prefix
@@ -54,6 +55,8 @@ def in_a_mix(seed: int, **config) -> list[tuple]:
     with LLM(max_num_batched_tokens=24, **config) as llm:
         llm.generate([SHARED + "Warm the cache."], SamplingParams(max_tokens=2), use_tqdm=False)
         outs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
+        if "num_kv_blocks" in config:  # a cache too small for the mix: requests were preempted, recomputed
+            assert llm.engine.scheduler.num_preemptions > 0
     got = {i: key(o) for i, o in zip(order, outs)}
     return [got[i] for i in range(len(TARGETS))]
 
@@ -61,7 +64,15 @@ def in_a_mix(seed: int, **config) -> list[tuple]:
 # name: (the engine's settings, [the mixes' extra settings]). The default model is
 # SmolLM2's Q4_1 GGUF, its blocks kept quantized (the default configuration).
 CONFIGS = {
-    "gguf": ({}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}, {"pcp_size": 3, "pcp_min_tokens": 8}]),
+    "gguf": (
+        {},
+        [
+            {},
+            {"pcp_size": 2, "pcp_min_tokens": 8},
+            {"pcp_size": 3, "pcp_min_tokens": 8},
+            {"num_kv_blocks": 16, "max_model_len": 256},  # preemption: 256 tokens of KV for the whole mix
+        ],
+    ),
     "gguf-spec": ({}, [{"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}]),
     "gguf-int8-kv": ({"kv_cache_dtype": "int8"}, [{"pcp_size": 2, "pcp_min_tokens": 8}]),
     "fp32": ({"quantization": "none"}, [{}, {"pcp_size": 2, "pcp_min_tokens": 8}]),
