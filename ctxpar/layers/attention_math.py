@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ctxpar import kernels
 
@@ -37,8 +38,9 @@ def causal_attention(
     """
     inputs = kernel_inputs(q, k, v)
     if inputs is not None:
-        direct = out if out is not None and out.dtype == torch.float32 else None
-        result = kernels.prefill_attention(*inputs, scale, out=direct)[0]
+        widths = inputs[2].shape[-1] == v.shape[-1]  # unpadded: the kernel may write into `out`
+        direct = out if out is not None and out.dtype == torch.float32 and widths else None
+        result = kernels.prefill_attention(*inputs, scale, out=direct)[0][..., : v.shape[-1]]
     else:
         result = _torch_causal_attention(q, k, v, scale)
     if out is None:
@@ -51,11 +53,20 @@ def kernel_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q, k, v as the compiled prefill kernel takes them (fp32; bf16 widened), or None
     where it does not run (``causal_attention`` and DCP's ``attention_lse``). Unlike
-    PyTorch's CPU kernel, it takes V narrower than Q and K."""
+    PyTorch's CPU kernel, it takes V narrower than Q and K. Widths it does not take
+    are padded with zeros (Q and K to whole vectors, V to whole tiles: 16 and 64
+    floats cover every build), which add nothing to q·k; the caller cuts the padded
+    value columns off. So every width runs in the kernel, whose result for a query
+    does not depend on the queries beside it (PyTorch's does: MLA's 24-wide heads)."""
     if q.device.type != "cpu" or not kernels.available() or q.dtype not in (torch.float32, torch.bfloat16):
         return None
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
+    pad_qk, pad_v = -q.shape[-1] % 16, -v.shape[-1] % 64
+    if pad_qk:
+        q, k = F.pad(q, (0, pad_qk)), F.pad(k, (0, pad_qk))
+    if pad_v:
+        v = F.pad(v, (0, pad_v))
     return (q, k, v) if kernels.prefill_usable(q, k, v) else None
 
 
@@ -146,7 +157,8 @@ def attention_lse(
     """
     inputs = kernel_inputs(q, k, v)
     if inputs is not None:
-        return kernels.prefill_attention(*inputs, scale, counts=counts)
+        out, lse = kernels.prefill_attention(*inputs, scale, counts=counts)
+        return out[..., : v.shape[-1]], lse
     L, m, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     kh, vh = k.transpose(0, 1).repeat_interleave(rep, 0).float(), v.transpose(0, 1).repeat_interleave(rep, 0).float()
     outs, lses = [], []

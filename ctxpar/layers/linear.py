@@ -105,6 +105,23 @@ def pack_weight(module: nn.Module, name: str) -> None:
     setattr(module, name, weight)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (the checkpoint's names: ``weight``, ``bias``) computed by ``linear``. Once
+    ``pack_linears`` has packed it (after loading), its CPU product is ctxpar's panel kernel,
+    whose result for a row never depends on the rows beside it, where PyTorch's GEMMs pick
+    their blocking, and so their summation order, by the number of rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def pack_linears(module: nn.Module) -> None:
+    """Pack the weight of every ``Linear`` in ``module`` (``pack_weight``)."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            pack_weight(m, "weight")
+
+
 def row_parts(weight: Weight, parts: int) -> list[tuple[PanelWeight | QuantWeight, int, int]] | None:
     """A packed or quantized `weight` (out, in) cut into `parts` near-equal ranges of
     output rows, as views: (the range's weight, first row, end row) each; None for

@@ -43,6 +43,7 @@ from ctxpar.layers.attention import attend
 from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, from_cache
 from ctxpar.layers.kv_quant import KVQuant
+from ctxpar.layers.linear import Linear, Weight, can_pack, linear, pack_linears, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention, prompt_spans
 from ctxpar.layers.rotary import apply_rotary
@@ -94,21 +95,38 @@ class MLAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         H, h = config.hidden_size, self.num_heads
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, h * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(H, h * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(H, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers: default eps, not rms_norm_eps
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(H, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_head_dim, H, bias=bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), bias=False)
+        self.o_proj = Linear(h * self.v_head_dim, H, bias=bias)
+        self.heads_packed: tuple[list[Weight], list[Weight]] | None = None  # see pack
 
     # -- weights seen per head -------------------------------------------------
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as (h, nope, r) key and (h, v, r) value up-projections (views)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def pack(self) -> None:
+        """After loading: every projection packed (``pack_linears``), and kv_b_proj's per-head
+        up-projections as weights of their own, (r, nope) W_UK^T and (v, r) W_UV, which the
+        absorbed path multiplies by through ``linear``: the panel kernel, whose result for a
+        row does not depend on the rows beside it (``torch.bmm``'s does)."""
+        w_uk, w_uv = self._w_uk_uv()
+        if can_pack(w_uk):
+            heads = range(self.num_heads)
+            uk = [packed(w_uk[i].t().contiguous()) for i in heads]
+            self.heads_packed = (uk, [packed(w_uv[i].contiguous()) for i in heads])
+        pack_linears(self)
+
+    def _per_head(self, x: torch.Tensor, weights: list[Weight]) -> torch.Tensor:
+        """x (L, h, d) -> (L, h, out): head i's rows through weights[i]."""
+        return torch.stack([linear(x[:, i].contiguous(), w) for i, w in enumerate(weights)], dim=1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
@@ -164,22 +182,23 @@ class MLAttention(nn.Module):
         """q_nope (L, h, nope), q_pe (L, h, rope), kv (S, r + rope) -> (L, h, v)."""
         S, h = kv.shape[0], self.num_heads
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_up = F.linear(c_kv, self.kv_b_proj.weight).view(S, h, self.nope_dim + self.v_head_dim)
+        kv_up = self.kv_b_proj(c_kv).view(S, h, self.nope_dim + self.v_head_dim)
         k_nope, v = kv_up.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(S, h, self.rope_dim)], dim=-1)
         q, v = torch.cat([q_nope, q_pe], dim=-1), v.contiguous()
         if kernel_inputs(q, k, v) is None:  # PyTorch's CPU kernel needs Q, K and V of one width
-            d = max(self.qk_head_dim, self.v_head_dim)
-            if self.qk_head_dim < d:  # zero dims add nothing to q·k; the scale is explicit
-                q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
-            if self.v_head_dim < d:
-                v = F.pad(v, (0, d - self.v_head_dim))
+            d = max(self.qk_head_dim, self.v_head_dim)  # zero dims add nothing to q·k; the scale is explicit
+            q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
+            v = F.pad(v, (0, d - self.v_head_dim))
         return causal_attention(q, k, v, self.scale)[..., : self.v_head_dim]
 
     def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """(L, h, nope), (L, h, rope) -> latent-space query (L, h, r + rope): q_nope through W_UK."""
-        w_uk, _ = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (L, h, r)
+        if self.heads_packed is not None:
+            q_lat = self._per_head(q_nope, self.heads_packed[0])  # (L, h, r)
+        else:
+            w_uk, _ = self._w_uk_uv()
+            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def attend_lse(
@@ -207,6 +226,8 @@ class MLAttention(nn.Module):
 
     def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
         """Latent attention output (L, h, r) through W_UV -> (L, h, v)."""
+        if self.heads_packed is not None:
+            return self._per_head(o, self.heads_packed[1])
         _, w_uv = self._w_uk_uv()
         return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

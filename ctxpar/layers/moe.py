@@ -26,13 +26,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar.errors import CtxparError
+from ctxpar.layers.activation import silu_and_mul
+from ctxpar.layers.linear import Linear, linear
 
 
 def activation(name: str):
-    fns = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+    """act(gate, up) -> act(gate) * up. silu through silu_and_mul (ctxpar's kernel on the CPU):
+    PyTorch's silu, like its sigmoid, computes the last few elements of a call another way
+    than the rest, so an element's bits would depend on the size of the call; its gelu
+    and relu do not."""
+    fns = {"gelu": F.gelu, "relu": F.relu}
+    if name in ("silu", "swish"):
+        return lambda gate, up: silu_and_mul(torch.cat([gate, up], dim=-1))
     if name not in fns:
-        raise CtxparError(f"unsupported hidden_act {name!r}; supported: {sorted(fns)}")
-    return fns[name]
+        raise CtxparError(f"unsupported hidden_act {name!r}; supported: {sorted(fns) + ['silu', 'swish']}")
+    return lambda gate, up, act=fns[name]: act(gate) * up
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) elementwise, each element's bits its own (torch.sigmoid's are not:
+    see ``activation``; torch.exp's are)."""
+    return torch.exp(-x).add_(1).reciprocal_()
 
 
 class GatedMLP(nn.Module):
@@ -40,13 +54,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class TopkRouter(nn.Module):
@@ -94,10 +108,10 @@ class TopkRouter(nn.Module):
         return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # (n, E)
+        logits = linear(x.float(), self.weight)  # (n, E); the weight float32 (packed by pack_for_cpu)
         per_group = self.num_experts // self.n_group
         if self.method == "noaux_tc":
-            scores = logits.sigmoid()
+            scores = sigmoid(logits)
             choice = scores + self.e_score_correction_bias.float()
             if self.n_group > 1 and self.topk_group < self.n_group:
                 group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)

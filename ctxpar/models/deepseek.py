@@ -23,7 +23,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.linear import Weight, can_pack, linear, packed
+from ctxpar.layers.linear import Weight, can_pack, linear, pack_linears, pack_weight, packed
 from ctxpar.layers.mla import MLAttention
 from ctxpar.layers.moe import GatedMLP, MoE, TopkRouter
 from ctxpar.layers.norm import RMSNorm
@@ -147,8 +147,10 @@ class _DeepseekForCausalLM(nn.Module):
         return self.lm_head.weight if self.lm_head_packed is None else self.lm_head_packed
 
     def pack_for_cpu(self) -> None:
-        """After loading: the lm_head through a packed copy, as for Llama
-        (an unpacked vocab x hidden matmul is ~2x slower per decode step)."""
+        """After loading: the projections packed (``pack_projections``), and the lm_head
+        through a packed copy, as for Llama (an unpacked vocab x hidden matmul is ~2x
+        slower per decode step)."""
+        pack_projections(self.model)
         if can_pack(self.lm_head.weight):
             self.lm_head_packed = packed(self.lm_head.weight)
 
@@ -167,6 +169,18 @@ class _DeepseekForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named(self, ((n, t) for n, t in weights if not self._ignored(n)))
+
+
+def pack_projections(module: nn.Module) -> None:
+    """Every projection of ``module``'s layers packed for ctxpar's panel kernel: attention's
+    (and its per-head up-projections), the experts', the router's. A token's result then
+    does not depend on the tokens beside it, nor on how many tokens an expert gets."""
+    for m in module.modules():
+        if isinstance(m, MLAttention):
+            m.pack()
+        elif isinstance(m, TopkRouter):
+            pack_weight(m, "weight")
+    pack_linears(module)
 
 
 def split_fused(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.linear import Weight, can_pack, linear, packed
+from ctxpar.layers.linear import Linear, Weight, can_pack, linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import RotaryEmbedding
-from ctxpar.models.deepseek import DeepseekDecoderLayer, load_named, split_fused
+from ctxpar.models.deepseek import DeepseekDecoderLayer, load_named, pack_projections, split_fused
 
 
 class _SharedHead(nn.Module):
@@ -54,7 +54,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+            self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
             self.shared_head = _SharedHead(config)
         self.to_empty(device=device)
         for name, p in self.named_parameters():
@@ -88,6 +88,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
         return self.shared_head.head.weight if self.head_packed is None else self.head_packed
 
     def pack_for_cpu(self) -> None:
+        pack_projections(self)  # the layer's, and eh_proj
         if can_pack(self.shared_head.head.weight):
             self.head_packed = packed(self.shared_head.head.weight)
 

@@ -23,6 +23,9 @@ import random
 import pytest
 
 from ctxpar import LLM, SamplingParams
+from helpers.deepseek_configs import tiny_deepseek_configs
+from helpers.models import save_tiny_model
+from helpers.tiny_tokenizer import with_byte_tokenizer
 
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in plain words. " * 3
 TARGETS = [SHARED + "What is the capital of France?", SHARED + "Name three colors.", "def fibonacci(n):", "Once upon"]
@@ -110,3 +113,20 @@ def test_dcp_in_fp32_keeps_its_bits_and_one_ranks_tokens() -> None:
         for a, b in zip(g[1], w[1]):
             worst = max(worst, *(abs(a[t].logprob - b[t].logprob) for t in a))
     assert worst < DCP_TOL, worst
+
+
+@pytest.mark.multiprocess
+def test_deepseek_mla_and_moe_alone_equal_in_any_mix(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny DeepSeek-V3 (MLA attention, routed experts) with a byte tokenizer: its
+    projections, per-head up-projections, router and experts go through the panel
+    kernel, so an expert's rows, a step's rows and the shards under DCP leave a
+    token's bits alone, at P = 1, 2 and D = 2."""
+    root = tmp_path_factory.mktemp("deepseek")
+    model = str(with_byte_tokenizer(save_tiny_model(tiny_deepseek_configs()["v3"], root / "v3"), root / "v3b"))
+    for base in ({}, {"pcp_size": 2, "dcp_size": 2, "pcp_min_tokens": 8}):
+        want = alone(model=model, **base)
+        mixes = [{}, {"pcp_size": 2, "pcp_min_tokens": 8}] if not base else [{}]
+        for seed, extra in enumerate(mixes):
+            got = in_a_mix(seed, model=model, **base, **extra)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g == w, f"{base} {extra}: target {i}"
