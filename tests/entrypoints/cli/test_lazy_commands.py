@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ctxpar.entrypoints.cli import main as cli
+from ctxpar import cli
 
 
 def test_a_command_runs_without_the_other_commands_modules(monkeypatch, capsys) -> None:
