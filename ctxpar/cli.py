@@ -1,6 +1,6 @@
 """The ``ctxpar`` command (its script, and ``python -m ctxpar.cli``): the product's
 commands (ctxpar/entrypoints/cli/main.py) and, under ``ctxpar bench``, the
-benchmarks (ctxpar/bench/registry.py). The two meet here, above every floor of
+benchmarks (ctxpar/bench/catalog.py). The two meet here, above every floor of
 the package, because nothing in the product may import the benchmarks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ctxpar.bench.registry import BENCHMARKS
+from ctxpar.bench.catalog import BENCHMARKS
 from ctxpar.entrypoints.cli import main as product
 
 __all__ = ["build_parser", "main"]

@@ -68,7 +68,7 @@ def environment(device) -> dict:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from ctxpar.costmodel.calibrate import calibrate
+    from ctxpar.costmodel.hardware_calibration import calibrate
     from ctxpar.device import resolve_device
     from ctxpar.entrypoints.cli.calibrate_host import host_overhead
     from ctxpar.errors import CtxparError

@@ -36,7 +36,7 @@ from typing import Any
 from ctxpar.bench.links_driver import SLACK
 from ctxpar.checks import int_arg, positive_int
 from ctxpar.costmodel import netns
-from ctxpar.costmodel.calibrate_link import SMALL_BYTES, fit_link
+from ctxpar.costmodel.link_calibration import SMALL_BYTES, fit_link
 from ctxpar.errors import CtxparError
 
 Result = dict[str, Any]

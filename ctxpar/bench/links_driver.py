@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ctxpar.bench.llm_readings import vocab_size
-from ctxpar.costmodel.calibrate_link import measure_link
+from ctxpar.costmodel.link_calibration import measure_link
 
 if TYPE_CHECKING:
     from ctxpar import LLM

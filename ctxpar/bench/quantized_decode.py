@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from ctxpar import LLM
-    from ctxpar.costmodel.calibrate import read_bandwidth
+    from ctxpar.costmodel.hardware_calibration import read_bandwidth
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,8 @@
 """The cost model: TTFT, decode step and memory per rank of a context-parallel
 layout, from a model's shape and a hardware profile (pure Python, no torch).
-`ctxpar calibrate`'s measurements of a profile (calibrate.py, calibrate_link.py,
-netns.py) are imported on their own: they run torch and start processes."""
+`ctxpar calibrate`'s measurements of a profile (hardware_calibration.py,
+link_calibration.py, netns.py) are imported on their own: they run torch and
+start processes."""
 
 from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
 from ctxpar.costmodel.layout_estimates import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, layouts

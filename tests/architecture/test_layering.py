@@ -145,10 +145,10 @@ def test_the_benchmarks_use_only_public_names():
 def test_every_command_and_benchmark_is_an_import_the_graph_sees():
     """The command tables load their modules by import statements (not importlib strings),
     so the tests above check what each command and benchmark imports."""
-    from ctxpar.bench.registry import BENCHMARKS
+    from ctxpar.bench.catalog import BENCHMARKS
     from ctxpar.entrypoints.cli.main import COMMANDS
 
     graph = import_graph()
-    for table, registry in ((COMMANDS, "ctxpar.entrypoints.cli.main"), (BENCHMARKS, "ctxpar.bench.registry")):
+    for table, where in ((COMMANDS, "ctxpar.entrypoints.cli.main"), (BENCHMARKS, "ctxpar.bench.catalog")):
         modules = {table.load(name).__name__ for name in table.help}
-        assert modules <= graph[registry], modules - graph[registry]
+        assert modules <= graph[where], modules - graph[where]

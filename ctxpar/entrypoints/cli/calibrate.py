@@ -18,7 +18,7 @@ that rate (as `ctxpar bench links`; needs root and iproute2, within
 profile's link.
 
 The rank's and the links' figures are measured by the cost model
-(ctxpar/costmodel/calibrate.py); the host's cost of a step through the engine
+(ctxpar/costmodel/hardware_calibration.py); the host's cost of a step through the engine
 (ctxpar/entrypoints/cli/calibrate_host.py).
 
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from ctxpar.checks import max_threads, positive_int, usable_cores
-from ctxpar.costmodel.calibrate_link import TIMEOUT_S
+from ctxpar.costmodel.link_calibration import TIMEOUT_S
 from ctxpar.costmodel.netns import LINKS, check_tools
 from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
 from ctxpar.errors import CtxparError
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
         raise CtxparError(f"--out {out}: directory {out.parent} does not exist")
     if args.link in LINKS:
         check_tools()  # before half a minute of other measurements
-    from ctxpar.costmodel.calibrate import calibrate
+    from ctxpar.costmodel.hardware_calibration import calibrate
     from ctxpar.device import auto_dtype, resolve_device
     from ctxpar.entrypoints.cli.calibrate_host import host_overhead
 

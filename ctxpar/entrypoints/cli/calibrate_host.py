@@ -11,7 +11,7 @@ in their layer count: their kernels take next to nothing, so a step's time is
 
 and the two models give both terms. The engine is the real one (``LLM``), in the
 profile's dtype, on the profile's device. The cost model's measurements
-(ctxpar/costmodel/calibrate.py) sit below the engine, so `ctxpar calibrate` hands
+(ctxpar/costmodel/hardware_calibration.py) sit below the engine, so `ctxpar calibrate` hands
 them ``host_overhead``.
 """
 

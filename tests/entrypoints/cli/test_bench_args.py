@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ctxpar import cli
-from ctxpar.bench.registry import BENCHMARKS
+from ctxpar.bench.catalog import BENCHMARKS
 from ctxpar.checks import fraction
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every

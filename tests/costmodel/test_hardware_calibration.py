@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ctxpar.costmodel import calibrate as cal
+from ctxpar.costmodel import hardware_calibration as cal
 from ctxpar.entrypoints.cli.main import build_parser
 
 

@@ -33,7 +33,7 @@ SMALL_BYTES = 4 << 10  # an all-gather this small costs the link's latency alone
 # ~0.5 s at 1 Gbit/s.
 SIZES = (4 << 20, 16 << 20, 64 << 20)
 TIMEOUT_S = 180  # python and torch start in each namespace, then a few seconds of transfers
-MODULE = "ctxpar.costmodel.calibrate_link"  # run in each namespace (as __main__, so spelled out)
+MODULE = "ctxpar.costmodel.link_calibration"  # run in each namespace (as __main__, so spelled out)
 
 
 def best_of(fn: Callable[[], object], runs: int) -> float:

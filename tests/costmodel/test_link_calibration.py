@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ctxpar import cli
-from ctxpar.costmodel import calibrate as cal
+from ctxpar.costmodel import hardware_calibration as cal
 from ctxpar.costmodel import load_hardware, load_model_shape
-from ctxpar.costmodel.calibrate_link import measure_shaped_link
+from ctxpar.costmodel.link_calibration import measure_shaped_link
 from ctxpar.errors import RankFailure
 
 pytestmark = pytest.mark.multiprocess  # ranks in namespaces, and calibrate's local ones

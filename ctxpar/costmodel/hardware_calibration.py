@@ -7,7 +7,7 @@ makes things slower). Collectives are timed between two spawned processes for
 a small message (alpha: the latency) and a large one (beta: bytes/s), over
 gloo and over ctxpar's shared-memory channel (what ranks on one host use), and
 with a shaped ``link`` (1gbit, 10gbit, 100gbit, rdma) over gloo between two
-network namespaces joined by that link (ctxpar/costmodel/calibrate_link.py).
+network namespaces joined by that link (ctxpar/costmodel/link_calibration.py).
 Last, the host's cost of a step beyond its kernels, once a step and once a layer:
 timed through the engine, which sits above the cost model, so the caller passes
 that measurement in (``host_overhead``: ctxpar/entrypoints/cli/calibrate_host.py).
@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ctxpar.checks import machine_memory_bytes, usable_cores
-from ctxpar.costmodel.calibrate_link import TIMEOUT_S, best_of, fit_link, measure_shaped_link
 from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.costmodel.link_calibration import TIMEOUT_S, best_of, fit_link, measure_shaped_link
 from ctxpar.costmodel.netns import LINKS
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
