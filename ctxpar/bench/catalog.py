@@ -92,6 +92,10 @@ def _load(name: str) -> ModuleType:
             from ctxpar.bench import ttft
 
             return ttft
+        case "sizes":
+            from ctxpar.bench import real_sizes
+
+            return real_sizes
     raise KeyError(name)
 
 
@@ -115,6 +119,7 @@ BENCHMARKS = CommandTable(
         "spec": "speculative decoding (n-gram): decode tokens/s on vs off, copy and free text",
         "throughput": "offline throughput vs transformers",
         "ttft": "time to first token with PCP ranks vs one rank",
+        "sizes": "GGUFs of real models' shapes (1B-8B) vs llama.cpp: load cold and warm, peak RSS, TTFT, decode",
     },
     load=_load,
     metavar="BENCHMARK",

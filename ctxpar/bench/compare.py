@@ -152,7 +152,7 @@ def _model_dir(model: str | None) -> tuple[str, int]:
     return str(path), AutoConfig.from_pretrained(path).vocab_size
 
 
-def _run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
+def run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
     script = Path(__file__).with_name("compare_workload.py")
     # -I: the script's directory is not put on sys.path, or its sibling modules
     # (ctxpar/bench/kernels.py, ...) would shadow packages of the same name that
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> None:
             for engine, python in [*((name, sys.executable) for name in ours), (args.peer, args.peer_python)]:
                 busy_seen.append(_wait_for_idle(args))
                 env = {**os.environ, **(PEER_ENV if engine == "vllm" else {})}
-                res = _run_engine(python, engine, f.name, env)
+                res = run_engine(python, engine, f.name, env)
                 res["load"] = os.getloadavg()[0]
                 results[engine].append(res)
                 print(

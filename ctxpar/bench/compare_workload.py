@@ -145,8 +145,17 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, result
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory, bytes (Linux reports kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run(name: str, spec: dict) -> dict:
     generate, decode, loaded = _engine(name, spec)
+    if spec.get("load_only"):  # a cold start's load time and memory, nothing run
+        return {"engine": name, "load_s": loaded, "peak_rss": _peak_rss(), "figures": {}, "tokens": {}}
     prompts = {int(k): v for k, v in spec["prompts"].items()}
     K, R = spec["decode_tokens"], spec["repeat"]
     generate([prompts[min(prompts)]], 2)  # warm-up: first-call allocations, lazy imports
@@ -158,18 +167,19 @@ def run(name: str, spec: dict) -> dict:
         runs = [decode(prompts[n], K) for _ in range(R)]
         figures[f"decode_{n}"] = min(dt for dt, _ in runs) / K * 1e3
         tokens[f"decode_{n}"] = [runs[-1][1]]
-    batch = spec["batch_prompts"]
-    best = float("inf")
-    for _ in range(R):
-        dt, out = _timed(lambda: generate(batch, spec["batch_max_tokens"]))
-        best = min(best, dt)
-    figures["batch"] = len(batch) * spec["batch_max_tokens"] / best
-    tokens["batch"] = out
+    batch = spec.get("batch_prompts")
+    if batch:
+        best = float("inf")
+        for _ in range(R):
+            dt, out = _timed(lambda: generate(batch, spec["batch_max_tokens"]))
+            best = min(best, dt)
+        figures["batch"] = len(batch) * spec["batch_max_tokens"] / best
+        tokens["batch"] = out
     for text, ids in spec.get("perplexity", {}).items() if name in ("ctxpar", "llama.cpp") else ():
         figures[f"ppl_{text}"] = perplexity(name, spec, ids, spec.get("quantization"))
         if name == "ctxpar" and spec.get("quantization"):
             figures[f"ppl_{text}_dequantized"] = perplexity(name, spec, ids, "none")
-    return {"engine": name, "load_s": loaded, "figures": figures, "tokens": tokens}
+    return {"engine": name, "load_s": loaded, "peak_rss": _peak_rss(), "figures": figures, "tokens": tokens}
 
 
 if __name__ == "__main__":
