@@ -53,7 +53,7 @@ _KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 def parse_prompt(prompt: Any, tokenizer: Any) -> tuple[str | None, Any, str | None]:
     """(text or None, token ids, cache_salt or None) of one prompt.
 
-    Token ids are passed on as given: Engine.validate checks they are a
+    Token ids are passed on as given: the engine's InputProcessor checks they are a
     sequence of integers in the vocabulary.
     """
     if isinstance(prompt, str):

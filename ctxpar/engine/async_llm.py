@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
 from ctxpar.engine.recovery import RankRecovery
@@ -48,8 +49,6 @@ from ctxpar.sampling_params import SamplingParams
 logger = logging.getLogger("ctxpar")
 
 IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run, rank health is checked)
-
-Prepared = tuple[str | None, list[int], SamplingParams]  # LLMEngine.process_inputs' result
 
 
 class EngineDeadError(RuntimeError):
@@ -162,22 +161,22 @@ class AsyncLLM:
         finished. Leaving the loop early (break, cancellation, an exception, or
         dropping the generator) aborts the request."""
         LLMEngine.check_options(lora_request, priority)
-        prepared = self.llm_engine.process_inputs(prompt, sampling_params)
-        submission = self.submit([prepared], [request_id])
+        request = self.llm_engine.process_inputs(prompt, sampling_params)
+        submission = self.submit([request], [request_id])
         async for _, out in submission.outputs():
             yield out
 
-    def submit(self, prepared: list[Prepared], request_ids: list[str] | None = None) -> Submission:
-        """Queue prompts that LLMEngine.process_inputs prepared, as one batch: they
+    def submit(self, requests: list[EngineRequest], request_ids: list[str] | None = None) -> Submission:
+        """Queue requests that LLMEngine.process_inputs made, as one batch: they
         enter the same step, all or none. Call from a coroutine of the event loop
         that reads the outputs."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         if request_ids is None:
             base = f"{next(self._ids)}"
-            request_ids = [f"{base}-{i}" for i in range(len(prepared))]
+            request_ids = [f"{base}-{i}" for i in range(len(requests))]
         sink = _Sink(loop, asyncio.Queue(), list(request_ids))
-        self._post(("add", sink, prepared, time.time()))
+        self._post(("add", sink, requests, time.time()))
         return Submission(self, request_ids, sink.queue)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
@@ -249,11 +248,11 @@ class AsyncLLM:
             self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
             return None
 
-    def _do_add(self, sink: _Sink, prepared: list[Prepared], arrival_time: float) -> None:
+    def _do_add(self, sink: _Sink, requests: list[EngineRequest], arrival_time: float) -> None:
         added: list[str] = []
         try:
-            for rid, (text, token_ids, params) in zip(sink.request_ids, prepared):
-                self.llm_engine.add_processed_request(rid, text, token_ids, params, arrival_time)
+            for rid, request in zip(sink.request_ids, requests):
+                self.llm_engine.add_processed_request(rid, request, arrival_time)
                 added.append(rid)
                 self._sinks[rid] = sink
         except Exception as e:  # a duplicate id, or a bug: all or nothing, and tell the caller

@@ -22,11 +22,12 @@ from typing import Any
 from ctxpar.config import EngineConfig
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.engine import Engine
+from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.engine.metrics import EngineSnapshot, EngineStats, EventTracker, Metric, StatLogger
 from ctxpar.engine.output_kinds import OutputShaper
 from ctxpar.engine.vllm_args import load_tokenizer, refuse_lora
 from ctxpar.errors import CtxparError
-from ctxpar.inputs import PromptType, parse_prompt
+from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
 from ctxpar.sampling_params import RequestOutputKind, SamplingParams
 
@@ -80,18 +81,9 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
 
-    def process_inputs(
-        self, prompt: PromptType, params: SamplingParams | None
-    ) -> tuple[str | None, list[int], SamplingParams]:
-        """Tokenize and validate one prompt without queuing it: (text, token ids, params)."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise CtxparError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids, salt = parse_prompt(prompt, self._engine.tokenizer)
-        if salt is not None:
-            params = params.clone()  # the salt is this prompt's; the caller's params may serve others
-            params.cache_salt = salt
-        return text, self._engine.validate(ids, params), params
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | None) -> EngineRequest:
+        """Tokenize and check one prompt without queuing it (the engine's InputProcessor)."""
+        return self._engine.processor.process_inputs(prompt, params)
 
     def add_request(
         self,
@@ -112,8 +104,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise CtxparError(f"request_id must be a string, got {type(request_id).__name__}")
         self.check_options(lora_request, priority, tokenization_kwargs)
-        text, ids, params = self.process_inputs(prompt, params)
-        self.add_processed_request(request_id, text, ids, params, arrival_time)
+        self.add_processed_request(request_id, self.process_inputs(prompt, params), arrival_time)
 
     @staticmethod
     def check_options(lora_request: Any = None, priority: int = 0, tokenization_kwargs: Any = None) -> None:
@@ -129,20 +120,17 @@ class LLMEngine:
     def add_processed_request(
         self,
         request_id: str | None,
-        text: str | None,
-        token_ids: list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | None = None,
     ) -> str:
-        """Queue a request that ``process_inputs`` prepared; returns its id (a new
-        one if None). output_kind: instead of params.output_kind (LLM reads every
-        output whole)."""
+        """Queue a request that ``process_inputs`` made; returns its id (a new one if None).
+        output_kind: instead of its params' output_kind (LLM reads every output whole)."""
         arrival = None
         if arrival_time is not None:  # wall clock -> the engine's monotonic clock
             arrival = time.perf_counter() - max(0.0, time.time() - arrival_time)
-        rid = self._engine.add_request(token_ids, params, prompt=text, request_id=request_id, arrival_time=arrival)
-        self._shaper.add(rid, output_kind if output_kind is not None else params.output_kind)
+        rid = self._engine.add_request(request, request_id=request_id, arrival_time=arrival)
+        self._shaper.add(rid, output_kind if output_kind is not None else request.params.output_kind)
         return rid
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -1,17 +1,21 @@
 """What becomes of each new token (vLLM's OutputProcessor): its metrics, logprobs (with
-their text), the request's detokenized text and stop conditions; and the RequestOutput
-of a request group."""
+their text), the request's detokenized text and stop conditions; a step's prompt
+logprobs; and the RequestOutputs of the request groups a step advanced."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.request import Request, RequestGroup
+from ctxpar.engine.sample.prompt_logprobs import PromptChunk, new_entries
 from ctxpar.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
+    """Turns a step's tokens into text, logprobs, finished requests and RequestOutputs."""
+
     def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
         """eos_token_ids: where generation stops unless ignore_eos (LLM may add a tokenizer's)."""
         self.tokenizer = tokenizer
@@ -63,6 +67,19 @@ class OutputProcessor:
         req.finish_reason, req.stop_reason = reason, stop
         req.metrics.finished_time = now
         return True
+
+    def add_prompt_logprobs(self, chunks: Sequence[PromptChunk]) -> None:
+        """Append each chunk's prompt logprobs (with their text) that its group lacks."""
+        for chunk in chunks:
+            assert chunk.group.prompt_logprobs is not None  # the chunk's group wants prompt logprobs
+            detokenize = chunk.group.params.detokenize
+            chunk.group.prompt_logprobs += [self.with_text(e, detokenize) for e in new_entries(chunk)]
+
+    @staticmethod
+    def make_outputs(groups: Sequence[RequestGroup]) -> list[RequestOutput]:
+        """The RequestOutputs of the groups a step advanced; a best_of request (best_of > n)
+        only once finished: until then its ranking means nothing."""
+        return [make_output(g) for g in groups if g.finished or g.params.num_samples == g.params.n]
 
 
 def make_output(group: RequestGroup) -> RequestOutput:

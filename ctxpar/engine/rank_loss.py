@@ -1,4 +1,5 @@
-"""What the engine does when a PCP rank is lost (a mixin of Engine, engine.py).
+"""What the engine does when a PCP rank is lost: ``RankLossHandler``, the component the
+engine runs its steps through.
 
 The step that found the loss left every request as it was (steps are all or
 nothing). The executor then re-forms the group (executor/recovery.py), and
@@ -36,28 +37,42 @@ class CacheRebuilt(Exception):
     every request: the step in flight is abandoned and scheduled anew."""
 
 
-class RankLoss:
-    """Engine's recovery from lost ranks; the attributes are the Engine's."""
+def block_manager_for(config: EngineConfig, num_blocks: int, dcp_size: int) -> BlockManager:
+    """The block manager of a KV cache sharded over ``dcp_size`` ranks: under DCP a logical
+    block (the unit allocated, counted and hashed for prefix caching) is block_size * D
+    tokens; each rank stores block_size of them."""
+    return BlockManager(num_blocks, config.block_size * dcp_size, config.enable_prefix_caching)
 
-    config: EngineConfig
-    executor: Executor
-    recovery: RankRecovery
-    scheduler: Scheduler
-    block_manager: BlockManager
-    num_blocks: int
-    max_model_len: int
-    dcp_size: int
-    groups: dict[str, RequestGroup]
-    # When a recovery rebuilt the KV cache (_go_on): the requests that no longer fit and
-    # why, for the engine to fail alone (Engine._take_unfit); None: not rebuilt.
-    _unfit: list[tuple[RequestGroup, str]] | None
 
-    def _block_manager(self) -> BlockManager:
-        """The block manager of ``dcp_size``: under DCP a logical block (the unit allocated,
-        counted and hashed for prefix caching) is block_size * D tokens; each rank stores
-        block_size of them."""
-        c = self.config
-        return BlockManager(self.num_blocks, c.block_size * self.dcp_size, c.enable_prefix_caching)
+class RankLossHandler:
+    """Runs the engine's steps on the executor and recovers from lost ranks, between the
+    engine and the executor: the engine holds one and executes through it."""
+
+    def __init__(
+        self, config: EngineConfig, executor: Executor, scheduler: Scheduler, groups: dict[str, RequestGroup]
+    ) -> None:
+        """groups: the engine's requests in flight, by id (the engine's own dict: a rebuilt
+        cache fails those that no longer fit)."""
+        self.config = config
+        self.executor = executor
+        self.scheduler = scheduler  # whose block manager a rebuild replaces
+        self.groups = groups
+        self.num_blocks = executor.rank_model.num_blocks
+        self.dcp_size = config.dcp_size  # fewer after a lost rank left out under DCP (_go_on)
+        self.stats = RankRecovery(
+            config.max_rank_recoveries,
+            config.rank_recovery_window_s,
+            pcp_size=config.pcp_size,
+            pcp_ranks=config.pcp_size,
+        )
+        # When a recovery rebuilt the KV cache (_go_on): the requests that no longer fit and
+        # why, for the engine to fail alone (take_unfit); None: not rebuilt.
+        self._unfit: list[tuple[RequestGroup, str]] | None = None
+
+    def take_unfit(self) -> list[tuple[RequestGroup, str]]:
+        """The requests the last rebuild of the KV cache found no longer fit, and why (once)."""
+        unfit, self._unfit = self._unfit or [], None
+        return unfit
 
     def check_health(self) -> None:
         """RankFailure if a rank is lost and cannot be recovered (vLLM's check_health).
@@ -69,7 +84,7 @@ class RankLoss:
 
     # -- a lost rank ----------------------------------------------------------------
 
-    def _execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """executor.execute, recovering from lost ranks (then the step runs again; or,
         where the recovery rebuilt the KV cache, CacheRebuilt: the step is scheduled anew)."""
         while True:
@@ -83,10 +98,10 @@ class RankLoss:
                     raise CacheRebuilt from e
 
     def _recover(self, failure: RankFailure) -> None:
-        """Respawn the lost rank(s) and restore the KV they held (ctxpar/engine/recovery.py),
+        """Respawn the lost rank(s) and restore the KV they held (engine/recovery.py),
         or go on without them where they cannot come back; beyond max_rank_recoveries per
         window (or where neither can be done), stop the ranks and raise, as without recovery."""
-        rec = self.recovery
+        rec = self.stats
         while True:
             rec.rank_failures += 1
             if rec.max_recoveries == 0:
@@ -130,10 +145,8 @@ class RankLoss:
             return "nothing to restore: every rank left holds the whole KV cache"
         self.dcp_size = size
         held = self.scheduler.preempt_all()
-        self.block_manager = self._block_manager()
-        self.scheduler.block_manager = self.block_manager
-        capacity = self.num_blocks * self.block_manager.block_size
-        self.max_model_len = min(self.max_model_len, capacity)
+        self.scheduler.block_manager = block_manager_for(self.config, self.num_blocks, size)
+        capacity = self.num_blocks * self.scheduler.block_manager.block_size  # the engine's max_model_len follows
         self._unfit = []
         for group in list(self.groups.values()):
             longest = max(r.max_total_tokens for r in group.samples)
@@ -148,17 +161,16 @@ class RankLoss:
 
     def _restore(self, respawned: list[int]) -> str:
         """Restore the KV of the requests in flight on the respawned ranks; says what it did."""
-        if not respawned:  # the survivors hold the whole cache (without DCP) or lost nothing
-            return "nothing to restore: every rank left holds the whole KV cache"
-        dropped = self.block_manager.forget_unreferenced()  # a lost rank's part of them is gone
+        bm = self.scheduler.block_manager
+        dropped = bm.forget_unreferenced()  # a lost rank's part of them is gone
         held = [r for r in self.scheduler.running if r.num_computed_tokens > 0]
-        table = lambda r: np.asarray(self.block_manager.block_table(r.request_id), dtype=np.int64)
+        table = lambda r: np.asarray(bm.block_table(r.request_id), dtype=np.int64)
         tokens = sum(r.num_computed_tokens for r in held)
         if self.dcp_size == 1:  # every rank holds the whole cache: copy rank 0's
-            bs = self.block_manager.block_size
+            bs = bm.block_size
             blocks = {b for r in held for b in table(r)[: -(-r.num_computed_tokens // bs)].tolist()}
             self.executor.copy_kv(np.array(sorted(blocks), dtype=np.int64))
-            self.recovery.copied_tokens += tokens
+            self.stats.copied_tokens += tokens
             return f"copied the KV of {tokens} tokens of {len(held)} requests, dropped {dropped} cached blocks"
         recomputed = 0
         for plan in recompute_plans(
@@ -166,7 +178,7 @@ class RankLoss:
         ):
             self.executor.execute(plan)
             recomputed += plan.num_tokens
-        self.recovery.recomputed_tokens += recomputed
+        self.stats.recomputed_tokens += recomputed
         return (
             f"recomputed the lost shard ({recomputed} of {tokens} tokens of {len(held)} requests), "
             f"dropped {dropped} cached blocks"

@@ -20,29 +20,31 @@ full blocks found in the cache as already computed (num_computed_tokens > 0),
 always leaving its last known token to compute, so that it samples. A request
 preempted and recomputed looks up its prompt and outputs the same way.
 
+After the step, ``update_from_output`` records what it gave: the sampled
+tokens, the tokens now in the KV cache, each verify row's accepted drafts
+(the rejected drafts' blocks go back), the finished requests, and the samples
+of a prompt held until its first sample computed it.
+
 The scheduler knows nothing of PCP, ranks or tensors: its output is a StepPlan.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Callable
 
 from ctxpar.engine.block_manager import BlockManager, PrefixCacheStats, extend_block_hashes
-from ctxpar.engine.request import Request, RequestStatus
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.engine.request import Request, RequestGroup, RequestStatus
+from ctxpar.engine.sample.rejection import Verified
+from ctxpar.engine.sample.step_sampler import SampledStep
+from ctxpar.engine.scheduled_batch import ScheduledBatch, build_plan
+from ctxpar.outputs import LogprobsOnePosition
 
-
-@dataclass
-class ScheduledBatch:
-    """A step plan plus, per row, the request it computes."""
-
-    plan: StepPlan
-    requests: list[Request]
-    preempted: list[Request] = field(default_factory=list)
+# Told of each token a step adds to a request, in order, with its logprobs where wanted;
+# says whether the token finishes the request (the engine's OutputProcessor.add_token).
+TokenSink = Callable[[Request, LogprobsOnePosition | None], bool]
 
 
 class Scheduler:
@@ -155,7 +157,11 @@ class Scheduler:
 
         if not rows:
             return None
-        return ScheduledBatch(plan=self._build_plan(rows), requests=[r for r, _ in rows], preempted=preempted)
+        now = time.perf_counter()
+        for req, _ in rows:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        return ScheduledBatch(build_plan(rows, bm), [r for r, _ in rows], preempted)
 
     def commit(self, batch: ScheduledBatch) -> None:
         """Record that ``batch`` ran: its tokens are now in the KV cache.
@@ -170,6 +176,52 @@ class Scheduler:
             if not req.spec_token_ids:  # a verify row commits its accepted tokens only: see rollback
                 req.num_computed_tokens += q
 
+    def update_from_output(
+        self, batch: ScheduledBatch, sampled: SampledStep, add_token: TokenSink
+    ) -> list[RequestGroup]:
+        """Record that ``batch`` ran and what its logits gave (vLLM's update_from_output); returns
+        the groups that got a token, each once, in order (verify rows' first).
+
+        Each sampled token is appended before the commit: an interruption in between still
+        leaves a valid request (a known token not yet cached is recomputed). A grammar accepts
+        its token only after the commit, so a failed step advances no matcher.
+        """
+        for req, token in zip(sampled.sampling, sampled.token_ids):
+            req.output_token_ids.append(token)
+        self.commit(batch)
+        for req, token in zip(sampled.sampling, sampled.token_ids):
+            if req.grammar is not None:
+                req.grammar.accept(token)
+        advanced: dict[str, RequestGroup] = {}
+        for verified in sampled.verified:
+            self._accept(verified, add_token)
+            group = _group(verified.request)
+            advanced[group.request_id] = group
+        for req, lp in zip(sampled.sampling, sampled.logprobs):
+            if add_token(req, lp):
+                self.finish(req)
+            group = _group(req)
+            if req.index == 0 and group.held:
+                for held in group.held:  # the prompt is computed: the other samples may share it
+                    self.add(held)
+                group.held = []
+            advanced[group.request_id] = group
+        return list(advanced.values())
+
+    def _accept(self, verified: Verified, add_token: TokenSink) -> None:
+        """Append a verify row's tokens one by one, as if each had been sampled in a step of
+        its own (a stop condition drops the rest), then discard the rejected drafts' KV."""
+        req = verified.request
+        for token, lp in zip(verified.token_ids, verified.logprobs):
+            req.output_token_ids.append(token)
+            req.num_computed_tokens = req.num_tokens - 1  # the tokens before this one are cached
+            if add_token(req, lp):
+                self.finish(req)
+            if req.finished:  # its blocks are freed already
+                req.spec_token_ids = []
+                return
+        self.rollback(req)
+
     def reserve(self, req: Request, num_tokens: int) -> list[int] | None:
         """Grow a running request's blocks to cover ``num_tokens`` before the step is
         scheduled (a draft model writes its drafts' KV there first); its block table,
@@ -181,7 +233,7 @@ class Scheduler:
     def rollback(self, req: Request) -> None:
         """After a verify row: keep the KV of the known tokens, discard the rest.
 
-        The engine has appended the accepted tokens; everything but the last one is
+        The accepted tokens are appended (_accept); everything but the last one is
         in the cache. Blocks past them (rejected drafts' KV) go back to the pool, so
         the request holds what it would without speculation.
         """
@@ -267,35 +319,7 @@ class Scheduler:
         # Front of the queue; preempting newest-first leaves the oldest in front.
         self.waiting.appendleft(req)
 
-    def _build_plan(self, rows: list[tuple[Request, int]]) -> StepPlan:
-        n = len(rows)
-        q_arr = np.empty(n, dtype=np.int64)
-        c_arr = np.empty(n, dtype=np.int64)
-        is_prefilling = np.empty(n, dtype=bool)
-        prompt = np.empty(n, dtype=np.int64)
-        needs_logits = np.empty(n, dtype=bool)
-        verifies = np.empty(n, dtype=bool)
-        ids: list[int] = []
-        tables: list[np.ndarray] = []
-        for i, (req, q) in enumerate(rows):
-            c = req.num_computed_tokens
-            q_arr[i], c_arr[i], prompt[i] = q, c, req.num_prompt_tokens
-            ids.extend(req.token_ids(c, min(c + q, req.num_tokens)))
-            ids.extend(req.spec_token_ids)  # a verify row: the last known token, then the drafts
-            # A decode: one token, everything before it cached, prompt done. A verify row
-            # (1 + k tokens) is laid out across the ranks by the rules of any other row.
-            is_prefilling[i] = not (q == 1 and c == req.num_tokens - 1 and c >= req.num_prompt_tokens)
-            # Sample only when the chunk reaches the end of the known tokens (and drafts).
-            needs_logits[i] = c + q == req.num_tokens + len(req.spec_token_ids)
-            verifies[i] = bool(req.spec_token_ids)  # every position's logits: one per draft, plus the bonus
-            tables.append(np.asarray(self.block_manager.block_table(req.request_id), dtype=np.int64))
-        return StepPlan(
-            input_ids=np.asarray(ids, dtype=np.int64),
-            num_scheduled_tokens=q_arr,
-            num_computed_tokens=c_arr,
-            is_prefilling=is_prefilling,
-            num_prompt_tokens=prompt,
-            needs_logits=needs_logits,
-            block_tables=tables,
-            all_logits=verifies if verifies.any() else None,
-        )
+
+def _group(req: Request) -> RequestGroup:
+    assert req.group is not None  # the engine puts each request in a group
+    return req.group

@@ -25,8 +25,6 @@ def check_request(
 ) -> list[int]:
     """The prompt's token ids as a list (the last ``truncate_prompt_tokens`` of
     them when set), or a CtxparError naming the bad value and the limit."""
-    if not isinstance(params, SamplingParams):
-        raise CtxparError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     # The same checks as at construction, on the current values: fields may
     # have been set since (sp.stop = [...], sp.max_tokens = 0).
     params.validate()

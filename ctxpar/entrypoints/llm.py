@@ -26,6 +26,7 @@ from ctxpar.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar --help`) stays free of torch
     from ctxpar.engine.engine import Engine
+    from ctxpar.engine.input_processor import EngineRequest
     from ctxpar.engine.llm_engine import LLMEngine
 
 Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
@@ -157,8 +158,8 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[tuple[str | None, list[int], SamplingParams]]:
-        """Tokenize and validate every prompt before any is queued."""
+    ) -> list[EngineRequest]:
+        """Tokenize and check every prompt before any is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = _as_list(prompts, "prompts must be a prompt or a list of prompts")
@@ -194,8 +195,8 @@ class LLM:
         reqs = self._prepare(prompts, sampling_params)
         ids: list[str] = []
         try:
-            for text, tok, p in reqs:
-                ids.append(self._add(text, tok, p))
+            for request in reqs:
+                ids.append(self._add(request))
         except BaseException:
             # All or nothing: _prepare validated every request, but should
             # adding one still fail, the ones before it must not stay queued
@@ -274,7 +275,7 @@ class LLM:
         refuse_lora(lora_request)
         # The candidates of each step: the 2 * beam_width most likely next tokens (and the one drawn).
         step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
-        starts = [ids for _, ids, _ in self._prepare(prompts, step_params)]
+        starts = [r.prompt_token_ids for r in self._prepare(prompts, step_params)]
 
         def next_logprobs(token_lists: list[list[int]]) -> list[dict]:
             outs = self.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], step_params, use_tqdm=False)
@@ -323,11 +324,9 @@ class LLM:
                 self._mailbox[out.request_id] = out
         return mine
 
-    def _add(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+    def _add(self, request: EngineRequest) -> str:
         """Queue a prepared request; the LLM reads every output whole (cumulative)."""
-        return self._llm_engine.add_processed_request(
-            None, text, token_ids, params, output_kind=RequestOutputKind.CUMULATIVE
-        )
+        return self._llm_engine.add_processed_request(None, request, output_kind=RequestOutputKind.CUMULATIVE)
 
     def _abort(self, request_id: str) -> None:
         self._mailbox.pop(request_id, None)
@@ -366,8 +365,8 @@ class LLM:
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets a token; the last one is finished."""
-        [(text, ids, p)] = self._prepare(prompt, sampling_params)
-        rid = self._add(text, ids, p)
+        [request] = self._prepare(prompt, sampling_params)
+        rid = self._add(request)
         finished = False
         try:
             while not finished:

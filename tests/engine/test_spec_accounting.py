@@ -85,7 +85,7 @@ def test_rejected_drafts_are_never_read_and_blocks_balance(seed):
             elif p.needs_logits[i]:
                 req.output_token_ids.append(fake_token(req.token_ids(0, c) + ids))
         sched.commit(batch)
-        for req, out in verified:  # as Engine._accept: token by token, a stop drops the rest
+        for req, out in verified:  # as Scheduler.update_from_output: token by token, a stop drops the rest
             for t in out:
                 req.output_token_ids.append(t)
                 req.num_computed_tokens = req.num_tokens - 1

@@ -31,8 +31,13 @@ class PromptChunk:
 def wants_prompt_logits(req: Request) -> bool:
     """Whether this step's row of ``req`` computes prompt positions whose logprobs are still missing
     (read before commit: num_computed_tokens is the row's first position)."""
-    assert req.group is not None  # the engine's requests each belong to a group
-    return req.index == 0 and req.group.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1
+    group = req.group  # None only for a request scheduled without the engine (the scheduler's tests)
+    return (
+        group is not None
+        and req.index == 0
+        and group.wants_prompt_logprobs
+        and req.num_computed_tokens < req.num_prompt_tokens - 1
+    )
 
 
 def split_logits(

@@ -18,17 +18,61 @@ p is what plain sampling would draw from: the logits after the request's
 processing (penalties, masks, bias: with the drafts kept so far counted as
 output), then temperature, min-p, top-k and top-p. The request's own generator
 draws every uniform and every token, so seeded requests are reproducible.
+
+``verify_drafts`` verifies a step's verify rows, each with its request's
+settings and generator, and gives the logprobs of the tokens they emit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ctxpar.engine.sample.sampler import TokenHistory, apply_filters, apply_logits_processing
+from ctxpar.engine.request import Request
+from ctxpar.engine.sample.sampler import TokenHistory, apply_filters, apply_logits_processing, logprobs_of
+from ctxpar.outputs import Logprob
 from ctxpar.sampling_params import SamplingParams
+
+# The distributions (k, V) a request's drafts were drawn from (a draft model's sampled drafts),
+# or None where they are point masses (n-gram drafts, or drafts a greedy draft model chose).
+DraftProbs = Callable[[Request], torch.Tensor | None]
+
+
+@dataclass
+class Verified:
+    """What one verify row emits: tokens (1 to k + 1) and, where wanted, their logprobs."""
+
+    request: Request
+    num_drafts: int  # the drafts it verified
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+    @property
+    def num_accepted(self) -> int:
+        """Drafts kept: every emitted token but the last, which the target model chose."""
+        return len(self.token_ids) - 1
+
+
+def verify_drafts(
+    requests: Sequence[Request], logits: torch.Tensor, starts: Sequence[int], draft_probs: DraftProbs | None
+) -> list[Verified]:
+    """Verify each request's drafts; its logits rows are ``logits[start : start + k + 1]``."""
+    out = []
+    for req, start in zip(requests, starts):
+        drafts = req.spec_token_ids
+        rows = logits[start : start + len(drafts) + 1]  # (k + 1, V)
+        probs = draft_probs(req) if draft_probs is not None else None
+        q = probs[: len(drafts)] if probs is not None else None  # (k, V); the scheduler may have cut drafts
+        tokens = verify_row(rows, drafts, req.params, req.generator, req, q)
+        n = req.params.logprobs
+        if n is None and req.cumulative_logprob is not None:
+            n = 0  # best_of ranks samples by the sampled tokens' logprobs
+        lps: list[dict[int, Logprob] | None]
+        lps = list(logprobs_of(rows[: len(tokens)].cpu(), tokens, n)) if n is not None else [None] * len(tokens)
+        out.append(Verified(req, len(drafts), tokens, lps))
+    return out
 
 
 @dataclass

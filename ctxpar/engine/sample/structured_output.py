@@ -3,7 +3,8 @@
 A constrained request is held until its grammar is compiled (on the backend's
 worker thread, so a new schema does not stall the requests already running),
 then scheduled like any other; each step masks its logits row before
-sampling and advances its matcher by the token sampled, after the commit.
+sampling (StepSampler), and the scheduler advances its matcher by the token
+sampled, after the commit (Scheduler.update_from_output).
 A request whose grammar takes longer than the backend's compile timeout to
 compile fails alone.
 """
@@ -25,7 +26,7 @@ from ctxpar.structured_params import StructuredOutputsParams
 
 class StructuredOutputs:
     """The engine's side of constrained decoding: grammars for new requests,
-    requests held until theirs is compiled, masks before sampling, tokens after."""
+    requests held until theirs is compiled, masks before sampling."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._args = (tokenizer, vocab_size, stop_token_ids)
@@ -85,13 +86,6 @@ class StructuredOutputs:
                 if g is not None:
                     g.ready(self.backend)
             apply_bitmasks(self.backend, logits, grammars)
-
-    @staticmethod
-    def accept(requests: list[Request], tokens: list[int]) -> None:
-        """Advance each constrained request's matcher by the token it just sampled."""
-        for r, t in zip(requests, tokens):
-            if r.grammar is not None:
-                r.grammar.accept(t)
 
     def close(self) -> None:
         if self._backend is not None:

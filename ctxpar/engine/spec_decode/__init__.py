@@ -4,29 +4,29 @@ The engine asks ``SpecDecoder.propose`` for drafts of the requests about to
 decode (n-gram lookup, ngram.py; a draft model, draft.py; or a DeepSeek-V3
 checkpoint's next-token-prediction layer, mtp.py); the scheduler
 turns each drafted request's row into 1 + k tokens (the last known token and
-the drafts) with logits at every position; after the
-step, ``verify`` keeps the accepted prefix plus one token (rejection.py), and
-the scheduler rolls the rejected drafts' KV back (Scheduler.rollback).
+the drafts) with logits at every position; after the step, the sampling floor
+keeps the accepted prefix plus one token (engine/sample/rejection.py, given
+``draft_probs``), the scheduler appends them and rolls the rejected drafts' KV
+back (Scheduler.update_from_output), and ``record`` counts them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ctxpar.engine.request import Request
-from ctxpar.engine.sample.rejection import verify_row
-from ctxpar.engine.sample.sampler import logprobs_of
+from ctxpar.engine.sample.rejection import Verified
 from ctxpar.engine.spec_decode.draft import DraftModelProposer
 from ctxpar.engine.spec_decode.mtp import MTPProposer
 from ctxpar.engine.spec_decode.ngram import propose_ngram
-from ctxpar.outputs import Logprob
 from ctxpar.speculative_config import SpeculativeConfig
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 # min_acceptance_rate: a request is judged over about this many recent drafts; below the
 # rate it pauses drafting for PAUSE_STEPS of its decode steps, then tries again.
@@ -62,16 +62,8 @@ class _Judge:
     paused: int = 0  # decode steps left without drafts
 
 
-@dataclass
-class Verified:
-    """What one verify row emits: tokens (1 to k + 1) and, where wanted, their logprobs."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
-
-
 class SpecDecoder:
-    """Drafts, verification and their statistics for one engine."""
+    """Drafts and their statistics for one engine (verification: engine/sample/rejection.py)."""
 
     def __init__(self, config: SpeculativeConfig, draft_model: DraftModelProposer | MTPProposer | None = None) -> None:
         """draft_model: the proposer of method "draft_model" or "mtp" (None for "ngram")."""
@@ -79,6 +71,24 @@ class SpecDecoder:
         self.draft_model = draft_model
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._judges: weakref.WeakKeyDictionary[Request, _Judge] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def create(
+        cls,
+        config: SpeculativeConfig,
+        draft_max_model_len: int | None,
+        max_model_len: int,
+        execute: Callable[[StepPlan], StepOutput],
+        reserve: Callable[[Request, int], list[int] | None],
+    ) -> SpecDecoder:
+        """The decoder of ``config`` for an engine: n-gram lookup without a draft model
+        (draft_max_model_len None), else the proposer of the draft model or the mtp layer,
+        whose steps run through ``execute`` in the blocks ``reserve`` grows (the scheduler's)."""
+        if draft_max_model_len is None:
+            return cls(config)
+        limit = min(draft_max_model_len, max_model_len)
+        proposer = MTPProposer if config.method == "mtp" else DraftModelProposer
+        return cls(config, proposer(config.num_speculative_tokens, limit, execute, reserve))
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``spec_token_ids`` of the running requests, possibly to no drafts: only requests
@@ -108,41 +118,33 @@ class SpecDecoder:
             return False
         return True
 
-    def hidden_rows(self, requests: Sequence[Request]) -> np.ndarray | None:
-        """(R,) bool: the rows of a target step whose hidden states the mtp layer needs
-        (those of requests that may draft); None for the other methods."""
+    def with_hidden_rows(self, plan: StepPlan, requests: Sequence[Request]) -> StepPlan:
+        """A target step's plan (row i: requests[i]), asking for the hidden states the mtp
+        layer is fed: those of the rows of requests that may draft. Unchanged for the other
+        methods."""
         if not isinstance(self.draft_model, MTPProposer):
-            return None
-        return np.array([r.grammar is None for r in requests])
+            return plan
+        return dataclasses.replace(plan, hidden_rows=np.array([r.grammar is None for r in requests]))
 
     def keep_hidden(self, requests: Sequence[Request], plan: StepPlan, hidden: torch.Tensor) -> None:
         """Hand the mtp layer a committed target step's hidden states (K, H) of its hidden_rows."""
-        assert isinstance(self.draft_model, MTPProposer) and plan.hidden_rows is not None  # from hidden_rows
+        assert isinstance(self.draft_model, MTPProposer) and plan.hidden_rows is not None  # from with_hidden_rows
         at = 0
         for req, row, c, q in zip(requests, plan.hidden_rows, plan.num_computed_tokens, plan.num_scheduled_tokens):
             if row:
                 self.draft_model.keep(req, int(c), hidden[at : at + q])
                 at += q
 
-    def verify(self, requests: Sequence[Request], logits: torch.Tensor, starts: Sequence[int]) -> list[Verified]:
-        """Verify each request's drafts; its logits rows are ``logits[start : start + k + 1]``."""
-        out = []
-        for req, start in zip(requests, starts):
-            drafts = req.spec_token_ids
-            rows = logits[start : start + len(drafts) + 1]  # (k + 1, V)
-            probs = self.draft_model.probs.get(req) if self.draft_model is not None else None
-            q = probs[: len(drafts)] if probs is not None else None  # (k, V); the scheduler may have cut drafts
-            tokens = verify_row(rows, drafts, req.params, req.generator, req, q)
-            n = req.params.logprobs
-            if n is None and req.cumulative_logprob is not None:
-                n = 0  # best_of ranks samples by the sampled tokens' logprobs
-            lps: list[dict[int, Logprob] | None]
-            lps = list(logprobs_of(rows[: len(tokens)].cpu(), tokens, n)) if n is not None else [None] * len(tokens)
-            out.append(Verified(tokens, lps))
-        return out
+    def draft_probs(self, req: Request) -> torch.Tensor | None:
+        """The distributions (k, V) the request's drafts were drawn from; None: point masses."""
+        return self.draft_model.probs.get(req) if self.draft_model is not None else None
 
-    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Count one verify row: ``num_accepted`` of its ``num_drafts`` drafts kept."""
+    def record(self, verified: Sequence[Verified]) -> None:
+        """Count a step's verify rows (the drafts each kept), for the engine and per request."""
+        for v in verified:
+            self._record(v.request, v.num_drafts, v.num_accepted)
+
+    def _record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         s, m = self.stats, req.metrics
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts

@@ -8,7 +8,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ctxpar.engine.async_llm import AsyncLLM, Prepared
+from ctxpar.engine.async_llm import AsyncLLM
+from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.entrypoints.openai.access import Access
 from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits
 from ctxpar.entrypoints.openai.metrics import ServerMetrics
@@ -67,21 +68,21 @@ class ServerState:
     # seconds, which on the event loop would stall every stream.
     def prepare_prompts(
         self, req: CompletionRequest, prompts: list[str | list[int]], constraint: StructuredOutputsParams | None
-    ) -> list[Prepared]:
-        """The engine's (text, token ids, params) of each prompt of a completion request, validated."""
+    ) -> list[EngineRequest]:
+        """The engine's request of each prompt of a completion request, checked."""
         out = []
         for p in prompts:
             text, ids = (p, self.encode(p)) if isinstance(p, str) else (None, p)
             params = req.sampling_params(len(ids), self.engine.max_model_len, req.logprobs, constraint)
-            out.append((text, self.engine.validate(ids, params), params))
+            out.append(self.engine.processor.process_tokens(ids, params, text))
         return out
 
-    def prepare_chat(self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None) -> Prepared:
-        """The engine's (text, token ids, params) of a chat request: its rendered conversation, validated."""
+    def prepare_chat(self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None) -> EngineRequest:
+        """The engine's request of a chat request: its rendered conversation, checked."""
         rendered = self.render_chat(req.messages, req.chat_template_kwargs, req.tools)
         ids = rendered["prompt_token_ids"]
         params = req.sampling_params(len(ids), self.engine.max_model_len, req.num_logprobs, constraint)
-        return rendered["prompt"], self.engine.validate(ids, params), params
+        return self.engine.processor.process_tokens(ids, params, rendered["prompt"])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The same tokenization as LLM.generate's, so outputs match it token for token.
