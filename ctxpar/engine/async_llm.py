@@ -10,7 +10,7 @@ own (the default), or the caller's, which gives it up to ``run_engine_loop()``
 secondary thread there, and signals arrive on the main one). Coroutines never
 touch the engine's state: they post commands (add a batch, abort) to a
 thread-safe inbox and read their outputs from an asyncio queue that the engine
-thread feeds with ``call_soon_threadsafe``. So a slow consumer never stalls a
+thread feeds with ``call_soon_threadsafe`` (submission.py: what crosses). So a slow consumer never stalls a
 step, a step never blocks the event loop, and requests arriving while others
 decode join the next step (continuous batching is the engine's own). Every
 request that has work is stepped in every step, so no generator starves another.
@@ -32,8 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 from ctxpar.engine.arg_utils import EngineArgs
@@ -41,6 +40,7 @@ from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
 from ctxpar.engine.recovery import RankRecovery
+from ctxpar.engine.submission import Aborted, AbortRequests, AddBatch, Command, Sink, StopLoop, Submission
 from ctxpar.errors import RankFailure
 from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
@@ -53,26 +53,6 @@ IDLE_POLL_S = 0.5  # an idle loop wakes this often (signal handlers run, rank he
 
 class EngineDeadError(RuntimeError):
     """The engine failed or was shut down; it takes no more requests."""
-
-
-@dataclass(frozen=True)
-class _Aborted:
-    """Sent to a submission whose request was aborted: its generator ends."""
-
-    request_id: str
-
-
-class ClientGone(Exception):
-    """The consumer went away (an HTTP client disconnected) before its requests finished."""
-
-
-@dataclass
-class _Sink:
-    """Where one submission's outputs go."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    request_ids: list[str] = field(default_factory=list)
 
 
 class AsyncLLM:
@@ -94,7 +74,7 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None  # why the engine stopped taking requests
         self._owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # request id -> its sink (engine thread only)
+        self._sinks: dict[str, Sink] = {}  # request id -> its sink (engine thread only)
         self._lock = threading.Lock()  # orders `dead_error` against posting to the inbox
         self._ids = itertools.count()
         self._running = False
@@ -175,9 +155,9 @@ class AsyncLLM:
         if request_ids is None:
             base = f"{next(self._ids)}"
             request_ids = [f"{base}-{i}" for i in range(len(requests))]
-        sink = _Sink(loop, asyncio.Queue(), list(request_ids))
-        self._post(("add", sink, requests, time.time()))
-        return Submission(self, request_ids, sink.queue)
+        sink = Sink(loop, asyncio.Queue(), list(request_ids))
+        self._post(AddBatch(sink, requests, time.time()))
+        return Submission(self.abort_nowait, request_ids, sink.queue)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; their generators end (with no further output)."""
@@ -185,13 +165,13 @@ class AsyncLLM:
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._post(("abort", request_ids), check=False)
+            self._post(AbortRequests(request_ids), check=False)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
 
-    def _post(self, command: tuple, check: bool = True) -> None:
+    def _post(self, command: Command, check: bool = True) -> None:
         with self._lock:
             if check:
                 self._check_alive()
@@ -207,7 +187,7 @@ class AsyncLLM:
             while True:
                 # Wait for commands when there is nothing to step (or nothing may be
                 # stepped); with a timeout, so that signal handlers get to run.
-                commands = []
+                commands: list[Command] = []
                 if self.dead_error is not None or not engine.has_unfinished_requests():
                     try:
                         commands.append(self._inbox.get(timeout=IDLE_POLL_S))
@@ -221,11 +201,15 @@ class AsyncLLM:
                     except queue.Empty:
                         break
                 for cmd in commands:
-                    if cmd[0] == "stop":
-                        self._fail_all(cmd[1])
+                    if isinstance(cmd, StopLoop):
+                        self._fail_all(cmd.reason)
                         return
-                    if self.dead_error is None:
-                        getattr(self, "_do_" + cmd[0])(*cmd[1:])
+                    if self.dead_error is not None:
+                        continue  # adds are refused once dead (_post); _fail_all ended the rest
+                    if isinstance(cmd, AddBatch):
+                        self._add(cmd)
+                    else:
+                        self._abort(cmd.request_ids)
                 if self.dead_error is not None or not engine.has_unfinished_requests():
                     continue
                 outputs = self._guard(engine.step)
@@ -248,24 +232,24 @@ class AsyncLLM:
             self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
             return None
 
-    def _do_add(self, sink: _Sink, requests: list[EngineRequest], arrival_time: float) -> None:
+    def _add(self, cmd: AddBatch) -> None:
         added: list[str] = []
         try:
-            for rid, request in zip(sink.request_ids, requests):
-                self.llm_engine.add_processed_request(rid, request, arrival_time)
+            for rid, request in zip(cmd.sink.request_ids, cmd.requests):
+                self.llm_engine.add_processed_request(rid, request, cmd.arrival_time)
                 added.append(rid)
-                self._sinks[rid] = sink
+                self._sinks[rid] = cmd.sink
         except Exception as e:  # a duplicate id, or a bug: all or nothing, and tell the caller
-            self._do_abort(added)
-            self._send(sink, e)
+            self._abort(added)
+            self._send(cmd.sink, e)
 
-    def _do_abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str]) -> None:
         mine = []
         for rid in request_ids:
             sink = self._sinks.pop(rid, None)
             if sink is not None:
                 mine.append(rid)
-                self._send(sink, _Aborted(rid))
+                self._send(sink, Aborted(rid))
         if mine:
             self.llm_engine.abort_request(mine)
 
@@ -277,7 +261,7 @@ class AsyncLLM:
             del self._sinks[out.request_id]
         self._send(sink, out)
 
-    def _send(self, sink: _Sink, item: object) -> None:
+    def _send(self, sink: Sink, item: object) -> None:
         try:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
         except RuntimeError:
@@ -292,8 +276,8 @@ class AsyncLLM:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "add":
-                self._send(cmd[1], self.dead_error)
+            if isinstance(cmd, AddBatch):
+                self._send(cmd.sink, self.dead_error)
         rids = list(self._sinks)
         for sink in {id(s): s for s in self._sinks.values()}.values():
             self._send(sink, self.dead_error)
@@ -309,7 +293,7 @@ class AsyncLLM:
         """Fail what is in flight (with ``reason``), stop the loop (and the engine, if
         this owns it). An AsyncLLM left running ends with the process: its loop
         thread is a daemon, and so are its spawned ranks."""
-        self._post(("stop", reason), check=False)
+        self._post(StopLoop(reason), check=False)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         if self._owns_engine:
@@ -317,40 +301,3 @@ class AsyncLLM:
 
 
 AsyncLLMEngine = AsyncLLM  # vLLM's earlier name
-
-
-class Submission:
-    """One batch's requests: iterate for (index, output) until all finish."""
-
-    def __init__(self, engine: AsyncLLM, request_ids: list[str], q: asyncio.Queue) -> None:
-        self.engine = engine
-        self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self.queue = q
-        self.unfinished = set(request_ids)
-
-    async def outputs(self, disconnected: asyncio.Future | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs as they come; raises ClientGone once ``disconnected`` is done,
-        EngineDeadError if the engine fails. Leaving early aborts what is unfinished."""
-        try:
-            while self.unfinished:
-                get = asyncio.ensure_future(self.queue.get())
-                waits = {get} if disconnected is None else {get, disconnected}
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not get.done():
-                        get.cancel()
-                if not get.done() or get.cancelled():
-                    raise ClientGone()
-                item = get.result()
-                if isinstance(item, Exception):
-                    raise item
-                if isinstance(item, _Aborted):
-                    self.unfinished.discard(item.request_id)
-                    continue
-                if item.finished:
-                    self.unfinished.discard(item.request_id)
-                yield self.index[item.request_id], item
-        finally:
-            self.engine.abort_nowait(sorted(self.unfinished))
-            self.unfinished = set()

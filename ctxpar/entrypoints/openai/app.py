@@ -25,7 +25,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ctxpar.engine.async_llm import ClientGone, EngineDeadError
+from ctxpar.engine.async_llm import EngineDeadError
+from ctxpar.engine.submission import ClientGone
 from ctxpar.entrypoints.openai import chat, completions, info, tokens
 from ctxpar.entrypoints.openai.guard import ClientGuard
 from ctxpar.entrypoints.openai.protocol import ApiError

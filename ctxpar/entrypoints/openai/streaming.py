@@ -15,7 +15,8 @@ from typing import cast
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ctxpar.engine.async_llm import ClientGone, EngineDeadError, Submission
+from ctxpar.engine.async_llm import EngineDeadError
+from ctxpar.engine.submission import ClientGone, Submission
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.errors import CtxparError
@@ -37,7 +38,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _outputs(sub: Submission, gone: asyncio.Future) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """``sub.outputs(gone)``, typed as what it is, an async generator (async_llm.py's annotation
+    """``sub.outputs(gone)``, typed as what it is, an async generator (submission.py's annotation
     says AsyncIterator), so that aclosing may close it."""
     return cast(AsyncGenerator[tuple[int, RequestOutput], None], sub.outputs(gone))
 
