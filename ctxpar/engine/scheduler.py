@@ -284,13 +284,10 @@ class Scheduler:
 
         Called lazily, at the next schedule() and before its blocks are freed
         (finished: after its last step ran; aborted or preempted: between
-        steps), never for the tokens of the step being planned: schedule()
-        advances num_computed_tokens for tokens not computed yet, and a step
-        can fail. Outside a step num_computed_tokens counts only tokens a
-        completed step wrote (the engine rolls a failed step back to the
-        plan's num_computed_tokens), so a registered block always holds real
-        KV; a hash pointing at KV never written would give a later request
-        wrong tokens.
+        steps). num_computed_tokens counts only tokens a completed step wrote
+        (commit), never those of a step planned or failed, so a registered
+        block always holds real KV; a hash pointing at KV never written would
+        give a later request wrong tokens.
         """
         if self.block_manager.enable_caching:
             n = req.num_computed_tokens // self.block_manager.block_size
