@@ -58,7 +58,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "hadamard_f32": ([_ptr] + [_i64] * 4 + [_f32], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_packed_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
+    "linear_packed_bf16_out": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
+    "linear_bf16_tiles": ([], _i64),
     "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr], None),
     "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 6 + [_ptr], None),
     "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 5 + [_f32], None),
@@ -334,13 +336,25 @@ def panel_width() -> int:
     return _library().linear_panel_width()
 
 
+def bf16_tiles() -> bool:
+    """Whether bf16 projections run on AMX's tiles (kernels/bf16_tiles.h: a CPU with
+    AMX-BF16 that the kernel may use), else on the panel loop (kernels/gemv.cpp)."""
+    return bool(_library().linear_bf16_tiles())
+
+
 def linear_packed(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """x (n, in) @ W^T (+ bias) -> (n, out_features) float32, rows of x contiguous
+    """x (n, in) @ W^T (+ bias) -> (n, out_features) out_dtype, rows of x contiguous
     (tokens may be strided). W packed float32 (ceil(out / panel_width), in,
     panel_width) with x float32, or bfloat16 (ceil(out / panel_width), ceil(in / 2),
-    panel_width, 2) with x bfloat16 (gemv.cpp's layouts)."""
+    panel_width, 2) with x bfloat16 (gemv.cpp's layouts). With a bfloat16 packing,
+    out_dtype bfloat16 has the kernel write bf16, the bits ``.to(torch.bfloat16)`` of
+    the float32 result gives, at half the bytes."""
     n, in_features = x.shape
     # The kernel reads ceil(out / panel_width) panels of the packing's width, and out_features biases.
     if (
@@ -355,7 +369,10 @@ def linear_packed(
         )
     if bias is not None and bias.numel() != out_features:
         raise ValueError(f"linear_packed: bias has {bias.numel()} values for {out_features} outputs")
-    out = torch.empty(n, out_features, dtype=torch.float32)
+    bf16_out = packed.dtype == torch.bfloat16 and out_dtype == torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype == torch.bfloat16 and not bf16_out):
+        raise ValueError(f"linear_packed: out_dtype {out_dtype} with a {packed.dtype} packing")
+    out = torch.empty(n, out_features, dtype=torch.bfloat16 if bf16_out else torch.float32)
     bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
     if packed.dtype == torch.bfloat16:
         if packed.shape[1] != -(-in_features // 2) or x.dtype != torch.bfloat16:
@@ -365,9 +382,8 @@ def linear_packed(
             )
         if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1 or x.data_ptr() % 4:  # read in aligned pairs
             x = torch.nn.functional.pad(x, (0, in_features % 2))
-        _library().linear_packed_bf16(
-            x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr()
-        )
+        kernel = _library().linear_packed_bf16_out if bf16_out else _library().linear_packed_bf16
+        kernel(x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr())
         return out
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -30,7 +30,8 @@
 // AVX-512 BF16's dot product multiplies a lane's weight pair by the input pair
 // and adds both products to the float32 accumulator in one instruction;
 // elsewhere the pair's halves are widened to floats (a bf16 is the high half of
-// a float) and multiplied as fp32.
+// a float) and multiplied as fp32. On CPUs with AMX-BF16, every bf16 call goes
+// through the tiles of bf16_tiles.h instead, against the same panels.
 
 #include <algorithm>
 #include <array>
@@ -43,6 +44,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_tiles.h"
 #include "vec.h"
 
 namespace {
@@ -70,10 +72,19 @@ inline float as_float(uint32_t bits) {
 inline float low_half(uint32_t p) { return as_float(p << 16); }
 inline float high_half(uint32_t p) { return as_float(p & 0xFFFF0000u); }
 
+// An output as float32, or as bf16 rounded to nearest even (NaN to the quiet NaN), as
+// PyTorch's .to(torch.bfloat16) rounds.
+inline void put(float* o, float v) { *o = v; }
+inline void put(uint16_t* o, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  *o = v != v ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // out[m, 0..cols) for m < mb: one panel against mb input rows. E: float (fp32 weights
-// and inputs, `in` of them) or uint32_t (bf16 pairs, `in` pairs).
-template <typename E, int mb>
-void panel(const E* x, int64_t x_stride, const E* p, int64_t in, const float* bias, float* out, int64_t out_stride,
+// and inputs, `in` of them) or uint32_t (bf16 pairs, `in` pairs); O: float or bf16 out.
+template <typename E, typename O, int mb>
+void panel(const E* x, int64_t x_stride, const E* p, int64_t in, const float* bias, O* out, int64_t out_stride,
            int64_t cols) {
   vec acc[mb][2] = {};
   for (int64_t i = 0; i < in; ++i) {
@@ -109,23 +120,23 @@ void panel(const E* x, int64_t x_stride, const E* p, int64_t in, const float* bi
     float row[NP];
     storev(row, acc[m][0]);
     storev(row + W, acc[m][1]);
-    for (int64_t c = 0; c < cols; ++c) out[m * out_stride + c] = row[c] + (bias ? bias[c] : 0.0f);
+    for (int64_t c = 0; c < cols; ++c) put(out + m * out_stride + c, row[c] + (bias ? bias[c] : 0.0f));
   }
 }
 
-template <typename E>
-using PanelFn = void (*)(const E*, int64_t, const E*, int64_t, const float*, float*, int64_t, int64_t);
+template <typename E, typename O>
+using PanelFn = void (*)(const E*, int64_t, const E*, int64_t, const float*, O*, int64_t, int64_t);
 
-template <typename E, std::size_t... I>
+template <typename E, typename O, std::size_t... I>
 constexpr auto panel_table(std::index_sequence<I...>) {
-  return std::array<PanelFn<E>, sizeof...(I)>{panel<E, int(I) + 1>...};
+  return std::array<PanelFn<E, O>, sizeof...(I)>{panel<E, O, int(I) + 1>...};
 }
 
 // x (n, in) with x_stride elements between rows, against the packed panels; see linear_packed_f32.
-template <typename E>
+template <typename E, typename O>
 void packed_product(const E* x, int64_t x_stride, int64_t n, const E* packed, int64_t in, int64_t out_features,
-                    const float* bias, float* out) {
-  static const auto table = panel_table<E>(std::make_index_sequence<MB>());
+                    const float* bias, O* out) {
+  static const auto table = panel_table<E, O>(std::make_index_sequence<MB>());
   if (n == 0 || out_features == 0) return;
   // Inputs that fit in L2 go in one block, so the weights stream past them once (a
   // decode step's rows); larger ones in blocks of ~128 KB of rows, which stay in L2
@@ -149,12 +160,37 @@ void packed_product(const E* x, int64_t x_stride, int64_t n, const E* packed, in
   }
 }
 
+// The bf16 product: one path for every row count in the process, AMX's tiles where the
+// kernel may use them (the CPU has AMX-BF16 and Linux grants the tile state), else the panels.
+template <typename O>
+void bf16_product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* packed, int64_t pairs,
+                  int64_t out_features, const float* bias, O* out) {
+#if defined(CTXPAR_AMX_BF16)
+  static_assert(NP == bf16_tiles::PANEL, "the tiles read the AVX-512 panels");
+  if (bf16_tiles::ready()) {
+    if (n > 0 && out_features > 0) bf16_tiles::product(x, x_stride, n, packed, pairs, out_features, bias, out);
+    return;
+  }
+#endif
+  packed_product(reinterpret_cast<const uint32_t*>(x), x_stride / 2, n, reinterpret_cast<const uint32_t*>(packed),
+                 pairs, out_features, bias, out);
+}
+
 }  // namespace
 
 extern "C" {
 
 // Floats per panel row of the packed layout (the caller packs to it).
 int64_t linear_panel_width() { return NP; }
+
+// 1 where bf16 projections go through AMX's tiles (bf16_tiles.h), 0 where through the panel loop.
+int64_t linear_bf16_tiles() {
+#if defined(CTXPAR_AMX_BF16)
+  return bf16_tiles::ready();
+#else
+  return 0;
+#endif
+}
 
 // x (n, in) with x_stride floats between rows; packed: (ceil(out/NP), in, NP)
 // as above; bias (out_features,) or null; out (n, out_features) contiguous.
@@ -167,8 +203,13 @@ void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float*
 // rows 4-byte aligned), packed (ceil(out/NP), pairs, NP, 2) bf16; bias and out float32.
 void linear_packed_bf16(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* packed, int64_t pairs,
                         int64_t out_features, const float* bias, float* out) {
-  packed_product(reinterpret_cast<const uint32_t*>(x), x_stride / 2, n, reinterpret_cast<const uint32_t*>(packed),
-                 pairs, out_features, bias, out);
+  bf16_product(x, x_stride, n, packed, pairs, out_features, bias, out);
+}
+
+// The same with bf16 out (n, out_features), each output rounded to nearest even.
+void linear_packed_bf16_out(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* packed, int64_t pairs,
+                            int64_t out_features, const float* bias, uint16_t* out) {
+  bf16_product(x, x_stride, n, packed, pairs, out_features, bias, out);
 }
 
 }  // extern "C"

@@ -3,11 +3,13 @@
 - **fp32** and **bf16** weights are packed into ctxpar's panel layout
   (kernels/gemv.cpp), which the compiled kernel reads at the speed of oneDNN's
   own packed copy (faster at a decode step's few rows, within ~5% at prefill's
-  thousands), bf16 with AVX-512 BF16's dot products where the CPU has them. A
-  bf16 decode step reads half the bytes of fp32, and takes about half the time
-  (oneDNN's bf16 copy was no faster than fp32 at decode). Unlike oneDNN's
-  copy, the layout is a plain tensor: the PCP ranks of one host can read one
-  copy in shared pages (ctxpar/executor/shared_weights.py).
+  thousands), bf16 with AVX-512 BF16's dot products where the CPU has them, and
+  on CPUs with AMX-BF16 with AMX's tiles for every row count (kernels/bf16_tiles.h:
+  prefill level with oneDNN's AMX path, which gives a row other bits by the row
+  count; the kernel writes bf16 out). A bf16 decode step reads half the bytes of
+  fp32, and takes about half the time (oneDNN's bf16 copy was no faster than fp32
+  at decode). Unlike oneDNN's copy, the layout is a plain tensor: the PCP ranks
+  of one host can read one copy in shared pages (ctxpar/executor/shared_weights.py).
 
 Weights kept block-quantized (a GGUF loaded with ``quantization="gguf"``)
 are ``QuantWeight``s (layers/quant_linear.py); ``linear``, ``embedding``,
@@ -61,7 +63,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
-        return kernels.linear_packed(x, weight.data, weight.out_features, bias).to(x.dtype)
+        return kernels.linear_packed(x, weight.data, weight.out_features, bias, out_dtype=x.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

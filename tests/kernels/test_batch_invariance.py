@@ -4,7 +4,8 @@ a batch; every row (and every run of rows) computed alone must equal its row of 
 whole call, compared with ``==``.
 
 - projections: block-quantized weights in every GGUF format on every build this CPU
-  runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 and bf16 panels;
+  runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 panels, and bf16
+  panels on every path this CPU runs (AMX-BF16's tiles, AVX-512 BF16, AVX2);
 - RMSNorm (with and without the residual), SiLU·up, rope;
 - attention: prefill chunks (a prompt's queries cut anywhere, as chunked prefill and
   PCP cut them), queries with a key count each (DCP's shards) and decode rows alone
@@ -27,12 +28,16 @@ from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_blocks import FORMATS, decode
 from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.machine import cpu_info
 from helpers.gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the compiled kernels")
 
 SETTINGS = settings(max_examples=15, deadline=None)
 BUILDS = ["native", "haswell", "x86-64"]
+# bf16's paths: native (AMX's tiles where the CPU has AMX-BF16), AVX-512 BF16's dot
+# products without AMX (cooperlake), AVX2's widened pairs.
+BF16_BUILDS = ["native", *(["cooperlake"] if "avx512_bf16" in cpu_info().flags else []), "haswell"]
 
 
 def random_weight(name: str, rows: int, cols: int, rng: np.random.Generator) -> QuantWeight:
@@ -76,14 +81,45 @@ def test_quantized_projection(name: str, build: str, data: st.DataObject) -> Non
         assert_rows_alone(lambda r: quant.quant_linear(r, w.qs, w.scales, w.offsets, w.bits, w.group, bias), x, data)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @SETTINGS
 @given(data=st.data())
-def test_panel_projection(dtype: torch.dtype, data: st.DataObject) -> None:
+def test_panel_projection(data: st.DataObject) -> None:
     out, cols = data.draw(st.integers(1, 80)), data.draw(st.integers(1, 200))
-    w = PanelWeight.pack(torch.randn(out, cols).to(dtype))
-    x = torch.randn(data.draw(st.integers(1, 60)), cols).to(dtype)
+    w = PanelWeight.pack(torch.randn(out, cols))
+    x = torch.randn(data.draw(st.integers(1, 60)), cols)
     assert_rows_alone(lambda rows: kernels.linear_packed(rows, w.data, out), x, data)
+
+
+@pytest.mark.parametrize("build", BF16_BUILDS)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_bf16_projection(build: str, data: st.DataObject) -> None:
+    """Row r of a call of M rows (M across 1..70: AMX's groups of 16, a padded last
+    group) == the call of row r alone, for every r; inputs whose pairs fill whole K
+    tiles (read in place, rows `pad` apart) and inputs that do not (padded copies)."""
+    lib = kernels._library(build)
+    assert lib is not None
+    whole_tiles = data.draw(st.booleans())
+    cols = 32 * data.draw(st.integers(1, 6)) if whole_tiles else data.draw(st.integers(1, 200))
+    out, n, pad = data.draw(st.integers(1, 80)), data.draw(st.integers(1, 70)), data.draw(st.sampled_from([0, 2, 6]))
+    x = (torch.randn(n, cols + pad) * torch.rand(n, 1) * 3).bfloat16()[:, :cols]
+    bias = torch.randn(out) if data.draw(st.booleans()) else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "_library", lambda march="native": lib)
+        w = PanelWeight.pack(torch.randn(out, cols).bfloat16())  # the build's panel width
+        run = lambda rows: kernels.linear_packed(rows, w.data, out, bias)
+        whole = run(x)
+        assert_rows_alone(run, x, data)
+        for r in range(n):
+            assert torch.equal(run(x[r : r + 1]), whole[r : r + 1]), r
+
+
+def test_bf16_path_is_the_cpus() -> None:
+    """The native build takes AMX's tiles for bf16 exactly where the CPU has AMX-BF16 (and
+    Linux grants the tile state, which every kernel since 5.16 does)."""
+    assert kernels.bf16_tiles() == ("amx_bf16" in cpu_info().flags)
+    if "cooperlake" in BF16_BUILDS:
+        assert not kernels._library("cooperlake").linear_bf16_tiles()
 
 
 @SETTINGS

@@ -1,10 +1,12 @@
 """The packed fp32 and bf16 projections (ctxpar/kernels/gemv.cpp, layers/linear.py)
 against the product in float64, over random shapes (widths that neither the
 panels nor the vectors divide, odd bf16 widths, strided input rows, row counts
-past a work block), on the native and the AVX2 builds; and the packings' index maps."""
+past a work block), on the native and the AVX2 builds (native: AMX's tiles for bf16
+where the CPU has AMX-BF16); bf16's order of summation; and the packings' index maps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -66,6 +68,83 @@ def test_packed_bf16_linear_matches_float64(
     bound = 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
     assert torch.all((got.double() - want).abs() <= bound)
     assert linear(x, PanelWeight.pack(w), b).dtype == torch.bfloat16  # a bf16 model's activations stay bf16
+    # bf16 out, as `linear` asks for it: the float32 result's bits rounded as PyTorch rounds
+    assert torch.equal(linear(x, PanelWeight.pack(w), b), got.bfloat16())
+
+
+def test_bf16_out_rounds_as_pytorch(march: str) -> None:
+    """Written as bf16 by the kernel, each output is what .to(torch.bfloat16) makes of the
+    float32 one: ties to even, denormals rounded (not flushed), overflow to infinity."""
+    bits = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00008000, 0x00018000, 0x80017FFF, 0x7F7FFFFF, 0xFF800000, 0x1]
+    bias = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.zeros(3, 4, dtype=torch.bfloat16)  # every sum 0: the outputs are the biases
+    p = PanelWeight.pack(torch.ones(len(bits), 4, dtype=torch.bfloat16)).data
+    got = kernels.linear_packed(x, p, len(bits), bias, out_dtype=torch.bfloat16)
+    assert torch.equal(got, bias.expand(3, -1).bfloat16())
+    nan = kernels.linear_packed(x, p, 1, torch.tensor([float("nan")]), out_dtype=torch.bfloat16)
+    assert nan.isnan().all()
+
+
+@pytest.mark.parametrize("n,in_features", [(1500, 300), (900, 1024), (37, 4096)])
+def test_bf16_row_blocks_and_tiles(march: str, n: int, in_features: int) -> None:
+    """bf16 past a row block of ~256 KB, inputs whose pairs fill whole K tiles of 32 (read
+    in place, a last group of 16 padded) or not (a padded copy): within float32's rounding."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, in_features + 2, generator=g).bfloat16()[:, :in_features]
+    w = torch.randn(70, in_features, generator=g).bfloat16()
+    b = torch.randn(70, generator=g)
+    want = x.double() @ w.double().T + b.double()
+    got = kernels.linear_packed(x, PanelWeight.pack(w).data, 70, b).double()
+    assert torch.all((got - want).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + 1))
+
+
+POWERS = [1.0, -1.0, 3.0, 0.5, 2.0**24, -(2.0**24), 2.0**25, -(2.0**25)]
+
+
+@SETTINGS
+@given(
+    tiles=st.integers(2, 6),
+    short=st.integers(0, 31),
+    n=st.integers(1, 40),
+    out_features=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_sums_in_input_order_then_bias(
+    march: str, tiles: int, short: int, n: int, out_features: int, seed: int
+) -> None:
+    """Every output is its products summed in float32 in input order, then the bias. Each
+    row's input is 1 at one column per 32 (a K tile) and 0 elsewhere, the weights and
+    biases powers of two and 3 up to 2^25 (every product exact), so how a tile's products
+    meet does not matter, and the order of the tiles and the bias does: 1 + 2^24 - 2^24 is
+    0 in that order and 1 in others. Summing the tiles in another order, or adding the
+    bias first, fails this."""
+    rng = np.random.default_rng(seed)
+    cols = 32 * tiles - short
+    w = rng.choice(POWERS, (out_features, cols)).astype(np.float32)
+    bias = rng.choice(POWERS, out_features).astype(np.float32)
+    x = np.zeros((n, cols), np.float32)
+    picks = [[rng.integers(32 * t, min(32 * t + 32, cols)) for t in range(tiles)] for _ in range(n)]
+    for m, columns in enumerate(picks):
+        x[m, columns] = 1
+    want = np.zeros((n, out_features), np.float32)
+    for t in range(tiles):  # float32 sums, tile after tile
+        want += np.stack([w[:, columns[t]] for columns in picks])
+    want += bias
+    xb, wb = torch.from_numpy(x).bfloat16(), torch.from_numpy(w).bfloat16()
+    got = kernels.linear_packed(xb, PanelWeight.pack(wb).data, out_features, torch.from_numpy(bias))
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+def test_bf16_sum_order_tells_orders_apart(march: str) -> None:
+    """The cases above can fail: 1, 2^24, -2^24 in three tiles, bias 0, gives 0; the
+    reverse order 1; and with 2^24, 1 and bias -2^24, 0 where the bias first gives 1."""
+    x = torch.zeros(1, 96, dtype=torch.bfloat16)
+    x[0, [5, 40, 70]] = 1
+    w = torch.zeros(2, 96, dtype=torch.bfloat16)
+    w[0, [5, 40, 70]] = torch.tensor([1.0, 2.0**24, -(2.0**24)]).bfloat16()
+    w[1, [5, 40]] = torch.tensor([2.0**24, 1.0]).bfloat16()
+    got = kernels.linear_packed(x, PanelWeight.pack(w).data, 2, torch.tensor([0.0, -(2.0**24)]))
+    assert got.tolist() == [[0.0, 0.0]]
 
 
 @SETTINGS
