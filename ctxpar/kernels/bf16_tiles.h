@@ -178,7 +178,7 @@ void product(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* pac
   {
     configure();
     alignas(64) uint16_t b_tail[T * PANEL_ROW];  // a panel's last K tile, zero-padded
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static) nowait  // one barrier a call: the region's end
     for (int64_t pb = 0; pb < panel_blocks; ++pb) {
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
         const int64_t end = std::min(n, (rb + 1) * rows_per_block);
