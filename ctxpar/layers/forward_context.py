@@ -1,9 +1,10 @@
-"""The contract between the model runner and the attention layers: what one
-forward pass needs besides the token ids.
+"""What attention layers read of a step: what one forward pass needs besides
+the token ids.
 
-The runner builds one ``ForwardContext`` per step (the rank-local rows, where
-their KV lives in the paged cache, how to gather KV over the ranks and, under
-DCP, a ``DCPStep``); attention layers read it and nothing else, so they know
+Each step has one ``ForwardContext`` (the rank-local rows, where their KV
+lives in the paged cache, how to gather KV over the ranks and, under DCP, a
+``DCPStep``), built by attention_metadata.py from the runner's
+StepDescription; attention layers read it and nothing else, so they know
 only "gather my KV inputs, write them, attend" (docs/architecture.md).
 Values that every layer of a step would otherwise rebuild go in its
 ``StepMemo``, filled by the first layer that needs them.

@@ -12,7 +12,7 @@ manager covers ``block_size · D`` positions and gives each rank exactly
 ``block_size`` local tokens (I divides block_size), which that rank stores in
 its own physical block of the same id. So local token j of a sequence sits in
 slot ``table[j // block_size] · block_size + j % block_size`` on its rank
-(``ctxpar.worker.kv_cache.slots_of(table, j, block_size)``), and
+(``ctxpar.layers.step_description.slots_of(table, j, block_size)``), and
 a rank's shard of positions [0, L) is its local tokens [0, local_len(L)).
 
 Pure numpy, vectorised; every function broadcasts over arrays of positions.

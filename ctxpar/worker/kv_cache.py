@@ -1,20 +1,22 @@
 """Paged KV-cache tensors: one flat (num_slots, *kv_entry_shape) tensor per layer
 (a quantized cache: (num_slots, row_bytes) uint8 rows, ctxpar/layers/kv_quant.py).
 
-A slot is ``block_id * block_size + offset``. The cache knows only bytes per
-token per layer, so GQA layers (K and V per KV head) and MLA layers (latent +
-rope key) share this code.
+A slot is ``block_id * block_size + offset`` (ctxpar/layers/step_description.py).
+The cache knows only bytes per token per layer, so GQA layers (K and V per KV
+head) and MLA layers (latent + rope key) share this code.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.kv_quant import KVQuant
+
+# ctxpar bench overhead times the slot arithmetic under its former name here.
+from ctxpar.layers.step_description import slots_of as slots_of
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -96,8 +98,3 @@ def tokens_per_gib(bytes_per_token: int, dcp_size: int = 1) -> int:
     """Tokens one GiB of KV cache per rank holds (bytes_per_token: every layer's entry);
     under DCP each rank stores 1/D of every token."""
     return 2**30 * dcp_size // bytes_per_token
-
-
-def slots_of(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot of each position of one request. block_table: (B,), positions: (m,) -> (m,) int64."""
-    return block_table[positions // block_size] * block_size + positions % block_size

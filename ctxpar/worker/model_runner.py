@@ -2,11 +2,15 @@
 
 Every rank (rank 0 included) runs the same code on the same StepPlan:
 
-    StepPlan ──► PCP layout (pure, identical on all ranks)
-             ──► this rank's local rows: ids, positions, cache slots
+    StepPlan ──► PCP layout (pure, identical on all ranks) ──► StepDescription
+             ──► its attention metadata, this rank's rows and where their KV
+                 lives (layers/attention_metadata.py) ──► ForwardContext
              ──► model forward (each attention layer: gather KV over ranks,
                  write the cache, attend)
              ──► hidden states of the sampled tokens reach rank 0 ──► logits
+
+The runner only schedules that work; what attention needs of a step is
+decided next to attention, from the StepDescription.
 
 Any branch that leads into a collective is decided from the plan and the
 layout alone, which every rank has, so all ranks always enter the same
@@ -21,18 +25,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ctxpar.layers.attention_metadata import AttentionMetadataBuilder
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
-from ctxpar.layers.linear import row_parts
+from ctxpar.layers.step_description import StepDescription
 from ctxpar.models.base import CausalLM
 from ctxpar.models.compiled_decode import CompiledDecode
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
-from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout, split_mask
-from ctxpar.worker.dcp_step import dcp_step
-from ctxpar.worker.kv_cache import allocate_kv_caches, slots_of
+from ctxpar.parallel.pcp import plan_pcp_layout, split_mask
+from ctxpar.worker.kv_cache import allocate_kv_caches
 from ctxpar.worker.options import RunnerOptions
-from ctxpar.worker.step_inputs import check_block_tables, rank_order, token_rows_positions, token_slots
+from ctxpar.worker.step_inputs import check_block_tables
+from ctxpar.worker.step_outputs import outputs_on_rank0
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 COPY_SLOTS = 1024  # cache slots per piece of a KV copy (copy_blocks): what a led step of 1K tokens holds
@@ -63,6 +68,7 @@ class ModelRunner:
             self.kv_quant,
         )
         self.kv_caches = list(self.kv_stack.unbind(0))  # per layer (slots, *entry): views of the stack
+        self.metadata = AttentionMetadataBuilder(self.kv_caches, self.kv_quant, device)
         # Steps of decodes as one compiled call where the model allows it (enforce_eager: never).
         self.compiled = None if options.enforce_eager else CompiledDecode.build(model, self.kv_caches, self.kv_quant)
 
@@ -85,6 +91,19 @@ class ModelRunner:
         ``plan.hidden_token_indices()``; None on the other ranks. Raises ValueError,
         before any kernel runs, if a row's slots would fall outside the KV cache."""
         self._check_slots(plan)
+        step = self._describe(plan)
+        led = self.lead_threads is not None and not step.gathers
+        if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
+            self._share_led_kv(step)
+            return None
+        ctx = self.metadata.build(step)
+        if led:
+            return self._lead(plan, step, ctx)
+        return outputs_on_rank0(self.model, plan, step, self._forward(plan, step, ctx), self.group)
+
+    def _describe(self, plan: StepPlan) -> StepDescription:
+        """The step as attention sees it: the plan's rows, their PCP layout (pure,
+        identical on all ranks) and this rank's place."""
         layout = plan_pcp_layout(
             plan.num_scheduled_tokens,
             plan.num_computed_tokens,
@@ -94,71 +113,47 @@ class ModelRunner:
             spread_min_rows=self.spread_min_rows,
             split_ranks=self._split_ranks(plan),
         )
-        gathers = self.pcp_size > 1 and not layout.is_all_replicated  # some row split or assigned
-        led = self.lead_threads is not None and not gathers
-        if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
-            self._share_led_kv(plan)
-            return None
-        rows = layout.rank_rows(self.rank)
-        to_dev = lambda a: torch.tensor(a, dtype=torch.int64, device=self.device)
-
-        # Which of the KV entries an attention layer holds get written, as a mask over exactly
-        # those entries: the P*n gathered ones in a split step, the n local ones otherwise.
-        if gathers:
-            # Every rank writes every token of the step (rank 0's copy of replicated rows).
-            writes, token_of = layout.kv_write_mask, layout.padded_gather_idx
-        else:
-            # No gather: each rank writes its own (identical) copy of every token.
-            writes, token_of = ~rows.is_padding, rows.token_idx
-        token_row, token_pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
-        # Where each token sits in its request's cache: its position, or under DCP
-        # its index among the tokens its owner stores (only the owner writes it).
-        where = token_pos if self.shard is None else self.shard.local_position(token_pos)
-        global_slots = token_slots(plan.block_tables, token_row, where, self.block_size)  # (T,)
-        if self.shard is None:
-            dcp = None
-            context_slots = [
-                to_dev(slots_of(plan.block_tables[r], np.arange(s), self.block_size))
-                for r, s in zip(rows.req_idx.tolist(), rows.seq_lens.tolist())
-            ]
-        else:
-            writes = writes & (self.shard.owner(token_pos) == self.rank)[token_of]
-            all_to_all = self._pcp_group().all_to_all
-            dcp = dcp_step(plan, layout, self.shard, self.block_size, self._prompt_lens(plan), all_to_all, to_dev)
-            context_slots = []
-        write_src = np.flatnonzero(writes)
-        ctx = ForwardContext(
-            query_start_loc=rows.query_start_loc.tolist(),
-            start_pos=rows.start_pos.tolist(),
-            seq_lens=rows.seq_lens.tolist(),
-            context_slots=context_slots,
-            write_src=None if writes.all() else to_dev(write_src),
-            write_slots=to_dev(global_slots[token_of[write_src]]),
-            kv_caches=self.kv_caches,
-            kv_quant=self.kv_quant,
-            gather=self._pcp_group().all_gather if gathers else None,
-            dcp=dcp,
-            prompt_lens=self._prompt_lens(plan)[rows.req_idx].tolist(),
+        group = self.group  # its collectives run only in a step of several ranks (one that gathers, or DCP)
+        return StepDescription(
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_computed_tokens=plan.num_computed_tokens,
+            prompt_lens=self._prompt_lens(plan),
+            block_tables=plan.block_tables,
+            block_size=self.block_size,
+            layout=layout,
+            rank=self.rank,
+            shard=self.shard,
+            all_gather=group.all_gather if group is not None else None,
+            all_to_all=group.all_to_all if group is not None else None,
         )
-        input_ids = to_dev(plan.input_ids[rows.token_idx])
+
+    def _forward(self, plan: StepPlan, step: StepDescription, ctx: ForwardContext) -> torch.Tensor:
+        """The model over this rank's rows of the step: their (n, H) hidden states."""
+        rows = step.rows
+        input_ids = self._to_device(plan.input_ids[rows.token_idx])
         extra = {}
         if plan.hidden_states is not None:  # the mtp layer: the target's state at each position
-            extra["hidden"] = plan.hidden_states.to(self.device)[to_dev(rows.token_idx)]  # (n, H)
+            extra["hidden"] = plan.hidden_states.to(self.device)[self._to_device(rows.token_idx)]  # (n, H)
         forward = self.model.forward
         if self.compiled is not None and not extra and self.compiled.serves(ctx, len(input_ids)):
             forward = self.compiled.forward  # the same bits, without Python between the kernels
-        if not led:
-            hidden = forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
-            return self._outputs_on_rank0(plan, layout, hidden, gathers)
-        assert self.lead_threads is not None  # led
+        return forward(input_ids, self._to_device(rows.positions), ctx, **extra)
+
+    def _lead(self, plan: StepPlan, step: StepDescription, ctx: ForwardContext) -> StepOutput | None:
+        """A led step on rank 0: computed alone with the ranks' threads together, then
+        its new KV sent to the others."""
+        assert self.lead_threads is not None  # only ranks sharing a host lead
         torch.set_num_threads(self.lead_threads)
         try:
-            hidden = forward(input_ids, to_dev(rows.positions), ctx, **extra)  # (n, H)
-            out = self._outputs_on_rank0(plan, layout, hidden, gathers)
+            out = outputs_on_rank0(self.model, plan, step, self._forward(plan, step, ctx), self.group)
         finally:
             torch.set_num_threads(self.threads)
-        self._share_led_kv(plan, global_slots)
+        self._share_led_kv(step)
         return out
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """An int64 array as a tensor on the rank's device."""
+        return torch.tensor(a, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _prompt_lens(plan: StepPlan) -> np.ndarray:
@@ -190,19 +185,12 @@ class ModelRunner:
         assert self.group is not None
         return self.group
 
-    def _share_led_kv(self, plan: StepPlan, slots: np.ndarray | None = None) -> None:
+    def _share_led_kv(self, step: StepDescription) -> None:
         """A led step's new KV, every layer's entries of every token, from rank 0's
-        cache (at `slots` (T,), its tokens' slots in global order) into the others',
-        so each still holds every token's KV."""
-        if plan.num_tokens == 0:
-            return
-
-        def my_slots() -> np.ndarray:
-            # Worked out only after the broadcast, on a core that rank 0's threads have left (it samples alone).
-            row, pos = token_rows_positions(plan.num_scheduled_tokens, plan.num_computed_tokens)  # (T,) each
-            return token_slots(plan.block_tables, row, pos, self.block_size)
-
-        self._broadcast_kv(plan.num_tokens, slots, my_slots)
+        cache into the others' (at each token's slot), so each still holds every
+        token's KV. The others work their slots out only after the broadcast, on a
+        core that rank 0's threads have left (it samples alone)."""
+        self._broadcast_kv(step.num_tokens, lambda: step.slots)
 
     @torch.inference_mode()  # the caches are inference tensors
     def copy_blocks(self, block_ids: np.ndarray) -> None:
@@ -212,77 +200,20 @@ class ModelRunner:
         piece = max(self.block_size, COPY_SLOTS // self.block_size * self.block_size)
         for i in range(0, len(slots), piece):
             part = slots[i : i + piece]
-            self._broadcast_kv(len(part), part, lambda: part)
+            self._broadcast_kv(len(part), lambda: part)
 
-    def _broadcast_kv(self, n: int, slots: np.ndarray | None, my_slots: Callable[[], np.ndarray]) -> None:
-        """Every layer's cache entries at rank 0's ``slots`` (n,) into the other ranks'
-        caches at ``my_slots()`` (n,): rank 0 sends, the others receive and store."""
+    def _broadcast_kv(self, n: int, slots: Callable[[], np.ndarray]) -> None:
+        """Every layer's cache entries at ``slots()`` (n,) of rank 0 into the same slots
+        of the other ranks: rank 0 sends, the others receive and store (and call
+        ``slots`` only once they have received)."""
         stack = self.kv_stack  # (layers, slots, *entry): every layer's entries of a slot in one op
         shape = (stack.shape[0], n, *stack.shape[2:])  # (layers, n, *entry)
         if self._led_buffer.numel() < math.prod(shape):  # reused: fresh pages each step cost more than the copy
             self._led_buffer = stack.new_empty(2 * math.prod(shape))
         entries = self._led_buffer[: math.prod(shape)].view(shape)
         if self.rank == 0:
-            assert slots is not None  # rank 0 names what it sends
-            torch.index_select(stack, 1, torch.from_numpy(slots).to(self.device), out=entries)
+            torch.index_select(stack, 1, torch.from_numpy(slots()).to(self.device), out=entries)
             self._pcp_group().broadcast_(entries)
             return
         self._pcp_group().broadcast_(entries)  # asleep until rank 0 has computed the step
-        stack.index_copy_(1, torch.from_numpy(my_slots()).to(self.device), entries)
-
-    def _outputs_on_rank0(
-        self, plan: StepPlan, layout: PCPLayout, hidden: torch.Tensor, gathers: bool
-    ) -> StepOutput | None:
-        # The sampled tokens, every token of the rows that want prompt logprobs (a full
-        # restore of those rows only, never of every token), and every token of the
-        # hidden_rows, in global order.
-        logit_idx, hidden_idx = plan.logits_token_indices(), plan.hidden_token_indices()  # (L,), (K,)
-        wanted = np.union1d(logit_idx, hidden_idx) if len(hidden_idx) else logit_idx  # (W,) sorted
-        where = layout.hidden_restore_idx[wanted]  # (W,) gathered position of the authoritative copy
-        if not gathers:
-            # Rank 0 holds every authoritative copy itself (gathered position == local index).
-            if self.rank != 0:
-                return None
-            picked = hidden[torch.from_numpy(where).to(self.device)]  # (W, H)
-            return self._output(picked, self.model.compute_logits(self._rows(picked, wanted, logit_idx)), wanted, plan)
-        # Only the wanted tokens travel, each from the rank that computed it, to rank 0.
-        group = self._pcp_group()
-        n = layout.num_tokens_padded
-        owner, local = where // n, where % n
-        # The w-th wanted token is the index_in_rank-th of its owner's list, in global order;
-        # width is rank-invariant, so every rank sends the same shape.
-        index_in_rank, width = rank_order(owner, self.pcp_size)
-        mine = local[owner == self.rank]
-        send = hidden.new_zeros((width, hidden.shape[1]))
-        send[: len(mine)] = hidden[torch.from_numpy(mine).to(self.device)]
-        pick = torch.from_numpy(owner), torch.from_numpy(index_in_rank)
-        parts = row_parts(self.model.logits_weight(), self.pcp_size) if group.one_host else None
-        if parts is None:
-            received = group.gather_to_first(send)  # rank 0: (P, width, H); others: None
-            if received is None:
-                return None
-            picked = received[pick]  # (W, H)
-            return self._output(picked, self.model.compute_logits(self._rows(picked, wanted, logit_idx)), wanted, plan)
-        # Ranks sharing a host's memory bus each compute a range of the vocabulary for
-        # every sampled token (reading 1/P of the lm_head), and rank 0 joins the ranges.
-        picked = group.all_gather(send).view(self.pcp_size, width, -1)[pick]  # (W, H)
-        sampled = self._rows(picked, wanted, logit_idx)  # (L, H)
-        weight, lo, hi = parts[self.rank]
-        widest = max(end - first for _, first, end in parts)
-        logits = sampled.new_zeros((len(sampled), widest), dtype=torch.float32)
-        logits[:, : hi - lo] = self.model.compute_logits(sampled, weight)
-        received = group.gather_to_first(logits)  # rank 0: (P, L, widest)
-        if received is None:
-            return None
-        joined = torch.cat([received[k, :, : end - first] for k, (_, first, end) in enumerate(parts)], dim=1)
-        return self._output(picked, joined, wanted, plan)
-
-    def _rows(self, picked: torch.Tensor, wanted: np.ndarray, indices: np.ndarray) -> torch.Tensor:
-        """The rows of ``picked`` (W, H), the states of the ``wanted`` tokens, that hold ``indices``."""
-        if len(indices) == len(wanted):
-            return picked  # wanted is indices itself
-        return picked[torch.from_numpy(np.searchsorted(wanted, indices)).to(self.device)]
-
-    def _output(self, picked: torch.Tensor, logits: torch.Tensor, wanted: np.ndarray, plan: StepPlan) -> StepOutput:
-        hidden_idx = plan.hidden_token_indices()
-        return StepOutput(logits, self._rows(picked, wanted, hidden_idx) if len(hidden_idx) else None)
+        stack.index_copy_(1, torch.from_numpy(slots()).to(self.device), entries)

@@ -1,9 +1,6 @@
-"""The index arithmetic of one step's inputs: pure numpy functions of the
-StepPlan's arrays (no torch, no ranks), like the layout planner.
-
-Tokens are numbered in global order t = 0..T-1: row r owns
-[query_start_loc[r], query_start_loc[r+1]), and its token j sits at absolute
-position num_computed_tokens[r] + j.
+"""The runner's index arithmetic of a step: pure numpy functions of the
+StepPlan's arrays (no torch, no ranks), like the layout planner. Where the
+step's tokens sit in the cache is attention's (ctxpar/layers/step_description.py).
 """
 
 from __future__ import annotations
@@ -12,33 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-def token_rows_positions(num_scheduled: np.ndarray, num_computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(T,) row and (T,) absolute position of every token scheduled in the step."""
-    q = np.asarray(num_scheduled, dtype=np.int64)
-    row = np.repeat(np.arange(len(q)), q)  # (T,)
-    qsl = np.concatenate(([0], np.cumsum(q)))
-    return row, np.asarray(num_computed, dtype=np.int64)[row] + np.arange(len(row)) - qsl[row]
-
-
-def padded_block_tables(block_tables: Sequence[np.ndarray]) -> np.ndarray:
-    """(R, max_blocks) block tables, zero-padded."""
-    width = max((len(b) for b in block_tables), default=0)
-    tables = np.zeros((len(block_tables), width), dtype=np.int64)
-    for r, b in enumerate(block_tables):
-        tables[r, : len(b)] = b
-    return tables
-
-
-def token_slots(
-    block_tables: Sequence[np.ndarray], token_row: np.ndarray, where: np.ndarray, block_size: int
-) -> np.ndarray:
-    """(T,) cache slot of each token, given its row and its place ``where`` in
-    that row's cache (its position; under DCP its index among the positions
-    its owner stores): block ``where // block_size`` of the row's table, offset
-    ``where % block_size``."""
-    tables = padded_block_tables(block_tables)  # (R, max_blocks)
-    return tables[token_row, where // block_size] * block_size + where % block_size
+# ctxpar bench overhead times the slot arithmetic under its former names here.
+from ctxpar.layers.step_description import token_rows_positions as token_rows_positions
+from ctxpar.layers.step_description import token_slots as token_slots
 
 
 def check_block_tables(

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ctxpar.layers.step_description import slots_of
 from ctxpar.parallel.dcp_shard import DCPShard
-from ctxpar.worker.kv_cache import slots_of
 from ctxpar.worker.step_plan import StepPlan
 from helpers.pcp_harness import BLOCK_SIZE, BLOCKS_PER_REQUEST
 

@@ -1,4 +1,4 @@
-"""What one step's sharded attention needs on this rank (ctxpar/layers/sharded_attention.py).
+"""What one step's sharded attention needs on this rank (sharded_attention.py).
 
 Under DCP every query of the step is attended over every shard. On rank d a
 query at position p sees its row's keys that rank d stores at positions up to
@@ -19,31 +19,21 @@ import numpy as np
 import torch
 
 from ctxpar.layers.forward_context import DCPStep, DecodeGroup, ShardQueries
-from ctxpar.parallel.dcp_shard import DCPShard
-from ctxpar.parallel.pcp import PCPLayout
-from ctxpar.worker.kv_cache import slots_of
-from ctxpar.worker.step_inputs import token_rows_positions
-from ctxpar.worker.step_plan import StepPlan
+from ctxpar.layers.step_description import StepDescription, slots_of
 
 ToDevice = Callable[[np.ndarray], torch.Tensor]  # an int64 array as a tensor on the rank's device
 
 
-def dcp_step(
-    plan: StepPlan,
-    layout: PCPLayout,
-    shard: DCPShard,
-    block_size: int,
-    prompt_lens: np.ndarray,
-    all_to_all: Callable[[torch.Tensor], torch.Tensor],
-    to_dev: ToDevice,
-) -> DCPStep:
-    """The step's queries over ``shard``: prompt_lens (R,) each row's prompt length;
-    all_to_all: the group's, which brings each rank its tokens' partials."""
-    q, c = plan.num_scheduled_tokens, plan.num_computed_tokens
+def dcp_step(step: StepDescription, to_dev: ToDevice) -> DCPStep:
+    """The step's queries over this rank's shard (``step.shard``, not None); the
+    step's all_to_all brings each rank its tokens' partials."""
+    shard, layout, block_size = step.shard, step.layout, step.block_size
+    assert shard is not None and step.all_to_all is not None  # under DCP, which has several ranks
+    q, c = step.num_scheduled_tokens, step.num_computed_tokens
     qsl = np.concatenate(([0], np.cumsum(q)))
-    _, pos = token_rows_positions(q, c)  # (T,) each token's position
+    _, pos = step.tokens  # (T,) each token's position
     counts = shard.local_len(pos + 1).astype(np.int64)  # (T,) keys of my shard each token sees
-    prompt_end = qsl[:-1] + np.clip(prompt_lens - c, 0, q)  # (R,) the token after each row's prompt queries
+    prompt_end = qsl[:-1] + np.clip(step.prompt_lens - c, 0, q)  # (R,) the token after each row's prompt queries
     prompt: list[ShardQueries] = []
     generated: list[ShardQueries] = []
     decode_slots: list[np.ndarray] = []  # each generated query's slots, back to back: the decode kernel's input
@@ -54,7 +44,7 @@ def dcp_step(
         return ShardQueries(a, b, row_slots[: counts[b - 1]], to_dev(counts[a:b])) if b > a else None
 
     for r in np.flatnonzero(q):
-        slots = slots_of(plan.block_tables[r], np.arange(counts[qsl[r + 1] - 1]), block_size)  # the row's, mine
+        slots = slots_of(step.block_tables[r], np.arange(counts[qsl[r + 1] - 1]), block_size)  # the row's, mine
         on_dev = to_dev(slots)
         if (p := span(int(qsl[r]), int(prompt_end[r]), on_dev)) is not None:
             prompt.append(p)
@@ -74,5 +64,5 @@ def dcp_step(
         send_idx=to_dev(np.where(layout.gathered_is_padding, layout.num_tokens, layout.padded_gather_idx)).view(
             shard.size, -1
         ),
-        all_to_all=all_to_all,
+        all_to_all=step.all_to_all,
     )
