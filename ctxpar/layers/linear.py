@@ -80,8 +80,8 @@ def can_pack(weight: Weight) -> bool:
     """Whether ``packed`` changes this weight: on the CPU, fp32 or bf16 (without the
     kernels, bf16 only where the CPU computes it natively: elsewhere oneDNN emulates
     bf16, slowly). Never a quantized one: it is in its kernel's layout already."""
-    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
-        return False
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.is_mkldnn:
+        return False  # a GPU's, or packed already (oneDNN's layout: packing it again fails)
     if weight.dtype in (torch.float32, torch.bfloat16) and kernels.available():
         return True
     native = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_native_bf16())
