@@ -100,15 +100,21 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
 
 // T float, or a quantized cache's codes with its scales `sc` (null for float):
 // prefill_attention_f32 / prefill_attention_quant below.
-template <typename T>
-void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
-             int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
-             const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
+// with_counts a template argument: the causal path's loops compile as they did before counts
+// existed (a run-time test of them there changed how the compiler contracted its float steps,
+// and so a quantized cache's bits).
+template <bool with_counts, typename T>
+void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
+                  int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
+                  const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
   // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key).
   // A task's padding rows (i >= L) read the last query's count; they are never written out.
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
-  auto seen_by = [&](int64_t i) { return counts ? counts[std::min(i, L - 1)] : offset + i + 1; };
+  auto seen_by = [&](int64_t i) {
+    if constexpr (with_counts) return counts[std::min(i, L - 1)];
+    return offset + i + 1;
+  };
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
   // Float keys: K^T per KV head, zero-padded to whole blocks, packed once per call:
@@ -192,7 +198,7 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
               // With counts, a key the query does not see weighs exactly 0 (not 2^-125): a block
               // only other queries of the task see, or a shorter key tensor, changes no bit even
               // of an output that is 0 (a quantized value's zero code).
-              if (counts) p = x == vec{} - INFINITY ? vec{} : p;
+              if constexpr (with_counts) p = x == vec{} - INFINITY ? vec{} : p;
               storev(row + s, p);
               sum += p;
             }
@@ -216,6 +222,18 @@ void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64
 }
 
 }  // namespace
+
+template <typename T>
+void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
+             int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
+             const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
+  if (counts)
+    prefill_impl<true>(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts,
+                       sc, scale, out, lse);
+  else
+    prefill_impl<false>(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts,
+                        sc, scale, out, lse);
+}
 
 extern "C" {
 
