@@ -20,6 +20,10 @@ from ctxpar.entrypoints.cli.main import CommandTable
 
 def _load(name: str) -> ModuleType:
     match name:
+        case "bf16":
+            from ctxpar.bench import bf16_projections
+
+            return bf16_projections
         case "compare":
             from ctxpar.bench import compare
 
@@ -101,6 +105,7 @@ def _load(name: str) -> ModuleType:
 
 BENCHMARKS = CommandTable(
     help={
+        "bf16": "bf16 projections on AMX's tiles vs the AVX-512 BF16 panel loop vs oneDNN; --e2e: TTFT, decode",
         "compare": "the same workload through ctxpar and vLLM's CPU build, side by side",
         "cuda": "one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate",
         "dcp": "decode context parallelism: KV capacity, decode step and TTFT, D=P vs D=1",

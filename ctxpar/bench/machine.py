@@ -7,7 +7,7 @@ import os
 from ctxpar.machine import cpu_info
 
 # CPU flags that decide which matmul and attention kernels run.
-RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve")
 
 
 def describe_machine() -> str:
