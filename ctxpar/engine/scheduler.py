@@ -31,15 +31,16 @@ The scheduler knows nothing of PCP, ranks or tensors: its output is a StepPlan.
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from collections.abc import Callable
 
-from ctxpar.engine.block_manager import BlockManager, PrefixCacheStats, extend_block_hashes
+from ctxpar.engine.batch_builder import BatchBuilder
+from ctxpar.engine.block_manager import BlockManager, PrefixCacheStats
+from ctxpar.engine.prefix_cache import cache_computed, cached_prefix
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sample.rejection import Verified
 from ctxpar.engine.sample.step_sampler import SampledStep
-from ctxpar.engine.scheduled_batch import ScheduledBatch, build_plan
+from ctxpar.engine.scheduled_batch import ScheduledBatch
 from ctxpar.outputs import LogprobsOnePosition
 
 # Told of each token a step adds to a request, in order, with its logprobs where wanted;
@@ -85,83 +86,84 @@ class Scheduler:
         valid state whether or not the step then runs; ``num_computed_tokens``
         moves only in ``commit``, once the step has succeeded.
         """
-        bm = self.block_manager
         for req in self.running:
-            self._cache_computed(req)
-        budget = self.max_num_batched_tokens
-        rows: list[tuple[Request, int]] = []
-        scheduled: set[str] = set()
-        preempted: list[Request] = []
+            cache_computed(self.block_manager, req)
+        step = BatchBuilder(self.max_num_batched_tokens)
+        self._schedule_decodes(step)
+        self._schedule_prompt_chunks(step)
+        if not step.preempted:  # the blocks just freed are for the requests already running
+            self._admit_waiting(step)
+        return step.build(self.block_manager)
 
-        # 1. Decodes, oldest first.
+    def _schedule_decodes(self, step: BatchBuilder) -> None:
+        """1. Every running request whose prompt is done, oldest first: its next token, and
+        the drafts that fit."""
         for req in list(self.running):
-            if budget == 0:
+            if step.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING or not req.is_decode_ready:
                 continue
-            if not self._make_room(req, req.num_tokens, scheduled, preempted, may_preempt_self=True):
-                continue
-            # Drafts ride along only where the budget and free blocks allow (never a preemption
-            # for them), and no further than the tokens the request may still generate.
-            k = min(len(req.spec_token_ids), budget - 1, req.max_total_tokens - req.num_tokens - 1)
-            if k and not bm.can_allocate(req.request_id, req.num_tokens + k):
-                k = 0
-            del req.spec_token_ids[k:]
-            bm.truncate(
-                req.request_id, max(req.num_tokens + k, req.num_computed_tokens)
-            )  # blocks reserved for cut drafts
-            bm.allocate(req.request_id, req.num_tokens + k)
-            rows.append((req, 1 + k))
-            scheduled.add(req.request_id)
-            budget -= 1 + k
+            if self._make_room(req, req.num_tokens, step, may_preempt_self=True):
+                step.add(req, 1 + self._allocate_with_drafts(req, step.budget - 1))
 
-        # 2. Running requests in the middle of a prompt (or of a recompute).
+    def _allocate_with_drafts(self, req: Request, budget: int) -> int:
+        """Allocate a decode's blocks and those of the drafts that ride along; returns how
+        many do. Drafts ride along only where the budget and free blocks allow (never a
+        preemption for them), and no further than the tokens the request may still generate."""
+        bm = self.block_manager
+        k = min(len(req.spec_token_ids), budget, req.max_total_tokens - req.num_tokens - 1)
+        if k and not bm.can_allocate(req.request_id, req.num_tokens + k):
+            k = 0
+        del req.spec_token_ids[k:]
+        bm.truncate(req.request_id, max(req.num_tokens + k, req.num_computed_tokens))  # blocks reserved for cut drafts
+        bm.allocate(req.request_id, req.num_tokens + k)
+        return k
+
+    def _schedule_prompt_chunks(self, step: BatchBuilder) -> None:
+        """2. Running requests in the middle of a prompt (or of a recompute): a chunk each."""
+        bm = self.block_manager
         for req in list(self.running):
-            if budget == 0:
+            if step.budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled or req.is_decode_ready:
+            if req.status is not RequestStatus.RUNNING or step.has(req) or req.is_decode_ready:
                 continue
             c = req.num_computed_tokens
             # Shrink the chunk to what fits before preempting anyone: a chunk
             # of any size makes progress.
-            if not self._make_room(req, c + 1, scheduled, preempted, may_preempt_self=False):
+            if not self._make_room(req, c + 1, step, may_preempt_self=False):
                 continue
-            q = min(req.num_tokens - c, budget, bm.max_coverable_tokens(req.request_id) - c)
+            q = min(req.num_tokens - c, step.budget, bm.max_coverable_tokens(req.request_id) - c)
             bm.allocate(req.request_id, c + q)
-            rows.append((req, q))
-            scheduled.add(req.request_id)
-            budget -= q
+            step.add(req, q)
 
-        # 3. Waiting requests in arrival order. Not after a preemption: the
-        # blocks just freed are for the requests already running.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, step: BatchBuilder) -> None:
+        """3. Waiting requests in arrival order, each from its cached prefix on, while the
+        budget, ``max_num_seqs`` and the free blocks allow."""
+        bm = self.block_manager
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self._cached_prefix(req)
+            cached = cached_prefix(bm, req)
             c = len(cached) * bm.block_size
-            q = min(req.num_tokens - c, budget)
+            q = min(req.num_tokens - c, step.budget)
             if not bm.can_allocate(req.request_id, c + q, cached):
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()
             bm.allocate(req.request_id, c + q, cached)
-            req.num_computed_tokens = c
-            if bm.enable_caching:
-                self.prefix_cache_stats.queries += req.num_tokens
-                self.prefix_cache_stats.hits += c
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = c
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.arrival_index)
-            rows.append((req, q))
-            scheduled.add(req.request_id)
-            budget -= q
+            self._start(req, c)
+            step.add(req, q)
 
-        if not rows:
-            return None
-        now = time.perf_counter()
-        for req, _ in rows:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        return ScheduledBatch(build_plan(rows, bm), [r for r, _ in rows], preempted)
+    def _start(self, req: Request, num_cached_tokens: int) -> None:
+        """A waiting request runs, its first ``num_cached_tokens`` found in the prefix cache."""
+        req.num_computed_tokens = num_cached_tokens
+        if self.block_manager.enable_caching:
+            self.prefix_cache_stats.queries += req.num_tokens
+            self.prefix_cache_stats.hits += num_cached_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+
+    # -- after the step -------------------------------------------------------
 
     def commit(self, batch: ScheduledBatch) -> None:
         """Record that ``batch`` ran: its tokens are now in the KV cache.
@@ -241,61 +243,27 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens - 1
         self.block_manager.truncate(req.request_id, req.num_computed_tokens)
 
-    def _make_room(
-        self, req: Request, num_tokens: int, scheduled: set[str], preempted: list[Request], may_preempt_self: bool
-    ) -> bool:
+    # -- preemption -----------------------------------------------------------
+
+    def _make_room(self, req: Request, num_tokens: int, step: BatchBuilder, may_preempt_self: bool) -> bool:
         """Preempt the newest running requests not yet scheduled this step
         until ``req`` can cover ``num_tokens``. Returns False if ``req`` cannot
         run this step (it was itself the newest and got preempted, or nobody
         newer is left to preempt)."""
         bm = self.block_manager
         while not bm.can_allocate(req.request_id, num_tokens):
-            victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+            victim = next((r for r in reversed(self.running) if not step.has(r)), None)
             if victim is None or (victim is req and not may_preempt_self):
                 return False
             self._preempt(victim)
-            preempted.append(victim)
+            step.preempted.append(victim)
             if victim is req:
                 return False
         return True
 
-    # -- prefix caching -------------------------------------------------------
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's known
-        tokens, all but the last: that one is computed so the request samples."""
-        if not self.block_manager.enable_caching or req.skip_prefix_cache:
-            return []
-        n = (req.num_tokens - 1) // self.block_manager.block_size
-        return self.block_manager.cached_prefix(self._block_hashes(req, n)[:n])
-
-    def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The request's hash chain, grown to cover at least its first
-        ``num_blocks`` full blocks (every block is hashed once per request); salted
-        with the request's cache_salt, so only requests of the same salt share blocks."""
-        bs = self.block_manager.block_size
-        if len(req.block_hashes) < num_blocks:
-            tokens = req.token_ids(len(req.block_hashes) * bs, num_blocks * bs)
-            extend_block_hashes(req.block_hashes, tokens, bs, req.params.cache_salt)
-        return req.block_hashes
-
-    def _cache_computed(self, req: Request) -> None:
-        """Offer the request's computed full blocks to the prefix cache.
-
-        Called lazily, at the next schedule() and before its blocks are freed
-        (finished: after its last step ran; aborted or preempted: between
-        steps). num_computed_tokens counts only tokens a completed step wrote
-        (commit), never those of a step planned or failed, so a registered
-        block always holds real KV; a hash pointing at KV never written would
-        give a later request wrong tokens.
-        """
-        if self.block_manager.enable_caching:
-            n = req.num_computed_tokens // self.block_manager.block_size
-            self.block_manager.cache_blocks(req.request_id, self._block_hashes(req, n), n)
-
     def _release(self, req: Request) -> None:
         """Free the request's blocks; its computed full blocks stay cached."""
-        self._cache_computed(req)
+        cache_computed(self.block_manager, req)
         self.block_manager.free(req.request_id)
 
     def preempt_all(self) -> list[Request]:
