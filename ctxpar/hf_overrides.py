@@ -45,7 +45,7 @@ def overridden_config_kwargs(config: Any, overrides: dict[str, Any]) -> dict[str
     """The keyword arguments that rebuild ``config`` with the overrides applied
     (``AutoConfig.from_pretrained(d, **kwargs)``)."""
     out = {k: v for k, v in overrides.items() if k not in ROPE_KEYS}
-    rope = {}
+    rope: dict[str, Any] = {}
     for key in ROPE_KEYS:
         rope.update(overrides.get(key) or {})
     if not rope:

@@ -29,6 +29,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def _engine(name: str, spec: dict):
@@ -37,36 +41,11 @@ def _engine(name: str, spec: dict):
     t0 = time.perf_counter()
     if name == "llama.cpp":
         return _llama_cpp(spec, t0)
-    if name.startswith("ctxpar"):
-        from ctxpar import LLM, SamplingParams
-
-        llm = LLM(
-            model=spec["model"],
-            enable_prefix_caching=False,
-            max_model_len=spec["max_model_len"],
-            dtype="float32",
-            quantization=spec.get("quantization"),
-            pcp_size=int(name.partition("-p")[2] or 1),
-        )
-        engine = llm._engine
-        add = lambda rid, ids, params: engine.add_request(ids, params, request_id=rid)
-    else:
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(
-            model=spec["model"],
-            dtype="float32",
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=spec["max_model_len"],
-            seed=0,
-        )
-        engine = llm.llm_engine
-        add = lambda rid, ids, params: engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    llm, sampling_params, add, step = _ctxpar(name, spec) if name.startswith("ctxpar") else _vllm(spec)
     loaded = time.perf_counter() - t0
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -74,17 +53,57 @@ def _engine(name: str, spec: dict):
         add(
             f"decode-{time.perf_counter_ns()}",
             prompt,
-            SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True),
+            sampling_params(max_tokens=1 + k, temperature=0.0, ignore_eos=True),
         )
-        first, tokens = None, []
+        first: float | None = None
+        tokens: list[int] = []
         while len(tokens) < 1 + k:
-            for out in engine.step():
+            for out in step():
                 tokens = list(out.outputs[0].token_ids)
             if first is None and tokens:
                 first = time.perf_counter()
+        assert first is not None  # the loop ran until tokens came
         return time.perf_counter() - first, tokens
 
     return generate, decode, loaded
+
+
+# An offline engine of vLLM's API: the LLM, its SamplingParams class, add(request_id, prompt
+# token ids, params) and step() -> the outputs of one engine step.
+OfflineEngine = tuple[Any, Any, Callable[[str, list[int], Any], object], Callable[[], list[Any]]]
+
+
+def _ctxpar(name: str, spec: dict) -> OfflineEngine:
+    from ctxpar import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        enable_prefix_caching=False,
+        max_model_len=spec["max_model_len"],
+        dtype="float32",
+        quantization=spec.get("quantization"),
+        pcp_size=int(name.partition("-p")[2] or 1),
+    )
+    engine = llm.engine
+    assert engine is not None  # just made
+    add = lambda rid, ids, params: engine.add_request(ids, params, request_id=rid)
+    return llm, SamplingParams, add, engine.step
+
+
+def _vllm(spec: dict) -> OfflineEngine:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=spec["max_model_len"],
+        seed=0,
+    )
+    engine = llm.llm_engine
+    add = lambda rid, ids, params: engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    return llm, SamplingParams, add, engine.step
 
 
 def _llama_cpp(spec: dict, t0: float):
@@ -139,7 +158,7 @@ def perplexity(name: str, spec: dict, ids: list[int], quantization: str | None) 
         return prompt_perplexity(llm, ids)
 
 
-def _timed(fn) -> tuple[float, object]:
+def _timed(fn: Callable[[], T]) -> tuple[float, T]:
     t0 = time.perf_counter()
     result = fn()
     return time.perf_counter() - t0, result

@@ -26,6 +26,7 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ctxpar.bench.cuda_correctness import MODELS, correctness
 from ctxpar.bench.cuda_models import guarded
@@ -54,11 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write every figure here (JSON)")
 
 
-def environment(device) -> dict:
+def environment(device) -> dict[str, Any]:
     import torch
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
+    env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)

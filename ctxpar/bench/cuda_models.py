@@ -14,7 +14,7 @@ from typing import Any
 def correctness_configs(layers: int) -> dict[str, Any]:
     from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config
 
-    none = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    none: dict[str, Any] = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
     return {
         # SmolLM2-135M's shapes (9 query / 3 KV heads of 64, tied embeddings), fewer layers.
         "smollm2": LlamaConfig(
@@ -105,7 +105,7 @@ def weights_from(state: dict[str, Any]) -> Iterator[None]:
         return ((k, v) for k, v in state.items() if keep(k))
 
     saved = loader._safetensors_files, loader._iter_safetensors
-    loader._safetensors_files, loader._iter_safetensors = files, tensors  # type: ignore[assignment]
+    loader._safetensors_files, loader._iter_safetensors = files, tensors
     try:
         yield
     finally:

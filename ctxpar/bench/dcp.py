@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
@@ -149,19 +150,23 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar.worker.kv_cache import tokens_per_gib
 
     n = args.context
-    common = dict(
+    common: dict[str, Any] = dict(
         max_model_len=n + args.steps + 8,
         max_num_batched_tokens=2048,
         kv_cache_bytes=args.kv_cache_mib << 20,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization="none",  # the figures of docs/benchmarks.md: a GGUF dequantized
     )
-    setups = [("P=1", dict(pcp_size=1), False), ("P=2 D=1", dict(pcp_size=2), True)]
+    setups: list[tuple[str, dict[str, Any], bool]] = [
+        ("P=1", dict(pcp_size=1), False),
+        ("P=2 D=1", dict(pcp_size=2), True),
+    ]
     setups += [(f"P=2 D=2 I={i}", dict(pcp_size=2, dcp_size=2, cp_interleave=i), True) for i in args.interleave]
     rows, capacity = {}, {}
     for name, kwargs, ttft in setups:
         with LLM(args.model, **common, **kwargs) as llm:
             e = llm.engine  # the KV blocks and bytes per token the engine sized: not reported publicly
+            assert e is not None  # open: inside its with block
             D = e.config.dcp_size
             tokens = e.num_blocks * e.config.block_size * D
             per_request = -(-(n + args.steps + 2) // (e.config.block_size * D))
@@ -185,6 +190,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"{name:>14} | " + " | ".join(f"{c:>18}" for c in cells))
 
     base = rows["P=2 D=1"][1]
+    assert base is not None  # P=2 D=1 times its first token
     print(f"\n(c) time to first token, {n}-token prompt (best of {args.repeat})")
     for name, (_, first) in rows.items():
         if first is not None:

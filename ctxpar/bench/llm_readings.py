@@ -1,7 +1,7 @@
 """What the benchmarks read off an open ``LLM`` through its public API (vLLM's
 ``llm.llm_engine.get_model_config()`` and ``LLM.get_metrics()``) rather than
-the engine's attributes: the model's name and vocabulary, and rank 0's seconds
-in the PCP group's collectives.
+the engine's attributes: the model's name and vocabulary, rank 0's seconds
+in the PCP group's collectives, and a finished request's time to first token.
 
 The metrics are those of the last ``LLM.generate`` (or ``LLMEngine.step``): a
 benchmark that steps ctxpar's Engine itself reads its counters there instead.
@@ -9,7 +9,10 @@ benchmark that steps ctxpar's Engine itself reads its counters there instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ctxpar.outputs import RequestOutput
 
 
 def model_name(llm: Any) -> str:
@@ -28,3 +31,11 @@ def collective_seconds(llm: Any, group: str = "data") -> float:
         if m.name == "ctxpar:pcp_collective_seconds" and m.labels.get("group") == group:
             return float(m.value)
     return 0.0
+
+
+def first_token_seconds(out: RequestOutput) -> float:
+    """The request's seconds to its first token; a request the benchmark ran has one."""
+    seconds = out.ttft
+    if seconds is None:
+        raise RuntimeError(f"request {out.request_id} produced no token")
+    return seconds

@@ -15,11 +15,12 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ctxpar.checks import fraction, positive_int
 from ctxpar.errors import CtxparError
 
-SMOLLM2_SHAPES = dict(
+SMOLLM2_SHAPES: dict[str, Any] = dict(
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> None:
             assert m.first_token_time is not None  # it produced tokens
             ttft = m.first_token_time - (m.arrival_time or t0)
             first = first or c
+            assert first.logprobs is not None and c.logprobs is not None  # params ask for them
             diff = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(first.logprobs, c.logprobs) for t in a)
             same = c.token_ids == first.token_ids
             ok = same and diff <= args.tol

@@ -27,6 +27,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ctxpar.checks import positive_int
 
@@ -91,9 +92,10 @@ def _engine_times(model: str, pcp: int, setting: dict, workloads: dict, args: ar
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     budget = sum(len(p) for p in workloads["mixed"])  # a whole workload's prompts fit in one step
     # No prefix cache: every run computes its prompts in full.
-    kwargs = dict(num_threads=1, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    kwargs: dict[str, Any] = dict(num_threads=1, max_num_batched_tokens=budget, enable_prefix_caching=False)
     with LLM(model, pcp_size=pcp, **kwargs, **setting) as llm:
         if not setting:  # auto: what it derived (the ranks' options: printed by nothing public)
+            assert llm.engine is not None  # open: inside its with block
             policy = llm.engine.executor.runner_options.policy
             print(f"    {policy.describe() if policy is not None else 'one rank'}", flush=True)
         llm.generate([{"prompt_token_ids": workloads["short"][0]}], params, use_tqdm=False)  # warm-up

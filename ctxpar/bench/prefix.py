@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ctxpar.bench.llm_readings import first_token_seconds
 from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
 
 
@@ -102,13 +103,16 @@ def _ask_in_turn(llm, prompts: list[list[int]], answer_tokens: int) -> tuple[lis
     ttft, answers, cached = [], [], []
     for p in prompts:
         [out] = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)
-        ttft.append(out.metrics.ttft)
+        ttft.append(first_token_seconds(out))
         answers.append(list(out.outputs[0].token_ids))
         cached.append(out.num_cached_tokens)
     return ttft, answers, cached
 
 
-def _batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+Batch = tuple[float, list[list[int]]]  # elapsed seconds, outputs
+
+
+def _batch(llm, prompts: list[list[int]], output_len: int) -> Batch:
     """All at once: elapsed seconds and outputs."""
     from ctxpar import SamplingParams
 
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> None:
         f"{args.own_tokens[0]}-{args.own_tokens[1]} own tokens, {args.output_len} output tokens each",
         flush=True,
     )
-    doc_rows, shared_row = [], None
+    doc_rows = []
+    shared_row: tuple[int, Batch, Batch] | None = None  # P, and the shared prompts' batch with caching off, on
     for pcp in args.pcp:
         result = {}
         for caching in (False, True):
@@ -171,7 +176,7 @@ def run(args: argparse.Namespace) -> None:
         later_off, later_on = sum(t_off[1:]) / len(t_off[1:]), sum(t_on[1:]) / len(t_on[1:])
         same = sum(a == b for a, b in zip(a_off, a_on))
         doc_rows.append((pcp, t_off[0], t_on[0], later_off, later_on, sum(c_on[1:]) // len(c_on[1:]), same))
-        if s_off is not None:
+        if s_off is not None and s_on is not None:  # measured at the first P, both ways
             shared_row = (pcp, s_off, s_on)
 
     n = args.questions
@@ -180,10 +185,10 @@ def run(args: argparse.Namespace) -> None:
         f"{'P':>2} | {'q1 off':>7} | {'q1 on':>7} | {'q2+ off':>8} | {'q2+ on':>7} | {'speed-up':>8} | "
         f"{'cached/question':>15} | identical"
     )
-    for pcp, q1_off, q1_on, off, on, cached, same in doc_rows:
+    for pcp, q1_off, q1_on, off, on, cached_per_question, same in doc_rows:
         print(
             f"{pcp:>2} | {q1_off:>7.3f} | {q1_on:>7.3f} | {off:>8.3f} | {on:>7.3f} | {off / on:>7.1f}x | "
-            f"{cached:>15} | {same}/{n}"
+            f"{cached_per_question:>15} | {same}/{n}"
         )
     if shared_row is not None:
         pcp, (e_off, o_off), (e_on, o_on) = shared_row

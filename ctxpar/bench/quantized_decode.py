@@ -161,7 +161,9 @@ def run(args: argparse.Namespace) -> None:
             }
             # The loaded model's projections (their bytes, and one timed alone) and the engine's KV
             # bytes per token: what the floor of a step is computed from, which nothing public reports.
-            model = llms[kvs[0]].engine.loaded.model
+            first_engine = llms[kvs[0]].engine
+            assert first_engine is not None  # open: inside the stack
+            model = first_engine.loaded.model
             weights = weight_bytes(model)
             projections.append((name, projection_seconds(model), weights))
             for context in args.contexts:
@@ -176,6 +178,7 @@ def run(args: argparse.Namespace) -> None:
                             best_eager[kv] = min(best_eager[kv], seconds)
                 for kv in kvs:
                     engine = llms[kv].engine
+                    assert engine is not None  # open: inside the stack
                     read = weights + engine.kv_bytes_per_token_per_layer * model.num_kv_layers * (
                         context + args.steps // 2
                     )

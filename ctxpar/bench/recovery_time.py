@@ -14,8 +14,6 @@ the new rank importing torch and loading the model; the restore is the rest.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import time
 
 import numpy as np
@@ -39,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
     from ctxpar import LLM, SamplingParams
+    from ctxpar.executor.multiproc import MultiRankExecutor
 
     kw: dict = {"quantization": "none"}  # a GGUF dequantized, as in docs/benchmarks.md
     if args.threads:
@@ -50,6 +49,8 @@ def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
         # the scheduler's queues tell when every prefill is done, and the executor which
         # process is rank 1, to be killed: neither is public.
         engine, core = llm.llm_engine, llm.engine
+        assert engine is not None and core is not None  # open: inside its with block
+        assert isinstance(core.executor, MultiRankExecutor)  # pcp_size > 1: one process per rank
         rng = np.random.default_rng(0)
         params = SamplingParams(max_tokens=args.decode_steps + 8, temperature=0, ignore_eos=True)
         engine.add_request("warm-up", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
@@ -67,7 +68,7 @@ def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
             engine.step()
         step = (time.perf_counter() - t0) / args.decode_steps
         victim = core.executor.procs[0]
-        os.kill(victim.pid, signal.SIGKILL)
+        victim.kill()  # SIGKILL
         victim.join(10)
         t0 = time.perf_counter()
         engine.step()

@@ -36,6 +36,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
+from ctxpar.bench.llm_readings import first_token_seconds
 from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
 
 
@@ -163,7 +164,8 @@ def start_server(
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}: {proc.stderr.read()[-500:]}")
+            stderr = proc.stderr.read() if proc.stderr is not None else ""
+            raise RuntimeError(f"the server exited with status {proc.returncode}: {stderr[-500:]}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -192,7 +194,7 @@ def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]],
         elapsed = time.perf_counter() - t0
         outputs = [list(o.outputs[0].token_ids) for o in outs]
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        ttfts = [llm.generate({"prompt_token_ids": p}, first, use_tqdm=False)[0].metrics.ttft for p in prompts]
+        ttfts = [first_token_seconds(llm.generate({"prompt_token_ids": p}, first, use_tqdm=False)[0]) for p in prompts]
     return prompts, outputs, sum(map(len, outputs)) / elapsed, ttfts
 
 

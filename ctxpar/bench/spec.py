@@ -104,7 +104,8 @@ def _document(tokenizer, num_tokens: int) -> str:
     import argparse as documented
 
     lines, total = [], 0
-    for line in pydoc.render_doc(documented, renderer=pydoc.plaintext).splitlines():
+    # typeshed lacks pydoc.plaintext, which pydoc defines at import (the renderer of help() without bold)
+    for line in pydoc.render_doc(documented, renderer=pydoc.plaintext).splitlines():  # type: ignore[attr-defined]
         total += len(tokenizer.encode(line + "\n", add_special_tokens=False))
         if total > num_tokens:
             break

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ctxpar.bench.llm_readings import model_name, vocab_size
+from ctxpar.bench.llm_readings import first_token_seconds, model_name, vocab_size
 from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
 
 
@@ -138,6 +138,12 @@ class _FirstTokenTimer:
         if self.calls == 2 and self.first is None:  # call 1 is the prompt itself
             self.first = time.perf_counter()
 
+    def since(self, t0: float) -> float:
+        """Seconds from t0 to the first generated token."""
+        if self.first is None:
+            raise RuntimeError("generate produced no token")
+        return self.first - t0
+
     def end(self) -> None:
         pass
 
@@ -157,15 +163,15 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, batched: bool) -> dict
             timer = _FirstTokenTimer()
             out = hf.generate(ids, attention_mask=mask, streamer=timer, **gen)
             outputs = [row[width:].tolist() for row in out]
-            ttft = ttft_alone = [timer.first - t0] * len(prompts)
+            ttft = ttft_alone = [timer.since(t0)] * len(prompts)
         else:
             for p in prompts:
                 timer, start = _FirstTokenTimer(), time.perf_counter()
                 mask = torch.ones(1, len(p), dtype=torch.long)
                 out = hf.generate(torch.tensor([p]), attention_mask=mask, streamer=timer, **gen)
                 outputs.append(out[0, len(p) :].tolist())
-                ttft.append(timer.first - t0)
-                ttft_alone.append(timer.first - start)
+                ttft.append(timer.since(t0))
+                ttft_alone.append(timer.since(start))
         elapsed = time.perf_counter() - t0
     return dict(outputs=outputs, elapsed=elapsed, ttft=ttft, ttft_alone=ttft_alone)
 
@@ -208,14 +214,14 @@ def run_ctxpar(args: argparse.Namespace, pcp: int, threads: int) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         ours = [o.outputs[0].token_ids for o in outs]
-        tps, ttft = sum(map(len, ours)) / elapsed, sum(o.metrics.ttft for o in outs) / len(outs)
+        tps, ttft = sum(map(len, ours)) / elapsed, sum(first_token_seconds(o) for o in outs) / len(outs)
         print(f"ctxpar P={pcp}:   {tps:8.1f} output tok/s  mean TTFT {ttft:6.2f} s  ({elapsed:.1f} s)")
         pre, long = None, None
         if args.prefill_len:
             n = args.prefill_len
             [long] = llm_prompts(llm, 1, n, n, args.seed + 1)
             [o] = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-            pre = o.metrics.ttft
+            pre = first_token_seconds(o)
             print(f"ctxpar P={pcp} prefill of {len(long)} tokens: {pre:.3f} s ({len(long) / pre:.0f} tok/s)")
     return dict(prompts=prompts, outputs=ours, tps=tps, ttft=ttft, prefill=pre, long=long)
 

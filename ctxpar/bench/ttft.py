@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ctxpar.checks import nonnegative_int, positive_int
 
 # Prefix caching off: the repeats of one prompt would time a cache hit, not a prefill. A GGUF
 # dequantized: the path the cost model's fp32 profiles and docs/benchmarks.md's figures are of.
-EXACT = dict(enable_prefix_caching=False, quantization="none")
+EXACT: dict[str, Any] = dict(enable_prefix_caching=False, quantization="none")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
 
     longest = max(args.lengths)
     common = dict(max_num_batched_tokens=longest, max_model_len=longest + args.decode_steps + 8, **EXACT)
-    setups = [
+    setups: list[tuple[str, dict[str, Any]]] = [
         ("P=1, 1 thread", dict(pcp_size=1, num_threads=1)),
         ("P=1, 2 threads", dict(pcp_size=1, num_threads=2)),
         ("P=2, 1 thread/rank", dict(pcp_size=2, num_threads=1)),

@@ -10,7 +10,7 @@ with LLM() as llm:                      # default: SmolLM2-135M-Instruct
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ctxpar.config import EngineConfig
 from ctxpar.engine.arg_utils import EngineArgs
@@ -21,7 +21,7 @@ from ctxpar.entrypoints.chat import is_conversation_list, render_chat
 from ctxpar.entrypoints.generation_config import default_sampling_kwargs
 from ctxpar.errors import CtxparError
 from ctxpar.inputs import PromptType, TokensPrompt
-from ctxpar.outputs import RequestOutput
+from ctxpar.outputs import Logprob, RequestOutput
 from ctxpar.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar --help`) stays free of torch
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar 
     from ctxpar.engine.input_processor import EngineRequest
     from ctxpar.engine.llm_engine import LLMEngine
 
-Message = dict  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
+Message = dict[str, Any]  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
 # use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
 # (e.g. functools.partial(tqdm, leave=False)); called with tqdm's keyword arguments.
 UseTqdm = bool | Callable[..., Any]
@@ -245,7 +245,10 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[TokensPrompt]:
         """Conversation(s) -> prompts ({"prompt", "prompt_token_ids"}) ready for generate."""
-        conversations = messages if is_conversation_list(messages) else [messages]
+        # is_conversation_list looks at the first item, which the type system cannot
+        conversations = (
+            cast(list[list[Message]], messages) if is_conversation_list(messages) else [cast(list[Message], messages)]
+        )
         return [
             render_chat(
                 self._engine.tokenizer,
@@ -277,9 +280,14 @@ class LLM:
         step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
         starts = [r.prompt_token_ids for r in self._prepare(prompts, step_params)]
 
-        def next_logprobs(token_lists: list[list[int]]) -> list[dict]:
+        def next_logprobs(token_lists: list[list[int]]) -> list[dict[int, Logprob]]:
             outs = self.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], step_params, use_tqdm=False)
-            return [o.outputs[0].logprobs[0] for o in outs]
+            firsts = []
+            for out in outs:
+                logprobs = out.outputs[0].logprobs
+                assert logprobs is not None  # step_params asks for them
+                firsts.append(logprobs[0])
+            return firsts
 
         engine = self._engine
         # Like vLLM's, the bar counts token steps: it may stop short of max_tokens when every beam has ended.
@@ -333,7 +341,7 @@ class LLM:
         if self.llm_engine is not None:
             self.llm_engine.abort_request(request_id)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         pending = set(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = None

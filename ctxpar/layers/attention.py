@@ -36,7 +36,10 @@ Partials = tuple[torch.Tensor, torch.Tensor]  # out (L, H, out_dim), lse (L, H),
 class AttentionKind(Protocol):
     """How one attention layer attends, over a full paged cache or over shards."""
 
-    layer_idx: int  # which of ForwardContext.kv_caches is this layer's
+    @property
+    def layer_idx(self) -> int:
+        """Which of ForwardContext.kv_caches is this layer's."""
+        ...
 
     @property
     def turns_quantized_heads(self) -> bool:

@@ -96,10 +96,10 @@ class TopkRouter(nn.Module):
         self.norm_topk_prob = bool(norm_topk_prob)
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        # noaux_tc's, and only its, learned bias on the choice of experts
+        self.e_score_correction_bias: nn.Parameter | None = None
         if method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-        else:
-            self.e_score_correction_bias = None
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
         """(n, n_group) -> (n, E) bool: experts in the topk_group best groups."""
@@ -110,7 +110,7 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x.float(), self.weight)  # (n, E); the weight float32 (packed by pack_for_cpu)
         per_group = self.num_experts // self.n_group
-        if self.method == "noaux_tc":
+        if self.e_score_correction_bias is not None:  # noaux_tc
             scores = sigmoid(logits)
             choice = scores + self.e_score_correction_bias.float()
             if self.n_group > 1 and self.topk_group < self.n_group:

@@ -22,6 +22,8 @@ def _default_inv_freq(config, dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """positions (n,) -> cos, sin (n, rot_dim // 2), already multiplied by the rope's attention factor."""
 
+    inv_freq: torch.Tensor  # a buffer (moves with .to(), not saved)
+
     def __init__(self, config, rot_dim: int) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}

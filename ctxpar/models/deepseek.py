@@ -30,7 +30,10 @@ from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import RotaryEmbedding
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekLayerBody(nn.Module):
+    """A decoder layer's attention and MLP with their norms, under the checkpoint's names. The
+    model's layers and the MTP layer (deepseek_mtp.py), whose input differs, each add a forward."""
+
     def __init__(self, config, layer_idx: int, variant: str, cache_idx: int | None = None) -> None:
         """cache_idx: which of the KV caches the layer uses (default: layer_idx)."""
         super().__init__()
@@ -39,6 +42,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp: MoE | GatedMLP
         if is_moe_layer(config, layer_idx):
             self.mlp = MoE(
                 config.hidden_size,
@@ -52,9 +56,14 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekDecoderLayer(DeepseekLayerBody):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.body(x, cos, sin, ctx)
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
@@ -161,10 +170,12 @@ class _DeepseekForCausalLM(nn.Module):
         if self.tie_word_embeddings and name == "lm_head.weight":
             return True
         m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is None:
+            return False
         # DeepSeek-V3 checkpoints append multi-token-prediction layers after the
         # last decoder layer (model.layers.61.* for V3); plain decoding ignores them.
         n_mtp = getattr(self.config, "num_nextn_predict_layers", 0) or 0
-        return bool(m) and self.config.num_hidden_layers <= int(m.group(1)) < self.config.num_hidden_layers + n_mtp
+        return self.config.num_hidden_layers <= int(m.group(1)) < self.config.num_hidden_layers + n_mtp
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

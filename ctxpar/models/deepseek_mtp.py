@@ -31,7 +31,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import Linear, Weight, can_pack, linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.rotary import RotaryEmbedding
-from ctxpar.models.deepseek import DeepseekDecoderLayer, load_named, pack_projections, split_fused
+from ctxpar.models.deepseek import DeepseekLayerBody, load_named, pack_projections, split_fused
 
 
 class _SharedHead(nn.Module):
@@ -41,7 +41,7 @@ class _SharedHead(nn.Module):
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
-class DeepseekMTP(DeepseekDecoderLayer):
+class DeepseekMTP(DeepseekLayerBody):
     """The first MTP layer of a DeepSeek-V3 checkpoint, as a one-layer model whose forward
     also takes the target's hidden states. Parameter names are the checkpoint's without
     the ``model.layers.{L}.`` prefix."""
@@ -78,7 +78,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
         e = self.enorm(self.embed_tokens(input_ids))
         x = linear(torch.cat([e, self.hnorm(hidden.to(e.dtype))], dim=-1), self.eh_proj.weight)  # (n, H)
         cos, sin = self.rotary(positions)
-        return super().forward(x, cos, sin, ctx)
+        return self.body(x, cos, sin, ctx)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:

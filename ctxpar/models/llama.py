@@ -15,6 +15,7 @@ residual add before it, rope, SiLU·up) are one compiled pass each
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
         qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, hd)  # Q and K heads side by side
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (Qwen3)
             qk[:, :h] = self.q_norm(qk[:, :h])
             qk[:, h:] = self.k_norm(qk[:, h:])
         apply_rotary_(qk, cos, sin)  # one rope pass for Q and K, in place in qkv
@@ -127,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        attn = self.layers[0].self_attn
+        attn = self.decoder_layers[0].self_attn
         self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
         self.kv_scale_runs = default_runs(self.kv_entry_shape)  # one scale per K or V head
         self.num_kv_layers: int = config.num_hidden_layers
@@ -135,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
         self.lm_head_packed: Weight | None = None  # packed copy of lm_head, see pack_for_cpu
         self.rotary = RotaryEmbedding(config, attn.head_dim)
+
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """``layers``, typed: nn.ModuleList's items are plain Modules to the type checker."""
+        return cast(list[LlamaDecoderLayer], list(self.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""
@@ -165,17 +171,17 @@ class LlamaForCausalLM(nn.Module):
             return
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head_packed = packed(self.lm_head)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)
             for name in ("gate_up_weight", "down_weight"):
                 pack_weight(layer.mlp, name)
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def _targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """HF tensor name -> (parameter, first row, row count) inside our (possibly fused) parameters."""
-        t: dict[str, tuple[torch.Tensor, int, int]] = {}
+        t: dict[str, tuple[nn.Parameter, int, int]] = {}
 
-        def add(name: str, p: torch.Tensor | None, start: int = 0, rows: int | None = None) -> None:
+        def add(name: str, p: nn.Parameter | None, start: int = 0, rows: int | None = None) -> None:
             if p is not None:
                 t[name] = (p, start, p.shape[0] if rows is None else rows)
 
@@ -183,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         add("model.norm.weight", self.norm.weight)
         if not self.tie_word_embeddings:
             add("lm_head.weight", self.lm_head)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             pre, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
             add(pre + "input_layernorm.weight", layer.input_layernorm.weight)
             add(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
@@ -193,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
                 add(pre + f"self_attn.v_proj.{kind}", p, a.q_size + a.kv_size, a.kv_size)
             add(pre + "self_attn.o_proj.weight", a.o_weight)
             add(pre + "self_attn.o_proj.bias", a.o_bias)
-            if a.q_norm is not None:
+            if a.q_norm is not None and a.k_norm is not None:
                 add(pre + "self_attn.q_norm.weight", a.q_norm.weight)
                 add(pre + "self_attn.k_norm.weight", a.k_norm.weight)
             for kind, p in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> None:
             sys.stdout.write("\n")
             sys.stdout.flush()
         if args.verbose:
+            assert llm.engine is not None  # open: inside its with block
             print(prefix_cache_summary(llm.engine), file=sys.stderr)
             if llm.engine.spec is not None:
                 print(spec_decode_summary(llm.engine), file=sys.stderr)

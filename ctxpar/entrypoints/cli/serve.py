@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
     for warning in startup_warnings(args.host, access, args.api_key == os.environ.get("CTXPAR_API_KEY")):
         print(f"ctxpar: {warning}", file=sys.stderr, flush=True)
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
+        assert llm.engine is not None  # open: inside its with block
         name = args.served_model_name or args.model or llm.engine.loaded.name
         parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         state = ServerState(llm, name, access, parser, limits)

@@ -7,10 +7,10 @@ gauges are read from the engine's own bookkeeping without racing it; GET
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ctxpar.engine.metrics import (
     E2E_BUCKETS,
@@ -32,7 +32,7 @@ class _CollectiveSeconds:
     def __init__(self) -> None:
         self.seconds = {"data": 0.0, "control": 0.0}
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         c = CounterMetricFamily(
             "ctxpar:pcp_collective_seconds", "Seconds rank 0 spent in PCP collectives", labels=["group"]
         )
@@ -48,7 +48,7 @@ class _SpecDecode:
         self.labels = labels
         self.counts: SpecDecodeCounts | None = None
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         families: dict[str, CounterMetricFamily] = {}
         for m in self.counts.metrics("ctxpar", self.labels) if self.counts is not None else []:
             assert isinstance(m, CounterValue)  # every spec_decode metric is a counter
@@ -67,7 +67,7 @@ class _PrefixCache:
         self.labels = labels
         self.queries = self.hits = 0
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         for name, value, doc in (
             ("ctxpar:prefix_cache_queries", self.queries, "Prompt tokens looked up in the prefix cache"),
             ("ctxpar:prefix_cache_hits", self.hits, "Prompt tokens found in the prefix cache"),
@@ -91,7 +91,7 @@ class _RankRecovery:
         self.labels = labels
         self.source: Callable[[], RankRecovery | None] = lambda: None  # ServerState points it at the engine's
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         recovery = self.source()
         for name, attr, doc in self.COUNTERS:
             c = CounterMetricFamily(name, doc, labels=list(self.labels))

@@ -10,7 +10,7 @@ field, never silence.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -255,7 +255,8 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
-        return list(p)
+        # A list of prompts: pydantic validated it as one of the union's lists, and its first item is no token id.
+        return [item for item in cast(list[str] | list[list[int]], p)]
 
 
 class ChatMessage(_Body):

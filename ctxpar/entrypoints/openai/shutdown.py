@@ -30,7 +30,8 @@ from typing import Protocol
 from ctxpar.engine.async_llm import AsyncLLM
 
 STOP_MARGIN_S = 5.0  # after the grace period: for uvicorn's last cancellations and the ranks' stop
-UVICORN_MARGIN_S = 1.0  # uvicorn's own timeout runs this much past ours: the engine's error events go first
+# uvicorn's own timeout runs this much past ours, so the engine's error events go first (whole seconds: uvicorn's type)
+UVICORN_MARGIN_S = 1
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -124,7 +124,8 @@ class HermesParser:
 
     def feed(self, text: str) -> Delta:
         self.pending += text
-        content, entries = "", []
+        content = ""
+        entries: list[dict[str, Any]] = []
         while True:
             if not self.inside:
                 at = self.pending.find(self.START)
