@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ctxpar.checks import int_arg, nonnegative_int, positive_int
-from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout  # the planner is what is timed
+from ctxpar.parallel.pcp import chunk_offsets, plan_pcp_layout  # the planner is what is timed
+from ctxpar.parallel.pcp_layout import PCPLayout
 
 ROWS = (1, 64, 256, 1024)
 PCP_SIZES = (2, 4, 8)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ctxpar.parallel.dcp_shard import DCPShard
-from ctxpar.parallel.pcp import PCPLayout, RankRows
+from ctxpar.parallel.pcp_layout import PCPLayout, RankRows
 
 Collective = Callable[[torch.Tensor], torch.Tensor]  # one of the PCP group's, on this rank's tensor
 

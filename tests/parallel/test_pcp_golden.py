@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ctxpar.parallel.pcp import PCPLayout, plan_pcp_layout
+from ctxpar.parallel.pcp import plan_pcp_layout
+from ctxpar.parallel.pcp_layout import PCPLayout
 
 
 def plan(q: list[int], c: list[int], pre: list[bool], P: int) -> PCPLayout:

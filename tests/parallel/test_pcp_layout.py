@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxpar.bench.planner import loop_plan
-from ctxpar.parallel.pcp import PCPLayout, RankRows, plan_pcp_layout
+from ctxpar.parallel.pcp import plan_pcp_layout
+from ctxpar.parallel.pcp_layout import PCPLayout, RankRows
 
 settings.register_profile("pcp", max_examples=60, deadline=None)
 settings.load_profile("pcp")

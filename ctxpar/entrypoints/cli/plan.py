@@ -17,7 +17,8 @@ import numpy as np
 
 from ctxpar.checks import check_int
 from ctxpar.errors import CtxparError
-from ctxpar.parallel.pcp import PCPLayout, chunk_offsets, plan_pcp_layout
+from ctxpar.parallel.pcp import chunk_offsets, plan_pcp_layout
+from ctxpar.parallel.pcp_layout import PCPLayout
 
 BAR_WIDTH = 40
 MAX_POSITION = (1 << 31) - 1  # far beyond any model's context; keeps attention work (sum of position + 1) in int64
