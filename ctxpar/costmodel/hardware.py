@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ctxpar.config import KV_CACHE_DTYPES
+from ctxpar.costmodel.fixed_costs import ALLREDUCE_HOPS
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.errors import CtxparError
 
@@ -61,9 +62,25 @@ class HardwareProfile:
     # Fixed cost of one row's attention in one layer (its kernel call, its context's slots):
     # what laying a step out in more, smaller rows costs (ctxpar/costmodel/policy.py).
     row_overhead_s: float = 0.0
+    # Kernel launches (ctxpar/costmodel/fixed_costs.py): a layer of a forward step launches
+    # kernels_per_layer kernels, each costing the host kernel_launch_s beyond layer_overhead_s.
+    # async_launch: the device runs them while the host queues more (a GPU), so only the host
+    # time beyond the device's work shows; else (a CPU) the host's time adds up.
+    kernels_per_layer: int = 0
+    kernel_launch_s: float = 0.0
+    async_launch: bool = False
+    # Decode steps replayed from CUDA graphs: one replay (graph_replay_s of the host) instead
+    # of the launches, and graph_kernel_s of the device between each two kernels.
+    decode_graphs: bool = False
+    graph_replay_s: float = 0.0
+    graph_kernel_s: float = 0.0
     tp_size: int = 1  # tensor-parallel devices inside one rank
     tp_bandwidth: float = 0.0  # bytes/s per device for the TP all-reduces
-    tp_latency_s: float = 0.0
+    tp_latency_s: float = 0.0  # per hop of a TP all-reduce
+    # How a TP all-reduce is done, which sets its hops (fixed_costs.ALLREDUCE_HOPS): "ring"
+    # (NCCL's ring), "tree", or "one-shot" (each device reads the others' shares over
+    # NVLink at once, as vLLM's and TensorRT-LLM's custom all-reduce do for small messages).
+    tp_allreduce: str = "ring"
     usable_memory_fraction: float = 0.9  # the rest: activations, workspace, fragmentation
     notes: dict[str, float] = field(default_factory=dict)  # measurements kept for the record
     # Ranks sharing one host's cores (ctxpar's shared-memory channel between them) run a
@@ -83,6 +100,9 @@ class HardwareProfile:
             "step_overhead_s",
             "layer_overhead_s",
             "row_overhead_s",
+            "kernel_launch_s",
+            "graph_replay_s",
+            "graph_kernel_s",
             "tp_latency_s",
         )
         for name in (*nonnegative, "tp_bandwidth"):
@@ -96,6 +116,10 @@ class HardwareProfile:
                 raise CtxparError(f"hardware {self.name}: {name} must be one of {', '.join(DTYPE_BYTES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise CtxparError(f"hardware {self.name}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if not isinstance(self.kernels_per_layer, int) or self.kernels_per_layer < 0:
+            raise CtxparError(f"hardware {self.name}: kernels_per_layer must be an integer >= 0")
+        if self.tp_allreduce not in ALLREDUCE_HOPS:
+            raise CtxparError(f"hardware {self.name}: tp_allreduce must be one of {', '.join(ALLREDUCE_HOPS)}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise CtxparError(f"hardware {self.name}: tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.tp_size > 1 and self.tp_bandwidth <= 0:

@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ctxpar.checks import machine_memory_bytes, usable_cores
+from ctxpar.costmodel.collective_calibration import collective_costs, shaped_link_costs
 from ctxpar.costmodel.hardware import HardwareProfile
-from ctxpar.costmodel.link_calibration import TIMEOUT_S, best_of, fit_link, measure_shaped_link
+from ctxpar.costmodel.launch_calibration import launch_terms
+from ctxpar.costmodel.link_calibration import TIMEOUT_S
 from ctxpar.costmodel.netns import LINKS
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
@@ -51,11 +51,7 @@ GPU_GEMM_SHAPE = (8192, 4096, 4096)
 GPU_ATTN_SHAPE = (8192, 32, 128)
 GPU_READ_BYTES = 4 << 30
 GPU_WEIGHT_SHAPE = (14336, 4096)  # Llama-3-8B's MLP up projection: 117 MB in bf16
-SMALL, LARGE = 4 << 10, 16 << 20  # all-gather message per rank
-RUNS = {SMALL: 50, LARGE: 8}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor (as parallel/comm.py).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # (dtype, device, ranks, threads per rank) -> (step_overhead_s, layer_overhead_s): the host's
 # cost of a decode step beyond its kernels, for ranks sharing this host whose steps rank 0 leads.
 HostOverhead = Callable[[str, torch.device, int, int | None], tuple[float, float]]
@@ -152,61 +148,6 @@ def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> flo
     return nbytes / best_time(lambda: x.sum(), device=device)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collective_worker(rank: int, port: int, results: dict[str, float]) -> None:
-    """Rank ``rank`` of 2: time all-gathers of SMALL and LARGE bytes per rank."""
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    timings: dict[str, float] = {}
-    for size in (SMALL, LARGE):
-        x = torch.zeros(size // 4)
-        out = torch.empty(2 * x.numel())
-        timings[f"gloo_{size}"] = best_of(lambda: _all_gather(out, x), RUNS[size])
-    try:
-        from ctxpar.parallel.shm_channel import ShmChannel
-
-        shm = ShmChannel(store, rank, 2, timeout_s=30.0)
-        for size in (SMALL, LARGE):
-            x = torch.zeros(size // 4)
-            timings[f"shm_{size}"] = best_of(lambda: shm.all_gather(x), RUNS[size])
-    except Exception as e:  # no compiler, /dev/shm too small: gloo's figures still stand
-        timings["shm_error"] = float("nan")
-        print(f"  shared-memory channel unavailable: {e}", flush=True)
-    dist.barrier()
-    if rank == 0:
-        results.update(timings)
-    dist.destroy_process_group()
-
-
-def collective_costs() -> dict[str, float]:
-    """alpha (s) and beta (bytes/s) of a 2-rank all-gather, for gloo and shm."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_collective_worker, args=(_free_port(), results), nprocs=2, join=True)
-        t = dict(results)
-    costs: dict[str, float] = {}
-    for link in ("gloo", "shm"):
-        if f"{link}_{LARGE}" in t:
-            times = {str(size): t[f"{link}_{size}"] for size in (SMALL, LARGE)}
-            costs[f"{link}_latency_s"], costs[f"{link}_bandwidth"] = fit_link(times)
-    return costs
-
-
-def shaped_link_costs(link: str, timeout_s: float) -> dict[str, float]:
-    """alpha (s) and beta (bytes/s) of a 2-rank gloo all-gather over a shaped ``link``
-    between two network namespaces, and its times by bytes per rank (for the record)."""
-    times = measure_shaped_link(link, timeout_s)
-    latency, bandwidth = fit_link(times)
-    costs = {f"{link}_latency_s": latency, f"{link}_bandwidth": bandwidth}
-    return costs | {f"{link}_allgather_{size}_s": t for size, t in times.items()}
-
-
 def calibrate(
     threads: int,
     dtype: str,
@@ -215,11 +156,13 @@ def calibrate(
     host_overhead: HostOverhead,
     device: torch.device = CPU,
     link_timeout_s: float = TIMEOUT_S,
+    kernel_count: Callable[[str, torch.device], int] | None = None,
 ) -> HardwareProfile:
     """Measure and return the profile of one rank running ``threads`` threads in ``dtype``
     (on ``device``: the CPU, or one GPU), its link ``link``: "shm", "gloo" (two local
     processes) or a key of ctxpar.costmodel.netns.LINKS (measured within ``link_timeout_s``);
-    the host's cost of a step is what ``host_overhead`` measures."""
+    the host's cost of a step is what ``host_overhead`` measures, the engine's kernels a
+    layer what ``kernel_count`` counts (on a GPU; ctxpar/costmodel/launch_calibration.py)."""
     torch.set_num_threads(threads)
     notes: dict[str, float] = {"threads": threads}
     for name, torch_dtype in DTYPES.items():
@@ -251,6 +194,10 @@ def calibrate(
         f"host cost of a step beyond its kernels: {notes['step_overhead_s'] * 1e3:.2f} ms "
         f"+ {notes['layer_overhead_s'] * 1e6:.0f} us a layer"
     )
+    kernels = kernel_count(dtype, device) if kernel_count is not None and device.type == "cuda" else 0
+    terms = launch_terms(device, notes["layer_overhead_s"], kernels)
+    notes.update(terms)
+    progress("launch terms: " + ", ".join(f"{k} {v:.3g}" for k, v in terms.items()))
     if f"{link}_latency_s" not in costs:
         link = "gloo"
     joined = f"{LINKS[link][1]} (gloo over a veth shaped with tc tbf)" if link in LINKS else link
@@ -279,6 +226,7 @@ def calibrate(
         layer_overhead_s=notes["layer_overhead_s"],
         notes=notes,
     )
+    profile = replace(profile, **terms)  # type: ignore[arg-type]
     ranks = usable_cores() // threads
     if link != "shm" or device.type != "cpu" or ranks < 2:
         return profile

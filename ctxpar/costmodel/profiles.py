@@ -1,10 +1,11 @@
 """Built-in hardware profiles (per CP rank).
 
 Peaks are vendors' datasheet figures; efficiency factors say what fraction is
-reached. The H100 profiles' GEMM and attention efficiencies and ring-step
+reached. The H100 node profiles' GEMM and attention efficiencies and ring-step
 overhead were fitted once, jointly, to Meta's published TTFT table
 (costmodel/published.py; the fit and its residuals are in docs/benchmarks.md)
-and are not tuned per row. The CPU profiles are `ctxpar calibrate` runs on the
+and are not tuned per row; the TP2 profile's GEMM efficiency to one row of
+NVIDIA's (docs/scaling.md, "Decode and short prefills"). The CPU profiles are `ctxpar calibrate` runs on the
 2-core development VM (measured rates, efficiency 1).
 """
 
@@ -18,6 +19,24 @@ from ctxpar.costmodel.hardware import HardwareProfile, profile_from_dict
 from ctxpar.errors import CtxparError
 
 GB, GIB = 1e9, float(1 << 30)
+
+# The fixed costs of a step on a GPU serving engine (ctxpar/costmodel/fixed_costs.py): kernels
+# queued asynchronously; decode steps replayed from CUDA graphs, 0.95 us a kernel on the device
+# (ctxpar's `bench cuda` launch test on an H200, docs/benchmarks.md "First run on a GPU"); an
+# eager launch from Python 11.8 us (the same test, an upper bound for a C++ engine's); 12
+# kernels a decoder layer, as vLLM's Llama layer under TP launches them (two fused add +
+# RMSNorm, QKV, rope, cache write, attention, O, all-reduce, gate-up, SiLU x up, down,
+# all-reduce); TP all-reduces one-shot over NVLink (vLLM's and TensorRT-LLM's custom
+# all-reduce at decode's sizes), 10 us each.
+_GPU_STEP = dict(
+    async_launch=True,
+    decode_graphs=True,
+    kernels_per_layer=12,
+    kernel_launch_s=11.8e-6,
+    graph_kernel_s=0.95e-6,
+    tp_allreduce="one-shot",
+    tp_latency_s=10e-6,
+)
 
 # One rank = a node of 8 H100 SXM 80GB running TP8 over NVLink (H100 datasheet: FP8 1979,
 # BF16 989 dense TFLOP/s, 3.35 TB/s HBM3; NVLink 4: 450 GB/s per direction per GPU).
@@ -39,7 +58,21 @@ _H100X8 = dict(
     step_overhead_s=0.0,
     tp_size=8,
     tp_bandwidth=450 * GB,
-    tp_latency_s=10e-6,
+    **_GPU_STEP,
+)
+
+# One rank = 2 H100 SXM 80GB in TP2 over NVLink, FP8 weights, as NVIDIA's NIM benchmarks ran
+# Llama-3.3-70B (costmodel/published.py). GEMM efficiency fitted to that table's 5000-token
+# TTFT alone (TensorRT-LLM's FP8 GEMMs run nearer their peak than Meta's stack, 0.29 above);
+# memory and attention efficiencies as above; every other row of the table is predicted.
+_H100X2 = dict(
+    _H100X8,
+    gemm_flops=2 * 1979e12,
+    attention_flops=2 * 989e12,
+    memory_bandwidth=2 * 3.35e12,
+    memory_bytes=2 * 80 * GIB,
+    gemm_efficiency=0.50,
+    tp_size=2,
 )
 
 # One rank = one core of the 2-core AVX2 development VM (AMD EPYC), fp32, as
@@ -90,6 +123,13 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         link_bandwidth=8 * 12.5 * GB,
         link_latency_s=50e-6,
         **_H100X8,  # type: ignore[arg-type]
+    ),
+    "h100x2-nvlink": HardwareProfile(
+        name="h100x2-nvlink",
+        description="2 H100 SXM in TP2 over NVLink running a CUDA-graph engine (TensorRT-LLM), FP8 weights",
+        link_bandwidth=2 * 50 * GB,  # 2 NICs of 400 Gb/s, for CP between such ranks
+        link_latency_s=20e-6,
+        **_H100X2,  # type: ignore[arg-type]
     ),
     "cpu-core-shm": _with_lead(
         HardwareProfile(

@@ -28,14 +28,21 @@ B*(T*C + T*(T+1)/2)):
 
 Decode step (B rows at the full context each): every rank reads all weights
 (the rows are replicated; at ``weight_read_rate``) and its share of the KV cache
-(1/D of it, at the memory rate); under DCP
-each layer ends with one all-to-all of the partial outputs and LSEs.
+(1/D of it, at the memory rate); under DCP each layer ends with one pairwise
+all-to-all of the partial outputs and LSEs (D - 1 latencies).
+
+Every step, prefill or decode, also pays the fixed costs of fixed_costs.py: the
+host's step and layers (launches included; exposed on a GPU only beyond the
+device's work), or with CUDA graphs (decode only) one replay and a gap per
+kernel; TP's all-reduces pay their algorithm's hops. Those make a decode step
+and a short prefill what they are: the same terms, a different share.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ctxpar.costmodel.fixed_costs import fixed_s, ring_hops, tp_allreduce_s
 from ctxpar.costmodel.hardware import HardwareProfile
 from ctxpar.costmodel.shapes import ModelShape
 
@@ -80,14 +87,6 @@ def _roofline(b: Breakdown, flops: float, flop_rate: float, nbytes: float, byte_
     return b.plus(compute=compute) if compute >= memory else b.plus(memory=memory)
 
 
-def _tp_allreduces(m: ModelShape, h: HardwareProfile, tokens: float) -> float:
-    """Two ring all-reduces per layer of the tokens' hidden states among the rank's TP devices."""
-    if h.tp_size == 1:
-        return 0.0
-    nbytes = tokens * m.hidden_size * h.act_bytes * 2 * (h.tp_size - 1) / h.tp_size
-    return m.num_layers * 2 * (h.tp_latency_s + nbytes / h.tp_bandwidth)
-
-
 def _rates(h: HardwareProfile) -> tuple[float, float, float]:
     return h.gemm_flops * h.gemm_efficiency, h.attention_flops * h.attention_efficiency, h.memory_rate
 
@@ -118,7 +117,8 @@ def prefill_time(
         mem,
     )
     attn_layer = (b.compute_s + b.memory_s - before) / m.num_layers
-    b = b.plus(tp_comm=_tp_allreduces(m, h, tokens), overhead=_host_s(m, h))
+    b = b.plus(tp_comm=tp_allreduce_s(m, h, tokens))
+    b = b.plus(overhead=fixed_s(m, h, b.total_s, graphed=False))
     if pcp == 1:
         return b
     sharded = batch * (new + (cached if dcp > 1 else 0))  # tokens whose KV moves
@@ -131,7 +131,7 @@ def prefill_time(
     elif algorithm == "pass-Q":
         step = h.link_time(batch * new / pcp * m.num_heads * m.qk_head_dim * h.act_bytes)
         out_token = m.num_heads * (m.v_head_dim * h.act_bytes + LSE_BYTES)
-        tail = h.link_time((pcp - 1) / pcp * batch * new * out_token)
+        tail = h.link_time((pcp - 1) / pcp * batch * new * out_token, steps=ring_hops(pcp))
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}")
     exposed = (pcp - 1) * max(0.0, step - h.comm_overlap * attn_layer / pcp) + tail
@@ -157,16 +157,11 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         keys * h.kv_token_bytes(m) * m.num_layers,
         mem,
     )
-    b = b.plus(tp_comm=_tp_allreduces(m, h, batch), overhead=_host_s(m, h))
+    b = b.plus(tp_comm=tp_allreduce_s(m, h, batch))
     if dcp > 1:
         out_row = m.num_heads * (m.decode_v_dim * h.act_bytes + LSE_BYTES)
-        b = b.plus(comm=m.num_layers * h.link_time((dcp - 1) / dcp * batch * out_row))
-    return b
-
-
-def _host_s(m: ModelShape, h: HardwareProfile) -> float:
-    """The host's cost of one forward step beyond its kernels' work."""
-    return h.step_overhead_s + m.num_layers * h.layer_overhead_s
+        b = b.plus(comm=m.num_layers * h.link_time((dcp - 1) / dcp * batch * out_row, steps=ring_hops(dcp)))
+    return b.plus(overhead=fixed_s(m, h, b.total_s, graphed=h.decode_graphs))
 
 
 def pass_q_crossover(m: ModelShape, h: HardwareProfile, context: int, pcp: int, batch: int = 1) -> float:

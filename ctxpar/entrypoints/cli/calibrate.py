@@ -21,6 +21,14 @@ The rank's and the links' figures are measured by the cost model
 (ctxpar/costmodel/hardware_calibration.py); the host's cost of a step through the engine
 (ctxpar/entrypoints/cli/calibrate_host.py).
 
+The launch terms of a step (ctxpar/costmodel/launch_calibration.py): the cost
+of one kernel launched from Python (on the CPU, an op's dispatch). With a GPU
+also the engine's kernels a decoder layer (counted by torch.profiler on the
+eager engine), a CUDA graph's replay and each kernel inside one: the profile
+then prices decode steps as graph replays, as the engine runs them unless
+``enforce_eager``. The GPU measurements are written but were not run where
+this was written (no GPU): `python -m ctxpar.bench.cuda_graphs` checks them.
+
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
 the bandwidth and the memory are the GPU's; the link is still measured between
 two host processes (NCCL between GPUs is not), which the profile says.
@@ -61,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="the rank measured: the CPU or the first GPU (default: auto, a GPU where there is one, "
-        "as the engine's --device)",
+        "as the engine's --device); cuda also measures the launch and CUDA-graph terms (a path written "
+        "without a GPU to run it on: python -m ctxpar.bench.cuda_graphs checks it)",
     )
     p.add_argument(
         "--link",
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace) -> None:
         check_tools()  # before half a minute of other measurements
     from ctxpar.costmodel.hardware_calibration import calibrate
     from ctxpar.device import auto_dtype, resolve_device
-    from ctxpar.entrypoints.cli.calibrate_host import host_overhead
+    from ctxpar.entrypoints.cli.calibrate_host import host_overhead, kernels_per_layer
 
     device = resolve_device(args.device)
     dtype = args.dtype or ("bf16" if auto_dtype(device.type) == "bfloat16" else "fp32")
@@ -101,8 +110,9 @@ def run(args: argparse.Namespace) -> None:
         import torch
 
         print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    progress = lambda line: print(line, flush=True)
     profile = calibrate(
-        threads, dtype, args.link, lambda line: print(line, flush=True), host_overhead, device, args.link_timeout
+        threads, dtype, args.link, progress, host_overhead, device, args.link_timeout, kernels_per_layer
     )
     try:
         out.write_text(profile.to_json())

@@ -108,3 +108,28 @@ def host_overhead(dtype: str, device: torch.device, ranks: int = 1, threads: int
         ]
     layer = max(0.0, (times[1] - times[0]) / (LAYERS[1] - LAYERS[0]))
     return max(0.0, times[0] - LAYERS[0] * layer), layer
+
+
+def kernels_per_layer(dtype: str, device: torch.device) -> int:
+    """Kernels a decode step of ctxpar's engine launches a layer on ``device`` (a GPU): the
+    two tiny models' launches a step (torch.profiler's count of the CUDA runtime's launch
+    calls over STEPS eager steps), their difference over their layers' difference."""
+    from ctxpar import LLM
+    from ctxpar.bench.cuda_speed import launches
+    from ctxpar.models.random_checkpoint import save_random_model
+
+    counts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in LAYERS:
+            path = save_random_model(_tiny_config(n), Path(tmp) / f"layers{n}", seed=0)
+            with LLM(
+                str(path),
+                dtype=ENGINE_DTYPES[dtype],
+                device=device.type,
+                max_model_len=512,
+                skip_tokenizer_init=True,
+                enforce_eager=True,  # launches are what is counted: a graph would hide them
+            ) as llm:
+                decode_step_seconds(llm, PROMPT, 2, seed=0)  # warm-up
+                counts.append(launches(lambda: decode_step_seconds(llm, PROMPT, STEPS, seed=1), device) / STEPS)
+    return max(0, round((counts[1] - counts[0]) / (LAYERS[1] - LAYERS[0])))
