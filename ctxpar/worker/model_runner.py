@@ -34,6 +34,7 @@ from ctxpar.models.compiled_decode import CompiledDecode
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import plan_pcp_layout, split_mask
+from ctxpar.worker.graph_runner import DecodeGraphs
 from ctxpar.worker.kv_cache import allocate_kv_caches
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import check_block_tables
@@ -71,6 +72,14 @@ class ModelRunner:
         self.metadata = AttentionMetadataBuilder(self.kv_caches, self.kv_quant, device)
         # Steps of decodes as one compiled call where the model allows it (enforce_eager: never).
         self.compiled = None if options.enforce_eager else CompiledDecode.build(model, self.kv_caches, self.kv_quant)
+        # On a GPU, as replays of CUDA graphs (None on the CPU: build touches no GPU there).
+        capacity = options.num_blocks * options.block_size
+        self.graphs = None
+        if not options.enforce_eager:
+            context = min(options.max_model_len or capacity, capacity)
+            self.graphs = DecodeGraphs.build(
+                model, self.kv_caches, self.kv_quant, options.max_num_seqs, context, options.block_size, device
+            )
 
     def rejoin(self, group: PCPGroup | None) -> None:
         """Run in this group: at start-up, and after a lost rank the re-formed one,
@@ -92,6 +101,10 @@ class ModelRunner:
         before any kernel runs, if a row's slots would fall outside the KV cache."""
         self._check_slots(plan)
         step = self._describe(plan)
+        if self.graphs is not None and self.group is None:
+            graph = self.graphs.graph_for(plan)
+            if graph is not None:  # decodes only, on one GPU: one replay (worker/graph_runner.py)
+                return outputs_on_rank0(self.model, plan, step, self.graphs.forward(plan, graph), None)
         led = self.lead_threads is not None and not step.gathers
         if led and self.rank != 0:  # rank 0 computes this step alone; this rank stores its new KV
             self._share_led_kv(step)

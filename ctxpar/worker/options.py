@@ -53,7 +53,9 @@ class RunnerOptions:
     spread_min_rows: int | None = None
     lead_threads: int | None = None
     policy: PCPPolicy | None = None
-    enforce_eager: bool = False  # EngineConfig.enforce_eager: no compiled decode loop
+    enforce_eager: bool = False  # EngineConfig.enforce_eager: no compiled decode loop, no CUDA graphs
+    max_num_seqs: int = 64  # EngineConfig.max_num_seqs: the largest decode step a graph is captured for
+    max_model_len: int | None = None  # EngineConfig.max_model_len: the longest context (None: the cache's)
 
     def __post_init__(self) -> None:
         if self.dcp_size > 1:
@@ -82,6 +84,8 @@ class RunnerOptions:
             lead_threads=_lead_threads(threads, config.pcp_size) if one_host and threads is not None else None,
             policy=policy,
             enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
         )
 
 
