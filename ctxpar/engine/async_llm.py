@@ -10,10 +10,12 @@ own (the default), or the caller's, which gives it up to ``run_engine_loop()``
 secondary thread there, and signals arrive on the main one). Coroutines never
 touch the engine's state: they post commands (add a batch, abort) to a
 thread-safe inbox and read their outputs from an asyncio queue that the engine
-thread feeds with ``call_soon_threadsafe`` (submission.py: what crosses). So a slow consumer never stalls a
-step, a step never blocks the event loop, and requests arriving while others
-decode join the next step (continuous batching is the engine's own). Every
-request that has work is stepped in every step, so no generator starves another.
+thread feeds with ``call_soon_threadsafe`` (submission.py: what crosses;
+output_router.py: which queue each request's outputs go to). So a slow consumer
+never stalls a step, a step never blocks the event loop, and requests arriving
+while others decode join the next step (continuous batching is the engine's
+own). Every request that has work is stepped in every step, so no generator
+starves another.
 
 A generator that is closed, cancelled or abandoned before its request finishes
 aborts it (its KV blocks are freed within a step). If a step raises (a rank
@@ -39,8 +41,9 @@ from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
+from ctxpar.engine.output_router import OutputRouter, send
 from ctxpar.engine.recovery import RankRecovery
-from ctxpar.engine.submission import Aborted, AbortRequests, AddBatch, Command, Sink, StopLoop, Submission
+from ctxpar.engine.submission import AbortRequests, AddBatch, Command, Sink, StopLoop, Submission
 from ctxpar.errors import RankFailure
 from ctxpar.inputs import PromptType
 from ctxpar.outputs import RequestOutput
@@ -74,7 +77,7 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None  # why the engine stopped taking requests
         self._owns_engine = owns_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}  # request id -> its sink (engine thread only)
+        self._outputs = OutputRouter(llm_engine)  # engine thread only
         self._lock = threading.Lock()  # orders `dead_error` against posting to the inbox
         self._ids = itertools.count()
         self._running = False
@@ -207,14 +210,14 @@ class AsyncLLM:
                     if self.dead_error is not None:
                         continue  # adds are refused once dead (_post); _fail_all ended the rest
                     if isinstance(cmd, AddBatch):
-                        self._add(cmd)
+                        self._outputs.add(cmd)
                     else:
-                        self._abort(cmd.request_ids)
+                        self._outputs.abort(cmd.request_ids)
                 if self.dead_error is not None or not engine.has_unfinished_requests():
                     continue
                 outputs = self._guard(engine.step)
                 for out in outputs or []:
-                    self._deliver(out)
+                    self._outputs.deliver(out)
         finally:
             self._running = False
 
@@ -232,41 +235,6 @@ class AsyncLLM:
             self._fail_all(f"the engine failed and takes no more requests; restart it ({why})")
             return None
 
-    def _add(self, cmd: AddBatch) -> None:
-        added: list[str] = []
-        try:
-            for rid, request in zip(cmd.sink.request_ids, cmd.requests):
-                self.llm_engine.add_processed_request(rid, request, cmd.arrival_time)
-                added.append(rid)
-                self._sinks[rid] = cmd.sink
-        except Exception as e:  # a duplicate id, or a bug: all or nothing, and tell the caller
-            self._abort(added)
-            self._send(cmd.sink, e)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        mine = []
-        for rid in request_ids:
-            sink = self._sinks.pop(rid, None)
-            if sink is not None:
-                mine.append(rid)
-                self._send(sink, Aborted(rid))
-        if mine:
-            self.llm_engine.abort_request(mine)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.get(out.request_id)
-        if sink is None:
-            return
-        if out.finished:
-            del self._sinks[out.request_id]
-        self._send(sink, out)
-
-    def _send(self, sink: Sink, item: object) -> None:
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is listening
-
     def _fail_all(self, why: str) -> None:
         with self._lock:
             self.dead_error = self.dead_error or EngineDeadError(why)
@@ -277,15 +245,8 @@ class AsyncLLM:
             except queue.Empty:
                 break
             if isinstance(cmd, AddBatch):
-                self._send(cmd.sink, self.dead_error)
-        rids = list(self._sinks)
-        for sink in {id(s): s for s in self._sinks.values()}.values():
-            self._send(sink, self.dead_error)
-        self._sinks.clear()
-        try:
-            self.llm_engine.abort_request(rids)
-        except Exception:
-            pass  # a broken engine: its requests are failed above all the same
+                send(cmd.sink, self.dead_error)
+        self._outputs.fail_all(self.dead_error)
 
     # -- lifetime ---------------------------------------------------------------------
 
