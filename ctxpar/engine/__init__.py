@@ -1,23 +1,35 @@
 """Rank 0's engine: ``Engine`` (scheduler, block manager, sampler), vLLM's
 ``LLMEngine`` and ``AsyncLLM`` over it, and ``EngineArgs``. Imported lazily:
-``import ctxpar.engine`` loads no torch."""
+``import ctxpar.engine`` loads no torch. Each name's import is spelled out, so that
+the import graph (tests/architecture/test_layering.py) sees it."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-_EXPORTS = {
-    "EngineArgs": "ctxpar.engine.arg_utils",
-    "AsyncEngineArgs": "ctxpar.engine.arg_utils",
-    "LLMEngine": "ctxpar.engine.llm_engine",
-    "AsyncLLM": "ctxpar.engine.async_llm",
-    "AsyncLLMEngine": "ctxpar.engine.async_llm",
-}
-__all__ = list(_EXPORTS)
+__all__ = ["EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLM", "AsyncLLMEngine"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    match name:
+        case "EngineArgs":
+            from ctxpar.engine.arg_utils import EngineArgs
+
+            return EngineArgs
+        case "AsyncEngineArgs":
+            from ctxpar.engine.arg_utils import AsyncEngineArgs
+
+            return AsyncEngineArgs
+        case "LLMEngine":
+            from ctxpar.engine.llm_engine import LLMEngine
+
+            return LLMEngine
+        case "AsyncLLM":
+            from ctxpar.engine.async_llm import AsyncLLM
+
+            return AsyncLLM
+        case "AsyncLLMEngine":
+            from ctxpar.engine.async_llm import AsyncLLMEngine
+
+            return AsyncLLMEngine
     raise AttributeError(f"module 'ctxpar.engine' has no attribute {name!r}")

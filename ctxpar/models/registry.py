@@ -1,25 +1,57 @@
 """Hugging Face ``architectures[0]`` -> the ctxpar model class that serves it.
 
-Classes are named by import path and imported on first use, so a model file
-that is missing or broken only affects its own architectures. Every class
-takes the HF config as its only constructor argument and implements the
-CausalLM protocol (ctxpar/models/base.py).
+Each class is imported on first use, by a function that spells its import out (so
+the import graph of tests/architecture/test_layering.py sees it): a model file that
+is missing or broken only affects its own architectures. Every class takes the HF
+config as its only constructor argument and implements the CausalLM protocol
+(ctxpar/models/base.py).
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 
 from ctxpar.errors import CtxparError
 
-ARCHITECTURES: dict[str, str] = {
+
+def _llama() -> type:
+    from ctxpar.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _qwen2() -> type:
+    from ctxpar.models.llama import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM
+
+
+def _qwen3() -> type:
+    from ctxpar.models.llama import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+def _deepseek_v2() -> type:
+    from ctxpar.models.deepseek import DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM
+
+
+def _deepseek_v3() -> type:
+    from ctxpar.models.deepseek import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM
+
+
+ARCHITECTURES: dict[str, Callable[[], type]] = {
     # Llama family: one implementation (ctxpar/models/llama.py).
-    "LlamaForCausalLM": "ctxpar.models.llama:LlamaForCausalLM",  # incl. SmolLM2, llama3 rope
-    "Qwen2ForCausalLM": "ctxpar.models.llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "ctxpar.models.llama:Qwen3ForCausalLM",
+    "LlamaForCausalLM": _llama,  # incl. SmolLM2, llama3 rope
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
     # MLA models (ctxpar/models/deepseek.py).
-    "DeepseekV2ForCausalLM": "ctxpar.models.deepseek:DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "ctxpar.models.deepseek:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 
@@ -29,14 +61,12 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(architecture: str) -> type:
     """The model class for an HF architecture name; CtxparError if unsupported."""
-    target = ARCHITECTURES.get(architecture)
-    if target is None:
+    load = ARCHITECTURES.get(architecture)
+    if load is None:
         raise CtxparError(
             f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
         )
-    module_name, class_name = target.split(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name)
+    return load()
 
 
 def model_class_for_config(hf_config) -> type:

@@ -167,7 +167,8 @@ def test_load_weights_rejects_mismatches(tiny_model_dirs):
 def test_registry():
     assert get_model_class("LlamaForCausalLM").__name__ == "LlamaForCausalLM"
     assert get_model_class("Qwen3ForCausalLM") is get_model_class("LlamaForCausalLM")
-    assert ARCHITECTURES["DeepseekV3ForCausalLM"] == "ctxpar.models.deepseek:DeepseekV3ForCausalLM"
+    deepseek_v3 = ARCHITECTURES["DeepseekV3ForCausalLM"]()  # imported on first use
+    assert f"{deepseek_v3.__module__}:{deepseek_v3.__name__}" == "ctxpar.models.deepseek:DeepseekV3ForCausalLM"
     assert "DeepseekV2ForCausalLM" in supported_architectures()
     with pytest.raises(CtxparError, match="unsupported model architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
