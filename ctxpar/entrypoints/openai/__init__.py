@@ -3,8 +3,8 @@
 app.py (build_app: the FastAPI app, its guard and error handlers), state.py
 (ServerState, what the routes share, over an AsyncLLM: ctxpar/engine/async_llm.py),
 the routes by job (info.py: /health, /metrics, /v1/models; completions.py;
-chat.py; tokens.py: /tokenize, /detokenize), streaming.py (answers whole or as
-server-sent events), protocol.py (request bodies -> SamplingParams), responses.py
-(outputs -> response bodies), metrics.py (Prometheus); the command is
-ctxpar/entrypoints/cli/serve.py.
+chat_completions.py; tokens.py: /tokenize, /detokenize), streaming.py (answers
+whole or as server-sent events), protocol.py (request bodies -> SamplingParams),
+responses.py (outputs -> response bodies), metrics.py (Prometheus); the command
+is ctxpar/entrypoints/cli/serve.py.
 """

@@ -6,7 +6,7 @@ ServerState (state.py) that the app keeps through the ``ServerDep`` dependency:
 
 - info.py: GET /health, /metrics, /v1/models;
 - completions.py: POST /v1/completions;
-- chat.py: POST /v1/chat/completions (tool calls: tools.py);
+- chat_completions.py: POST /v1/chat/completions (tool calls: tools.py);
 - tokens.py: POST /tokenize, /detokenize.
 
 Handlers tokenize and validate a request completely (on a worker thread, off
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ctxpar.engine.async_llm import EngineDeadError
 from ctxpar.engine.submission import ClientGone
-from ctxpar.entrypoints.openai import chat, completions, info, tokens
+from ctxpar.entrypoints.openai import chat_completions, completions, info, tokens
 from ctxpar.entrypoints.openai.guard import ClientGuard
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.entrypoints.openai.state import ServerState
@@ -53,7 +53,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(
         ClientGuard, limits=state.limits, admission=state.admission, access=state.access, budget=state.budget
     )
-    for routes in (info, completions, chat, tokens):  # in this order: /openapi.json lists them so
+    for routes in (info, completions, chat_completions, tokens):  # in this order: /openapi.json lists them so
         app.include_router(routes.router)
     return app
 
