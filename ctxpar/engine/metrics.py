@@ -4,7 +4,7 @@ Every output the engine hands out becomes an ``OutputEvent`` (its new tokens,
 and its first-token, inter-token and end-to-end times); stat loggers take the
 events and the engine's gauges after each step. ``EngineStats`` is the one
 every LLMEngine keeps (``LLM.get_metrics()``); the server's Prometheus
-registry is another (ctxpar/entrypoints/openai/metrics.py).
+registry is another (ctxpar/entrypoints/openai/server_metrics.py).
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ def test_metrics_count_what_the_outputs_say(models):
     """get_metrics() (vLLM's names) and the server's registry report the drafts and
     acceptances the requests' own metrics add up to."""
     from ctxpar.engine.metrics import EngineSnapshot
-    from ctxpar.entrypoints.openai.metrics import ServerMetrics
+    from ctxpar.entrypoints.openai.server_metrics import ServerMetrics
 
     prompts, params = spec_workload()
     with LLM(models["llama"], speculative_config=NGRAM, **SMALL) as llm:

@@ -5,6 +5,6 @@ app.py (build_app: the FastAPI app, its guard and error handlers), state.py
 the routes by job (info.py: /health, /metrics, /v1/models; completions.py;
 chat_completions.py; tokens.py: /tokenize, /detokenize), streaming.py (answers
 whole or as server-sent events), protocol.py (request bodies -> SamplingParams),
-responses.py (outputs -> response bodies), metrics.py (Prometheus); the command
-is ctxpar/entrypoints/cli/serve.py.
+responses.py (outputs -> response bodies), server_metrics.py (Prometheus); the
+command is ctxpar/entrypoints/cli/serve.py.
 """

@@ -1,5 +1,5 @@
 """The routes that describe the server: GET /health (health.py's report),
-GET /metrics (Prometheus, metrics.py) and GET /v1/models (the one model served)."""
+GET /metrics (Prometheus, server_metrics.py) and GET /v1/models (the one model served)."""
 
 from __future__ import annotations
 
