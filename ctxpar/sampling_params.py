@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxpar.checks import check_float, check_int, is_int
+from ctxpar.checks import check_float, check_int
 from ctxpar.errors import CtxparError
+from ctxpar.sampling_checks import check_logit_bias, check_structured_outputs, strings, token_ids
 from ctxpar.structured_params import StructuredOutputsParams
 
 __all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
@@ -171,17 +172,19 @@ class SamplingParams:
                 raise CtxparError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise CtxparError(f"cache_salt must be a non-empty string, got {type(self.cache_salt).__name__}")
-        self.stop_strings = _strings("stop", self.stop)
+        self.stop_strings = strings("stop", self.stop)
         if self.stop_strings and not self.detokenize:
             raise CtxparError("stop strings need detokenize=True (they are matched in the text); drop one of them")
-        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, empty_ok=True)
-        for word in _strings("bad_words", self.bad_words):
+        self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids, empty_ok=True)
+        for word in strings("bad_words", self.bad_words):
             if not word.strip():
                 raise CtxparError(f"bad_words must hold words, not only spaces: got {word!r}")
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False)
-        self._check_logit_bias()
-        self._check_structured_outputs()
+            self.allowed_token_ids = token_ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False)
+        check_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check_structured_outputs(self.structured_outputs, self.min_tokens, self.allowed_token_ids)
 
     def _check_counts(self) -> None:
         check_int("n", self.n, 1, MAX_N)
@@ -210,40 +213,6 @@ class SamplingParams:
                 1,
                 none_ok=True,
                 why=" or -1 (keep what max_model_len allows)",
-            )
-
-    def _check_logit_bias(self) -> None:
-        if self.logit_bias is None:
-            return
-        if not isinstance(self.logit_bias, dict):
-            raise CtxparError(f"logit_bias must be a dict {{token_id: bias}} or None, got {self.logit_bias!r}")
-        for t, b in self.logit_bias.items():
-            if not is_int(t) or t < 0:
-                raise CtxparError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
-            check_float(f"logit_bias[{t}]", b, -1e9, 1e9)
-
-    def _check_structured_outputs(self) -> None:
-        so = self.structured_outputs
-        if so is None:
-            return
-        if isinstance(so, dict):
-            so = self.structured_outputs = StructuredOutputsParams(**so)
-        if not isinstance(so, StructuredOutputsParams):
-            raise CtxparError(
-                f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got {so!r}"
-            )
-        so.validate()
-        # Both could leave no token allowed: the grammar may allow only EOS where
-        # min_tokens bans it, or only tokens outside allowed_token_ids.
-        if self.min_tokens:
-            raise CtxparError(
-                "min_tokens cannot be combined with structured_outputs (the grammar decides where the output "
-                "ends): drop min_tokens"
-            )
-        if self.allowed_token_ids is not None:
-            raise CtxparError(
-                "allowed_token_ids cannot be combined with structured_outputs (the grammar decides which "
-                "tokens are allowed): drop allowed_token_ids"
             )
 
     @classmethod
@@ -285,35 +254,6 @@ class SamplingParams:
             or self.bad_words
             or self.allowed_token_ids is not None
         )
-
-
-def _strings(name: str, value: object) -> list[str]:
-    """A str, a list of non-empty str or None, as a list."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        items = [value]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise CtxparError(f"{name} must be a string, a list of strings or None, got {value!r}")
-    for s in items:
-        if not isinstance(s, str) or not s:
-            raise CtxparError(f"{name} must hold non-empty strings, got {s!r} in {name}={value!r}")
-    return items
-
-
-def _token_ids(name: str, value: object, empty_ok: bool) -> list[int]:
-    """A list of token ids (integers >= 0), or None when ``empty_ok`` (as [])."""
-    if value is None and empty_ok:
-        return []
-    if not isinstance(value, (list, tuple)) or (not value and not empty_ok):
-        what = "a list of integers >= 0" + (" or None" if empty_ok else " with at least one id")
-        raise CtxparError(f"{name} must be {what}, got {value!r}")
-    for t in value:
-        if not is_int(t) or t < 0:
-            raise CtxparError(f"{name} must be integers >= 0, got {t!r} in {name}={value!r}")
-    return list(value)
 
 
 @dataclass
