@@ -42,7 +42,7 @@ from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.engine.llm_engine import LLMEngine, ModelConfig
 from ctxpar.engine.metrics import Metric, StatLogger
 from ctxpar.engine.output_router import OutputRouter, send
-from ctxpar.engine.recovery import RankRecovery
+from ctxpar.engine.rank_recovery import RankRecovery
 from ctxpar.engine.submission import AbortRequests, AddBatch, Command, Sink, StopLoop, Submission
 from ctxpar.errors import RankFailure
 from ctxpar.inputs import PromptType

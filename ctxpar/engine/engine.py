@@ -30,7 +30,7 @@ from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.input_processor import EngineRequest, InputProcessor
 from ctxpar.engine.output_processor import OutputProcessor, make_output
 from ctxpar.engine.rank_loss import CacheRebuilt, RankLossHandler, block_manager_for
-from ctxpar.engine.recovery import RankRecovery
+from ctxpar.engine.rank_recovery import RankRecovery
 from ctxpar.engine.request import Request, RequestGroup, RequestStatus
 from ctxpar.engine.sample.step_sampler import SampledStep, StepSampler
 from ctxpar.engine.sample.structured_output import StructuredOutputs

@@ -3,7 +3,7 @@ engine runs its steps through.
 
 The step that found the loss left every request as it was (steps are all or
 nothing). The executor then re-forms the group (executor/recovery.py), and
-here the engine restores what the survivors lack (engine/recovery.py has the
+here the engine restores what the survivors lack (engine/rank_recovery.py has the
 pure parts): a respawned rank's KV is copied from rank 0 (no DCP) or its
 shard recomputed (DCP); without a lost rank that cannot come back, nothing is
 restored (no DCP), or under DCP the cache is rebuilt for the ranks left, the
@@ -22,7 +22,7 @@ import numpy as np
 
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
-from ctxpar.engine.recovery import RankRecovery, recompute_plans
+from ctxpar.engine.rank_recovery import RankRecovery, recompute_plans
 from ctxpar.engine.request import RequestGroup
 from ctxpar.engine.scheduler import Scheduler
 from ctxpar.errors import RankFailure, RanksStopped
@@ -98,7 +98,7 @@ class RankLossHandler:
                     raise CacheRebuilt from e
 
     def _recover(self, failure: RankFailure) -> None:
-        """Respawn the lost rank(s) and restore the KV they held (engine/recovery.py),
+        """Respawn the lost rank(s) and restore the KV they held (engine/rank_recovery.py),
         or go on without them where they cannot come back; beyond max_rank_recoveries per
         window (or where neither can be done), stop the ranks and raise, as without recovery."""
         rec = self.stats

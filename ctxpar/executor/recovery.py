@@ -22,7 +22,7 @@ The members are the old ranks in their new order: ``[0, 1, 2]`` after a
 respawn, ``[0, 2]`` when rank 1 could not come back (respawning failed, or
 the ranks are torchrun's, which ctxpar cannot start): old rank 2 is then
 rank 1 of a group of P - 1. Either way the survivors keep their KV caches;
-the engine restores what respawned ranks lack (ctxpar/engine/recovery.py).
+the engine restores what respawned ranks lack (ctxpar/engine/rank_recovery.py).
 
 Rank 0 tells a lost rank from a survivor by its process (spawned ranks) or,
 under torchrun, by its heartbeat on the store: a rank whose heartbeat stops

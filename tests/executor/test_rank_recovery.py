@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from ctxpar import LLM, SamplingParams
 from ctxpar.config import EngineConfig
 from ctxpar.engine.engine import Engine
-from ctxpar.engine.recovery import RankRecovery, lost_runs, recompute_plans
+from ctxpar.engine.rank_recovery import RankRecovery, lost_runs, recompute_plans
 from ctxpar.errors import RankFailure
 
 # Long prompts are chunked (budget 96) and split (>= 48 tokens); short ones replicated.

@@ -23,7 +23,7 @@ from ctxpar.engine.metrics import (
 from ctxpar.engine.metrics import (
     Counter as CounterValue,
 )
-from ctxpar.engine.recovery import RankRecovery
+from ctxpar.engine.rank_recovery import RankRecovery
 
 
 class _CollectiveSeconds:
