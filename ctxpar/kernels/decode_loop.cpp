@@ -27,7 +27,7 @@ void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
 void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
                       const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
-                      const float* bias, float* out);
+                      int64_t zero, const float* bias, float* out);
 void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
                        int64_t out_features, const float* bias, float* out);
 void kv_quantize(const float* x, int64_t n, int64_t x_stride, const int64_t* runs, int64_t num_runs, int64_t code,
@@ -50,7 +50,7 @@ struct Projection {
   const void* scales;
   const void* offsets;  // null: none
   const float* bias;    // null: none
-  int64_t in, out, bits, group, half;
+  int64_t in, out, bits, group, half, zero;
 };
 
 struct Layer {
@@ -74,7 +74,7 @@ void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, f
     linear_packed_f32(x, x_stride, n, static_cast<const float*>(p.data), p.in, p.out, p.bias, out);
   else
     quant_linear_f32(x, x_stride, n, p.in, p.out, p.bits, static_cast<const uint8_t*>(p.data), p.scales, p.group,
-                     p.offsets, p.half, p.bias, out);
+                     p.offsets, p.half, p.zero, p.bias, out);
 }
 
 }  // namespace

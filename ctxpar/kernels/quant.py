@@ -20,11 +20,13 @@ def quant_linear(
     bits: int,
     group: int,
     bias: torch.Tensor | None = None,
+    zero: int = 0,
 ) -> torch.Tensor:
     """x (n, in) float32, rows contiguous -> x @ W^T (+ bias) (n, out) float32, W
     (out, in) given as qs (out, in * bits / 8) uint8, scales (out, in / group),
     offsets (out, in / 32) or None (of the scales' dtype, float32 or float16), all
-    contiguous; in a multiple of 32."""
+    contiguous; in a multiple of 32. zero 8: weight = scale * (q - 8) (GGUF's Q4_0,
+    4 bits, groups of 32, no offsets)."""
     n, in_features = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -52,6 +54,7 @@ def quant_linear(
         group,
         0 if offsets is None else offsets.data_ptr(),
         scales.dtype == torch.float16,
+        zero,
         0 if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(),
     )
@@ -66,9 +69,10 @@ def quant_dequantize(
     group: int,
     first: int = 0,
     rows: int | None = None,
+    zero: int = 0,
 ) -> torch.Tensor:
     """Rows [first, first + rows) of the weight (as ``quant_linear`` takes it) as
-    float32 (rows, in): ``scale * q``, then ``+ offset``."""
+    float32 (rows, in): ``scale * (q - zero)``, then ``+ offset``."""
     rows = qs.shape[0] - first if rows is None else rows
     _check_rows(qs, first, rows)
     in_features = qs.shape[1] * 8 // bits
@@ -80,6 +84,7 @@ def quant_dequantize(
         scales.dtype == torch.float16,
         bits,
         group,
+        zero,
         first,
         rows,
         in_features,

@@ -12,6 +12,10 @@
 //   bits = 8: 32 int8 a block.
 // scales: (out, in / group), group 16 or 32; offsets (out, in / 32) or null (all
 // zero); both float32, or both half (half.h) where the weight's values are halves.
+// zero: 0, or 8 for GGUF's Q4_0 as the file holds it (4 bits, groups of 32, no
+// offsets): weight i = scale * (q[i] - 8). The AVX-512 paths (quant_tiles.h) take
+// sum (q - 8) x in integers; the others add the offset term -8 * scale per block, as
+// they would from an offsets array holding -8 * scale (the same floats: -8 is exact).
 //
 // The activation row is quantized per block of 32 to int8 the way llama.cpp's
 // Q8 does (d = max|x| / 127, q = round(x / d)), so a block's product is one
@@ -50,6 +54,7 @@ constexpr int MR = 4;       // activation rows per pass over a weight row (it st
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 18;
 
 // x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
+// xi (n, in/QB) sum(q) itself where asked (zero 8's integer term),
 // and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
 // [first halves of 2p and 2p+1 | second halves of 2p and 2p+1] (an odd last block stays).
 // One block of 32: its codes into q, returns their sum; *d its scale.
@@ -89,12 +94,13 @@ inline int quantize_block(const float* v, int8_t* q, float* d) {
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
-                   int8_t* xp) {
+                   int32_t* xi, int8_t* xp) {
   const int64_t nb = in / QB;
   for (int64_t m = 0; m < n; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
       xs[m * nb + b] = xd[m * nb + b] * float(sum);
+      if (xi) xi[m * nb + b] = sum;
     }
     for (int64_t b = 0; xp && b < nb; ++b) {
       const int8_t* q = xq + m * in + b * QB;
@@ -162,6 +168,20 @@ inline float dot(const S* a, const float* c, int64_t n) {
 }
 #endif
 
+// A row's offsets term: sum_b offset_b * xs_b, the offsets stored (wo) or -zero * the
+// block's scale (zero 8: Q4_0, groups of 32, one scale a block).
+template <typename S>
+inline float offsets_term(const S* wo, const S* ws, float zero, const float* xs, int64_t nb) {
+#if defined(__AVX2__)
+  if (wo) return dot(wo, xs, nb);
+  return zero != 0.0f ? -zero * dot(ws, xs, nb) : 0.0f;
+#else
+  float off = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) off += (wo ? to_float(wo[b]) : -zero * to_float(ws[b])) * xs[b];
+  return off;
+#endif
+}
+
 #if defined(__AVX2__)
 // The 4-bit weights two blocks at a time: blocks 2p and 2p+1 are 32 adjacent bytes,
 // whose low nibbles are both blocks' first 16 weights and high nibbles their last 16;
@@ -171,7 +191,7 @@ inline float dot(const S* a, const float* c, int64_t n) {
 // blocks at once) one permute spreads over their halves of the vector. Half the
 // instructions of a block at a time: the kernel is compute-bound on AVX2.
 template <typename S, int mr>
-void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, const int8_t* xq, const int8_t* xp,
+void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const int8_t* xq, const int8_t* xp,
                 const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, pairs = nb / 2;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -228,7 +248,7 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, const int8_t* xq, c
     }
   }
   for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
 }
 #endif
 
@@ -236,12 +256,12 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, const int8_t* xq, c
 // rows unrolls and the accumulators stay in registers (indexed by a run-time row
 // count they live on the stack, and each block's update waits on a store and a load).
 template <typename S, int bits, int mr>
-void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, const int8_t* xq, const int8_t* xp,
-             const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float zero, const int8_t* xq,
+             const int8_t* xp, const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, bytes = QB * bits / 8;
 #if defined(__AVX2__)
   if constexpr (bits == 4) {
-    row_dot_q4<S, mr>(wq, ws, wo, xq, xp, xd, xs, m0, in, res);
+    row_dot_q4<S, mr>(wq, ws, wo, zero, xq, xp, xd, xs, m0, in, res);
     return;
   }
   // Two accumulators a row, for even and odd blocks: one would chain every block's
@@ -268,7 +288,7 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, const i
   }
   if (b < nb) step(b, acc[0]);
   for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + (wo ? dot(wo, xs + (m0 + m) * nb, nb) : 0.0f);
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
 #else
   (void)xp;  // the paired activations serve the AVX2 path only
   float acc[mr] = {}, off[mr] = {};
@@ -290,7 +310,7 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, const i
       for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
       const float s0 = to_float(group == QB ? ws[b] : ws[2 * b]), s1 = to_float(group == QB ? ws[b] : ws[2 * b + 1]);
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
-      if (wo) off[m] += to_float(wo[b]) * xs[r * nb + b];
+      if (wo || zero != 0.0f) off[m] += (wo ? to_float(wo[b]) : -zero * to_float(ws[b])) * xs[r * nb + b];
     }
   }
   for (int m = 0; m < mr; ++m) res[m] = acc[m] + off[m];
@@ -298,8 +318,8 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, const i
 }
 
 template <typename S>
-using RowFn = void (*)(const uint8_t*, const S*, int64_t, const S*, const int8_t*, const int8_t*, const float*,
-                       const float*, int64_t, int64_t, float*);
+using RowFn = void (*)(const uint8_t*, const S*, int64_t, const S*, float, const int8_t*, const int8_t*,
+                       const float*, const float*, int64_t, int64_t, float*);
 
 template <typename S, int bits, int... R>
 constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
@@ -308,12 +328,14 @@ constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int
 
 template <typename S>
 void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
-                  const uint8_t* qs, const S* scales, int64_t group, const S* offsets, const float* bias, float* out) {
+                  const uint8_t* qs, const S* scales, int64_t group, const S* offsets, int64_t zero, const float* bias,
+                  float* out) {
   const int64_t nb = in / QB;
   // The quantized activations, kept per calling thread between calls: a decode step makes ~120.
   // (Pointers taken here: inside the parallel loop each thread would name its own vectors.)
   static thread_local std::vector<int8_t> xq_buf, xp_buf;
   static thread_local std::vector<float> xd_buf, xs_buf;
+  static thread_local std::vector<int32_t> xi_buf;
   if (int64_t(xq_buf.size()) < n * in) xq_buf.resize(n * in);
   if (int64_t(xd_buf.size()) < n * nb) xd_buf.resize(n * nb), xs_buf.resize(n * nb);
   int8_t* xq = xq_buf.data();
@@ -321,14 +343,18 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
 #if defined(CTXPAR_TILES)
   // Row blocks of ~256 KB of codes: a block stays in L2 while every tile of the weight passes it.
   const int64_t row_block = std::max<int64_t>(16, ROW_BLOCK_BYTES / in / 16 * 16);
+  // zero 8: each block's sum of codes, for sum (q - 8) x = sum q x - 8 sum x in integers.
+  if (zero && int64_t(xi_buf.size()) < n * nb) xi_buf.resize(n * nb);
+  int32_t* xi = zero ? xi_buf.data() : nullptr;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < n; ++m)
-      quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, nullptr);
+      quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, xi ? xi + m * nb : nullptr,
+                    nullptr);
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
-      tiles::product(qs, scales, offsets, bits, group, in, out_features, xq, xd, xs, r0, std::min(n, r0 + row_block),
-                     bias, out);
+      tiles::product(qs, scales, offsets, zero, bits, group, in, out_features, xq, xd, xs, xi, r0,
+                     std::min(n, r0 + row_block), bias, out);
   }
 #else
   const int64_t row_bytes = in * bits / 8, row_scales = in / group;
@@ -336,7 +362,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
   static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
-  quantize_rows(x, x_stride, n, in, xq, xd, xs, xp);
+  quantize_rows(x, x_stride, n, in, xq, xd, xs, nullptr, xp);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < out_features; ++o) {
     const uint8_t* wq = qs + o * row_bytes;
@@ -345,7 +371,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
     for (int64_t m0 = 0; m0 < n; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, n - m0));
       float res[MR];
-      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, xq, xp, xd, xs, m0, in, res);
+      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, float(zero), xq, xp, xd, xs, m0, in, res);
       for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
     }
   }
@@ -358,17 +384,17 @@ extern "C" {
 
 // x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
 // (out_features, in) as above, its scales and offsets half if `half`, else float32;
-// bias (out_features,) or null; out (n, out_features).
+// zero 0 or 8 (see the top); bias (out_features,) or null; out (n, out_features).
 void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
                       const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
-                      const float* bias, float* out) {
+                      int64_t zero, const float* bias, float* out) {
   if (n == 0 || out_features == 0) return;
   if (half)
     quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const Half*>(scales), group,
-                 static_cast<const Half*>(offsets), bias, out);
+                 static_cast<const Half*>(offsets), zero, bias, out);
   else
     quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const float*>(scales), group,
-                 static_cast<const float*>(offsets), bias, out);
+                 static_cast<const float*>(offsets), zero, bias, out);
 }
 
 }  // extern "C"

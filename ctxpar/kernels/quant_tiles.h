@@ -24,6 +24,8 @@
 //                     then, with offsets:      acc = fma(offset_b, xs_b, acc)
 //   out = acc + bias
 //
+// (zero 8, GGUF's Q4_0: s_g is sum (q - 8) x, an integer too, and there is no offset.)
+//
 // one lane per output, blocks in order. Three integer engines feed it, and give the
 // same bits because the integers are exact and the float steps one code shape:
 //   - AMX computes 16 rows' group sums at once (rows in groups of 16, where the CPU has it);
@@ -132,11 +134,12 @@ void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out)
     for (int64_t o = 0; o < 16; ++o) out[c0 * T + o] = o < rows ? to_float(m[o * stride + c0]) : 0.0f;
 }
 
-// The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero).
-inline void pack_q(const uint8_t* qs, int64_t bits, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
+// The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero);
+// zero 8 (Q4_0): the nibbles less 8, signed bytes as an 8-bit weight's.
+inline void pack_q(const uint8_t* qs, int64_t bits, int64_t zero, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
   const int64_t nb = in / QB, row_bytes = in * bits / 8;
   tile.q.resize(nb * 8 * T * 4);
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
     const uint8_t* src = qs + o0 * row_bytes + b * QB * bits / 8;
@@ -144,8 +147,8 @@ inline void pack_q(const uint8_t* qs, int64_t bits, int64_t in, int64_t o0, int6
     gather_dwords(src, row_bytes, rows, d);
     if (bits == 4) {  // byte i holds weight i (low nibble) and weight 16 + i (high)
       for (int j = 0; j < 4; ++j) {
-        _mm512_storeu_si512(q + j, _mm512_and_si512(d[j], low));
-        _mm512_storeu_si512(q + 4 + j, _mm512_and_si512(_mm512_srli_epi16(d[j], 4), low));
+        _mm512_storeu_si512(q + j, _mm512_sub_epi8(_mm512_and_si512(d[j], low), z));
+        _mm512_storeu_si512(q + 4 + j, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d[j], 4), low), z));
       }
     } else {
       for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, d[j]);
@@ -242,9 +245,9 @@ inline void sum_partials(const __m512i v[16], __m512i r[4]) {
 // next_rows: rows of the tile after this one, whose same bytes each load prefetches:
 // the loads of a tile are 16 streams a row apart, which the hardware prefetchers do
 // not run ahead of, so without it a decode step waits on memory at every tile.
-inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t in, int64_t o0, int64_t rows,
-                       int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk, const float* xd,
-                       const float* xs, __m512* acc) {
+inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t zero, int64_t in, int64_t o0,
+                       int64_t rows, int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk,
+                       const float* xd, const float* xs, const int32_t* xi, __m512* acc) {
   const int64_t nb = in / QB, row_bytes = in * bits / 8, per_load = bits == 4 ? 4 : 2;
   const bool offsets = !tile.offsets.empty();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -292,8 +295,9 @@ inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t i
       const int64_t b = b0 + k;
       // Group sums of block b: 4 bits, r[k] (a block's 32 products in one 128-bit lane);
       // 8 bits, r[2k] and r[2k + 1] (its halves), added for a group of 32.
-      if (bits == 4) {
-        *acc = scale_add(r[k], tile.scales.data() + b * T, xd[b], *acc);
+      if (bits == 4) {  // zero 8: sum (q - 8) x = sum q x - 8 sum x
+        const __m512i s = zero ? _mm512_sub_epi32(r[k], _mm512_set1_epi32(int32_t(zero) * xi[b])) : r[k];
+        *acc = scale_add(s, tile.scales.data() + b * T, xd[b], *acc);
       } else if (group == QB) {
         *acc = scale_add(_mm512_add_epi32(r[2 * k], r[2 * k + 1]), tile.scales.data() + b * T, xd[b], *acc);
       } else {
@@ -484,12 +488,13 @@ constexpr auto vnni_table(std::integer_sequence<int, R...>) {
 // Rows [r0, r1) of the quantized activations against every output, tiles shared out
 // over the threads (inside an OpenMP parallel region).
 template <typename S>
-void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits, int64_t group, int64_t in,
-             int64_t out_features, const int8_t* xq, const float* xd, const float* xs, int64_t r0, int64_t r1,
-             const float* bias, float* out) {
+void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero, int64_t bits, int64_t group,
+             int64_t in, int64_t out_features, const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
+             int64_t r0, int64_t r1, const float* bias, float* out) {
   static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
   static thread_local Tile tile;
   const int64_t tiles_n = (out_features + T - 1) / T;
+  const int64_t tile_bits = zero ? 8 : bits;  // a laid-out tile of zero 8's weights holds signed bytes
 #if defined(CTXPAR_AMX)
   const bool amx = r1 - r0 >= 16 && amx_ready();
   static thread_local std::vector<GroupScales> group_scales;
@@ -517,25 +522,25 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits,
       for (int64_t m = r0; m < r1; ++m) {
         __m512 acc;
         const int8_t* row_xk = xk.data() + (m - r0) * xk_row;
-        direct_row(qs, bits, group, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
-                   xs + m * (in / QB), &acc);
+        direct_row(qs, bits, group, zero, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
+                   xs + m * (in / QB), xi ? xi + m * (in / QB) : nullptr, &acc);
         store_rows(&acc, 1, o0, cols, bias, out, out_features, m);
       }
       continue;
     }
-    pack_q(qs, bits, in, o0, cols, tile);
+    pack_q(qs, bits, zero, in, o0, cols, tile);
     int64_t m0 = r0;
 #if defined(CTXPAR_AMX)
     for (; amx && m0 + 16 <= r1; m0 += 16) {
       __m512 acc[16];
-      amx_rows(tile, bits, group, xq, group_scales[(m0 - r0) / 16], m0, in, acc);
+      amx_rows(tile, tile_bits, group, xq, group_scales[(m0 - r0) / 16], m0, in, acc);
       store_rows(acc, 16, o0, cols, bias, out, out_features, m0);
     }
 #endif
     for (; m0 < r1; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, r1 - m0));
       __m512 acc[MR];
-      vnni[mr - 1](tile, bits, group, xq, xd, xs, m0, in, acc);
+      vnni[mr - 1](tile, tile_bits, group, xq, xd, xs, m0, in, acc);
       store_rows(acc, mr, o0, cols, bias, out, out_features, m0);
     }
   }

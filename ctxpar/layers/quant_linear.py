@@ -9,7 +9,8 @@ float16 where every one of the weight's is a half (the legacy formats' own
 fp16 fields: Q4_1 reads its 5 bits a weight, 20 bytes a block), and become
 float32 where not (the K-quants' products of two scales, int8 weights
 quantized at load), which holds them exactly; the 5- and 6-bit formats widen
-to 8 bits.
+to 8 bits. Q4_0 read from a file keeps its own form, scale * (q - 8) with q a
+nibble (``zero`` 8): its scales are the file's halves, and no offsets are stored.
 
 On the CPU every row count takes the one integer kernel (quant_gemv.cpp):
 a row's activations are rounded to int8 per block of 32 and multiplied by the
@@ -37,13 +38,14 @@ TILE_ROWS = 512  # weight rows dequantized at a time where the kernels do not ru
 @dataclass
 class QuantWeight:
     """An (out_features, in_features) weight: row o, weight i = scales[o, i // group] *
-    q[o, i] + offsets[o, i // 32] (0 without offsets)."""
+    (q[o, i] - zero) + offsets[o, i // 32] (0 without offsets)."""
 
     qs: torch.Tensor  # (out, in * bits / 8) uint8: nibbles (bits 4) or int8 bytes (bits 8)
     scales: torch.Tensor  # (out, in / group) float32, or float16 (see the module's docstring)
     offsets: torch.Tensor | None  # (out, in / 32), the scales' dtype
     bits: int  # 4 or 8
     group: int  # 16 or 32
+    zero: int = 0  # 8: Q4_0's nibbles (bits 4, group 32, no offsets)
 
     def __post_init__(self) -> None:
         # The kernel reads these through raw pointers: their layout is checked here, once
@@ -59,10 +61,13 @@ class QuantWeight:
             and self.scales.shape == (rows, cols // self.group)
             and (off is None or (off.dtype == self.scales.dtype and off.shape == (rows, cols // 32)))
             and all(t.is_contiguous() for t in self.tensors())
+            and (self.zero == 0 or (self.zero == 8 and self.bits == 4 and self.group == 32 and off is None))
         )
         if not layout_ok:
             shapes = [(tuple(t.shape), t.dtype) for t in self.tensors()]
-            raise ValueError(f"QuantWeight: bits {self.bits}, group {self.group} and tensors {shapes} do not match")
+            raise ValueError(
+                f"QuantWeight: bits {self.bits}, group {self.group}, zero {self.zero} and tensors {shapes} do not match"
+            )
 
     @property
     def out_features(self) -> int:
@@ -86,10 +91,14 @@ class QuantWeight:
     @classmethod
     def from_decoded(cls, d: Decoded, bits: int | None = None) -> QuantWeight:
         """The kernel's layout of ``d``: 4 bits where every q is a nibble and groups are
-        32 (or ``bits`` to force 8, e.g. to join a weight whose rows are 8-bit)."""
+        32 (or ``bits`` to force 8, e.g. to join a weight whose rows are 8-bit); offsets
+        of exactly -8 scales (Q4_0) as ``zero`` 8, which the kernels take in integers."""
         rows, cols = d.q.shape
         if bits is None:
             bits = 4 if d.group == 32 and d.q.min(initial=0) >= 0 and d.q.max(initial=0) <= 15 else 8
+        zero = 0
+        if bits == 4 and d.offsets is not None and np.array_equal(d.offsets, np.float32(-8) * d.scales):
+            d, zero = Decoded(d.q, d.scales, None, d.group), 8
         if bits == 4:
             q = d.q.astype(np.uint8).reshape(rows, cols // 32, 2, 16)  # weights i and i + 16 share byte i
             qs = (q[:, :, 0] | (q[:, :, 1] << np.uint8(4))).reshape(rows, cols // 2)
@@ -100,15 +109,15 @@ class QuantWeight:
         halves = all(np.array_equal(f.astype(np.float16).astype(np.float32), f) for f in fields)
         as_tensor = lambda f: torch.from_numpy(np.ascontiguousarray(f.astype(np.float16 if halves else np.float32)))
         offsets = None if d.offsets is None else as_tensor(d.offsets)
-        return cls(torch.from_numpy(np.ascontiguousarray(qs)), as_tensor(d.scales), offsets, bits, d.group)
+        return cls(torch.from_numpy(np.ascontiguousarray(qs)), as_tensor(d.scales), offsets, bits, d.group, zero)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, fmt: str, cols: int) -> QuantWeight:
         """The kernel's layout of a GGUF tensor's blocks, raw (rows, cols / 32 * bytes)
         uint8 (a memory map of the file). Q4_0, Q4_1 and Q8_0 blocks already hold the
         kernel's integers (a nibble byte pairs weights i and i + 16, as here) and
-        half scales: their fields are copied out as they are, one pass over the bytes,
-        giving what ``from_decoded(decode(...))`` gives; other formats are decoded."""
+        half scales: their fields are copied out as they are, one pass over the bytes
+        (Q4_0 keeps its form, ``zero`` 8); other formats are decoded."""
         rows = raw.shape[0]
         start = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}.get(fmt)
         if start is None or cols % 32:
@@ -119,13 +128,8 @@ class QuantWeight:
         offsets = None
         if fmt == "Q4_1":
             offsets = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[:, :, 0])
-        elif fmt == "Q4_0":  # d (q - 8) = d q + (-8 d): exact in float16 unless it overflows
-            with np.errstate(over="ignore"):
-                minus8 = d * np.float16(-8)
-            if not np.isfinite(minus8).all() and np.isfinite(d).all():
-                return cls.from_decoded(decode(raw, fmt, cols))
-            offsets = torch.from_numpy(minus8)
-        return cls(qs, torch.from_numpy(d), offsets, 4 if fmt != "Q8_0" else 8, 32)
+        bits, zero = (8, 0) if fmt == "Q8_0" else (4, 8 if fmt == "Q4_0" else 0)
+        return cls(qs, torch.from_numpy(d), offsets, bits, 32, zero)
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""
@@ -133,7 +137,7 @@ class QuantWeight:
         if self.bits == 4:
             rows = qs.shape[0]
             nib = np.stack([qs.reshape(rows, -1, 16) & 15, qs.reshape(rows, -1, 16) >> 4], axis=2)
-            q = nib.reshape(rows, -1).astype(np.int8)
+            q = (nib.reshape(rows, -1).astype(np.int16) - self.zero).astype(np.int8)
         else:
             q = qs.view(np.int8)
         offsets = None if self.offsets is None else self.offsets.float().numpy()
@@ -148,7 +152,9 @@ class QuantWeight:
         """Rows [first, end) as float32 (end - first, in)."""
         end = self.out_features if end is None else end
         if kernels.available():
-            return quant.quant_dequantize(self.qs, self.scales, self.offsets, self.bits, self.group, first, end - first)
+            return quant.quant_dequantize(
+                self.qs, self.scales, self.offsets, self.bits, self.group, first, end - first, self.zero
+            )
         d = self.rows(first, end).decoded()
         w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * torch.from_numpy(d.scales)[:, :, None]
         w = w.view(end - first, -1)
@@ -159,11 +165,13 @@ class QuantWeight:
 
 def concat(parts: list[QuantWeight]) -> QuantWeight:
     """The weights' rows one after another (a fused QKV or gate|up projection).
-    Parts of different layouts meet in the widest: 8 bits, the finer group; each
-    weight's value is unchanged (a nibble is an int8, a scale repeats)."""
-    bits = max(p.bits for p in parts)
+    Parts of different layouts meet in the widest: 8 bits, the finer group, no zero
+    unless every part has it; each weight's value is unchanged (a nibble is an int8,
+    a scale repeats)."""
+    zero = parts[0].zero if all(p.zero == parts[0].zero for p in parts) else 0
+    bits = 8 if any(p.zero != zero for p in parts) else max(p.bits for p in parts)
     group = min(p.group for p in parts)
-    widened = [_widen(p, bits, group) for p in parts]
+    widened = [_widen(p, bits, group, zero) for p in parts]
     # Halves only if every part's are (a half is exact as a float32, not the reverse).
     dtype = torch.float16 if all(p.scales.dtype == torch.float16 for p in widened) else torch.float32
 
@@ -173,12 +181,12 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
 
     joined = torch.cat([offsets(p) for p in widened]) if any(p.offsets is not None for p in widened) else None
     return QuantWeight(
-        torch.cat([p.qs for p in widened]), torch.cat([p.scales.to(dtype) for p in widened]), joined, bits, group
+        torch.cat([p.qs for p in widened]), torch.cat([p.scales.to(dtype) for p in widened]), joined, bits, group, zero
     )
 
 
-def _widen(p: QuantWeight, bits: int, group: int) -> QuantWeight:
-    if p.bits == bits and p.group == group:
+def _widen(p: QuantWeight, bits: int, group: int, zero: int) -> QuantWeight:
+    if p.bits == bits and p.group == group and p.zero == zero:
         return p
     d = p.decoded()
     scales = np.repeat(d.scales, d.group // group, axis=1)
@@ -191,7 +199,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if dtype != torch.float32:
         x = x.float()
     if x.device.type == "cpu" and kernels.available():
-        out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias)
+        out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias, w.zero)
     else:
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
         for first in range(0, w.out_features, TILE_ROWS):
@@ -203,5 +211,6 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
 def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The rows ``ids`` (n,) of w, dequantized: (n, in) float32 (a quantized embedding table)."""
-    sub = QuantWeight(w.qs[ids], w.scales[ids], None if w.offsets is None else w.offsets[ids], w.bits, w.group)
+    off = None if w.offsets is None else w.offsets[ids]
+    sub = QuantWeight(w.qs[ids], w.scales[ids], off, w.bits, w.group, w.zero)
     return sub.dequantize()

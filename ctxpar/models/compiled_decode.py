@@ -46,6 +46,7 @@ class _Projection(ctypes.Structure):
         ("bits", _i64),
         ("group", _i64),
         ("half", _i64),
+        ("zero", _i64),
     ]
 
 
@@ -94,10 +95,13 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
             weight.bits,
             weight.group,
             half,
+            weight.zero,
         )
     if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
         in_features = weight.data.shape[1]  # fp32 panels: (panels, in, panel width)
-        return _Projection(_address(weight.data), None, None, _address(bias), in_features, weight.out_features, 0, 0, 0)
+        return _Projection(
+            _address(weight.data), None, None, _address(bias), in_features, weight.out_features, 0, 0, 0, 0
+        )
     return None
 
 

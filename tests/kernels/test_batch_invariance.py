@@ -78,7 +78,9 @@ def test_quantized_projection(name: str, build: str, data: st.DataObject) -> Non
     bias = torch.randn(out) if data.draw(st.booleans()) else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "_library", lambda march="native": lib)
-        assert_rows_alone(lambda r: quant.quant_linear(r, w.qs, w.scales, w.offsets, w.bits, w.group, bias), x, data)
+        assert_rows_alone(
+            lambda r: quant.quant_linear(r, w.qs, w.scales, w.offsets, w.bits, w.group, bias, w.zero), x, data
+        )
 
 
 @SETTINGS

@@ -48,13 +48,14 @@ def test_decoders_match_gguf_bit_for_bit(name: str) -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_kernel_layout_keeps_every_weight(name: str) -> None:
     """Repacked for the kernel, each weight sits where the kernel reads it: its dequantization
-    (C++ and PyTorch) is gguf's, exactly, and the layout decodes back to the same integers."""
+    (C++ and PyTorch) is gguf's, exactly, and the layout decodes back to the same integers
+    (Q4_0's less its zero, 8, which stands for its offsets of -8 scales)."""
     rng = np.random.default_rng(100 + ALL.index(name))
     raw = random_blocks(name, 9, 768, rng)
     decoded = decode(raw, name, 768)
     w = QuantWeight.from_decoded(decoded)
     assert w.bits == (4 if FORMATS[name].bits == 4 else 8) and w.shape == (9, 768)
-    assert np.array_equal(w.decoded().q, decoded.q)
+    assert np.array_equal(w.decoded().q.astype(np.int16) + w.zero, decoded.q)
     want = torch.from_numpy(reference(raw, name).reshape(9, 768))
     assert torch.equal(w.dequantize(), want)
     assert torch.equal(w.dequantize(2, 7), want[2:7])
@@ -68,7 +69,8 @@ def test_kernel_layout_keeps_every_weight(name: str) -> None:
 def test_layout_from_the_files_bytes_is_the_decoded_layout(name: str) -> None:
     """``from_blocks`` copies Q4_0, Q4_1 and Q8_0 fields out of the file's bytes as they
     are (and decodes the rest): the same tensors, dtypes and values as the decoded path.
-    A Q4_0 scale whose -8 d is past float16's range takes the decoded path's float32."""
+    Q4_0 keeps its form (zero 8, no offsets), a scale whose -8 d is past float16's
+    range included."""
     rng = np.random.default_rng(200 + ALL.index(name))
     raw = random_blocks(name, 5, 512, rng)
     cases = [raw]
@@ -79,6 +81,7 @@ def test_layout_from_the_files_bytes_is_the_decoded_layout(name: str) -> None:
     for r in cases:
         got, want = QuantWeight.from_blocks(r, name, 512), QuantWeight.from_decoded(decode(r, name, 512))
         assert (got.bits, got.group) == (want.bits, want.group)
+        assert got.zero == want.zero == (8 if name == "Q4_0" else 0)
         for a, b in zip(got.tensors(), want.tensors(), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
@@ -143,7 +146,8 @@ def test_kernel_matches_float64_product(name: str, build: str) -> None:
         x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
         x[:, :32] = 0  # an all-zero block: d = 0
         bias = rng.standard_normal(out).astype(np.float32)
-        y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, torch.from_numpy(bias))
+        b = torch.from_numpy(bias)
+        y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, b, w.zero)
         check(y, x, weights, bias.astype(np.float64))
 
 
@@ -185,6 +189,6 @@ def test_a_changed_scale_or_offset_fails(field: str, name: str) -> None:
     target = w.scales if field == "scale" else w.offsets
     assert target is not None
     target.view(-1)[target.abs().argmax()] *= 1.001  # the largest: a block whose weights count
-    y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group)
+    y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, zero=w.zero)
     with pytest.raises(AssertionError):
         check(y, x, weights, np.zeros(16))
