@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ctxpar.bench.cuda_models import guarded, weights_from
+from ctxpar.entrypoints.cli.calibrate_host import launches
 
 
 def speed_config(args: argparse.Namespace):
@@ -118,19 +119,6 @@ def op_profile(fn: Callable[[], Any], device, path: Path) -> None:
         _sync(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
-
-
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")  # runtime calls
-
-
-def launches(fn: Callable[[], Any], device) -> int:
-    """Kernels ``fn`` launches (torch.profiler's count of the CUDA runtime's launch calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        _sync(device)
-    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
 
 
 def launch_cost(device, n: int = 2000) -> dict:

@@ -22,18 +22,13 @@ a few ms of these). Every step is priced from the same terms (timing.py):
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
+
+from ctxpar.costmodel.hardware import ALLREDUCE_HOPS
 
 if TYPE_CHECKING:
     from ctxpar.costmodel.hardware import HardwareProfile
     from ctxpar.costmodel.shapes import ModelShape
-
-ALLREDUCE_HOPS = {
-    "ring": lambda ranks: 2 * (ranks - 1),
-    "tree": lambda ranks: 2 * math.ceil(math.log2(ranks)),
-    "one-shot": lambda ranks: 1,
-}
 
 
 def allreduce_hops(ranks: int, algorithm: str) -> int:

@@ -17,9 +17,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ctxpar.config import KV_CACHE_DTYPES
-from ctxpar.costmodel.fixed_costs import ALLREDUCE_HOPS
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.errors import CtxparError
+
+# Latencies one all-reduce among ``ranks`` (> 1) ranks pays, by algorithm (fixed_costs.py).
+ALLREDUCE_HOPS = {
+    "ring": lambda ranks: 2 * (ranks - 1),
+    "tree": lambda ranks: 2 * math.ceil(math.log2(ranks)),
+    "one-shot": lambda ranks: 1,
+}
 
 DTYPE_BYTES = {"fp8": 1.0, "int8": 1.0, "q4": 0.5625, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 
@@ -77,7 +83,7 @@ class HardwareProfile:
     tp_size: int = 1  # tensor-parallel devices inside one rank
     tp_bandwidth: float = 0.0  # bytes/s per device for the TP all-reduces
     tp_latency_s: float = 0.0  # per hop of a TP all-reduce
-    # How a TP all-reduce is done, which sets its hops (fixed_costs.ALLREDUCE_HOPS): "ring"
+    # How a TP all-reduce is done, which sets its hops (ALLREDUCE_HOPS): "ring"
     # (NCCL's ring), "tree", or "one-shot" (each device reads the others' shares over
     # NVLink at once, as vLLM's and TensorRT-LLM's custom all-reduce do for small messages).
     tp_allreduce: str = "ring"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,12 +111,25 @@ def host_overhead(dtype: str, device: torch.device, ranks: int = 1, threads: int
     return max(0.0, times[0] - LAYERS[0] * layer), layer
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")  # runtime calls
+
+
+def launches(fn: Callable[[], Any], device: torch.device) -> int:
+    """Kernels ``fn`` launches (torch.profiler's count of the CUDA runtime's launch calls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
+
+
 def kernels_per_layer(dtype: str, device: torch.device) -> int:
     """Kernels a decode step of ctxpar's engine launches a layer on ``device`` (a GPU): the
     two tiny models' launches a step (torch.profiler's count of the CUDA runtime's launch
     calls over STEPS eager steps), their difference over their layers' difference."""
     from ctxpar import LLM
-    from ctxpar.bench.cuda_speed import launches
     from ctxpar.models.random_checkpoint import save_random_model
 
     counts = []
