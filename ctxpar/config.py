@@ -177,7 +177,7 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, none_ok=True)
         # The cache's own bytes depend on the model and the device: checked in
-        # ctxpar.worker.kv_cache once the model's shape is known, before any
+        # ctxpar.worker.kv_cache_allocation once the model's shape is known, before any
         # allocation. Its bookkeeping alone is checked here, before the model loads.
         host = machine_memory_bytes()
         if self.num_kv_blocks is not None and self.num_kv_blocks * BLOCK_ID_BYTES > host:

@@ -147,7 +147,7 @@ def _patterns(batches: list[int], chunk: int, model: str | None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
-    from ctxpar.worker.kv_cache import tokens_per_gib
+    from ctxpar.worker.kv_cache_allocation import tokens_per_gib
 
     n = args.context
     common: dict[str, Any] = dict(

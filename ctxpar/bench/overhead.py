@@ -61,8 +61,8 @@ def _request(index: int, prompt: list[int]):
 
 def _host_step(scheduler, pcp: int, block_size: int, lap: Callable[[str, float], float]) -> None:
     """One step's host work, timed by part; the step's new tokens are 'sampled' as token 1."""
+    from ctxpar.layers.step_description import slots_of
     from ctxpar.parallel.pcp import plan_pcp_layout
-    from ctxpar.worker.kv_cache import slots_of
     from ctxpar.worker.step_inputs import token_rows_positions, token_slots
 
     t = time.perf_counter()

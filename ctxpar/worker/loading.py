@@ -12,7 +12,7 @@ from ctxpar.device import bind_device, torch_dtype
 from ctxpar.errors import CtxparError
 from ctxpar.layers.kv_quant import kv_bytes_per_token_per_layer
 from ctxpar.models.loader import LoadedModel, load_model, load_mtp
-from ctxpar.worker.kv_cache import num_kv_blocks
+from ctxpar.worker.kv_cache_allocation import num_kv_blocks
 
 
 @dataclass(frozen=True)

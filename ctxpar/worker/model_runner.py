@@ -35,7 +35,7 @@ from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import plan_pcp_layout, split_mask
 from ctxpar.worker.graph_runner import DecodeGraphs
-from ctxpar.worker.kv_cache import allocate_kv_caches
+from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_inputs import check_block_tables
 from ctxpar.worker.step_outputs import outputs_on_rank0

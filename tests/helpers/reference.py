@@ -35,7 +35,7 @@ class SingleSequence:
 
     def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> None:
         from ctxpar.layers.kv_quant import KVQuant
-        from ctxpar.worker.kv_cache import allocate_kv_caches
+        from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 
         self.model = model
         self.kv_quant = KVQuant.of(kv_cache_dtype, tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))

@@ -16,7 +16,7 @@ from ctxpar.kernels.huge_pages import HUGE_PAGE, huge_empty, huge_zeros
 from ctxpar.layers.linear import shared_tensors
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.loader import load_model
-from ctxpar.worker.kv_cache import allocate_kv_caches
+from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

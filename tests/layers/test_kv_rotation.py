@@ -13,7 +13,7 @@ from ctxpar.kernels import elementwise
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.attention import GQA, _attend, attend
 from ctxpar.layers.kv_quant import KVQuant, default_runs
-from ctxpar.worker.kv_cache import allocate_kv_caches
+from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 from helpers.attention_reference import reference
 from helpers.reference import single_sequence_context
 

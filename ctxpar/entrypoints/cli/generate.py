@@ -19,7 +19,7 @@ import sys
 import time
 
 from ctxpar.engine.arg_utils import EngineArgs
-from ctxpar.worker.kv_cache import tokens_per_gib
+from ctxpar.worker.kv_cache_allocation import tokens_per_gib
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 # --verbose's account of EngineConfig.weight_quantization.

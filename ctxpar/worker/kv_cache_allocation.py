@@ -1,5 +1,7 @@
-"""Paged KV-cache tensors: one flat (num_slots, *kv_entry_shape) tensor per layer
-(a quantized cache: (num_slots, row_bytes) uint8 rows, ctxpar/layers/kv_quant.py).
+"""The paged KV cache allocated: how many blocks a rank's budget and memory hold
+(one max-length request must fit), and its tensors: one flat (num_slots,
+*kv_entry_shape) tensor per layer (a quantized cache: (num_slots, row_bytes) uint8
+rows, ctxpar/layers/kv_quant.py).
 
 A slot is ``block_id * block_size + offset`` (ctxpar/layers/step_description.py).
 The cache knows only bytes per token per layer, so GQA layers (K and V per KV
@@ -14,9 +16,6 @@ from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.kv_quant import KVQuant
-
-# ctxpar bench overhead times the slot arithmetic under its former name here.
-from ctxpar.layers.step_description import slots_of as slots_of
 
 
 def device_memory_bytes(device: torch.device) -> int:
