@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar import LLM, SamplingParams, TokensPrompt, kernels
-from ctxpar.bench.machine import describe_machine
+from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.layers.linear import PanelWeight, linear

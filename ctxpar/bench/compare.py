@@ -175,7 +175,7 @@ def _wait_for_idle(args: argparse.Namespace) -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
 
     if not Path(args.peer_python).exists():
         raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the {args.peer} venv's python")

@@ -24,7 +24,7 @@ import torch
 
 # The layers' entry points, not the public API: the kernels are what is timed, one at a time.
 from ctxpar import kernels
-from ctxpar.bench.machine import describe_machine
+from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.layers.activation import silu_and_mul

@@ -160,7 +160,7 @@ def _print_tables(model: Path, args: argparse.Namespace, base: dict[int, Result]
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.long import save_smollm2_shaped
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
 
     netns.check_tools()
     cores, most = os.cpu_count() or 1, max(args.pcp)

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> None:
     import numpy as np
 
     from ctxpar import LLM, SamplingParams
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
 
     if args.context <= args.new_tokens:
         raise CtxparError("--context must exceed --new-tokens")

@@ -115,7 +115,7 @@ def _measure(context: int, args: argparse.Namespace) -> tuple[dict[str, float], 
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
 
     print(describe_machine(), flush=True)
     print(

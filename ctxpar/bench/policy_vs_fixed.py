@@ -110,7 +110,7 @@ def _engine_times(model: str, pcp: int, setting: dict, workloads: dict, args: ar
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.long import save_smollm2_shaped
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
 
     print(describe_machine(), flush=True)
     print(

@@ -138,7 +138,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.entrypoints.cli.generate import prefix_cache_summary
 
     _validate(args)

@@ -33,7 +33,7 @@ import argparse
 import time
 from typing import Any
 
-from ctxpar.bench.machine import describe_machine
+from ctxpar.bench.machine_line import describe_machine
 from ctxpar.bench.perplexity import perplexity_texts, prompt_perplexity
 from ctxpar.checks import positive_int
 from ctxpar.config import KV_CACHE_DTYPES

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar import paths
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.models.loader import default_model_path
 
     if args.peer_python is not None and not Path(args.peer_python).exists():

@@ -82,7 +82,7 @@ def _measure(args: argparse.Namespace, dcp: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.errors import CtxparError
 
     layouts = args.dcp or [1, args.pcp]

@@ -199,7 +199,7 @@ def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]],
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.errors import CtxparError
 
     if args.min_prompt_len > args.max_prompt_len:

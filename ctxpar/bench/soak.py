@@ -146,7 +146,7 @@ class Tally:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.bench.server_load import free_port, percentile, start_server
     from ctxpar.errors import CtxparError
 

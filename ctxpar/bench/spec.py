@@ -30,7 +30,7 @@ import pydoc
 import shutil
 from pathlib import Path
 
-from ctxpar.bench.machine import describe_machine
+from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> None:
     import json
 
     from ctxpar import LLM, SamplingParams
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.sampling_params import StructuredOutputsParams
 
     print(describe_machine())

@@ -253,7 +253,7 @@ def compare_pcp(args: argparse.Namespace, threads: int) -> None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from ctxpar.bench.machine import describe_machine
+    from ctxpar.bench.machine_line import describe_machine
     from ctxpar.errors import CtxparError
 
     if args.min_prompt_len > args.max_prompt_len:
