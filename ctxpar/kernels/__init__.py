@@ -112,6 +112,15 @@ def _trusted_library(path: Path) -> Path:
     return temporary_dir("kernels") / path.name
 
 
+def loaded() -> ctypes.CDLL:
+    """The kernel library, for callers that checked ``available()`` (or a test that
+    patched ``_library``): its absence here is a bug, not a fallback."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("ctxpar's kernels are not built; check kernels.available() before calling them")
+    return lib
+
+
 def _library_name(flags: list[str], compiler_version: str) -> str:
     """The library's file name, ``ctxpar_kernels-<key>.so``: the key hashes the
     sources, the flags, the compiler and the CPU's flags."""
@@ -210,9 +219,9 @@ def paged_decode(
     if scales is not None:
         fmt, *indices = scales
         quant_args = (CODES[fmt.codes], fmt.scale_offset, *indices)
-        _library().paged_decode_quant(*pointers, *sizes, *quant_args, scale, out.data_ptr(), lse.data_ptr())
+        loaded().paged_decode_quant(*pointers, *sizes, *quant_args, scale, out.data_ptr(), lse.data_ptr())
     else:
-        kernel = _library().paged_decode_f32 if cache.dtype == torch.float32 else _library().paged_decode_bf16
+        kernel = loaded().paged_decode_f32 if cache.dtype == torch.float32 else loaded().paged_decode_bf16
         kernel(*pointers, *sizes, scale, out.data_ptr(), lse.data_ptr())
     return out, lse
 
@@ -259,7 +268,7 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and q.dtype == k.dtype == v.dtype == torch.float32
         and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
         and available()
-        and bool(_library().prefill_attention_supports(q.shape[-1], v.shape[-1]))
+        and bool(loaded().prefill_attention_supports(q.shape[-1], v.shape[-1]))
     )
 
 
@@ -287,7 +296,7 @@ def prefill_attention(
         )
     out = attention_out(out, (L, H, Dv), "prefill_attention")
     lse = torch.empty(L, H, dtype=torch.float32)
-    _library().prefill_attention_f32(
+    loaded().prefill_attention_f32(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
@@ -333,13 +342,13 @@ def key_counts(counts: torch.Tensor | None, L: int, S: int) -> int | None:
 
 def panel_width() -> int:
     """Output rows per panel of the packed weight layout (kernels/gemv.cpp)."""
-    return _library().linear_panel_width()
+    return loaded().linear_panel_width()
 
 
 def bf16_tiles() -> bool:
     """Whether bf16 projections run on AMX's tiles (kernels/bf16_tiles.h: a CPU with
     AMX-BF16 that the kernel may use), else on the panel loop (kernels/gemv.cpp)."""
-    return bool(_library().linear_bf16_tiles())
+    return bool(loaded().linear_bf16_tiles())
 
 
 def linear_packed(
@@ -382,7 +391,7 @@ def linear_packed(
             )
         if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1 or x.data_ptr() % 4:  # read in aligned pairs
             x = torch.nn.functional.pad(x, (0, in_features % 2))
-        kernel = _library().linear_packed_bf16_out if bf16_out else _library().linear_packed_bf16
+        kernel = loaded().linear_packed_bf16_out if bf16_out else loaded().linear_packed_bf16
         kernel(x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr())
         return out
     if x.stride(1) != 1:
@@ -392,7 +401,7 @@ def linear_packed(
             f"linear_packed: a {packed.dtype} packing {tuple(packed.shape)} takes float32 x of "
             f"{packed.shape[1]} features, got {x.dtype} {tuple(x.shape)}"
         )
-    _library().linear_packed_f32(
+    loaded().linear_packed_f32(
         x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features, bias_ptr, out.data_ptr()
     )
     return out

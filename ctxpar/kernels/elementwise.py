@@ -33,7 +33,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         raise ValueError("rms_norm: x (n, dim) with contiguous rows, weight (dim,), residual (n, dim) contiguous")
     out = torch.empty(n, dim, dtype=torch.float32)
     residual_ptr = 0 if residual is None else residual.data_ptr()
-    kernels._library().rms_norm_f32(
+    kernels.loaded().rms_norm_f32(
         x.data_ptr(), x.stride(0), residual_ptr, weight.data_ptr(), n, dim, eps, out.data_ptr()
     )
     return out
@@ -45,7 +45,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not gate_up.is_contiguous():
         raise ValueError("silu_mul: gate_up must be contiguous")
     out = torch.empty(n, two_inter // 2, dtype=torch.float32)
-    kernels._library().silu_mul_f32(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
+    kernels.loaded().silu_mul_f32(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
     return out
 
 
@@ -58,7 +58,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError("rope_: x's heads must be contiguous rows, cos and sin contiguous")
     if cos.shape != half or sin.shape != half:
         raise ValueError(f"rope_: cos and sin must be {half}, got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    kernels._library().rope_f32(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())
+    kernels.loaded().rope_f32(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())
 
 
 def hadamard_(x: torch.Tensor, scale: float) -> None:
@@ -67,4 +67,4 @@ def hadamard_(x: torch.Tensor, scale: float) -> None:
     n, heads, dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != dim:
         raise ValueError("hadamard_: x's heads must be contiguous rows")
-    kernels._library().hadamard_f32(x.data_ptr(), x.stride(0), n, heads, dim, scale)
+    kernels.loaded().hadamard_f32(x.data_ptr(), x.stride(0), n, heads, dim, scale)

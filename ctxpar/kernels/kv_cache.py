@@ -19,7 +19,7 @@ def prefill_quant_usable(q: torch.Tensor, quant: kernels.QuantRows) -> bool:
         and q.stride(-1) == 1
         and q.stride(-2) == q.shape[-1]
         and kernels.available()
-        and bool(kernels._library().prefill_attention_supports(D, D))
+        and bool(kernels.loaded().prefill_attention_supports(D, D))
     )
 
 
@@ -43,7 +43,7 @@ def prefill_attention_quant(
     sizes = (L, S, H, Hk, D, D, q.stride(0), row_bytes, Hk * D, int(causal))
     scales = (kernels.CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
     pointers = (q.data_ptr(), rows.data_ptr())
-    lib = kernels._library()
+    lib = kernels.loaded()
     lib.prefill_attention_quant(
         *pointers, *sizes, kernels.key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
     )
@@ -60,5 +60,5 @@ def kv_quantize(
         x = x.contiguous()
     out = torch.empty(n, row_bytes, dtype=torch.uint8)
     args = (runs.data_ptr(), len(runs), kernels.CODES[codes], scale_offset, row_bytes, out.data_ptr())
-    kernels._library().kv_quantize(x.data_ptr(), n, x.stride(0), *args)
+    kernels.loaded().kv_quantize(x.data_ptr(), n, x.stride(0), *args)
     return out

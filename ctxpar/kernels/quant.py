@@ -42,7 +42,7 @@ def quant_linear(
     if bias is not None and bias.numel() != rows:
         raise ValueError(f"quant_linear: bias has {bias.numel()} values for {rows} outputs")
     out = torch.empty(n, rows, dtype=torch.float32)
-    kernels._library().quant_linear_f32(
+    kernels.loaded().quant_linear_f32(
         x.data_ptr(),
         x.stride(0),
         n,
@@ -77,7 +77,7 @@ def quant_dequantize(
     _check_rows(qs, first, rows)
     in_features = qs.shape[1] * 8 // bits
     out = torch.empty(rows, in_features, dtype=torch.float32)
-    kernels._library().quant_dequantize_f32(
+    kernels.loaded().quant_dequantize_f32(
         qs.data_ptr(),
         scales.data_ptr(),
         0 if offsets is None else offsets.data_ptr(),

@@ -133,7 +133,11 @@ def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
     if with_weights:
         from safetensors.torch import save_file
 
-        tensors = {name: t for name, t in gguf_weights(reader, config, path, keep_quantized=False)}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in gguf_weights(reader, config, path, keep_quantized=False):
+            if not isinstance(t, torch.Tensor):  # keep_quantized=False dequantizes every weight
+                raise TypeError(f"{name}: expected a float tensor, got {type(t).__name__}")
+            tensors[name] = t
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         del tensors
     config.save_pretrained(out_dir)
