@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.grammars import compile_first
 from ctxpar.entrypoints.openai.limits import check_fanout
-from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, parse
+from ctxpar.entrypoints.openai.protocol import ApiError, parse
+from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from ctxpar.entrypoints.openai.state import ServerDep
 from ctxpar.entrypoints.openai.streaming import collect, sse, usage
 from ctxpar.entrypoints.openai.tools import ToolParser, ToolPlan, merge_calls, plan_tools

@@ -1,4 +1,6 @@
-"""The OpenAI request bodies ctxpar serves, and their translation to SamplingParams.
+"""What every OpenAI request body ctxpar serves shares: strict parsing, the error
+answered for a bad one, and the sampling fields' translation to SamplingParams.
+The bodies themselves: protocol_completions.py, protocol_chat.py, protocol_tokens.py.
 
 Bodies are parsed strictly (no "5" for 5) and unknown fields are refused:
 a field the server ignored would silently change what the client asked for.
@@ -9,12 +11,10 @@ field, never silence.
 
 from __future__ import annotations
 
-import json
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ctxpar.entrypoints.chat import template_content
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -54,15 +54,17 @@ class ApiError(Exception):
         }
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
+    """A request body: no type coerced, no unknown field accepted."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class SamplingRequest(StrictBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -219,83 +221,6 @@ class _Sampling(_Body):
         return out
 
 
-class CompletionRequest(_Sampling):
-    """POST /v1/completions."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
-        **_Sampling.UNSUPPORTED,
-        "suffix": ((None,), "no insertion (fill-in-the-middle) mode"),
-    }
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.best_of is not None and self.best_of > self.n and self.stream:
-            # The best n are known only once all best_of samples have finished.
-            raise ApiError(400, f"best_of={self.best_of} > n={self.n} cannot stream: set stream=false", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise ApiError(
-                400,
-                "echo with logprobs is not supported (the prompt's would be needed): use prompt_logprobs for them",
-                param="echo",
-            )
-
-    def default_max_tokens(self, room: int) -> int:
-        return 16  # OpenAI's default for completions
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt(s) as a list: text, or token ids."""
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        if not p:
-            raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
-        # A list of prompts: pydantic validated it as one of the union's lists, and its first item is no token id.
-        return [item for item in cast(list[str] | list[list[int]], p)]
-
-
-class ChatMessage(_Body):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a "tool" message: the call it answers
-
-    def as_template_input(self) -> dict:
-        """{"role", "content", ...} with the content as one string, as LLM.chat renders it;
-        tool call arguments as dicts, as chat templates read them (vLLM does the same)."""
-        try:
-            content = template_content(self.content, "string")
-        except CtxparError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        msg: dict[str, Any] = {"role": self.role, "content": content}
-        if self.name is not None:
-            msg["name"] = self.name
-        if self.tool_call_id is not None:
-            msg["tool_call_id"] = self.tool_call_id
-        if self.tool_calls is not None:
-            msg["tool_calls"] = [_template_call(c) for c in self.tool_calls]
-        return msg
-
-
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ApiError(400, "a message's tool_calls must be {'function': {'name', 'arguments'}}", param="messages")
-    args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass  # the template gets the text as it was sent
-    return {**call, "function": {**fn, "arguments": args}}
-
-
 def _response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
     """OpenAI's response_format as StructuredOutputsParams fields (None: free text)."""
     if rf is None or rf.get("type") == "text":
@@ -318,56 +243,7 @@ def _response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
     )
 
 
-class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if not self.messages:
-            raise ApiError(400, "messages is empty: give at least one message", param="messages")
-        if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ApiError(400, "max_tokens and max_completion_tokens differ: give one", param="max_tokens")
-            self.max_tokens = self.max_completion_tokens
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        reserved = {"add_generation_prompt", "tokenize", "conversation"} & set(self.chat_template_kwargs or {})
-        if reserved:
-            raise ApiError(
-                400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
-            )
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(_Body):
-    """POST /detokenize (vLLM's)."""
-
-    model: str | None = None
-    tokens: list[int]
-
-
-def parse(model: type[_Body], body: bytes) -> Any:
+def parse(model: type[StrictBody], body: bytes) -> Any:
     """Parse a JSON body into ``model``; a 400 naming the first bad field otherwise."""
     try:
         req = model.model_validate_json(body or b"{}")

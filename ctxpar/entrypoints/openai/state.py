@@ -12,7 +12,9 @@ from ctxpar.engine.async_llm import AsyncLLM
 from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.entrypoints.openai.access import Access
 from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits
-from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from ctxpar.entrypoints.openai.protocol import ApiError
+from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
 from ctxpar.entrypoints.openai.server_metrics import ServerMetrics
 from ctxpar.errors import CtxparError
 from ctxpar.structured_params import StructuredOutputsParams

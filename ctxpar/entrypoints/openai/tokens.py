@@ -11,7 +11,8 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from ctxpar.entrypoints.openai.protocol import ApiError, DetokenizeRequest, TokenizeRequest, parse
+from ctxpar.entrypoints.openai.protocol import ApiError, parse
+from ctxpar.entrypoints.openai.protocol_tokens import DetokenizeRequest, TokenizeRequest
 from ctxpar.entrypoints.openai.state import ServerDep
 from ctxpar.errors import CtxparError
 

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from ctxpar.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from ctxpar.entrypoints.openai.protocol import ApiError, parse
+from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
 from ctxpar.errors import CtxparError
 
 NON_NEUTRAL = {"suffix": "end"}
