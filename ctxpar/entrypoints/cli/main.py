@@ -20,63 +20,83 @@ from ctxpar.errors import CtxparError, RankFailure
 
 
 @dataclass(frozen=True)
-class CommandTable:
-    """Subcommands: each one's one-line help, and ``load(name)``, which imports the named
-    command's module only when it is run (or every parser is built): a command does not
-    need the others' dependencies (serve's pydantic, say, on a GPU machine without them).
-    ``load`` spells each import out, not built from a string, so that the import graph
-    (tests/architecture/test_layering.py) sees every command's module."""
+class Command:
+    """A subcommand: its one-line help, and ``load()``, which imports its module only when it
+    is run (or every parser is built): a command does not need the others' dependencies
+    (serve's pydantic, say, on a GPU machine without them). ``load`` spells its import out,
+    not built from a string, so that the import graph (tests/architecture/test_layering.py)
+    sees every command's module."""
 
-    help: Mapping[str, str]
-    load: Callable[[str], ModuleType]
+    help: str
+    load: Callable[[], ModuleType]
+
+
+@dataclass(frozen=True)
+class CommandTable:
+    """Subcommands by name, in the order they are listed."""
+
+    commands: Mapping[str, Command]
     metavar: str = "COMMAND"  # what the usage line calls one (its parsed name's key: lowercase)
 
+    @property
+    def help(self) -> dict[str, str]:
+        """Each command's one-line help."""
+        return {name: command.help for name, command in self.commands.items()}
 
-def _load_command(name: str) -> ModuleType:
-    match name:
-        case "calibrate":
-            from ctxpar.entrypoints.cli import calibrate
+    def load(self, name: str) -> ModuleType:
+        """The named command's module, imported now."""
+        return self.commands[name].load()
 
-            return calibrate
-        case "estimate":
-            from ctxpar.entrypoints.cli import estimate
 
-            return estimate
-        case "generate":
-            from ctxpar.entrypoints.cli import generate
+def _calibrate() -> ModuleType:
+    from ctxpar.entrypoints.cli import calibrate
 
-            return generate
-        case "plan":
-            from ctxpar.entrypoints.cli import plan
+    return calibrate
 
-            return plan
-        case "serve":
-            from ctxpar.entrypoints.cli import serve
 
-            return serve
-    raise KeyError(name)
+def _estimate() -> ModuleType:
+    from ctxpar.entrypoints.cli import estimate
+
+    return estimate
+
+
+def _generate() -> ModuleType:
+    from ctxpar.entrypoints.cli import generate
+
+    return generate
+
+
+def _plan() -> ModuleType:
+    from ctxpar.entrypoints.cli import plan
+
+    return plan
+
+
+def _serve() -> ModuleType:
+    from ctxpar.entrypoints.cli import serve
+
+    return serve
 
 
 COMMANDS = CommandTable(
-    help={
-        "calibrate": "measure this machine and save a hardware profile",
-        "estimate": "predict TTFT, decode and memory of each CP layout",
-        "generate": "generate text, streamed to the terminal",
-        "plan": "show how a batch is split across PCP ranks",
-        "serve": "serve the model over an OpenAI-compatible HTTP API",
-    },
-    load=_load_command,
+    {
+        "calibrate": Command("measure this machine and save a hardware profile", _calibrate),
+        "estimate": Command("predict TTFT, decode and memory of each CP layout", _estimate),
+        "generate": Command("generate text, streamed to the terminal", _generate),
+        "plan": Command("show how a batch is split across PCP ranks", _plan),
+        "serve": Command("serve the model over an OpenAI-compatible HTTP API", _serve),
+    }
 )
 # A group of subcommands under one name (`ctxpar bench NAME`): name -> (one-line help, its table).
 Groups = Mapping[str, tuple[str, CommandTable]]
 
 
-def _add(subparsers: argparse._SubParsersAction, name: str, table: CommandTable, load: bool = True) -> None:
-    help = table.help[name]
+def _add(subparsers: argparse._SubParsersAction, name: str, command: Command, load: bool = True) -> None:
+    help = command.help
     if not load:  # listed (its one-line help) but not imported: another command was named
         subparsers.add_parser(name, help=help)
         return
-    mod = table.load(name)
+    mod = command.load()
     p = subparsers.add_parser(name, help=help, description=(mod.__doc__ or help).strip().split("\n\n")[0])
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run)
@@ -93,15 +113,15 @@ def build_parser(argv: Sequence[str] | None = None, groups: Groups | None = None
         "while the output stays exactly that of one rank.",
     )
     sub = parser.add_subparsers(dest=COMMANDS.metavar.lower(), metavar=COMMANDS.metavar, required=True)
-    for name in COMMANDS.help:
-        _add(sub, name, COMMANDS, load=argv is None or name == command)
+    for name, cmd in COMMANDS.commands.items():
+        _add(sub, name, cmd, load=argv is None or name == command)
     for group, (help, table) in (groups or {}).items():
         named = argv[1] if argv is not None and len(argv) > 1 and command == group else None
         group_sub = sub.add_parser(group, help=help).add_subparsers(
             dest=table.metavar.lower(), metavar=table.metavar, required=True
         )
-        for name in table.help:
-            _add(group_sub, name, table, load=argv is None or name == named)
+        for name, cmd in table.commands.items():
+            _add(group_sub, name, cmd, load=argv is None or name == named)
     return parser
 
 
