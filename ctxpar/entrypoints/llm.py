@@ -9,7 +9,7 @@ with LLM() as llm:                      # default: SmolLM2-135M-Instruct
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ctxpar.config import EngineConfig
@@ -19,10 +19,11 @@ from ctxpar.engine.vllm_args import refuse_lora
 from ctxpar.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from ctxpar.entrypoints.chat import is_conversation_list, render_chat
 from ctxpar.entrypoints.generation_config import default_sampling_kwargs
+from ctxpar.entrypoints.request_loop import RequestLoop, UseTqdm, check_tqdm, progress_bar
 from ctxpar.errors import CtxparError
 from ctxpar.inputs import PromptType, TokensPrompt
 from ctxpar.outputs import Logprob, RequestOutput
-from ctxpar.sampling_params import RequestOutputKind, SamplingParams
+from ctxpar.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar --help`) stays free of torch
     from ctxpar.engine.engine import Engine
@@ -30,9 +31,6 @@ if TYPE_CHECKING:  # imported when an LLM is made: `import ctxpar` (and `ctxpar 
     from ctxpar.engine.llm_engine import LLMEngine
 
 Message = dict[str, Any]  # {"role": ..., "content": a string or a list of {"type": "text", "text": ...} parts}
-# use_tqdm: True for tqdm's bar, False for none, or a callable that makes the bar
-# (e.g. functools.partial(tqdm, leave=False)); called with tqdm's keyword arguments.
-UseTqdm = bool | Callable[..., Any]
 
 
 def _as_list(values: Any, expected: str) -> list:
@@ -41,20 +39,6 @@ def _as_list(values: Any, expected: str) -> list:
         return list(values)
     except TypeError:
         raise CtxparError(f"{expected}, got {type(values).__name__}") from None
-
-
-def _check_tqdm(use_tqdm: Any) -> None:
-    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
-        raise CtxparError(f"use_tqdm must be True, False or a callable making a tqdm bar, got {use_tqdm!r}")
-
-
-def _progress_bar(use_tqdm: UseTqdm, *args: Any, **kwargs: Any) -> Any:
-    """tqdm(*args, **kwargs), or the caller's own bar maker (use_tqdm as a callable, as vLLM)."""
-    if callable(use_tqdm):
-        return use_tqdm(*args, **kwargs)
-    from tqdm.auto import tqdm
-
-    return tqdm(*args, **kwargs)
 
 
 class LLM:
@@ -109,9 +93,9 @@ class LLM:
         from ctxpar.engine.llm_engine import LLMEngine
 
         # The config is validated before any model loads (LLMEngine's first step).
-        self.llm_engine: LLMEngine | None = LLMEngine.from_engine_args(engine_args)
-        self.config: EngineConfig = self.llm_engine.config
-        self._mailbox: dict[str, RequestOutput] = {}  # latest output of requests another loop stepped
+        llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.config: EngineConfig = llm_engine.config
+        self._requests = RequestLoop(llm_engine)
 
     def get_tokenizer(self) -> Any:
         return self._engine.tokenizer
@@ -135,22 +119,22 @@ class LLM:
         return SamplingParams(**self._default_sampling)
 
     @property
+    def llm_engine(self) -> LLMEngine | None:
+        """The LLMEngine underneath (vLLM's attribute); None once closed."""
+        return self._requests.llm_engine
+
+    @property
     def engine(self) -> Engine | None:
         """ctxpar's Engine under the llm_engine (the scheduler, the block manager); None once closed."""
         return self.llm_engine.engine if self.llm_engine is not None else None
 
     @property
     def _engine(self) -> Engine:
-        engine = self.engine
-        if engine is None:
-            raise CtxparError("this LLM has been closed")
-        return engine
+        return self._requests.require_engine()
 
     @property
     def _llm_engine(self) -> LLMEngine:
-        if self.llm_engine is None:
-            raise CtxparError("this LLM has been closed")
-        return self.llm_engine
+        return self._requests.require_llm_engine()
 
     # -- prompts ------------------------------------------------------------
 
@@ -190,21 +174,21 @@ class LLM:
             ``get_default_sampling_params()``.
         lora_request: only None (ctxpar has no LoRA adapters).
         """
-        _check_tqdm(use_tqdm)
+        check_tqdm(use_tqdm)
         refuse_lora(lora_request)
         reqs = self._prepare(prompts, sampling_params)
         ids: list[str] = []
         try:
             for request in reqs:
-                ids.append(self._add(request))
+                ids.append(self._requests.add(request))
         except BaseException:
             # All or nothing: _prepare validated every request, but should
             # adding one still fail, the ones before it must not stay queued
             # with nobody left to collect them.
             for rid in ids:
-                self._abort(rid)
+                self._requests.abort(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._requests.run(ids, use_tqdm)
 
     def chat(
         self,
@@ -274,7 +258,7 @@ class LLM:
         sequences (see ctxpar/entrypoints/beam_search.py for how they are scored)."""
         if not isinstance(params, BeamSearchParams):
             raise CtxparError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        _check_tqdm(use_tqdm)
+        check_tqdm(use_tqdm)
         refuse_lora(lora_request)
         # The candidates of each step: the 2 * beam_width most likely next tokens (and the one drawn).
         step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
@@ -291,7 +275,7 @@ class LLM:
 
         engine = self._engine
         # Like vLLM's, the bar counts token steps: it may stop short of max_tokens when every beam has ended.
-        bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
+        bar = progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", unit="token") if use_tqdm else None
         try:
             results = run_beam_search(
                 starts,
@@ -310,80 +294,21 @@ class LLM:
                 seq.text = tok.decode(seq.tokens) if tok is not None else None
         return [BeamSearchOutput(sequences=seqs) for seqs in results]
 
-    def _poll(self, wanted: set[str]) -> list[RequestOutput]:
-        """New outputs of the ``wanted`` requests: those another loop (an open
-        stream, say) already stepped past, else one engine step's worth.
-
-        Outputs are cumulative, so keeping only each request's latest one for
-        its owner loses nothing; without it, two interleaved streams would
-        swallow each other's outputs and wait forever."""
-        mine = [self._mailbox.pop(r) for r in wanted if r in self._mailbox]
-        if mine:
-            return mine
-        steps = self._engine.num_steps
-        outs = self._llm_engine.step()
-        # Nothing scheduled while no grammar compiles (a step waits for one only briefly): a bug.
-        if self._engine.num_steps == steps and not outs and not self._engine.is_compiling_grammars():
-            raise RuntimeError(f"the scheduler made no progress with {len(wanted)} requests unfinished")
-        for out in outs:
-            if out.request_id in wanted:
-                mine.append(out)
-            else:
-                self._mailbox[out.request_id] = out
-        return mine
-
-    def _add(self, request: EngineRequest) -> str:
-        """Queue a prepared request; the LLM reads every output whole (cumulative)."""
-        return self._llm_engine.add_processed_request(None, request, output_kind=RequestOutputKind.CUMULATIVE)
-
-    def _abort(self, request_id: str) -> None:
-        self._mailbox.pop(request_id, None)
-        if self.llm_engine is not None:
-            self.llm_engine.abort_request(request_id)
-
-    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        pending = set(request_ids)
-        done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            bar = _progress_bar(
-                use_tqdm, total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True
-            )
-        try:
-            n_tokens = 0
-            while pending:
-                for out in self._poll(pending):
-                    if out.finished:
-                        pending.discard(out.request_id)
-                        done[out.request_id] = out
-                        n_tokens += sum(len(c.token_ids) for c in out.outputs)  # every sample of n
-                        if bar is not None:
-                            bar.update(1)
-                            bar.set_postfix_str(f"{n_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
-        except BaseException:
-            for rid in pending:  # never leave orphans behind in the engine
-                self._abort(rid)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [done[rid] for rid in request_ids]
-
     def stream_outputs(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets a token; the last one is finished."""
         [request] = self._prepare(prompt, sampling_params)
-        rid = self._add(request)
+        rid = self._requests.add(request)
         finished = False
         try:
             while not finished:
-                for out in self._poll({rid}):
+                for out in self._requests.poll({rid}):
                     finished = out.finished
                     yield out
         finally:
             if not finished:
-                self._abort(rid)
+                self._requests.abort(rid)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the generated text in pieces as it is produced."""
@@ -398,9 +323,7 @@ class LLM:
 
     def close(self) -> None:
         """Release the executor and its ranks; the LLM (and its llm_engine) cannot be used afterwards."""
-        llm_engine, self.llm_engine = self.llm_engine, None
-        if llm_engine is not None:
-            llm_engine.close()
+        self._requests.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -277,7 +277,7 @@ def test_batch_add_failing_after_validation_aborts_the_added(llm, monkeypatch):
         llm.generate([{"prompt_token_ids": [i + 1]} for i in range(4)], SamplingParams(max_tokens=3), use_tqdm=False)
     monkeypatch.undo()
     assert len(calls) == 3
-    assert not engine.has_unfinished_requests() and not engine.requests and not llm._mailbox
+    assert not engine.has_unfinished_requests() and not engine.requests and not llm._requests.mailbox
     engine.block_manager.check_integrity()
     [out] = llm.generate({"prompt_token_ids": [9]}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
