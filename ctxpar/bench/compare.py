@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ctxpar.bench.engine_process import run_engine
 from ctxpar.checks import int_arg, positive_int
 from ctxpar.errors import CtxparError
 
@@ -150,18 +150,6 @@ def _model_dir(model: str | None) -> tuple[str, int]:
         if temporary:
             raise CtxparError(f"cannot cache the converted {model}: set CTXPAR_CACHE to a writable directory")
     return str(path), AutoConfig.from_pretrained(path).vocab_size
-
-
-def run_engine(python: str, engine: str, spec_file: str, env: dict) -> dict:
-    script = Path(__file__).with_name("compare_workload.py")
-    # -I: the script's directory is not put on sys.path, or its sibling modules
-    # (ctxpar/bench/kernels.py, ...) would shadow packages of the same name that
-    # the peer imports ("kernels", which transformers probes for).
-    proc = subprocess.run([python, "-I", str(script), engine, spec_file], env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("COMPARE_RESULT "):
-            return json.loads(line[len("COMPARE_RESULT ") :])
-    raise CtxparError(f"the {engine} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def _wait_for_idle(args: argparse.Namespace) -> float:

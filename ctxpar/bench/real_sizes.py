@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ctxpar.bench.compare import run_engine
+from ctxpar.bench.engine_process import run_engine
 from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, write_gguf
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
