@@ -13,7 +13,8 @@ Python with the peer installed apart from the project (docs/benchmarks.md
 says how):
 
 - ``vllm``: vLLM's CPU build; both engines read the same converted checkpoint
-  in fp32.
+  in fp32, or with ``--dtype bfloat16`` in bf16 (on a CPU with AMX-BF16, both
+  engines' projections run on its tiles).
 - ``llama.cpp``: llama-cpp-python; both engines read the same GGUF file and
   keep it quantized (ctxpar: ``quantization="gguf"``). Adds the perplexity of
   real English text (Python's own documentation, ``pydoc_data.topics``) and
@@ -71,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="P",
         help="ctxpar's prefill context-parallel ranks, one ctxpar run each (default: 1)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations of both engines (vllm; bfloat16: the matrix units' path where the CPU has one)",
+    )
     p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (each engine once per round)")
     p.add_argument("--repeat", type=positive_int, default=2, help="timed runs per figure inside a round (best kept)")
     p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens timed per decode figure")
@@ -117,6 +124,7 @@ def _spec(model: str, hf_dir: str, tokenizer_vocab: int, args: argparse.Namespac
     return {
         **extra,
         "model": model,
+        "dtype": args.dtype,
         "max_model_len": 8192,
         "prompts": {n: ids(n) for n in (16, 2048, 6000)},
         "ttft": [2048, 6000],
@@ -167,9 +175,12 @@ def run(args: argparse.Namespace) -> None:
 
     if not Path(args.peer_python).exists():
         raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the {args.peer} venv's python")
+    if args.peer == "llama.cpp" and args.dtype != "float32":
+        raise CtxparError("--dtype applies to --peer vllm; against llama.cpp both engines keep the GGUF's blocks")
     hf_dir, vocab = _model_dir(args.model)
     model = str(_gguf_path(args.model)) if args.peer == "llama.cpp" else hf_dir  # llama.cpp: the very GGUF file
     print(describe_machine())
+    print(f"dtype: {args.dtype}" if args.peer == "vllm" else "weights: the GGUF's blocks, in both engines")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(_spec(model, hf_dir, vocab, args), f)
     ours = [_ctxpar_engine(p) for p in dict.fromkeys(args.pcp)]

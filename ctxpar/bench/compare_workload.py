@@ -80,7 +80,7 @@ def _ctxpar(name: str, spec: dict) -> OfflineEngine:
         model=spec["model"],
         enable_prefix_caching=False,
         max_model_len=spec["max_model_len"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         quantization=spec.get("quantization"),
         pcp_size=int(name.partition("-p")[2] or 1),
     )
@@ -95,7 +95,7 @@ def _vllm(spec: dict) -> OfflineEngine:
 
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         enable_prefix_caching=False,
         max_model_len=spec["max_model_len"],
