@@ -11,32 +11,31 @@ under a prefix derived from the launch's secret and whose values are tagged
 with it (parallel/auth.py); spawned workers receive the secret in their spawn
 arguments, torchrun's ranks share one (parallel/cluster_secret.py).
 
-Spawned workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process
-group): their lifetime is rank 0's to decide, and rank 0 stops them when it
-is interrupted.
+The other ranks' processes (or torchrun's heartbeats) are watched and stopped
+by RankProcesses (rank_processes.py); this module leads the group: steps,
+recoveries, shutdown.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure, RanksStopped
 from ctxpar.executor import rank_worker, recovery, startup
+from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
 from ctxpar.executor.recovery import Members, Regrouped
 from ctxpar.parallel.auth import new_secret, store_prefix
 from ctxpar.parallel.cluster_secret import cluster_secret
@@ -61,8 +60,6 @@ __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 # same order, so the n-th LLM of every rank meets under "<launch prefix>n/".
 _executor_serial = itertools.count()
 
-EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -79,14 +76,12 @@ class MultiRankExecutor:
         The caller has run preflight.check_launch."""
         self.config = config
         self.size = config.pcp_size  # ranks in the group: fewer after a rank lost for good
-        self.procs: list[BaseProcess] = []  # rank r's process at index r - 1 (spawned ranks)
+        self.processes = RankProcesses(config.pcp_size)
         self.group: PCPGroup | None = None
         self.store: dist.Store | None = None
         self._server: dist.TCPStore | None = None
         self._port = 0  # of rank 0's store, which respawned ranks join (spawned ranks only)
         self._generation = 0  # recoveries so far: ranks meet under recovery.generation_store
-        self._torchrun_ranks = list(range(config.pcp_size))  # torchrun's number of each rank now (heartbeats)
-        self._heartbeats: recovery.Heartbeats | None = None  # torchrun ranks' (rank 0 reads them)
         self._signed_stores: list[SignedStore] = []  # kept alive while stores built on them are used
         env = torchrun_env()
         rank = env.rank if env is not None else 0
@@ -97,7 +92,7 @@ class MultiRankExecutor:
             self.store = self._signed(_torchrun_store(env))
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
-            self._heartbeats = recovery.Heartbeats(self.store)
+            self.processes.heartbeats = recovery.Heartbeats(self.store)
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = host_store(config.master_addr, config.master_port or 0)
@@ -105,15 +100,21 @@ class MultiRankExecutor:
             self.store = self._signed(self._server)
         try:
             if env is None:
-                self._spawn(range(1, config.pcp_size))
+                self._spawn(list(range(1, config.pcp_size)))
             self._form_group(recovery.generation_store(self.store, 0), fresh=True)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
             startup.abandon(self.store, startup.first_line(e))
-            why = self._why(e) if isinstance(e, Exception) else ""  # before close() forgets the processes
+            # Read before close() forgets the processes.
+            why = self.processes.why_failed(e, self.store) if isinstance(e, Exception) else ""
             self.close(graceful=False)
             if isinstance(e, RankFailure) or not isinstance(e, Exception):
                 raise
             raise RankFailure(f"starting {config.pcp_size} PCP ranks failed: {why}") from e
+
+    @property
+    def procs(self) -> list[BaseProcess]:
+        """The spawned ranks' processes, rank r's at index r - 1 (none under torchrun)."""
+        return self.processes.procs
 
     def _signed(self, store: dist.Store) -> dist.Store:
         """This executor's keys on ``store``, every value tagged with the launch secret."""
@@ -133,26 +134,12 @@ class MultiRankExecutor:
         else:
             self.runner.rejoin(self.group)
 
-    def _spawn(self, ranks: Iterable[int]) -> None:
-        ctx = mp.get_context("spawn")
-        # The children inherit this thread's signal mask: with SIGINT blocked
-        # while they start, a Ctrl-C during their imports cannot make them
-        # print a traceback; worker_main ignores SIGINT and unblocks it.
-        # (Rank 0 still gets the Ctrl-C: its other threads take it.)
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            for r in ranks:
-                # The launch (its secret) reaches the worker through the spawn pipe, never the store.
-                addr, port, prefix = self.config.master_addr, self._port, self._prefix
-                args = (self.config, r, self.size, addr, port, prefix, self._generation, self.launch)
-                p = ctx.Process(target=rank_worker.worker_main, args=args, daemon=True)
-                p.start()
-                if r <= len(self.procs):
-                    self.procs[r - 1] = p  # a respawned rank
-                else:
-                    self.procs.append(p)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    def _spawn(self, ranks: list[int]) -> None:
+        # The launch (its secret) reaches the worker through the spawn pipe, never the store.
+        addr, port, prefix = self.config.master_addr, self._port, self._prefix
+        self.processes.spawn(
+            ranks, lambda r: (self.config, r, self.size, addr, port, prefix, self._generation, self.launch)
+        )
 
     def _serve_torchrun_worker(self, env: TorchrunEnv, rank: int) -> None:
         """A non-zero torchrun rank: serve rank 0 (through recoveries), then leave with
@@ -202,7 +189,7 @@ class MultiRankExecutor:
             self.group.broadcast_object(msg)
             return run(msg)
         except Exception as e:
-            why = self._why(e)
+            why = self.processes.why_failed(e, self.store)
             self._leave(f"a rank failed during a step ({why})")
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e
         except BaseException as e:
@@ -231,9 +218,9 @@ class MultiRankExecutor:
         g, spawned = self._generation, self._port != 0
         ranks = list(range(1, self.size))
         if spawned:
-            self._await_exits()
+            self.processes.await_exits()
         deadline = time.monotonic() + data_timeout_s() + EXIT_GRACE_S  # survivors' collectives fail by then
-        lost = recovery.find_lost(self.store, g, ranks, self._is_dead, deadline)
+        lost = recovery.find_lost(self.store, g, ranks, self.processes.is_dead, deadline)
         hung = [r for r in lost if spawned and self.procs[r - 1].is_alive()]
         if hung:
             raise RankFailure(f"PCP rank(s) {hung} hung instead of dying: a hung rank is not replaced")
@@ -258,9 +245,7 @@ class MultiRankExecutor:
         try:
             startup.await_ready(store, lost, {r: self.procs[r - 1] for r in lost}, time.monotonic() + STARTUP_TIMEOUT_S)
         except RankFailure:
-            for r in lost:
-                self.procs[r - 1].kill()
-                self.procs[r - 1].join(timeout=5)
+            self.processes.kill(lost)
             raise
 
     def _regroup(self, members: Members) -> None:
@@ -268,31 +253,24 @@ class MultiRankExecutor:
         members.ranks[i] becomes rank i)."""
         assert self.store is not None
         recovery.announce(self.store, self._generation, members)
-        self.procs = [self.procs[r - 1] for r in members.ranks[1:]] if self._port != 0 else []
-        self._torchrun_ranks = [self._torchrun_ranks[r] for r in members.ranks]
+        self.processes.keep(members.ranks)
         self.size = len(members.ranks)
         keys = dist.PrefixStore(members.keys, self.store)
         try:
             self._form_group(keys, fresh=False)
         except Exception as e:
             startup.abandon(keys, startup.first_line(e))  # the survivors waiting for the verdict leave
-            why = self._why(e)
+            why = self.processes.why_failed(e, self.store)
             self._leave(f"recovering from a lost rank failed ({why})")
             raise RankFailure(f"re-forming the PCP group of ranks {members.ranks} failed: {why}") from e
         self._stopped_because = None
 
-    def _is_dead(self, rank: int) -> bool:
-        """Whether a spawned rank's process has ended, or a torchrun rank's heartbeat stopped."""
-        if self._heartbeats is not None:
-            return self._heartbeats.stopped(self._torchrun_ranks[rank])
-        return not self.procs[rank - 1].is_alive()
-
-    def _await_exits(self) -> None:
-        """Give the workers a moment to be seen dead: a peer's closed socket can fail a
-        collective before its process is reaped."""
-        deadline = time.monotonic() + EXIT_GRACE_S
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    def _check_alive(self, heartbeats: bool = False) -> None:
+        """heartbeats: read torchrun ranks' heartbeats too (see RankProcesses.lost)."""
+        why = self.processes.lost(self.size, heartbeats)
+        if why:
+            self._leave(why)
+            raise RankFailure(why)
 
     def _leave(self, why: str) -> None:
         """Leave the broken group, keeping the surviving ranks (they wait for a
@@ -302,36 +280,6 @@ class MultiRankExecutor:
         if group is not None:
             group.close()
 
-    def _dead(self) -> list[tuple[int, BaseProcess]]:
-        return [(r, p) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-
-    def _check_alive(self, heartbeats: bool = False) -> None:
-        """heartbeats: read torchrun ranks' heartbeats too (store round trips: only when idle;
-        in a step, a lost rank fails the step's collectives anyway)."""
-        why = ""
-        if heartbeats and self._heartbeats is not None:
-            silent = [r for r in range(1, self.size) if self._is_dead(r)]
-            why = ", ".join(f"PCP rank {r}'s heartbeat stopped" for r in silent)
-        elif self._heartbeats is None:
-            why = ", ".join(f"PCP rank {r} {startup.exit_reason(p.exitcode)}" for r, p in self._dead())
-        if why:
-            self._leave(why)
-            raise RankFailure(why)
-
-    def _why(self, e: BaseException) -> str:
-        """Why a collective failed: the ranks that died (read before close()
-        forgets them), else the error, which after the collective timeout means a hung rank."""
-        self._await_exits()
-        dead = [f"rank {r} {startup.exit_reason(p.exitcode)}{self._refused(p)}" for r, p in self._dead()]
-        if dead:
-            return "; ".join(dead) + f" ({startup.first_line(e)})"
-        return f"{startup.first_line(e)} (a rank died, or was silent for {data_timeout_s():g} s)"
-
-    def _refused(self, proc: BaseProcess) -> str:
-        """ ", after refusing a forged message (...)" when the worker left for that."""
-        why = rank_worker.refusal(self.store, proc.pid)
-        return f", after refusing a forged message ({why})" if why else ""
-
     def close(self, graceful: bool = True) -> None:
         """Stop the workers (politely unless after a failure, then by force)
         and leave the process group. Idempotent."""
@@ -339,17 +287,12 @@ class MultiRankExecutor:
         graceful = graceful and group is not None  # without a group, the workers wait for a recovery
         if group is None:  # torchrun's ranks waiting for a recovery: none is coming
             recovery.abandon(self.store, self._generation + 1, self._stopped_because or "rank 0 shut down")
-        if graceful and group is not None and all(p.is_alive() for p in self.procs):
+        if graceful and group is not None and not self.processes.dead():
             try:
                 group.broadcast_object(None)
             except Exception:
                 pass  # a broken group: the workers are terminated below
-        for p in self.procs:
-            p.join(timeout=5 if graceful else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self.procs = []
+        self.processes.stop(graceful)
         if group is not None:
             group.close()
         self.store = None  # rank 0's store server (spawned ranks) goes with it

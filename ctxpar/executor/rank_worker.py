@@ -147,7 +147,7 @@ def worker_main(
     """Entry point of a spawned rank of a group of ``size``. generation: 0 at start-up; g
     for a rank respawned by rank 0's g-th recovery (it meets the others under that
     generation's keys). launch: the launch's secret, given here rather than on the store."""
-    # Started with SIGINT blocked (see MultiRankExecutor._spawn): ignore it, then unblock.
+    # Started with SIGINT blocked (see RankProcesses.spawn): ignore it, then unblock.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     store = gstore = None
