@@ -39,16 +39,8 @@ from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
 from ctxpar.executor.recovery import Members, Regrouped
 from ctxpar.parallel.auth import new_secret, store_prefix
 from ctxpar.parallel.cluster_secret import cluster_secret
-from ctxpar.parallel.comm import (
-    STARTUP_TIMEOUT_S,
-    Launch,
-    PCPGroup,
-    TorchrunEnv,
-    data_timeout_s,
-    host_store,
-    open_store,
-    torchrun_env,
-)
+from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, TorchrunEnv, data_timeout_s, torchrun_env
+from ctxpar.parallel.rendezvous_store import host_store, open_store
 from ctxpar.parallel.signed_store import SignedStore
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.step_plan import KVCopy, StepOutput, StepPlan

@@ -17,7 +17,8 @@ from ctxpar.costmodel.profiles import load_hardware
 from ctxpar.device import resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.parallel.cluster_secret import cluster_secret
-from ctxpar.parallel.comm import port_in_use, torchrun_env
+from ctxpar.parallel.comm import torchrun_env
+from ctxpar.parallel.rendezvous_store import port_in_use
 
 # Spawning more CPU ranks than cores only time-slices them; a few are still
 # allowed on small machines (tests, trying PCP out), no more.

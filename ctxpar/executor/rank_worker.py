@@ -24,7 +24,8 @@ from ctxpar.executor import recovery, startup
 from ctxpar.executor.shared_weights import share_weights
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.parallel.auth import Unauthenticated
-from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, open_store
+from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup
+from ctxpar.parallel.rendezvous_store import open_store
 from ctxpar.parallel.shm_channel import PeerLost
 from ctxpar.parallel.signed_store import SignedStore
 from ctxpar.worker.loading import RankModel, load_rank

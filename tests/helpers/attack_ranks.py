@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ctxpar.parallel.auth import TAG_BYTES, PlanSeal, Unauthenticated
-from ctxpar.parallel.comm import Launch, PCPGroup, open_store
+from ctxpar.parallel.comm import Launch, PCPGroup
 from ctxpar.parallel.host_shm import shared_segment
 from ctxpar.parallel.private_file import UnsafeFile
+from ctxpar.parallel.rendezvous_store import open_store
 from ctxpar.parallel.signed_store import SignedStore
 
 SECRET = b"the launch secret of the victim's ranks"

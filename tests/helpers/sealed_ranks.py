@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ctxpar.parallel.auth import Unauthenticated
-from ctxpar.parallel.comm import Launch, PCPGroup, open_store
+from ctxpar.parallel.comm import Launch, PCPGroup
+from ctxpar.parallel.rendezvous_store import open_store
 
 SECRET = b"the cluster secret of the hosts of this job"
 KINDS = ("all_gather", "all_to_all", "gather_to_first", "broadcast")

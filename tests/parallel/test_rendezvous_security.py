@@ -38,9 +38,9 @@ from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor.multiproc import free_port
 from ctxpar.parallel.auth import PlanSeal, Unauthenticated
 from ctxpar.parallel.cluster_secret import cluster_secret
-from ctxpar.parallel.comm import host_store
 from ctxpar.parallel.host_shm import SHM_DIR
 from ctxpar.parallel.private_file import UnsafeFile, create_private, open_private
+from ctxpar.parallel.rendezvous_store import host_store
 from ctxpar.parallel.signed_store import SignedStore
 from helpers.attack_ranks import PREFIX, SECRET, SEGMENT_BYTES, plan_attacker, plan_victim, segment_victim
 from helpers.procs import listening_addresses

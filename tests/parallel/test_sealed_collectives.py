@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ctxpar.parallel.comm import host_store
+from ctxpar.parallel.rendezvous_store import host_store
 from helpers.sealed_ranks import KINDS, SECRET, contribution, inputs, rank_main
 
 pytestmark = pytest.mark.multiprocess  # every test here starts rank processes
