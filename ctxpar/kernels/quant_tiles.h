@@ -181,9 +181,11 @@ inline __m512 offset_add(const float* offset, float xs, __m512 acc) {
 
 // Rows [m0, m0 + mr) against the tile with VNNI: per block, the 8 weight vectors are
 // loaded once and serve mr rows; a row's group sum is dpbusd over the group's dwords.
+// zero 8 on an unsigned tile (nibbles as stored): each group's sum less 8 * the sum of
+// its codes, xi, the integers AMX finds on the signed tile.
 template <int mr>
-void vnni_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, const float* xd, const float* xs,
-               int64_t m0, int64_t in, __m512* acc) {
+void vnni_rows(const Tile& tile, int64_t bits, int64_t group, int64_t zero, const int8_t* xq, const float* xd,
+               const float* xs, const int32_t* xi, int64_t m0, int64_t in, __m512* acc) {
   const int64_t nb = in / QB, dwords = group / 4;
   const bool offsets = !tile.offsets.empty();
   for (int m = 0; m < mr; ++m) acc[m] = _mm512_setzero_ps();
@@ -209,6 +211,7 @@ void vnni_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t* xq, 
           if (bits == 8) xb = _mm512_mask_sub_epi8(xb, negative[j], _mm512_setzero_si512(), xb);
           s = _mm512_dpbusd_epi32(s, w[j], xb);
         }
+        if (zero) s = _mm512_sub_epi32(s, _mm512_set1_epi32(int32_t(zero) * xi[r * nb + b]));  // group 32: a block
         acc[m] = scale_add(s, scale, xd[r * nb + b], acc[m]);
       }
     }
@@ -494,10 +497,13 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
   static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
   static thread_local Tile tile;
   const int64_t tiles_n = (out_features + T - 1) / T;
-  const int64_t tile_bits = zero ? 8 : bits;  // a laid-out tile of zero 8's weights holds signed bytes
+  // zero 8: AMX multiplies signed codes by the nibbles less 8 (a tile of signed bytes, as
+  // an 8-bit weight's); without AMX the tile keeps the nibbles and vnni_rows subtracts.
+  bool signed_tile = false;
 #if defined(CTXPAR_AMX)
   const bool amx = r1 - r0 >= 16 && amx_ready();
   static thread_local std::vector<GroupScales> group_scales;
+  signed_tile = amx && zero;
   if (amx) {
     amx_configure(group);
     group_scales.resize((r1 - r0) / 16);
@@ -528,7 +534,8 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
       }
       continue;
     }
-    pack_q(qs, bits, zero, in, o0, cols, tile);
+    pack_q(qs, bits, signed_tile ? zero : 0, in, o0, cols, tile);
+    const int64_t tile_bits = signed_tile ? 8 : bits, tile_zero = signed_tile ? 0 : zero;
     int64_t m0 = r0;
 #if defined(CTXPAR_AMX)
     for (; amx && m0 + 16 <= r1; m0 += 16) {
@@ -540,7 +547,7 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
     for (; m0 < r1; m0 += MR) {
       const int mr = int(std::min<int64_t>(MR, r1 - m0));
       __m512 acc[MR];
-      vnni[mr - 1](tile, tile_bits, group, xq, xd, xs, m0, in, acc);
+      vnni[mr - 1](tile, tile_bits, group, tile_zero, xq, xd, xs, xi, m0, in, acc);
       store_rows(acc, mr, o0, cols, bias, out, out_features, m0);
     }
   }

@@ -27,6 +27,7 @@ from ctxpar.layers import quant_linear
 from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
 from ctxpar.layers.quant_linear import QuantWeight, concat
 from helpers.gguf_blocks import random_blocks
+from helpers.kernel_builds import VNNI_BUILD
 
 ALL = sorted(FORMATS)
 
@@ -97,10 +98,11 @@ def test_concat_widens_without_changing_a_weight() -> None:
     assert torch.equal(joined.dequantize(), torch.from_numpy(want))
 
 
-@pytest.fixture(params=["native", "haswell", "x86-64"])
+@pytest.fixture(params=["native", *VNNI_BUILD, "haswell", "x86-64"])
 def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """This CPU's build (AVX-512 VNNI's tiles, with AMX where the CPU has it), the
-    AVX2 build and one without AVX2, whose scalar loop CPUs without it run."""
+    """This CPU's build (AVX-512 VNNI's tiles, with AMX where the CPU has it), on a
+    CPU with AMX the build for one without (cascadelake), the AVX2 build and one
+    without AVX2, whose scalar loop CPUs without it run."""
     if request.param != "native":
         lib = kernels._library(request.param)
         assert lib is not None
