@@ -34,6 +34,7 @@ from ctxpar import LLM, SamplingParams, TokensPrompt, kernels
 from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
+from ctxpar.kernels import panels
 from ctxpar.layers.linear import PanelWeight, linear
 from ctxpar.machine import cpu_info
 
@@ -71,7 +72,7 @@ def _paths() -> dict[str, str | None]:
     """The kernel paths to time: name -> the build that runs it (None: native)."""
     if not kernels.available():
         raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler)")
-    if not kernels.bf16_tiles():
+    if not panels.bf16_tiles():
         return {"panels": None}
     if "avx512_bf16" in cpu_info().flags:
         return {"tiles": None, "panels": "cooperlake"}

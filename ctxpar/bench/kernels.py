@@ -27,6 +27,7 @@ from ctxpar import kernels
 from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.layers.forward_context import ForwardContext
@@ -135,7 +136,7 @@ def _projections(n: int, layers: int, g: torch.Generator) -> Callable[[], torch.
 
 
 def run(args: argparse.Namespace) -> None:
-    if not kernels.usable(torch.zeros(1, 2, 1, 8), 8):
+    if not attn_kernels.usable(torch.zeros(1, 2, 1, 8), 8):
         raise CtxparError(
             "ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
             "nothing to compare; unset CTXPAR_KERNELS or install g++"

@@ -1,10 +1,11 @@
 """Compiled CPU kernels, built on first use.
 
-The kernels are the C++ files next to this one (decode and prefill
-attention; fp32 projections against packed weights; projections against
-block-quantized weights, wrapped in ``quant.py``; the layers' elementwise
-steps, wrapped in ``elementwise.py``; a quantized KV cache's writes and
-prefill reads, wrapped in ``kv_cache.py``); they include no PyTorch header, so
+The kernels are the C++ files next to this one, each wrapped in a module
+here: decode and prefill attention (``attention.py``); fp32 and bf16
+projections against packed weights (``panels.py``); projections against
+block-quantized weights (``quant.py``); the layers' elementwise steps
+(``elementwise.py``); a quantized KV cache's writes and prefill reads
+(``kv_cache.py``). This module builds and loads them. They include no PyTorch header, so
 ``g++ -O3 -march=native -fopenmp`` builds them into one library in a few
 seconds (a PyTorch extension takes a minute). The library lands in ``<cache>/kernels`` under a name that
 hashes the sources, the flags, the compiler and the CPU's flags (a
@@ -33,9 +34,8 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Protocol
 
-import torch
+import torch  # noqa: F401  (loaded first: the library then shares its libgomp, so set_num_threads rules both)
 
 from ctxpar.machine import cpu_info
 from ctxpar.paths import cache_dir, refusal, temporary_dir, warn_refused
@@ -69,21 +69,6 @@ SIGNATURES = {  # name: (argument types, result type)
 
 
 # A quantized cache's code dtypes, by the number the kernels know them by (kv_codes.h).
-CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-
-
-class QuantRows(Protocol):
-    """A quantized cache's row format as the kernels read it (ctxpar.layers.kv_quant.KVQuant):
-    rows of 1-byte codes, the entry's values in order, then float32 scales at scale_offset."""
-
-    @property
-    def codes(self) -> torch.dtype: ...
-    @property
-    def entry_shape(self) -> tuple[int, ...]: ...
-    @property
-    def scale_offset(self) -> int: ...
-
-
 def enabled() -> bool:
     return os.environ.get("CTXPAR_KERNELS", "1") != "0"
 
@@ -165,243 +150,3 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = result
     return lib
-
-
-def usable(cache: torch.Tensor, *widths: int) -> bool:
-    """Whether the kernels serve attention over this cache with keys and values
-    of these widths: a contiguous float32, bfloat16 or quantized (uint8 rows) CPU
-    tensor, widths that are multiples of 8 (the kernel's vectors), kernels enabled
-    and built."""
-    return (
-        cache.device.type == "cpu"
-        and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
-        and cache.is_contiguous()
-        and all(w % 8 == 0 for w in widths)
-        and available()
-    )
-
-
-def paged_decode(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    kv_heads: int,
-    value_dim: int,
-    strides: tuple[int, int, int],
-    scale: float,
-    scales: tuple[QuantRows, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row over that row's cache slots, read in place.
-
-    q (B, H, D); cache: a ``usable`` cache; slots (N,) int64 the rows' slots
-    back to back, row b's at [starts[b], starts[b+1]) (starts (B+1,) int64);
-    strides: in cache elements, (per slot, per KV head, from a key to its
-    value). Query head i uses KV head i // (H / kv_heads). scales, for a
-    quantized cache: its format and kv_codes.h's (head, value, split) scale
-    indices. Returns out (B, H, value_dim) and lse (B, H), float32; a row
-    without keys gets out 0 and lse -inf.
-    """
-    rows, heads, dim = q.shape
-    # The kernel reads slots and starts as int64 arrays of these lengths; the slots'
-    # values are checked once per step, against the cache, by the model runner.
-    if slots.dtype != torch.int64 or starts.dtype != torch.int64 or starts.shape != (rows + 1,):
-        raise ValueError(
-            f"paged_decode: slots and starts must be int64, starts ({rows + 1},); got {slots.dtype}, "
-            f"{starts.dtype} {tuple(starts.shape)}"
-        )
-    q = q.to(torch.float32).contiguous()
-    slots, starts = slots.contiguous(), starts.contiguous()
-    out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
-    lse = torch.empty(rows, heads, dtype=torch.float32)
-    pointers = (q.data_ptr(), cache.data_ptr(), slots.data_ptr(), starts.data_ptr())
-    sizes = (rows, heads, kv_heads, dim, value_dim, *strides)
-    if scales is not None:
-        fmt, *indices = scales
-        quant_args = (CODES[fmt.codes], fmt.scale_offset, *indices)
-        loaded().paged_decode_quant(*pointers, *sizes, *quant_args, scale, out.data_ptr(), lse.data_ptr())
-    else:
-        kernel = loaded().paged_decode_f32 if cache.dtype == torch.float32 else loaded().paged_decode_bf16
-        kernel(*pointers, *sizes, scale, out.data_ptr(), lse.data_ptr())
-    return out, lse
-
-
-def gqa_paged_decode(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    scale: float,
-    quant: QuantRows | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_decode`` over a GQA cache (num_slots, 2, Hk, D): K and V of slot s
-    at s*2*Hk*D + h*D and Hk*D further on; or over its quantized rows
-    (num_slots, row_bytes) in the same order, one scale per K or V head (K heads'
-    first). Returns out (B, H, D), lse (B, H)."""
-    _, Hk, D = quant.entry_shape if quant is not None else cache.shape[1:]
-    scales = (quant, 1, Hk, D) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, Hk, D, (cache.stride(0), D, Hk * D), scale, scales)
-
-
-def latent_paged_decode(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    slots: torch.Tensor,
-    starts: torch.Tensor,
-    value_dim: int,
-    scale: float,
-    quant: QuantRows | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_decode`` over MLA latents (num_slots, E): one key per slot shared
-    by every head, whose first value_dim entries are the value; or over their
-    quantized rows, the latent (the first value_dim) with one scale, the rope
-    key with another. Returns out (B, H, value_dim), lse (B, H)."""
-    scales = (quant, 0, 0, value_dim) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, 1, value_dim, (cache.stride(0), 0, 0), scale, scales)
-
-
-def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``prefill_attention`` takes these: float32 CPU tensors whose
-    heads are contiguous rows, widths the kernel's vectors divide, kernels on."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.float32
-        and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
-        and available()
-        and bool(loaded().prefill_attention_supports(q.shape[-1], v.shape[-1]))
-    )
-
-
-def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    out: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
-    k (S, Hk, D), v (S, Hk, Dv), all ``prefill_usable`` (views with strided
-    tokens are fine). counts (L,) int64, if given: query i sees keys
-    [0, counts[i]), 1 <= counts[i] <= S; else causal: the queries are the last
-    L of the S keys (bottom-right aligned, L <= S), or every query sees every
-    key. Returns out (L, H, Dv), written into `out` if given (contiguous
-    float32), and lse (L, H), float32."""
-    (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
-    if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and counts is None and L > S):
-        raise ValueError(
-            f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
-            "(k's width must be q's, v as many keys and heads as k, heads a multiple of k's, L <= S if causal)"
-        )
-    out = attention_out(out, (L, H, Dv), "prefill_attention")
-    lse = torch.empty(L, H, dtype=torch.float32)
-    loaded().prefill_attention_f32(
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        L,
-        S,
-        H,
-        Hk,
-        D,
-        Dv,
-        q.stride(0),
-        k.stride(0),
-        v.stride(0),
-        int(causal),
-        key_counts(counts, L, S),
-        scale,
-        out.data_ptr(),
-        lse.data_ptr(),
-    )
-    return out, lse
-
-
-def attention_out(out: torch.Tensor | None, shape: tuple[int, int, int], name: str) -> torch.Tensor:
-    """``out`` checked to be what the attention kernels write, or a new one."""
-    if out is None:
-        return torch.empty(shape, dtype=torch.float32)
-    if out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be a contiguous float32 {shape} tensor, got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
-def key_counts(counts: torch.Tensor | None, L: int, S: int) -> int | None:
-    """The address of the per-query key counts the prefill kernels read (None: no counts),
-    checked: (L,) contiguous int64 on the CPU, each in [1, S]."""
-    if counts is None:
-        return None
-    if counts.shape != (L,) or counts.dtype != torch.int64 or not counts.is_contiguous() or counts.device.type != "cpu":
-        got = f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
-        raise ValueError(f"key counts must be a contiguous int64 ({L},) CPU tensor, got {got}")
-    if L and (int(counts.min()) < 1 or int(counts.max()) > S):
-        raise ValueError(f"key counts must lie in [1, {S}], got [{int(counts.min())}, {int(counts.max())}]")
-    return counts.data_ptr()
-
-
-def panel_width() -> int:
-    """Output rows per panel of the packed weight layout (kernels/gemv.cpp)."""
-    return loaded().linear_panel_width()
-
-
-def bf16_tiles() -> bool:
-    """Whether bf16 projections run on AMX's tiles (kernels/bf16_tiles.h: a CPU with
-    AMX-BF16 that the kernel may use), else on the panel loop (kernels/gemv.cpp)."""
-    return bool(loaded().linear_bf16_tiles())
-
-
-def linear_packed(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    out_features: int,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """x (n, in) @ W^T (+ bias) -> (n, out_features) out_dtype, rows of x contiguous
-    (tokens may be strided). W packed float32 (ceil(out / panel_width), in,
-    panel_width) with x float32, or bfloat16 (ceil(out / panel_width), ceil(in / 2),
-    panel_width, 2) with x bfloat16 (gemv.cpp's layouts). With a bfloat16 packing,
-    out_dtype bfloat16 has the kernel write bf16, the bits ``.to(torch.bfloat16)`` of
-    the float32 result gives, at half the bytes."""
-    n, in_features = x.shape
-    # The kernel reads ceil(out / panel_width) panels of the packing's width, and out_features biases.
-    if (
-        packed.dim() < 3
-        or packed.shape[2] != panel_width()
-        or packed.shape[0] * packed.shape[2] < out_features
-        or not packed.is_contiguous()
-    ):
-        raise ValueError(
-            f"linear_packed: the packed weight {tuple(packed.shape)} (contiguous: {packed.is_contiguous()}) "
-            f"does not hold {out_features} output rows"
-        )
-    if bias is not None and bias.numel() != out_features:
-        raise ValueError(f"linear_packed: bias has {bias.numel()} values for {out_features} outputs")
-    bf16_out = packed.dtype == torch.bfloat16 and out_dtype == torch.bfloat16
-    if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype == torch.bfloat16 and not bf16_out):
-        raise ValueError(f"linear_packed: out_dtype {out_dtype} with a {packed.dtype} packing")
-    out = torch.empty(n, out_features, dtype=torch.bfloat16 if bf16_out else torch.float32)
-    bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
-    if packed.dtype == torch.bfloat16:
-        if packed.shape[1] != -(-in_features // 2) or x.dtype != torch.bfloat16:
-            raise ValueError(
-                f"linear_packed: a bfloat16 packing {tuple(packed.shape)} takes bfloat16 x of "
-                f"{2 * packed.shape[1] - 1} or {2 * packed.shape[1]} features, got {x.dtype} {tuple(x.shape)}"
-            )
-        if in_features % 2 or x.stride(0) % 2 or x.stride(1) != 1 or x.data_ptr() % 4:  # read in aligned pairs
-            x = torch.nn.functional.pad(x, (0, in_features % 2))
-        kernel = loaded().linear_packed_bf16_out if bf16_out else loaded().linear_packed_bf16
-        kernel(x.data_ptr(), x.stride(0), n, packed.data_ptr(), packed.shape[1], out_features, bias_ptr, out.data_ptr())
-        return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if packed.shape[1] != in_features or x.dtype != torch.float32 or packed.dtype != torch.float32:
-        raise ValueError(
-            f"linear_packed: a {packed.dtype} packing {tuple(packed.shape)} takes float32 x of "
-            f"{packed.shape[1]} features, got {x.dtype} {tuple(x.shape)}"
-        )
-    loaded().linear_packed_f32(
-        x.data_ptr(), x.stride(0), n, packed.data_ptr(), in_features, out_features, bias_ptr, out.data_ptr()
-    )
-    return out

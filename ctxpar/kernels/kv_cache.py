@@ -1,16 +1,17 @@
 """A quantized KV cache's kernels (layout: ctxpar/layers/kv_quant.py): writing
 entries as rows of codes and scales (kv_quantize.cpp), and prefill attention
 over such rows, dequantized block by block (prefill_attention.cpp). The decode
-kernel reads them through ``kernels.paged_decode``."""
+kernel reads them through ``attn_kernels.paged_decode``."""
 
 from __future__ import annotations
 
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 
 
-def prefill_quant_usable(q: torch.Tensor, quant: kernels.QuantRows) -> bool:
+def prefill_quant_usable(q: torch.Tensor, quant: attn_kernels.QuantRows) -> bool:
     """Whether ``prefill_attention_quant`` takes these queries over a GQA cache of this format."""
     _, _, D = quant.entry_shape
     return (
@@ -26,7 +27,7 @@ def prefill_quant_usable(q: torch.Tensor, quant: kernels.QuantRows) -> bool:
 def prefill_attention_quant(
     q: torch.Tensor,
     rows: torch.Tensor,
-    quant: kernels.QuantRows,
+    quant: attn_kernels.QuantRows,
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
@@ -38,14 +39,14 @@ def prefill_attention_quant(
     Returns out (L, H, D), written into `out` if given, and lse (L, H), float32."""
     (L, H, D), (S, row_bytes), (_, Hk, _) = q.shape, rows.shape, quant.entry_shape
     rows = rows.contiguous()
-    out = kernels.attention_out(out, (L, H, D), "prefill_attention_quant")
+    out = attn_kernels.attention_out(out, (L, H, D), "prefill_attention_quant")
     lse = torch.empty(L, H, dtype=torch.float32)
     sizes = (L, S, H, Hk, D, D, q.stride(0), row_bytes, Hk * D, int(causal))
-    scales = (kernels.CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
+    scales = (attn_kernels.CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
     pointers = (q.data_ptr(), rows.data_ptr())
     lib = kernels.loaded()
     lib.prefill_attention_quant(
-        *pointers, *sizes, kernels.key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
+        *pointers, *sizes, attn_kernels.key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
     )
     return out, lse
 
@@ -59,6 +60,6 @@ def kv_quantize(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(n, row_bytes, dtype=torch.uint8)
-    args = (runs.data_ptr(), len(runs), kernels.CODES[codes], scale_offset, row_bytes, out.data_ptr())
+    args = (runs.data_ptr(), len(runs), attn_kernels.CODES[codes], scale_offset, row_bytes, out.data_ptr())
     kernels.loaded().kv_quantize(x.data_ptr(), n, x.stride(0), *args)
     return out

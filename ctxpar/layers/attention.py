@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.attention_math import attention_lse, paged_kernel
@@ -126,4 +126,4 @@ class GQA:
     ) -> Partials | None:
         if not paged_kernel(cache, self.head_dim):
             return None
-        return kernels.gqa_paged_decode(q, cache, slots, starts, self.scale, quant)
+        return attn_kernels.gqa_paged_decode(q, cache, slots, starts, self.scale, quant)

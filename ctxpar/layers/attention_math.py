@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 
 
 def causal_attention(
@@ -40,7 +41,7 @@ def causal_attention(
     if inputs is not None:
         widths = inputs[2].shape[-1] == v.shape[-1]  # unpadded: the kernel may write into `out`
         direct = out if out is not None and out.dtype == torch.float32 and widths else None
-        result = kernels.prefill_attention(*inputs, scale, out=direct)[0][..., : v.shape[-1]]
+        result = attn_kernels.prefill_attention(*inputs, scale, out=direct)[0][..., : v.shape[-1]]
     else:
         result = _torch_causal_attention(q, k, v, scale)
     if out is None:
@@ -67,13 +68,13 @@ def kernel_inputs(
         q, k = F.pad(q, (0, pad_qk)), F.pad(k, (0, pad_qk))
     if pad_v:
         v = F.pad(v, (0, pad_v))
-    return (q, k, v) if kernels.prefill_usable(q, k, v) else None
+    return (q, k, v) if attn_kernels.prefill_usable(q, k, v) else None
 
 
 def paged_kernel(cache: torch.Tensor, *widths: int) -> bool:
     """Whether one-query rows over this paged cache run in the compiled decode
-    kernel (widths: the head widths it reads, see ``kernels.usable``)."""
-    return kernels.usable(cache, *widths)
+    kernel (widths: the head widths it reads, see ``attn_kernels.usable``)."""
+    return attn_kernels.usable(cache, *widths)
 
 
 def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -157,7 +158,7 @@ def attention_lse(
     """
     inputs = kernel_inputs(q, k, v)
     if inputs is not None:
-        out, lse = kernels.prefill_attention(*inputs, scale, counts=counts)
+        out, lse = attn_kernels.prefill_attention(*inputs, scale, counts=counts)
         return out[..., : v.shape[-1]], lse
     L, m, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     kh, vh = k.transpose(0, 1).repeat_interleave(rep, 0).float(), v.transpose(0, 1).repeat_interleave(rep, 0).float()

@@ -31,6 +31,7 @@ from torch import nn
 
 from ctxpar import kernels
 from ctxpar.device import cpu_has_native_bf16
+from ctxpar.kernels import panels
 from ctxpar.layers.quant_linear import TILE_ROWS, QuantWeight, quant_embedding, quant_linear
 
 
@@ -44,7 +45,7 @@ class PanelWeight:
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PanelWeight:
         out_features, in_features = weight.shape
-        width = kernels.panel_width()
+        width = panels.panel_width()
         if weight.dtype == torch.bfloat16:  # input columns in pairs, an odd last one with a zero
             padded = weight.new_zeros(-(-out_features // width) * width, in_features + in_features % 2)
             padded[:out_features, :in_features] = weight
@@ -63,7 +64,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
-        return kernels.linear_packed(x, weight.data, weight.out_features, bias, out_dtype=x.dtype)
+        return panels.linear_packed(x, weight.data, weight.out_features, bias, out_dtype=x.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

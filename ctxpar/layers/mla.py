@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.layers.attention import attend
 from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, from_cache
@@ -221,7 +221,7 @@ class MLAttention(nn.Module):
         ``attend_lse`` (``AttentionKind.decode_lse``)."""
         if not paged_kernel(cache, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank):
             return None
-        o, lse = kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale, quant)
+        o, lse = attn_kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale, quant)
         return self._unabsorb(o.to(q.dtype)), lse
 
     def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
@@ -118,13 +118,13 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
     dec = decode_batch(ctx, kernel)
     if kernel and dec is not None and dec.whole and n == qsl[-1]:  # decodes only: ~10 fewer ops a layer
         grp = dec.groups[0]
-        return kernels.gqa_paged_decode(q, cache, grp.slots, grp.starts, scale, quant)[0].to(q.dtype)
+        return attn_kernels.gqa_paged_decode(q, cache, grp.slots, grp.starts, scale, quant)[0].to(q.dtype)
     out = q.new_empty(n, q.shape[1], D)  # every row's tokens are written below
     out[qsl[-1] :].zero_()  # padding tokens
     for grp in dec.groups if dec is not None else []:
         q_rows = q.index_select(0, grp.tokens)
         if kernel:
-            o, _ = kernels.gqa_paged_decode(q_rows, cache, grp.slots, grp.starts, scale, quant)
+            o, _ = attn_kernels.gqa_paged_decode(q_rows, cache, grp.slots, grp.starts, scale, quant)
         else:
             table, lengths = grp.padded
             k, v = _padded_kv(cache, table, quant)  # (B, Hk, S, D) each
@@ -165,7 +165,7 @@ def latent_decode_attention(
     as the single shared key, whose first value_dim values are the value.
     Returns (B, H, value_dim). kernel: ``paged_kernel`` for this cache and these widths."""
     if kernel:
-        out, _ = kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale, quant)
+        out, _ = attn_kernels.latent_paged_decode(q, cache, grp.slots, grp.starts, value_dim, scale, quant)
         return out.to(q.dtype)
     table, lengths = grp.padded
     B, S = table.shape

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
@@ -137,7 +138,7 @@ class CompiledDecode:
         attn, mlp = layers[0].self_attn, layers[0].mlp
         if model.norm.weight.dtype != torch.float32 or attn.q_norm is not None:
             return None
-        if not all(kernels.usable(c, attn.head_dim) for c in kv_caches):  # the decode kernel reads them in place
+        if not all(attn_kernels.usable(c, attn.head_dim) for c in kv_caches):  # the decode kernel reads them in place
             return None
         shapes = _Shapes(
             int(model.config.hidden_size),
@@ -165,7 +166,7 @@ class CompiledDecode:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
             runs = torch.tensor(kv_quant.runs, dtype=torch.int64)
-            code = kernels.CODES[kv_quant.codes]
+            code = attn_kernels.CODES[kv_quant.codes]
             q_turn, kv_turn = kv_rotation.scales(shapes.head_dim) if attn.attn.turns_quantized_heads else (0.0, 0.0)
             fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr(), q_turn, kv_turn)
         return cls(model, shapes, (_Layer * len(records))(*records), fmt, runs)

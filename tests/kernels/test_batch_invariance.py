@@ -23,18 +23,22 @@ from hypothesis import strategies as st
 
 from ctxpar import kernels
 from ctxpar.engine.sample.sampler import logprobs_of
-from ctxpar.kernels import elementwise, kv_cache, quant
+from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import elementwise, kv_cache, panels, quant
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_blocks import FORMATS, decode
 from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.machine import cpu_info
 from helpers.gguf_blocks import random_blocks
+from helpers.kernel_builds import VNNI_BUILD
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the compiled kernels")
 
 SETTINGS = settings(max_examples=15, deadline=None)
-BUILDS = ["native", "haswell", "x86-64"]
+# The quantized paths: native (AMX-INT8's tiles where the CPU has them), AVX-512 VNNI
+# without AMX (on a CPU with AMX), AVX2, scalar.
+BUILDS = ["native", *VNNI_BUILD, "haswell", "x86-64"]
 # bf16's paths: native (AMX's tiles where the CPU has AMX-BF16), AVX-512 BF16's dot
 # products without AMX (cooperlake), AVX2's widened pairs.
 BF16_BUILDS = ["native", *(["cooperlake"] if "avx512_bf16" in cpu_info().flags else []), "haswell"]
@@ -89,7 +93,7 @@ def test_panel_projection(data: st.DataObject) -> None:
     out, cols = data.draw(st.integers(1, 80)), data.draw(st.integers(1, 200))
     w = PanelWeight.pack(torch.randn(out, cols))
     x = torch.randn(data.draw(st.integers(1, 60)), cols)
-    assert_rows_alone(lambda rows: kernels.linear_packed(rows, w.data, out), x, data)
+    assert_rows_alone(lambda rows: panels.linear_packed(rows, w.data, out), x, data)
 
 
 @pytest.mark.parametrize("build", BF16_BUILDS)
@@ -109,7 +113,7 @@ def test_bf16_projection(build: str, data: st.DataObject) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "_library", lambda march="native": lib)
         w = PanelWeight.pack(torch.randn(out, cols).bfloat16())  # the build's panel width
-        run = lambda rows: kernels.linear_packed(rows, w.data, out, bias)
+        run = lambda rows: panels.linear_packed(rows, w.data, out, bias)
         whole = run(x)
         assert_rows_alone(run, x, data)
         for r in range(n):
@@ -119,7 +123,7 @@ def test_bf16_projection(build: str, data: st.DataObject) -> None:
 def test_bf16_path_is_the_cpus() -> None:
     """The native build takes AMX's tiles for bf16 exactly where the CPU has AMX-BF16 (and
     Linux grants the tile state, which every kernel since 5.16 does)."""
-    assert kernels.bf16_tiles() == ("amx_bf16" in cpu_info().flags)
+    assert panels.bf16_tiles() == ("amx_bf16" in cpu_info().flags)
     if "cooperlake" in BF16_BUILDS:
         assert not kernels._library("cooperlake").linear_bf16_tiles()
 
@@ -160,11 +164,11 @@ def test_prefill_attention_any_chunks(data: st.DataObject) -> None:
     S = data.draw(st.integers(1, 300))
     L = data.draw(st.integers(1, S))
     q, k, v = torch.randn(L, kv_heads * group, dim), torch.randn(S, kv_heads, dim), torch.randn(S, kv_heads, dim)
-    whole, whole_lse = kernels.prefill_attention(q, k, v, 0.125)
+    whole, whole_lse = attn_kernels.prefill_attention(q, k, v, 0.125)
     bounds = split_points(L, data)
     for a, b in zip(bounds, bounds[1:]):
         keys = S - L + b  # the chunk's last query sees this many keys
-        out, lse = kernels.prefill_attention(q[a:b], k[:keys], v[:keys], 0.125)
+        out, lse = attn_kernels.prefill_attention(q[a:b], k[:keys], v[:keys], 0.125)
         assert torch.equal(out, whole[a:b]) and torch.equal(lse, whole_lse[a:b])
 
 
@@ -187,7 +191,7 @@ def test_prefill_attention_key_counts(kv_dtype: str, data: st.DataObject) -> Non
 
     def attend(queries: torch.Tensor, keys: torch.Tensor, n: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if quant is None:
-            return kernels.prefill_attention(queries, keys[:, 0], keys[:, 1], 0.125, counts=n)
+            return attn_kernels.prefill_attention(queries, keys[:, 0], keys[:, 1], 0.125, counts=n)
         return kv_cache.prefill_attention_quant(queries, keys, quant, 0.125, counts=n)
 
     whole, whole_lse = attend(q, rows, counts)
@@ -216,7 +220,7 @@ def test_decode_rows_alone_or_batched(kv_dtype: str, data: st.DataObject) -> Non
     def decode_rows(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         slots = torch.cat([slots_of[i] for i in idx])
         starts = torch.tensor([0, *np.cumsum([lengths[i] for i in idx])], dtype=torch.int64)
-        return kernels.gqa_paged_decode(q[idx], cache, slots, starts, 0.125, quant)
+        return attn_kernels.gqa_paged_decode(q[idx], cache, slots, starts, 0.125, quant)
 
     out, lse = decode_rows(list(range(rows)))
     for r in data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=3)):

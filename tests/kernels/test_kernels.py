@@ -20,13 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from helpers.attention_reference import TOL, paged, reference
 
 
 def test_kernel_builds_here() -> None:
     """This machine (and CI's) has g++: the kernel must build, or every other
     test here would only check the PyTorch path."""
-    assert kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+    assert attn_kernels.usable(torch.zeros(4, 2, 1, 8), 8)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -44,7 +45,7 @@ def test_gqa_rows_match_reference(kv_heads, group, head_dim, lengths, block_size
     slots, starts, num_slots = paged(lengths, block_size, g)
     cache = torch.randn(num_slots, 2, Hk, D, generator=g)
     q = torch.randn(len(lengths), H, D, generator=g)
-    out, lse = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), D**-0.5)
+    out, lse = attn_kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), D**-0.5)
     for b, n in enumerate(lengths):
         if n == 0:  # no keys (an empty DCP shard): out 0 and lse -inf, so a merge ignores it
             assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
@@ -70,7 +71,7 @@ def test_mla_latent_rows_match_reference(heads, widths, lengths, seed, march) ->
     slots, starts, num_slots = paged(lengths, 16, g)
     cache = torch.randn(num_slots, E, generator=g)
     q = torch.randn(len(lengths), heads, E, generator=g)
-    out, lse = kernels.paged_decode(q, cache, slots, starts, 1, r, (E, 0, 0), 0.1)
+    out, lse = attn_kernels.paged_decode(q, cache, slots, starts, 1, r, (E, 0, 0), 0.1)
     for b in range(len(lengths)):
         k = cache[slots[starts[b] : starts[b + 1]]][:, None]  # (S, 1, E)
         want, want_lse = reference(q[b : b + 1], k, k[..., :r], 0.1)
@@ -99,8 +100,8 @@ def test_prefill_matches_reference(kv_heads, group, head_dim, narrow_values, chu
     q, kv = qkv[:, :H], torch.randn(S, 2, Hk, D, generator=g)
     # A fresh (S, Hk, 64) tensor: .contiguous() of the slice keeps its strides when S = Hk = 1.
     k, v = kv[:, 0], (torch.empty(S, Hk, 64).copy_(kv[:, 1, :, :64]) if narrow_values else kv[:, 1])
-    assert kernels.prefill_usable(q, k, v)
-    out, lse = kernels.prefill_attention(q, k, v, D**-0.5)
+    assert attn_kernels.prefill_usable(q, k, v)
+    out, lse = attn_kernels.prefill_attention(q, k, v, D**-0.5)
     want, want_lse = reference(q, k, v, D**-0.5)
     torch.testing.assert_close(out.double(), want, **TOL)
     torch.testing.assert_close(lse.double(), want_lse, **TOL)
@@ -118,7 +119,7 @@ def test_unmasked_prefill_matches_reference(group, queries, keys, seed, march) -
     more queries than keys or fewer."""
     g = torch.Generator().manual_seed(seed)
     q, kv = torch.randn(queries, 2 * group, 64, generator=g), torch.randn(keys, 2, 2, 64, generator=g)
-    out, lse = kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, causal=False)
+    out, lse = attn_kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, causal=False)
     for i in range(queries):  # a single query that is the last key's position sees them all
         want, want_lse = reference(q[i : i + 1], kv[:, 0], kv[:, 1], 0.125)
         torch.testing.assert_close(out[i].double(), want[0], **TOL)
@@ -131,8 +132,8 @@ def test_causal_attention_takes_the_kernel_for_any_rows(monkeypatch: pytest.Monk
     from ctxpar.layers.attention_math import causal_attention
 
     calls = []
-    real = kernels.prefill_attention
-    monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attn_kernels.prefill_attention
+    monkeypatch.setattr(attn_kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(5)
     shapes = [(1, 300, torch.float32), (63, 300, torch.float32), (264, 400, torch.float32), (40, 90, torch.bfloat16)]
     for L, S, dtype in shapes:
@@ -155,7 +156,7 @@ def test_bf16_cache_matches_reference_on_its_values(march: str) -> None:
     slots, starts, num_slots = paged(lengths, 16, g)
     cache = torch.randn(num_slots, 2, Hk, D, generator=g).bfloat16()
     q = torch.randn(len(lengths), H, D, generator=g).bfloat16()
-    out, _ = kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), 0.125)
+    out, _ = attn_kernels.paged_decode(q, cache, slots, starts, Hk, D, (2 * Hk * D, D, Hk * D), 0.125)
     for b in range(len(lengths)):
         kv = cache[slots[starts[b] : starts[b + 1]]]
         want, _ = reference(q[b : b + 1], kv[:, 0], kv[:, 1], 0.125)
@@ -164,16 +165,16 @@ def test_bf16_cache_matches_reference_on_its_values(march: str) -> None:
 
 def test_usable_only_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     q, kv = torch.zeros(4, 4, 64), torch.zeros(8, 2, 2, 64)
-    assert kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
-    assert not kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16())  # fp32 only
-    assert not kernels.prefill_usable(q.transpose(1, 2), kv[:, 0], kv[:, 1])  # a head's row must be contiguous
+    assert attn_kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+    assert not attn_kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16())  # fp32 only
+    assert not attn_kernels.prefill_usable(q.transpose(1, 2), kv[:, 0], kv[:, 1])  # a head's row must be contiguous
     cache = torch.zeros(8, 2, 2, 16)
-    assert kernels.usable(cache, 16)
-    assert not kernels.usable(cache, 12)  # not a multiple of the kernel's 8-float vectors
-    assert not kernels.usable(cache.half(), 16)  # float32 and bfloat16 only
-    assert not kernels.usable(cache.transpose(0, 1), 16)  # strides assume a contiguous cache
+    assert attn_kernels.usable(cache, 16)
+    assert not attn_kernels.usable(cache, 12)  # not a multiple of the kernel's 8-float vectors
+    assert not attn_kernels.usable(cache.half(), 16)  # float32 and bfloat16 only
+    assert not attn_kernels.usable(cache.transpose(0, 1), 16)  # strides assume a contiguous cache
     monkeypatch.setenv("CTXPAR_KERNELS", "0")
-    assert not kernels.usable(cache, 16) and not kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
+    assert not attn_kernels.usable(cache, 16) and not attn_kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
 
 
 def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -182,7 +183,7 @@ def test_missing_compiler_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, 
     kernels._library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="no C.. compiler"):
-            assert not kernels.usable(torch.zeros(4, 2, 1, 8), 8)
+            assert not attn_kernels.usable(torch.zeros(4, 2, 1, 8), 8)
     finally:
         kernels._library.cache_clear()
 
@@ -236,8 +237,8 @@ def test_dcp_attention_lse_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
     L, m = 94, 300
     counts = torch.randint(1, m + 1, (L,), generator=g).sort().values
     kv, lat = torch.randn(m, 2, 3, 64, generator=g), torch.randn(m, 1, 128, generator=g)
-    real, calls = kernels.prefill_attention, []
-    monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real, calls = attn_kernels.prefill_attention, []
+    monkeypatch.setattr(attn_kernels, "prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for q, k, v in [
         (torch.randn(L, 9, 64, generator=g), kv[:, 0], kv[:, 1]),
         (torch.randn(L, 4, 128, generator=g), lat, lat),
@@ -263,4 +264,4 @@ def test_key_counts_the_kernel_cannot_read_are_refused() -> None:
         (torch.tensor([1, 2, 6]), "[1, 5]"),
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
-            kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, counts=counts)
+            attn_kernels.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125, counts=counts)

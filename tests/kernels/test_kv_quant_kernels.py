@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctxpar import kernels
+from ctxpar.kernels import attention as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from helpers.attention_reference import TOL, dequantize64, paged, reference
@@ -45,8 +45,8 @@ def test_gqa_decode_over_quantized_rows(name, kv_heads, group, head_dim, lengths
     slots, starts, num_slots = paged(lengths, 16, g)
     rows, kv = quantized_cache(quant, num_slots, g)
     q = torch.randn(len(lengths), H, D, generator=g)
-    assert kernels.usable(rows, D)
-    out, lse = kernels.gqa_paged_decode(q, rows, slots, starts, D**-0.5, quant)
+    assert attn_kernels.usable(rows, D)
+    out, lse = attn_kernels.gqa_paged_decode(q, rows, slots, starts, D**-0.5, quant)
     for b, n in enumerate(lengths):
         if n == 0:
             assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
@@ -74,7 +74,7 @@ def test_mla_latent_decode_over_quantized_rows(name, heads, widths, lengths, see
     slots, starts, num_slots = paged(lengths, 16, g)
     rows, kv = quantized_cache(quant, num_slots, g)
     q = torch.randn(len(lengths), heads, E, generator=g)
-    out, lse = kernels.latent_paged_decode(q, rows, slots, starts, r, 0.1, quant)
+    out, lse = attn_kernels.latent_paged_decode(q, rows, slots, starts, r, 0.1, quant)
     for b in range(len(lengths)):
         k = kv[slots[starts[b] : starts[b + 1]]][:, None]  # (S, 1, E)
         want, want_lse = reference(q[b : b + 1], k, k[..., :r], 0.1)

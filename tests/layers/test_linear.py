@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctxpar import kernels
+from ctxpar.kernels import panels
 from ctxpar.layers.linear import PanelWeight, can_pack, linear, pack_weight, packed
 from ctxpar.machine import cpu_info
 
@@ -63,7 +63,7 @@ def test_packed_bf16_linear_matches_float64(
     b = torch.randn(out_features, generator=g) if bias else None
     products = x.double() @ w.double().T
     want = products + (b.double() if bias else 0)
-    got = kernels.linear_packed(x, PanelWeight.pack(w).data, out_features, b)
+    got = panels.linear_packed(x, PanelWeight.pack(w).data, out_features, b)
     assert got.shape == (n, out_features) and got.dtype == torch.float32
     bound = 1e-6 * (x.double().abs() @ w.double().abs().T + 1)
     assert torch.all((got.double() - want).abs() <= bound)
@@ -79,9 +79,9 @@ def test_bf16_out_rounds_as_pytorch(march: str) -> None:
     bias = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
     x = torch.zeros(3, 4, dtype=torch.bfloat16)  # every sum 0: the outputs are the biases
     p = PanelWeight.pack(torch.ones(len(bits), 4, dtype=torch.bfloat16)).data
-    got = kernels.linear_packed(x, p, len(bits), bias, out_dtype=torch.bfloat16)
+    got = panels.linear_packed(x, p, len(bits), bias, out_dtype=torch.bfloat16)
     assert torch.equal(got, bias.expand(3, -1).bfloat16())
-    nan = kernels.linear_packed(x, p, 1, torch.tensor([float("nan")]), out_dtype=torch.bfloat16)
+    nan = panels.linear_packed(x, p, 1, torch.tensor([float("nan")]), out_dtype=torch.bfloat16)
     assert nan.isnan().all()
 
 
@@ -94,7 +94,7 @@ def test_bf16_row_blocks_and_tiles(march: str, n: int, in_features: int) -> None
     w = torch.randn(70, in_features, generator=g).bfloat16()
     b = torch.randn(70, generator=g)
     want = x.double() @ w.double().T + b.double()
-    got = kernels.linear_packed(x, PanelWeight.pack(w).data, 70, b).double()
+    got = panels.linear_packed(x, PanelWeight.pack(w).data, 70, b).double()
     assert torch.all((got - want).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + 1))
 
 
@@ -131,7 +131,7 @@ def test_bf16_sums_in_input_order_then_bias(
         want += np.stack([w[:, columns[t]] for columns in picks])
     want += bias
     xb, wb = torch.from_numpy(x).bfloat16(), torch.from_numpy(w).bfloat16()
-    got = kernels.linear_packed(xb, PanelWeight.pack(wb).data, out_features, torch.from_numpy(bias))
+    got = panels.linear_packed(xb, PanelWeight.pack(wb).data, out_features, torch.from_numpy(bias))
     assert torch.equal(got, torch.from_numpy(want))
 
 
@@ -143,7 +143,7 @@ def test_bf16_sum_order_tells_orders_apart(march: str) -> None:
     w = torch.zeros(2, 96, dtype=torch.bfloat16)
     w[0, [5, 40, 70]] = torch.tensor([1.0, 2.0**24, -(2.0**24)]).bfloat16()
     w[1, [5, 40]] = torch.tensor([2.0**24, 1.0]).bfloat16()
-    got = kernels.linear_packed(x, PanelWeight.pack(w).data, 2, torch.tensor([0.0, -(2.0**24)]))
+    got = panels.linear_packed(x, PanelWeight.pack(w).data, 2, torch.tensor([0.0, -(2.0**24)]))
     assert got.tolist() == [[0.0, 0.0]]
 
 
@@ -153,7 +153,7 @@ def test_bf16_panel_layout_index_map(march: str, out_features: int, in_features:
     """Row o, column i of W sits at [o // NP][i // 2][o % NP][i % 2]; padding is zero."""
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).bfloat16()
     p = PanelWeight.pack(w)
-    width, pairs = kernels.panel_width(), -(-in_features // 2)
+    width, pairs = panels.panel_width(), -(-in_features // 2)
     assert p.data.shape == (-(-out_features // width), pairs, width, 2) and p.data.dtype == torch.bfloat16
     for o in range(out_features):
         assert torch.equal(p.data[o // width, :, o % width].reshape(-1)[:in_features], w[o])
@@ -166,7 +166,7 @@ def test_panel_layout_index_map(march: str, out_features: int, in_features: int,
     """Row o, column i of W sits at [o // NP][i][o % NP]; padding rows are zero."""
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     p = PanelWeight.pack(w)
-    width = kernels.panel_width()
+    width = panels.panel_width()
     assert p.data.shape == (-(-out_features // width), in_features, width) and p.out_features == out_features
     for o in range(out_features):
         assert torch.equal(p.data[o // width, :, o % width], w[o])
@@ -175,7 +175,7 @@ def test_panel_layout_index_map(march: str, out_features: int, in_features: int,
 
 
 def test_panel_width_is_two_vectors(march: str) -> None:
-    assert kernels.panel_width() == (16 if march == "haswell" else 32 if "avx512f" in cpu_info().flags else 16)
+    assert panels.panel_width() == (16 if march == "haswell" else 32 if "avx512f" in cpu_info().flags else 16)
 
 
 def test_what_gets_packed(monkeypatch: pytest.MonkeyPatch) -> None:

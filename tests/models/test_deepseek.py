@@ -105,7 +105,7 @@ def test_expanded_prefill_in_the_kernel_matches_transformers(tmp_path, monkeypat
     for a whole prefill and for a chunk after cached context."""
     from transformers import AutoModelForCausalLM
 
-    from ctxpar import kernels
+    from ctxpar.kernels import attention as attn_kernels
 
     cfg = tiny_deepseek_configs()["v2_greedy"]
     cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 112, 16, 64
@@ -116,9 +116,9 @@ def test_expanded_prefill_in_the_kernel_matches_transformers(tmp_path, monkeypat
     with torch.no_grad():
         want = ref(ids[None]).logits[0].float()
     widths = []
-    real = kernels.prefill_attention
+    real = attn_kernels.prefill_attention
     monkeypatch.setattr(
-        kernels,
+        attn_kernels,
         "prefill_attention",
         lambda q, k, v, *a, **kw: widths.append((q.shape[-1], v.shape[-1])) or real(q, k, v, *a, **kw),
     )

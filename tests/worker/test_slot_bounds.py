@@ -66,7 +66,7 @@ def test_the_check_holds_under_python_O(tmp_path: Path) -> None:
     script = tmp_path / "check.py"
     script.write_text(
         "import numpy as np, torch\n"
-        "from ctxpar import kernels\n"
+        "from ctxpar.kernels import attention as attn_kernels\n"
         "from ctxpar.worker.step_inputs import check_block_tables\n"
         "refused = 0\n"
         "try:\n"
@@ -74,7 +74,7 @@ def test_the_check_holds_under_python_O(tmp_path: Path) -> None:
         "except ValueError:\n"
         "    refused += 1\n"
         "try:\n"
-        "    kernels.prefill_attention(*(torch.zeros(4, 2, 16) for _ in range(3)), 1.0, out=torch.zeros(1))\n"
+        "    attn_kernels.prefill_attention(*(torch.zeros(4, 2, 16) for _ in range(3)), 1.0, out=torch.zeros(1))\n"
         "except ValueError:\n"
         "    refused += 1\n"
         "print(__debug__, refused)\n"
