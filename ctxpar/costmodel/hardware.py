@@ -28,6 +28,10 @@ ALLREDUCE_HOPS = {
 }
 
 DTYPE_BYTES = {"fp8": 1.0, "int8": 1.0, "q4": 0.5625, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+# The weight dtypes `ctxpar calibrate` measures projections in, each with the activation
+# dtype its projections take: q4 (GGUF's Q4_0 blocks, on a CPU) takes fp32 rows, which its
+# kernel rounds to int8 itself, as the engine runs a Q4_0 file by default.
+CALIBRATED_WEIGHT_DTYPES = {"fp32": "fp32", "bf16": "bf16", "q4": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,25 @@ class HardwareProfile:
         """This profile (and its lead) with the KV cache stored as ``kv_cache_dtype``."""
         lead = self.lead.with_kv_cache_dtype(kv_cache_dtype) if self.lead is not None else None
         return replace(self, kv_cache_dtype=kv_cache_dtype, lead=lead)
+
+    def with_weight_dtype(self, weight_dtype: str) -> HardwareProfile:
+        """This profile (and its lead) with weights stored as ``weight_dtype``: its GEMM and
+        weight-read rates are those `ctxpar calibrate` measured for that dtype (the notes
+        ``gemm_flops_<dtype>`` and ``weight_read_bandwidth_<dtype>``: one calibration serves
+        every weight dtype); the activations, attention and memory stay as they are."""
+        if weight_dtype == self.weight_dtype:
+            return self
+        gemm, read = (self.notes.get(f"{rate}_{weight_dtype}") for rate in ("gemm_flops", "weight_read_bandwidth"))
+        if gemm is None or read is None:
+            measured = sorted(k.removeprefix("gemm_flops_") for k in self.notes if k.startswith("gemm_flops_"))
+            raise CtxparError(
+                f"hardware {self.name} has no rates for {weight_dtype} weights (measured: "
+                f"{', '.join(measured) or 'none'}); `ctxpar calibrate` measures {', '.join(CALIBRATED_WEIGHT_DTYPES)}"
+            )
+        lead = self.lead.with_weight_dtype(weight_dtype) if self.lead is not None else None
+        return replace(
+            self, weight_dtype=weight_dtype, gemm_flops=gemm, weight_read_bandwidth=read, gemm_efficiency=1.0, lead=lead
+        )
 
     def kv_token_bytes(self, m: ModelShape) -> float:
         """Bytes of one token's KV entry in one layer's cache."""

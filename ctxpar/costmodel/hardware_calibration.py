@@ -23,35 +23,45 @@ link figures stand in for it and the profile's description says so.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from ctxpar.checks import machine_memory_bytes, usable_cores
 from ctxpar.costmodel.collective_calibration import collective_costs, shaped_link_costs
-from ctxpar.costmodel.hardware import HardwareProfile
+from ctxpar.costmodel.hardware import CALIBRATED_WEIGHT_DTYPES, DTYPE_BYTES, HardwareProfile
 from ctxpar.costmodel.launch_calibration import launch_terms
 from ctxpar.costmodel.link_calibration import TIMEOUT_S
 from ctxpar.costmodel.netns import LINKS
+from ctxpar.costmodel.projection_weights import (
+    ACTIVATION_DTYPES,
+    activation_rows,
+    projection_weight,
+    quantized_on,
+)
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
 
-GEMM_SHAPE = (1024, 1024, 1024)  # (tokens, in, out): a prefill-sized projection
-ATTN_SHAPE = (1024, 8, 64)  # (tokens, heads, head dim): causal, 2 query heads per KV head
+# (tokens, in, out) of the projections timed together: a Llama-3.2-1B layer's (QKV, O,
+# gate|up, down, as the engine fuses them) at a prefill chunk's rows. One square GEMM
+# would not do: Q4_0's integer GEMM ran 950 GOP/s at 1024^3 and 570-820 at the wide and
+# long shapes of real layers (2 AMX cores), which a layer's FLOPs then weigh as a prefill does.
+GEMM_SHAPES = ((1024, 2048, 3072), (1024, 2048, 2048), (1024, 2048, 16384), (1024, 8192, 2048))
+ATTN_SHAPE = (2048, 32, 64)  # (tokens, heads, head dim): causal, Llama-3.2-1B's layer (8 KV heads)
 READ_BYTES = 256 << 20  # far beyond the caches
 WEIGHT_SHAPE = (4096, 1024)  # (out, in): a decode projection's weight, 16 MB in fp32
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
-GPU_GEMM_SHAPE = (8192, 4096, 4096)
+GPU_GEMM_SHAPES = ((8192, 4096, 4096),)
 GPU_ATTN_SHAPE = (8192, 32, 128)
 GPU_READ_BYTES = 4 << 30
 GPU_WEIGHT_SHAPE = (14336, 4096)  # Llama-3-8B's MLP up projection: 117 MB in bf16
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (dtype, device, ranks, threads per rank) -> (step_overhead_s, layer_overhead_s): the host's
 # cost of a decode step beyond its kernels, for ranks sharing this host whose steps rank 0 leads.
 HostOverhead = Callable[[str, torch.device, int, int | None], tuple[float, float]]
@@ -89,17 +99,24 @@ def _synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[]
 CPU = torch.device("cpu")
 
 
-def gemm_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> float:
-    n, k, m = shape or (GPU_GEMM_SHAPE if device.type == "cuda" else GEMM_SHAPE)
-    a, w = torch.randn(n, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
-    return 2 * n * k * m / best_time(lambda: torch.nn.functional.linear(a, w), device=device)
+def gemm_flops(dtype: str, device: torch.device = CPU, shapes: Sequence[tuple[int, int, int]] | None = None) -> float:
+    """FLOP/s of the engine's projection (``ctxpar.layers.linear``) at a prefill's rows, on
+    weights of ``dtype`` as loading leaves them (projection_weights.py), over the GEMMs
+    ``shapes`` (tokens, in, out) one after another: for q4 the integer GEMM, the activations'
+    rounding to int8 included, counted as 2 x tokens x in x out."""
+    from ctxpar.layers.linear import linear
+
+    shapes = shapes or (GPU_GEMM_SHAPES if device.type == "cuda" else GEMM_SHAPES)
+    calls = [(activation_rows(dtype, n, k, device), projection_weight(dtype, m, k, device)) for n, k, m in shapes]
+    flops = sum(2 * n * k * m for n, k, m in shapes)
+    return flops / best_time(lambda: [linear(a, w) for a, w in calls], device=device)
 
 
 def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> float:
     """Causal attention at the cost model's count: pairs * 2 * H * (d_qk + d_v).
     ctxpar's own path (its compiled kernel in fp32 on the CPU, PyTorch's otherwise)."""
     n, h, d = shape or (GPU_ATTN_SHAPE if device.type == "cuda" else ATTN_SHAPE)
-    kv_heads = h // 2 if device.type == "cpu" else h // 4  # the GPU shape's: Llama-3-8B's 8 of 32
+    kv_heads = h // 4  # Llama-3's 8 of 32
     q = torch.randn(n, h, d, dtype=dtype, device=device)
     k, v = (torch.randn(n, kv_heads, d, dtype=dtype, device=device) for _ in range(2))
     pairs = n * (n + 1) / 2
@@ -107,34 +124,52 @@ def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple
 
 
 def weight_read_bandwidth(
-    dtype: torch.dtype, device: torch.device = CPU, nbytes: int | None = None, shape: tuple[int, int] | None = None
+    dtype: str, device: torch.device = CPU, nbytes: int | None = None, shape: tuple[int, int] | None = None
 ) -> float:
     """Bytes/s at which the engine's decode projection reads weights: ``ctxpar.layers.linear``
-    on weights packed as the engine packs them after loading (the panel kernel on the CPU,
-    F.linear on a GPU), one input row each, over enough (out, in) matrices of ``dtype``
-    to hold ``nbytes``, far beyond the caches, so every call streams its weight from memory.
-    Bytes counted as the cost model counts them: out x in x the dtype's size. The matrices
-    are large enough that a call's fixed cost (the host's, measured apart) is noise. On the
-    CPU they lie in huge pages, as a loaded model's (ctxpar/layers/weight_arena.py)."""
-    from ctxpar.layers.linear import linear, packed
+    on weights of ``dtype`` as loading leaves them (projection_weights.py: the panel kernel
+    or the quantized one on the CPU, F.linear on a GPU), one input row each, over enough
+    (out, in) matrices to hold ``nbytes``, far beyond the caches, so every call streams its
+    weight from memory. Bytes counted as the cost model counts them: out x in x the dtype's
+    size (DTYPE_BYTES: q4's 18 bytes a block of 32). The matrices are large enough that a
+    call's fixed cost (the host's, measured apart) is noise. On the CPU they lie in huge
+    pages, as a loaded model's (ctxpar/layers/weight_arena.py)."""
+    from ctxpar.layers.linear import linear
     from ctxpar.layers.weight_arena import place_on_huge_pages
 
     nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
     out, inp = shape or (GPU_WEIGHT_SHAPE if device.type == "cuda" else WEIGHT_SHAPE)
-    size = out * inp * torch.empty((), dtype=dtype).element_size()
-    count = max(2, -(-nbytes // size))  # at least two: one call never reads what the last left in cache
-    weights = [packed(torch.randn(out, inp, dtype=dtype, device=device)) for _ in range(count)]
+    size = out * inp * DTYPE_BYTES[dtype]
+    count = max(2, math.ceil(nbytes / size))  # at least two: one call never reads what the last left in cache
+    weights = [projection_weight(dtype, out, inp, device, seed=i) for i in range(count)]
     holder = torch.nn.Module()
     for i, w in enumerate(weights):
         setattr(holder, f"w{i}", w)
     place_on_huge_pages(holder)
-    x = torch.randn(1, inp, dtype=dtype, device=device)
+    x = activation_rows(dtype, 1, inp, device)
 
     def step() -> None:
         for w in weights:
             linear(x, w)
 
     return count * size / best_time(step, device=device)
+
+
+def projection_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:
+    """Both rates of the projections (GEMM FLOP/s at a prefill's rows, weight bytes/s at a
+    decode's one) for every weight dtype the engine keeps on ``device``, as notes:
+    ``gemm_flops_<dtype>``, ``weight_read_bandwidth_<dtype>`` (HardwareProfile.with_weight_dtype
+    reads them)."""
+    rates: dict[str, float] = {}
+    for dtype in CALIBRATED_WEIGHT_DTYPES:
+        if dtype == "q4" and not quantized_on(device):
+            continue
+        rates[f"gemm_flops_{dtype}"] = gemm = gemm_flops(dtype, device)
+        rates[f"weight_read_bandwidth_{dtype}"] = read = weight_read_bandwidth(dtype, device)
+        progress(
+            f"projection, {dtype} weights: GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {read / 1e9:.1f} GB/s"
+        )
+    return rates
 
 
 def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
@@ -158,22 +193,21 @@ def calibrate(
     link_timeout_s: float = TIMEOUT_S,
     kernel_count: Callable[[str, torch.device], int] | None = None,
 ) -> HardwareProfile:
-    """Measure and return the profile of one rank running ``threads`` threads in ``dtype``
-    (on ``device``: the CPU, or one GPU), its link ``link``: "shm", "gloo" (two local
+    """Measure and return the profile of one rank running ``threads`` threads with weights
+    of ``dtype`` (a key of CALIBRATED_WEIGHT_DTYPES; activations in the dtype it takes) on ``device``
+    (the CPU, or one GPU), its link ``link``: "shm", "gloo" (two local
     processes) or a key of ctxpar.costmodel.netns.LINKS (measured within ``link_timeout_s``);
     the host's cost of a step is what ``host_overhead`` measures, the engine's kernels a
     layer what ``kernel_count`` counts (on a GPU; ctxpar/costmodel/launch_calibration.py)."""
     torch.set_num_threads(threads)
+    activation = CALIBRATED_WEIGHT_DTYPES[dtype]
     notes: dict[str, float] = {"threads": threads}
-    for name, torch_dtype in DTYPES.items():
-        notes[f"gemm_flops_{name}"] = gemm_flops(torch_dtype, device)
-        progress(f"GEMM {name}: {notes[f'gemm_flops_{name}'] / 1e9:.1f} GFLOP/s")
+    for name, torch_dtype in ACTIVATION_DTYPES.items():
         notes[f"attention_flops_{name}"] = attention_flops(torch_dtype, device)
         progress(f"attention {name}: {notes[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s")
+    notes |= projection_rates(device, progress)
     bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
-    notes["weight_read_bandwidth"] = weight_read_bandwidth(DTYPES[dtype], device)
-    progress(f"decode projection's weight read, {dtype}: {notes['weight_read_bandwidth'] / 1e9:.1f} GB/s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
     for name in ("gloo", "shm"):
@@ -189,12 +223,12 @@ def calibrate(
             f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
         )
     notes.update(costs)
-    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(dtype, device, 1, None)
+    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(activation, device, 1, None)
     progress(
         f"host cost of a step beyond its kernels: {notes['step_overhead_s'] * 1e3:.2f} ms "
         f"+ {notes['layer_overhead_s'] * 1e6:.0f} us a layer"
     )
-    kernels = kernel_count(dtype, device) if kernel_count is not None and device.type == "cuda" else 0
+    kernels = kernel_count(activation, device) if kernel_count is not None and device.type == "cuda" else 0
     terms = launch_terms(device, notes["layer_overhead_s"], kernels)
     notes.update(terms)
     progress("launch terms: " + ", ".join(f"{k} {v:.3g}" for k, v in terms.items()))
@@ -214,14 +248,14 @@ def calibrate(
         name=f"calibrated-{socket.gethostname()}",
         description=f"{rank}, {dtype}, {links} (ctxpar calibrate, {when})",
         gemm_flops=notes[f"gemm_flops_{dtype}"],
-        attention_flops=notes[f"attention_flops_{dtype}"],
+        attention_flops=notes[f"attention_flops_{activation}"],
         memory_bandwidth=bandwidth,
-        weight_read_bandwidth=notes["weight_read_bandwidth"],
+        weight_read_bandwidth=notes[f"weight_read_bandwidth_{dtype}"],
         memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],
         weight_dtype=dtype,
-        activation_dtype=dtype,
+        activation_dtype=activation,
         step_overhead_s=notes["step_overhead_s"],
         layer_overhead_s=notes["layer_overhead_s"],
         notes=notes,
@@ -239,21 +273,20 @@ def lead_profile(
     """The step rank 0 leads for ``ranks`` ranks like ``rank`` sharing this host: the rates
     with all their threads, and the host's cost of such a step, measured by ``host_overhead``
     through an engine of that many ranks."""
-    dtype, own = DTYPES[rank.weight_dtype], int(rank.notes["threads"])
+    weight, activation, own = rank.weight_dtype, rank.activation_dtype, int(rank.notes["threads"])
     threads = ranks * own
     torch.set_num_threads(threads)
     try:
-        gemm, attention = gemm_flops(dtype), attention_flops(dtype)
-        memory, weights = read_bandwidth(), weight_read_bandwidth(dtype)
+        attention, memory = attention_flops(ACTIVATION_DTYPES[activation]), read_bandwidth()
+        rates = projection_rates(CPU, lambda line: progress(f"a led step's {line}"))
     finally:
         torch.set_num_threads(own)
     progress(
-        f"a step led for {ranks} ranks, {threads} threads: GEMM {gemm / 1e9:.1f} GFLOP/s, attention "
-        f"{attention / 1e9:.1f} GFLOP/s, memory read {memory / 1e9:.1f} GB/s, projection weights "
-        f"{weights / 1e9:.1f} GB/s"
+        f"a step led for {ranks} ranks, {threads} threads: attention {attention / 1e9:.1f} GFLOP/s, "
+        f"memory read {memory / 1e9:.1f} GB/s"
     )
     try:
-        step, layer = host_overhead(rank.weight_dtype, CPU, ranks, own)
+        step, layer = host_overhead(activation, CPU, ranks, own)
     finally:
         torch.set_num_threads(own)
     progress(f"host cost of a led step: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
@@ -261,11 +294,11 @@ def lead_profile(
         rank,
         name=f"{rank.name}-lead",
         description=f"{rank.description}; a step led for {ranks} ranks with {threads} threads",
-        gemm_flops=gemm,
+        gemm_flops=rates[f"gemm_flops_{weight}"],
         attention_flops=attention,
         memory_bandwidth=memory,
-        weight_read_bandwidth=weights,
+        weight_read_bandwidth=rates[f"weight_read_bandwidth_{weight}"],
         step_overhead_s=step,
         layer_overhead_s=layer,
-        notes={"threads": threads, "ranks": ranks},
+        notes={"threads": threads, "ranks": ranks, **rates},
     )

@@ -7,6 +7,28 @@ from __future__ import annotations
 from typing import Any
 
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.2-1B/config.json: 1.24B parameters
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3-1.7B/config.json: 1.7B parameters, 1.4B without the embedding (head_dim 128 != hidden / heads)
+    "qwen3-1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
     # meta-llama/Meta-Llama-3-8B/config.json: 8.03B parameters
     "llama-3-8b": {
         "hidden_size": 4096,

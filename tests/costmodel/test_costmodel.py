@@ -31,6 +31,8 @@ CPU = HardwareProfile(
 @pytest.mark.parametrize(
     "name, published",
     [
+        ("llama-3.2-1b", 1.24e9),
+        ("qwen3-1.7b", 1.7e9),
         ("llama-3-8b", 8.03e9),
         ("llama-3-70b", 70.6e9),
         ("llama-3-405b", 405.9e9),

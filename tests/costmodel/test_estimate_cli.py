@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
+from ctxpar.costmodel import shape_from_hf_config
 from ctxpar.entrypoints.cli.main import main
 
 KEYS = {"pcp", "dcp", "algorithm", "ttft_s", "decode_ms", "memory_gib_per_rank"}
@@ -70,3 +73,48 @@ def test_plot_has_a_line_per_p_and_the_published_points(tmp_path):
     assert text.count("<polyline") == 3  # P = 1, 2, 4 over 8K..128K
     measured = [pt for pt in META_CP_TTFT if pt.pcp in (1, 2, 4) and pt.context <= 131072]
     assert text.count("<circle") == len(measured) + 1  # and the legend's
+
+
+@pytest.fixture
+def tiny_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Writes a 2-layer GGUF (head_dim 64 != hidden / heads, an untied LM head) in a format."""
+    from ctxpar.bench import gguf_shapes
+    from ctxpar.models.loader import default_model_path
+
+    shape = gguf_shapes.Shape(512, 2, 4, 2, 64, 1024, 10000.0, tied=False)
+    monkeypatch.setitem(gguf_shapes.SHAPES, "tiny", shape)
+    return lambda fmt: gguf_shapes.write_gguf("tiny", fmt, tmp_path / f"tiny-{fmt}.gguf", default_model_path())
+
+
+def test_a_gguf_file_is_its_metadata_shape_and_its_weights_dtype(tiny_gguf, tmp_path: Path, capsys) -> None:
+    """A Q4_0 file: the shape the engine reads from its metadata (checked against the
+    config.json of the same numbers) priced with q4 weights at the rates the profile's notes
+    hold for q4, whatever dtype the profile was calibrated for."""
+    from ctxpar.costmodel import load_hardware
+    from ctxpar.costmodel.timing import decode_time, prefill_time
+    from ctxpar.models.gguf import open_gguf
+
+    path = tiny_gguf("Q4_0")
+    vocab = open_gguf(path).array_lengths["tokenizer.ggml.tokens"]
+    config = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config |= {"num_key_value_heads": 2, "head_dim": 64, "vocab_size": vocab, "tie_word_embeddings": False}
+    fp32 = dataclasses.replace(
+        load_hardware("cpu-core-shm"), lead=None, notes={"gemm_flops_q4": 300e9, "weight_read_bandwidth_q4": 9e9}
+    )
+    profile = tmp_path / "profile.json"
+    profile.write_text(fp32.to_json())
+    argv = ["estimate", "--model", str(path), "--hardware", str(profile), "--context", "1024", "--pcp", "1"]
+    assert main([*argv, "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    shape = shape_from_hf_config(config, "tiny")
+    q4 = dataclasses.replace(fp32, weight_dtype="q4", gemm_flops=300e9, weight_read_bandwidth=9e9)
+    assert row["ttft_s"] == pytest.approx(prefill_time(shape, q4, 1024, 0, 1, 1, 1, "gather").total_s)
+    assert row["decode_ms"] == pytest.approx(1e3 * decode_time(shape, q4, 1024, 1, 1).total_s)
+    assert main(argv) == 0 and "q4 weights" in capsys.readouterr().out
+
+
+def test_a_gguf_format_without_a_dtype_is_refused(tiny_gguf, capsys) -> None:
+    argv = ["estimate", "--model", str(tiny_gguf("Q8_0")), "--hardware", "cpu-core-shm", "--context", "10"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "weights in Q8_0" in err and "Traceback" not in err

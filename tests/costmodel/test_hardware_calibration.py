@@ -16,15 +16,42 @@ def test_rank_figures_at_small_sizes(monkeypatch) -> None:
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
     cpu = torch.device("cpu")
     for figure in (
-        cal.gemm_flops(torch.float32, cpu, (64, 64, 64)),
-        cal.gemm_flops(torch.bfloat16, cpu, (64, 64, 64)),
+        *(cal.gemm_flops(dtype, cpu, [(64, 64, 64), (32, 64, 128)]) for dtype in ("fp32", "bf16", "q4")),
         cal.attention_flops(torch.float32, cpu, (64, 4, 16)),
         cal.attention_flops(torch.bfloat16, cpu, (64, 4, 16)),
         cal.read_bandwidth(cpu, 1 << 20),
-        cal.weight_read_bandwidth(torch.float32, cpu, 1 << 20, (256, 64)),
-        cal.weight_read_bandwidth(torch.bfloat16, cpu, 1 << 20, (256, 64)),
+        *(cal.weight_read_bandwidth(dtype, cpu, 1 << 20, (256, 64)) for dtype in ("fp32", "bf16", "q4")),
     ):
         assert 0 < figure < math.inf
+
+
+def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
+    """What calibrate times for q4: Q4_0's own form (4 bits, half scales per 32, zero 8),
+    weights of the usual spread, multiplied by the engine's projection."""
+    from ctxpar.costmodel.projection_weights import activation_rows, projection_weight
+    from ctxpar.layers.linear import linear
+    from ctxpar.layers.quant_linear import QuantWeight
+
+    w = projection_weight("q4", 64, 128, torch.device("cpu"))
+    assert isinstance(w, QuantWeight) and (w.bits, w.group, w.zero, w.offsets) == (4, 32, 8, None)
+    assert w.scales.dtype == torch.float16 and w.nbytes() == 64 * 128 * 18 // 32
+    dense = w.dequantize()
+    assert 0.015 < dense.std().item() < 0.025
+    x = activation_rows("q4", 3, 128, torch.device("cpu"))
+    assert x.dtype == torch.float32
+    assert torch.allclose(linear(x, w), x @ dense.T, rtol=0.05, atol=0.05)
+
+
+def test_projection_rates_cover_every_weight_dtype(monkeypatch) -> None:
+    monkeypatch.setattr(cal, "BUDGET_S", 0.02)
+    monkeypatch.setattr(cal, "GEMM_SHAPES", [(64, 64, 64)])
+    monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
+    monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
+    lines: list[str] = []
+    rates = cal.projection_rates(torch.device("cpu"), lines.append)
+    dtypes = ("fp32", "bf16", "q4")
+    assert set(rates) == {f"{rate}_{d}" for rate in ("gemm_flops", "weight_read_bandwidth") for d in dtypes}
+    assert all(0 < r < math.inf for r in rates.values()) and len(lines) == 3
 
 
 def test_cli_takes_the_device() -> None:
@@ -55,7 +82,7 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     from ctxpar.costmodel import load_hardware
 
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
-    for name, small in (("GEMM_SHAPE", (64, 64, 64)), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
+    for name, small in (("GEMM_SHAPES", [(64, 64, 64)]), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
         monkeypatch.setattr(cal, name, small)
     monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
     asked = []
@@ -64,8 +91,14 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
     lines: list[str] = []
     lead = cal.lead_profile(rank, 2, lines.append, host_overhead)
-    assert torch.get_num_threads() == before and lead.notes == {"threads": 2 * before, "ranks": 2}
-    assert "a step led for 2 ranks" in lines[0]
+    assert torch.get_num_threads() == before
+    assert (lead.notes["threads"], lead.notes["ranks"]) == (2 * before, 2)
+    assert (lead.gemm_flops, lead.weight_read_bandwidth) == (
+        lead.notes["gemm_flops_fp32"],
+        lead.notes["weight_read_bandwidth_fp32"],
+    )
+    assert lead.with_weight_dtype("q4").gemm_flops == lead.notes["gemm_flops_q4"]
+    assert any("a step led for 2 ranks" in line for line in lines)
     assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
     rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth")
     assert all(0 < getattr(lead, r) < math.inf for r in rates)

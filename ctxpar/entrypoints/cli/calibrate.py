@@ -1,9 +1,12 @@
-"""Measure this machine (GEMM and attention FLOP/s in fp32 and bf16, memory
-read bandwidth, the rate the engine's decode projection reads weights in the
-profile's dtype, all-gather latency and bandwidth between two local ranks over
-gloo and shared memory, and the host's cost of a decode step beyond its
+"""Measure this machine (attention FLOP/s in fp32 and bf16; for each weight dtype,
+fp32, bf16 and, on a CPU, q4 (GGUF's Q4_0 blocks), the FLOP/s of the engine's
+projection at a prefill's rows and the rate its decode projection reads weights;
+memory read bandwidth, all-gather latency and bandwidth between two local ranks
+over gloo and shared memory, and the host's cost of a decode step beyond its
 kernels, a step and a layer) and save a hardware profile for `ctxpar estimate
---hardware PATH`. Takes under a minute; one line per measurement.
+--hardware PATH`. Takes about a minute; one line per measurement. The profile's
+rates are for ``--dtype``; the other weight dtypes' stay in its notes, where
+`ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4).
 
 With ``--link shm`` (ranks on one host) and ``--threads`` below the host's
 cores, the GEMM, attention, memory and projection rates are measured again
@@ -41,6 +44,7 @@ import sys
 from pathlib import Path
 
 from ctxpar.checks import max_threads, positive_int, usable_cores
+from ctxpar.costmodel.hardware import CALIBRATED_WEIGHT_DTYPES
 from ctxpar.costmodel.link_calibration import TIMEOUT_S
 from ctxpar.costmodel.netns import LINKS, check_tools
 from ctxpar.costmodel.profiles import DEFAULT_PROFILE_FILE
@@ -59,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("fp32", "bf16"),
+        choices=tuple(CALIBRATED_WEIGHT_DTYPES),
         default=None,
-        help="the dtype the profile's FLOP/s are for "
+        help="the weights' dtype the profile's rates are for: fp32 or bf16 (the activations' too), or q4 "
+        "(GGUF Q4_0 blocks with fp32 activations, the engine's default for such a file) "
         "(default: what ctxpar picks here: bf16 on CPUs with native bf16, else fp32)",
     )
     p.add_argument(

@@ -2,9 +2,12 @@
 layout (P PCP ranks, D DCP ranks, pass-KV / pass-Q / gather) of one request
 shape on given hardware, and recommend the fastest that fits in memory.
 
-The model is a built-in name (llama-3-8b, llama-3-70b, llama-3-405b, qwen3-32b,
-deepseek-v3, smollm2-135m) or a config.json; the hardware a built-in profile
-(h100x8-ib, h100x8-tcp, cpu-*) or a JSON profile from `ctxpar calibrate`.
+The model is a built-in name (llama-3.2-1b, qwen3-1.7b, llama-3-8b, llama-3-70b,
+llama-3-405b, qwen3-32b, deepseek-v3, smollm2-135m), a config.json, or a .gguf file:
+its shape from the file's metadata, and its weights priced as the engine keeps them
+(Q4_0 blocks: q4, at the rates the profile measured for q4: one `ctxpar calibrate`
+serves every weight dtype); the hardware a built-in profile (h100x8-ib, h100x8-tcp,
+cpu-*) or a JSON profile from `ctxpar calibrate`.
 The formulas are in ctxpar/costmodel/timing.py; docs/scaling.md shows what they
 predict and how far they were off where measured.
 """
@@ -13,14 +16,36 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
+from pathlib import Path
 
 from ctxpar.checks import nonnegative_int, positive_int
 from ctxpar.config import KV_CACHE_DTYPES
-from ctxpar.costmodel import DEFAULT_OUTPUT_TOKENS, Estimate, estimate, load_hardware, load_model_shape
+from ctxpar.costmodel import (
+    DEFAULT_OUTPUT_TOKENS,
+    Estimate,
+    ModelShape,
+    estimate,
+    load_hardware,
+    load_model_shape,
+    shape_from_hf_config,
+)
+from ctxpar.errors import CtxparError
+
+# A GGUF's weight format -> the profile's weight dtype that prices it. The engine keeps
+# Q4_0 blocks as they are (18 bytes a block of 32: q4's 0.5625 a weight); formats it
+# widens or decodes at load (Q4_K's scales, the 5- and 6-bit ones) read other bytes
+# than any dtype here, so they are refused rather than mispriced.
+GGUF_WEIGHT_DTYPES = {"Q4_0": "q4", "BF16": "bf16", "F32": "fp32"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="built-in model name or a config.json / model directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="built-in model name, a config.json / model directory, or a .gguf file (its weights' "
+        "format sets the weight dtype: Q4_0 is q4)",
+    )
     p.add_argument("--hardware", required=True, help="built-in profile name or a profile JSON file")
     p.add_argument("--context", type=positive_int, required=True, help="prompt tokens in all, cached ones included")
     p.add_argument("--cached", type=nonnegative_int, default=0, help="prompt tokens already in the KV cache")
@@ -60,13 +85,38 @@ def _row(e: Estimate) -> str:
     )
 
 
+def gguf_model(path: Path) -> tuple[ModelShape, str]:
+    """The shape of the GGUF file ``path`` (from its metadata, as the engine reads it) and
+    the weight dtype of its projections: the format holding most of its matrices' weights."""
+    from ctxpar.models.gguf import config_from_gguf, open_gguf
+
+    reader = open_gguf(path)
+    shape = shape_from_hf_config(config_from_gguf(reader, path).to_dict(), path.name)
+    weights: Counter[str] = Counter()
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            weights[t.kind.name] += t.shape[0] * t.shape[1]
+    fmt = weights.most_common(1)[0][0] if weights else "none"
+    if fmt not in GGUF_WEIGHT_DTYPES:
+        raise CtxparError(
+            f"GGUF file {path}: weights in {fmt}, which the cost model has no dtype for "
+            f"(it prices {', '.join(GGUF_WEIGHT_DTYPES)})"
+        )
+    return shape, GGUF_WEIGHT_DTYPES[fmt]
+
+
 def run(args: argparse.Namespace) -> None:
-    model, hardware = load_model_shape(args.model), load_hardware(args.hardware)
+    from ctxpar.models.gguf import is_gguf
+
+    hardware = load_hardware(args.hardware)
+    if Path(args.model).is_file() and is_gguf(Path(args.model)):
+        model, weights = gguf_model(Path(args.model))
+        hardware = hardware.with_weight_dtype(weights)
+    else:
+        model = load_model_shape(args.model)
     if args.kv_cache_dtype is not None:
         hardware = hardware.with_kv_cache_dtype(args.kv_cache_dtype)
     if args.plot:
-        from pathlib import Path
-
         from ctxpar.costmodel.plot import predicted, published_points, svg
 
         contexts = [8192 << k for k in range(max(1, (args.context // 8192).bit_length()))]
@@ -80,8 +130,8 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps([e.to_dict() for e in results], indent=1))
         return
     print(
-        f"model {model.name}: {model.total_params / 1e9:.1f}B parameters; hardware {hardware.name}: "
-        f"{hardware.description}"
+        f"model {model.name}: {model.total_params / 1e9:.1f}B parameters, {hardware.weight_dtype} weights; "
+        f"hardware {hardware.name}: {hardware.description}"
     )
     print(
         f"context {args.context} tokens ({args.cached} cached), batch {args.batch}, KV cache {hardware.kv_cache_dtype}"

@@ -1,0 +1,74 @@
+"""The cost model's terms for q4 weights (GGUF's Q4_0 blocks), on pure inputs: the bytes
+a step reads and the FLOPs it computes, counted here from the model's published numbers,
+priced at the rates a profile measured for q4; and a profile calibrated once serving
+every weight dtype (HardwareProfile.with_weight_dtype)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ctxpar.costmodel import HardwareProfile, load_model_shape
+from ctxpar.costmodel.timing import decode_time, prefill_time
+from ctxpar.errors import CtxparError
+
+# Llama-3.2-1B's config.json, by hand: per layer Q and O (2048 x 32 x 64 each), K and V
+# (2048 x 8 x 64 each), gate, up and down (2048 x 8192 each); the LM head tied to the embedding.
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 16, 32, 8, 64, 128256
+LAYER_PARAMS = 2 * HIDDEN * HEADS * HEAD_DIM + 2 * HIDDEN * KV_HEADS * HEAD_DIM + 3 * HIDDEN * FFN
+HEAD_PARAMS = VOCAB * HIDDEN
+Q4_BYTES = 18 / 32  # a Q4_0 block: a half scale and 32 nibbles
+KV_BYTES = 2 * KV_HEADS * HEAD_DIM * 4  # one token's K and V in one layer, fp32
+
+# Rates chosen so each operation's bound is plain: a prefill's projections and attention
+# are compute-bound, a decode step memory-bound.
+Q4 = HardwareProfile(
+    name="q4-rank",
+    description="a CPU rank with Q4_0 weights, fp32 activations",
+    gemm_flops=600e9,
+    attention_flops=150e9,
+    memory_bandwidth=20e9,
+    memory_bytes=24 << 30,
+    link_bandwidth=1e9,
+    link_latency_s=1e-4,
+    weight_dtype="q4",
+    activation_dtype="fp32",
+    weight_read_bandwidth=18e9,
+)
+
+
+def test_a_decode_step_reads_the_q4_weights_once_and_the_fp32_cache() -> None:
+    m = load_model_shape("llama-3.2-1b")
+    for context in (16, 2048):
+        step = decode_time(m, Q4, context, 1, 1)
+        weights = (LAYERS * LAYER_PARAMS + HEAD_PARAMS) * Q4_BYTES / Q4.weight_read_bandwidth
+        kv = context * KV_BYTES * LAYERS / Q4.memory_bandwidth
+        assert step.compute_s == 0 and step.memory_s == pytest.approx(weights + kv)
+
+
+def test_a_prefill_multiplies_every_token_at_the_q4_gemm_rate() -> None:
+    m = load_model_shape("llama-3.2-1b")
+    for tokens in (2048, 8192):
+        ttft = prefill_time(m, Q4, tokens, 0, 1, 1, 1, "gather")
+        linear = 2 * (LAYERS * LAYER_PARAMS * tokens + HEAD_PARAMS) / Q4.gemm_flops  # the LM head: the last token
+        pairs = tokens * (tokens + 1) / 2
+        attention = pairs * 2 * HEADS * (2 * HEAD_DIM) * LAYERS / Q4.attention_flops
+        assert ttft.memory_s == 0 and ttft.compute_s == pytest.approx(linear + attention)
+
+
+def test_one_calibration_prices_every_weight_dtype() -> None:
+    """A profile calibrated for fp32 weights carries q4's measured rates in its notes:
+    with_weight_dtype takes them (for its lead too) and changes nothing else; a dtype not
+    measured is refused rather than priced at another's rates."""
+    notes = {"gemm_flops_q4": 600e9, "weight_read_bandwidth_q4": 18e9, "gemm_flops_fp32": 150e9}
+    lead_notes = {"gemm_flops_q4": 1100e9, "weight_read_bandwidth_q4": 30e9}
+    fp32 = dataclasses.replace(Q4, weight_dtype="fp32", gemm_flops=150e9, weight_read_bandwidth=15e9, notes=notes)
+    fp32 = dataclasses.replace(fp32, lead=dataclasses.replace(fp32, name="lead", notes=lead_notes))
+    q4 = fp32.with_weight_dtype("q4")
+    assert (q4.weight_dtype, q4.gemm_flops, q4.weight_read_bandwidth) == ("q4", 600e9, 18e9)
+    assert q4.lead is not None and (q4.lead.gemm_flops, q4.lead.weight_read_bandwidth) == (1100e9, 30e9)
+    assert dataclasses.replace(q4, lead=None) == dataclasses.replace(Q4, notes=notes)
+    assert fp32.with_weight_dtype("fp32") is fp32
+    with pytest.raises(CtxparError, match="no rates for bf16 weights"):
+        fp32.with_weight_dtype("bf16")
