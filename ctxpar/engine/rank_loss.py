@@ -2,7 +2,7 @@
 engine runs its steps through.
 
 The step that found the loss left every request as it was (steps are all or
-nothing). The executor then re-forms the group (executor/recovery.py), and
+nothing). The executor then re-forms the group (executor/regroup.py), and
 here the engine restores what the survivors lack (engine/rank_recovery.py has the
 pure parts): a respawned rank's KV is copied from rank 0 (no DCP) or its
 shard recomputed (DCP); without a lost rank that cannot come back, nothing is

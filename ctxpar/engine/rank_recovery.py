@@ -1,7 +1,7 @@
 """Surviving a lost rank: how often it may happen, and what must be restored.
 
 When a spawned rank dies, the executor respawns it and forms the group again
-with the survivors (ctxpar/executor/recovery.py). The survivors keep their KV
+with the survivors (ctxpar/executor/regroup.py). The survivors keep their KV
 caches; the respawned rank's is empty. What the engine then restores for
 every request that has KV (``num_computed_tokens > 0``):
 

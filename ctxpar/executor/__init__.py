@@ -21,7 +21,7 @@ import numpy as np
 
 from ctxpar.config import EngineConfig
 from ctxpar.executor.preflight import check_launch
-from ctxpar.executor.recovery import Regrouped
+from ctxpar.executor.regroup import Regrouped
 from ctxpar.worker.loading import RankModel
 from ctxpar.worker.options import RunnerOptions
 from ctxpar.worker.step_plan import StepOutput, StepPlan

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure, RanksStopped
-from ctxpar.executor import rank_worker, recovery, startup
+from ctxpar.executor import rank_worker, regroup, startup
 from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
-from ctxpar.executor.recovery import Members, Regrouped
+from ctxpar.executor.regroup import Members, Regrouped
 from ctxpar.parallel.auth import new_secret, store_prefix
 from ctxpar.parallel.cluster_secret import cluster_secret
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, TorchrunEnv, data_timeout_s, torchrun_env
@@ -73,7 +73,7 @@ class MultiRankExecutor:
         self.store: dist.Store | None = None
         self._server: dist.TCPStore | None = None
         self._port = 0  # of rank 0's store, which respawned ranks join (spawned ranks only)
-        self._generation = 0  # recoveries so far: ranks meet under recovery.generation_store
+        self._generation = 0  # recoveries so far: ranks meet under regroup.generation_store
         self._signed_stores: list[SignedStore] = []  # kept alive while stores built on them are used
         env = torchrun_env()
         rank = env.rank if env is not None else 0
@@ -84,7 +84,7 @@ class MultiRankExecutor:
             self.store = self._signed(_torchrun_store(env))
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
-            self.processes.heartbeats = recovery.Heartbeats(self.store)
+            self.processes.heartbeats = regroup.Heartbeats(self.store)
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = host_store(config.master_addr, config.master_port or 0)
@@ -93,7 +93,7 @@ class MultiRankExecutor:
         try:
             if env is None:
                 self._spawn(list(range(1, config.pcp_size)))
-            self._form_group(recovery.generation_store(self.store, 0), fresh=True)
+            self._form_group(regroup.generation_store(self.store, 0), fresh=True)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
             startup.abandon(self.store, startup.first_line(e))
             # Read before close() forgets the processes.
@@ -138,7 +138,7 @@ class MultiRankExecutor:
         the rest of the program (or raise RankFailure if rank 0 goes away or goes on
         without this rank)."""
         assert self.store is not None  # __init__ joined the store first
-        recovery.start_heartbeat(lambda: self._signed(_torchrun_store(env)), rank)
+        regroup.start_heartbeat(lambda: self._signed(_torchrun_store(env)), rank)
         try:
             group, runner = rank_worker.join(self.config, self.store, rank, self.size, self.rank_model, self.launch)
         except Exception as e:
@@ -212,7 +212,7 @@ class MultiRankExecutor:
         if spawned:
             self.processes.await_exits()
         deadline = time.monotonic() + data_timeout_s() + EXIT_GRACE_S  # survivors' collectives fail by then
-        lost = recovery.find_lost(self.store, g, ranks, self.processes.is_dead, deadline)
+        lost = regroup.find_lost(self.store, g, ranks, self.processes.is_dead, deadline)
         hung = [r for r in lost if spawned and self.procs[r - 1].is_alive()]
         if hung:
             raise RankFailure(f"PCP rank(s) {hung} hung instead of dying: a hung rank is not replaced")
@@ -233,7 +233,7 @@ class MultiRankExecutor:
         survivors are told to meet only once they have). RankFailure if one fails."""
         assert self.store is not None
         self._spawn(lost)
-        store = recovery.generation_store(self.store, generation)
+        store = regroup.generation_store(self.store, generation)
         try:
             startup.await_ready(store, lost, {r: self.procs[r - 1] for r in lost}, time.monotonic() + STARTUP_TIMEOUT_S)
         except RankFailure:
@@ -244,7 +244,7 @@ class MultiRankExecutor:
         """Tell the survivors who is in the group now, and form it (old rank
         members.ranks[i] becomes rank i)."""
         assert self.store is not None
-        recovery.announce(self.store, self._generation, members)
+        regroup.announce(self.store, self._generation, members)
         self.processes.keep(members.ranks)
         self.size = len(members.ranks)
         keys = dist.PrefixStore(members.keys, self.store)
@@ -278,7 +278,7 @@ class MultiRankExecutor:
         group, self.group = self.group, None
         graceful = graceful and group is not None  # without a group, the workers wait for a recovery
         if group is None:  # torchrun's ranks waiting for a recovery: none is coming
-            recovery.abandon(self.store, self._generation + 1, self._stopped_because or "rank 0 shut down")
+            regroup.abandon(self.store, self._generation + 1, self._stopped_because or "rank 0 shut down")
         if graceful and group is not None and not self.processes.dead():
             try:
                 group.broadcast_object(None)

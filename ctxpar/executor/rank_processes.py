@@ -16,7 +16,7 @@ from multiprocessing.process import BaseProcess
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxpar.executor import rank_worker, recovery, startup
+from ctxpar.executor import rank_worker, regroup, startup
 from ctxpar.parallel.comm import data_timeout_s
 
 EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
@@ -29,7 +29,7 @@ class RankProcesses:
     def __init__(self, size: int) -> None:
         self.procs: list[BaseProcess] = []  # rank r's process at index r - 1 (spawned ranks)
         self.torchrun_ranks = list(range(size))  # torchrun's number of each rank now (heartbeats)
-        self.heartbeats: recovery.Heartbeats | None = None  # torchrun ranks' (rank 0 reads them)
+        self.heartbeats: regroup.Heartbeats | None = None  # torchrun ranks' (rank 0 reads them)
 
     def spawn(self, ranks: Iterable[int], args_of: Callable[[int], tuple]) -> None:
         """Start rank_worker.worker_main(*args_of(r)) for each rank r (a lost rank's replaced)."""

@@ -1,5 +1,5 @@
 """A PCP rank other than rank 0: join the group, run what rank 0 sends, and
-rejoin a re-formed group after a lost rank (recovery.py).
+rejoin a re-formed group after a lost rank (regroup.py).
 
 Spawned ranks enter at ``worker_main``; ranks under torchrun serve inside
 MultiRankExecutor.__init__ through ``serve_until_stopped``.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
-from ctxpar.executor import recovery, startup
+from ctxpar.executor import regroup, startup
 from ctxpar.executor.shared_weights import share_weights
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.parallel.auth import Unauthenticated
@@ -109,8 +109,8 @@ def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, gen
         except RankFailure as failure:
             group.close()
             generation += 1
-            recovery.check_in(store, generation, group.rank)
-            members = recovery.await_recovery(store, generation, group.rank, failure)
+            regroup.check_in(store, generation, group.rank)
+            members = regroup.await_recovery(store, generation, group.rank, failure)
             rank = members.new_rank(group.rank)
             if rank is None:
                 raise RankFailure(f"{failure}; rank 0 found PCP rank {group.rank} lost and went on without it")
@@ -155,7 +155,7 @@ def worker_main(
     try:
         signed = SignedStore(open_store(addr, port, is_master=False), launch.secret)  # kept for the rank's life
         store = dist.PrefixStore(prefix, signed)
-        gstore = recovery.generation_store(store, generation)
+        gstore = regroup.generation_store(store, generation)
         gstore.set(f"started/{rank}", "")
         rank_model = load_rank(config, resolve_device(config.device, rank))
         group, runner = join(config, gstore, rank, size, rank_model, launch, share=generation == 0)

@@ -10,7 +10,7 @@ import numpy as np
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure
-from ctxpar.executor.recovery import Regrouped
+from ctxpar.executor.regroup import Regrouped
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.model_runner import ModelRunner
