@@ -9,7 +9,7 @@ A graph is timed at two sizes, one kernel and ``GRAPH_KERNELS``, so that the
 per-kernel gap on the device and the replay's own cost come apart.
 
 The GPU path cannot run without a GPU: it is checked by the prepared device
-script (python -m ctxpar.bench.cuda_graphs), not by the CPU tests.
+script (python -m ctxpar.bench.cuda_graph_check), not by the CPU tests.
 """
 
 from __future__ import annotations

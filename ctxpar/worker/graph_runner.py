@@ -14,7 +14,7 @@ Served: Llama-family models (``LlamaForCausalLM``), one rank (no PCP, no DCP:
 their collectives inside graphs are not written), steps whose rows are all
 decodes, fitting a captured graph. Everything else runs eagerly, as with
 ``enforce_eager=True``. This file was written without a GPU to run it on:
-``python -m ctxpar.bench.cuda_graphs`` checks it on one.
+``python -m ctxpar.bench.cuda_graph_check`` checks it on one.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import pytest
 from ctxpar.costmodel import load_hardware, load_model_shape
 from ctxpar.costmodel.fixed_costs import allreduce_hops, fixed_s, ring_hops, tp_allreduce_s
 from ctxpar.costmodel.published import NIM_LLAMA_70B_TP2
+from ctxpar.costmodel.published_predictions import error
 from ctxpar.costmodel.timing import decode_time, prefill_time
-from ctxpar.costmodel.validation import error
 
 M70 = load_model_shape("llama-3-70b")
 CPU = load_hardware("cpu-core-gloo")

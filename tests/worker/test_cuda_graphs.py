@@ -2,7 +2,7 @@
 sizes and buckets, padding, the memory bound, the static buffers, the slot table,
 and the static forward a graph captures, run here on the CPU without ctxpar's kernels
 against the engine's own eager decode step. Capture and replay need a GPU: they are
-checked by `python -m ctxpar.bench.cuda_graphs`."""
+checked by `python -m ctxpar.bench.cuda_graph_check`."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ also the engine's kernels a decoder layer (counted by torch.profiler on the
 eager engine), a CUDA graph's replay and each kernel inside one: the profile
 then prices decode steps as graph replays, as the engine runs them unless
 ``enforce_eager``. The GPU measurements are written but were not run where
-this was written (no GPU): `python -m ctxpar.bench.cuda_graphs` checks them.
+this was written (no GPU): `python -m ctxpar.bench.cuda_graph_check` checks them.
 
 With a GPU (``--device cuda``, or ``auto`` where one is visible) the FLOP/s,
 the bandwidth and the memory are the GPU's; the link is still measured between
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the rank measured: the CPU or the first GPU (default: auto, a GPU where there is one, "
         "as the engine's --device); cuda also measures the launch and CUDA-graph terms (a path written "
-        "without a GPU to run it on: python -m ctxpar.bench.cuda_graphs checks it)",
+        "without a GPU to run it on: python -m ctxpar.bench.cuda_graph_check checks it)",
     )
     p.add_argument(
         "--link",

@@ -1,6 +1,6 @@
 """The prepared GPU check of CUDA-graph decode (issue 42): one command, one GPU.
 
-    python -m ctxpar.bench.cuda_graphs --json graphs.json
+    python -m ctxpar.bench.cuda_graph_check --json graphs.json
 
 1. Launch terms (ctxpar/costmodel/launch_calibration.py): a kernel launched from
    Python, a graph's replay, a kernel inside a graph.
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ctxpar.bench.cuda_graphs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ctxpar.bench.cuda_graph_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than Llama-3-8B's 32")
     p.add_argument("--prompt", type=int, default=512, help="tokens of each prompt")
