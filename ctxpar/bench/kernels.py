@@ -27,7 +27,7 @@ from ctxpar import kernels
 from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.layers.forward_context import ForwardContext

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar import kernels
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 
 
 def prefill_quant_usable(q: torch.Tensor, quant: attn_kernels.QuantRows) -> bool:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.attention_math import attention_lse, paged_kernel

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxpar import kernels
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 
 
 def causal_attention(

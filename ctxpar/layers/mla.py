@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers.attention import attend
 from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, from_cache

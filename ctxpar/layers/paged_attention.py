@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv

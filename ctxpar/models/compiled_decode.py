@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from ctxpar import kernels
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant

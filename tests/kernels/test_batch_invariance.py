@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from ctxpar import kernels
 from ctxpar.engine.sample.sampler import logprobs_of
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.kernels import elementwise, kv_cache, panels, quant
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctxpar.kernels import attention as attn_kernels
+from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from helpers.attention_reference import TOL, dequantize64, paged, reference

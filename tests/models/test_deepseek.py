@@ -105,7 +105,7 @@ def test_expanded_prefill_in_the_kernel_matches_transformers(tmp_path, monkeypat
     for a whole prefill and for a chunk after cached context."""
     from transformers import AutoModelForCausalLM
 
-    from ctxpar.kernels import attention as attn_kernels
+    from ctxpar.kernels import attention_kernels as attn_kernels
 
     cfg = tiny_deepseek_configs()["v2_greedy"]
     cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 112, 16, 64

@@ -66,7 +66,7 @@ def test_the_check_holds_under_python_O(tmp_path: Path) -> None:
     script = tmp_path / "check.py"
     script.write_text(
         "import numpy as np, torch\n"
-        "from ctxpar.kernels import attention as attn_kernels\n"
+        "from ctxpar.kernels import attention_kernels as attn_kernels\n"
         "from ctxpar.worker.step_inputs import check_block_tables\n"
         "refused = 0\n"
         "try:\n"
