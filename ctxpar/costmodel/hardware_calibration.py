@@ -55,13 +55,15 @@ from ctxpar.machine import cpu_info
 GEMM_SHAPES = ((1024, 2048, 3072), (1024, 2048, 2048), (1024, 2048, 16384), (1024, 8192, 2048))
 ATTN_SHAPE = (2048, 32, 64)  # (tokens, heads, head dim): causal, Llama-3.2-1B's layer (8 KV heads)
 READ_BYTES = 256 << 20  # far beyond the caches
-WEIGHT_SHAPE = (4096, 1024)  # (out, in): a decode projection's weight, 16 MB in fp32
+# (out, in) of the weights a decode step's projections read, GEMM_SHAPES' layer: one 4096 x
+# 1024 matrix read Q4_0 at 25 GB/s where a layer's read at 18-21 (a 2K-context step reads 20).
+WEIGHT_SHAPES = tuple((out, inp) for _, inp, out in GEMM_SHAPES)
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
 GPU_GEMM_SHAPES = ((8192, 4096, 4096),)
 GPU_ATTN_SHAPE = (8192, 32, 128)
 GPU_READ_BYTES = 4 << 30
-GPU_WEIGHT_SHAPE = (14336, 4096)  # Llama-3-8B's MLP up projection: 117 MB in bf16
+GPU_WEIGHT_SHAPES = ((14336, 4096),)  # Llama-3-8B's MLP up projection: 117 MB in bf16
 # (dtype, device, ranks, threads per rank) -> (step_overhead_s, layer_overhead_s): the host's
 # cost of a decode step beyond its kernels, for ranks sharing this host whose steps rank 0 leads.
 HostOverhead = Callable[[str, torch.device, int, int | None], tuple[float, float]]
@@ -124,35 +126,36 @@ def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple
 
 
 def weight_read_bandwidth(
-    dtype: str, device: torch.device = CPU, nbytes: int | None = None, shape: tuple[int, int] | None = None
+    dtype: str,
+    device: torch.device = CPU,
+    nbytes: int | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> float:
     """Bytes/s at which the engine's decode projection reads weights: ``ctxpar.layers.linear``
     on weights of ``dtype`` as loading leaves them (projection_weights.py: the panel kernel
-    or the quantized one on the CPU, F.linear on a GPU), one input row each, over enough
-    (out, in) matrices to hold ``nbytes``, far beyond the caches, so every call streams its
-    weight from memory. Bytes counted as the cost model counts them: out x in x the dtype's
-    size (DTYPE_BYTES: q4's 18 bytes a block of 32). The matrices are large enough that a
-    call's fixed cost (the host's, measured apart) is noise. On the CPU they lie in huge
-    pages, as a loaded model's (ctxpar/layers/weight_arena.py)."""
+    or the quantized one on the CPU, F.linear on a GPU), one input row each, over copies of
+    the (out, in) matrices ``shapes`` enough to hold ``nbytes``, far beyond the caches, so
+    every call streams its weight from memory. Bytes counted as the cost model counts them:
+    out x in x the dtype's size (DTYPE_BYTES: q4's 18 bytes a block of 32). The matrices are
+    large enough that a call's fixed cost (the host's, measured apart) is noise. On the CPU
+    they lie in huge pages, as a loaded model's (ctxpar/layers/weight_arena.py)."""
     from ctxpar.layers.linear import linear
     from ctxpar.layers.weight_arena import place_on_huge_pages
 
     nbytes = nbytes or (GPU_READ_BYTES if device.type == "cuda" else READ_BYTES)
-    out, inp = shape or (GPU_WEIGHT_SHAPE if device.type == "cuda" else WEIGHT_SHAPE)
-    size = out * inp * DTYPE_BYTES[dtype]
-    count = max(2, math.ceil(nbytes / size))  # at least two: one call never reads what the last left in cache
-    weights = [projection_weight(dtype, out, inp, device, seed=i) for i in range(count)]
+    shapes = shapes or (GPU_WEIGHT_SHAPES if device.type == "cuda" else WEIGHT_SHAPES)
+    size = sum(out * inp for out, inp in shapes) * DTYPE_BYTES[dtype]
+    copies = max(2, math.ceil(nbytes / size))  # at least two: one call never reads what the last left in cache
+    calls = [
+        (activation_rows(dtype, 1, inp, device), projection_weight(dtype, out, inp, device, seed=i))
+        for i in range(copies)
+        for out, inp in shapes
+    ]
     holder = torch.nn.Module()
-    for i, w in enumerate(weights):
+    for i, (_, w) in enumerate(calls):
         setattr(holder, f"w{i}", w)
     place_on_huge_pages(holder)
-    x = activation_rows(dtype, 1, inp, device)
-
-    def step() -> None:
-        for w in weights:
-            linear(x, w)
-
-    return count * size / best_time(step, device=device)
+    return copies * size / best_time(lambda: [linear(x, w) for x, w in calls], device=device)
 
 
 def projection_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:

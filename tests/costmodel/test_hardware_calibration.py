@@ -20,7 +20,7 @@ def test_rank_figures_at_small_sizes(monkeypatch) -> None:
         cal.attention_flops(torch.float32, cpu, (64, 4, 16)),
         cal.attention_flops(torch.bfloat16, cpu, (64, 4, 16)),
         cal.read_bandwidth(cpu, 1 << 20),
-        *(cal.weight_read_bandwidth(dtype, cpu, 1 << 20, (256, 64)) for dtype in ("fp32", "bf16", "q4")),
+        *(cal.weight_read_bandwidth(dtype, cpu, 1 << 20, [(256, 64), (128, 96)]) for dtype in ("fp32", "bf16", "q4")),
     ):
         assert 0 < figure < math.inf
 
@@ -45,7 +45,7 @@ def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
 def test_projection_rates_cover_every_weight_dtype(monkeypatch) -> None:
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
     monkeypatch.setattr(cal, "GEMM_SHAPES", [(64, 64, 64)])
-    monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
+    monkeypatch.setattr(cal, "WEIGHT_SHAPES", [(256, 64)])
     monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
     lines: list[str] = []
     rates = cal.projection_rates(torch.device("cpu"), lines.append)
@@ -84,7 +84,7 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
     for name, small in (("GEMM_SHAPES", [(64, 64, 64)]), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
         monkeypatch.setattr(cal, name, small)
-    monkeypatch.setattr(cal, "WEIGHT_SHAPE", (256, 64))
+    monkeypatch.setattr(cal, "WEIGHT_SHAPES", [(256, 64)])
     asked = []
     host_overhead = lambda *args: asked.append(args) or (1.5e-3, 16e-6)
     before = torch.get_num_threads()
