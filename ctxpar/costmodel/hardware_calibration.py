@@ -55,8 +55,8 @@ from ctxpar.machine import cpu_info
 GEMM_SHAPES = ((1024, 2048, 3072), (1024, 2048, 2048), (1024, 2048, 16384), (1024, 8192, 2048))
 ATTN_SHAPE = (2048, 32, 64)  # (tokens, heads, head dim): causal, Llama-3.2-1B's layer (8 KV heads)
 READ_BYTES = 256 << 20  # far beyond the caches
-# (out, in) of the weights a decode step's projections read, GEMM_SHAPES' layer: one 4096 x
-# 1024 matrix read Q4_0 at 25 GB/s where a layer's read at 18-21 (a 2K-context step reads 20).
+# (out, in) of the weights a decode step's projections read: GEMM_SHAPES' layer, so that both
+# rates are of the shapes a step multiplies (wide gate|up, long down), not of one matrix.
 WEIGHT_SHAPES = tuple((out, inp) for _, inp, out in GEMM_SHAPES)
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
