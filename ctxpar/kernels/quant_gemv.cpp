@@ -176,6 +176,7 @@ inline float offsets_term(const S* wo, const S* ws, float zero, const float* xs,
   if (wo) return dot(wo, xs, nb);
   return zero != 0.0f ? -zero * dot(ws, xs, nb) : 0.0f;
 #else
+  if (!wo && zero == 0.0f) return 0.0f;
   float off = 0.0f;
   for (int64_t b = 0; b < nb; ++b) off += (wo ? to_float(wo[b]) : -zero * to_float(ws[b])) * xs[b];
   return off;
@@ -291,7 +292,7 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
     res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
 #else
   (void)xp;  // the paired activations serve the AVX2 path only
-  float acc[mr] = {}, off[mr] = {};
+  float acc[mr] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[QB];
     for (int i = 0; i < QB; ++i) {
@@ -310,10 +311,9 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
       for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
       const float s0 = to_float(group == QB ? ws[b] : ws[2 * b]), s1 = to_float(group == QB ? ws[b] : ws[2 * b + 1]);
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
-      if (wo || zero != 0.0f) off[m] += (wo ? to_float(wo[b]) : -zero * to_float(ws[b])) * xs[r * nb + b];
     }
   }
-  for (int m = 0; m < mr; ++m) res[m] = acc[m] + off[m];
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
 #endif
 }
 

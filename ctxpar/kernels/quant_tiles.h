@@ -497,19 +497,20 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
   static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
   static thread_local Tile tile;
   const int64_t tiles_n = (out_features + T - 1) / T;
-  // zero 8: AMX multiplies signed codes by the nibbles less 8 (a tile of signed bytes, as
-  // an 8-bit weight's); without AMX the tile keeps the nibbles and vnni_rows subtracts.
-  bool signed_tile = false;
 #if defined(CTXPAR_AMX)
   const bool amx = r1 - r0 >= 16 && amx_ready();
   static thread_local std::vector<GroupScales> group_scales;
-  signed_tile = amx && zero;
   if (amx) {
     amx_configure(group);
     group_scales.resize((r1 - r0) / 16);
     for (int64_t g = 0; g < (r1 - r0) / 16; ++g)
       group_scales[g].fill(xd, xs, r0 + 16 * g, in / QB, offsets != nullptr);
   }
+  // zero 8: AMX multiplies signed codes by the nibbles less 8 (a tile of signed bytes, as
+  // an 8-bit weight's); without AMX the tile keeps the nibbles and vnni_rows subtracts.
+  const bool signed_tile = amx && zero;
+#else
+  const bool signed_tile = false;
 #endif
   // A few rows read the weight in place; more lay each tile out once for all of them.
   const bool direct = r1 - r0 < DIRECT_ROWS;
