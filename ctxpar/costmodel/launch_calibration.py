@@ -14,24 +14,14 @@ script (python -m ctxpar.bench.cuda_graph_check), not by the CPU tests.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from ctxpar.costmodel.link_calibration import best_of
 
 LAUNCHES = 2000  # eager launches timed per run
 GRAPH_KERNELS = 200  # kernels in the larger graph
 REPLAYS = 50  # replays timed per run
 RUNS = 5  # best of
-
-
-def _best(fn, runs: int = RUNS) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _sync(device: torch.device) -> None:
@@ -48,7 +38,7 @@ def kernel_launch_s(device: torch.device, launches: int = LAUNCHES) -> float:
             x.add_(1.0)
         _sync(device)
 
-    return _best(run) / launches
+    return best_of(run, RUNS) / launches
 
 
 def graph_costs(device: torch.device) -> tuple[float, float]:
@@ -71,7 +61,7 @@ def graph_costs(device: torch.device) -> tuple[float, float]:
                 g.replay()
                 torch.cuda.synchronize(device)
 
-        times[kernels] = _best(replay) / REPLAYS
+        times[kernels] = best_of(replay, RUNS) / REPLAYS
     per_kernel = max(0.0, (times[GRAPH_KERNELS] - times[1]) / (GRAPH_KERNELS - 1))
     return max(0.0, times[1] - per_kernel), per_kernel
 

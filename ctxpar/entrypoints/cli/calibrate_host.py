@@ -76,21 +76,25 @@ def decode_step_seconds(llm: Any, context: int, steps: int, seed: int) -> tuple[
     return seconds, prefill
 
 
-def decode_step_s(path: Path, dtype: str, device: torch.device, ranks: int = 1, threads: int | None = None) -> float:
-    """Seconds of one decode step of the model at ``path`` on ``ranks`` ranks of ``threads``
-    threads (one host: rank 0 leads the step): the best of RUNS runs of STEPS steps."""
+def _tiny_engine(path: Path, dtype: str, device: torch.device, **options: Any) -> Any:
+    """The engine over a random checkpoint at ``path``, which has no tokenizer: token ids
+    in, token ids out."""
     from ctxpar import LLM
 
-    # A random checkpoint has no tokenizer: token ids in, token ids out.
-    with LLM(
+    return LLM(
         str(path),
         dtype=ENGINE_DTYPES[dtype],
         device=device.type,
         max_model_len=512,
         skip_tokenizer_init=True,
-        pcp_size=ranks,
-        num_threads=threads,
-    ) as llm:
+        **options,
+    )
+
+
+def decode_step_s(path: Path, dtype: str, device: torch.device, ranks: int = 1, threads: int | None = None) -> float:
+    """Seconds of one decode step of the model at ``path`` on ``ranks`` ranks of ``threads``
+    threads (one host: rank 0 leads the step): the best of RUNS runs of STEPS steps."""
+    with _tiny_engine(path, dtype, device, pcp_size=ranks, num_threads=threads) as llm:
         return min(decode_step_seconds(llm, PROMPT, STEPS, seed=run)[0] for run in range(RUNS))
 
 
@@ -129,21 +133,14 @@ def kernels_per_layer(dtype: str, device: torch.device) -> int:
     """Kernels a decode step of ctxpar's engine launches a layer on ``device`` (a GPU): the
     two tiny models' launches a step (torch.profiler's count of the CUDA runtime's launch
     calls over STEPS eager steps), their difference over their layers' difference."""
-    from ctxpar import LLM
     from ctxpar.models.random_checkpoint import save_random_model
 
     counts = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in LAYERS:
             path = save_random_model(_tiny_config(n), Path(tmp) / f"layers{n}", seed=0)
-            with LLM(
-                str(path),
-                dtype=ENGINE_DTYPES[dtype],
-                device=device.type,
-                max_model_len=512,
-                skip_tokenizer_init=True,
-                enforce_eager=True,  # launches are what is counted: a graph would hide them
-            ) as llm:
+            # Eager: launches are what is counted, and a graph would hide them.
+            with _tiny_engine(path, dtype, device, enforce_eager=True) as llm:
                 decode_step_seconds(llm, PROMPT, 2, seed=0)  # warm-up
                 counts.append(launches(lambda: decode_step_seconds(llm, PROMPT, STEPS, seed=1), device) / STEPS)
     return max(0, round((counts[1] - counts[0]) / (LAYERS[1] - LAYERS[0])))
