@@ -10,16 +10,27 @@ Linux backs memory with them where it was advised ``MADV_HUGEPAGE`` before its
 first touch (its default "madvise" mode), so a buffer here is a fresh private
 anonymous mapping, advised, then filled.
 Where the OS has no huge pages the advice is ignored and the pages are small.
+
+A model's weights are written straight into such memory as they are read
+(``HugeArena``), so that they are not laid out once and then copied there:
+``on_huge_pages`` tells a weight that is there already from one to move.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import weakref
 
 import torch
 
 HUGE_PAGE = 2 << 20
+ALIGN = 64  # bytes: each of a HugeArena's tensors starts on a cache line
+ARENA_CHUNK = 256 << 20  # bytes a HugeArena maps at a time (more for a larger tensor)
+
+# The first bytes of huge_empty's mappings that are still alive: a tensor's storage
+# starts there exactly when it is (a view of) one of them.
+_LIVE: set[int] = set()
 
 
 def huge_empty(nbytes: int) -> torch.Tensor:
@@ -31,10 +42,37 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary: a huge page must be aligned
     region.madvise(mmap.MADV_HUGEPAGE, start, nbytes + HUGE_PAGE - start)
+    _LIVE.add(raw.data_ptr())
+    weakref.finalize(region, _LIVE.discard, raw.data_ptr())  # unmapped once its last tensor goes
     return raw[start : start + nbytes]
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in memory of ``huge_empty``'s advised huge (its mapping is still alive)."""
+    return t.untyped_storage().data_ptr() in _LIVE
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on memory advised huge (see ``huge_empty``)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return huge_empty(nbytes).view(dtype).view(shape)
+
+
+class HugeArena:
+    """Tensors carved one after another out of memory advised huge, each on a cache
+    line, for weights written where they will stay while the total is not yet known:
+    it maps ``ARENA_CHUNK`` bytes at a time (or a larger tensor's own), and the pages
+    of a mapping's unused end are never touched, so never made."""
+
+    def __init__(self) -> None:
+        self._chunk = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of zeros of ``shape`` and ``dtype`` in the arena, to be written."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        start = -(-self._used // ALIGN) * ALIGN
+        if start + nbytes > self._chunk.numel():
+            self._chunk, start = huge_empty(max(ARENA_CHUNK, nbytes)), 0
+        self._used = start + nbytes
+        return self._chunk[start : start + nbytes].view(dtype).view(shape)

@@ -22,6 +22,8 @@ Elsewhere (GPUs, or ``CTXPAR_KERNELS=0``) the weight is dequantized for
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -40,6 +42,14 @@ BLOCK_FIELDS = {
     "Q8_0": [("d", "<f2"), ("q", "V32")],
 }
 TILE_ROWS = 512  # weight rows dequantized at a time where the kernels do not run: 512 x 1536 floats = 3 MiB
+
+# Allocates a weight's tensor of (shape, dtype): torch.empty's memory, or a loader's (a HugeArena's).
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``Empty`` of memory of the weight's own."""
+    return torch.empty(shape, dtype=dtype)
 
 
 @dataclass
@@ -124,19 +134,34 @@ class QuantWeight:
         uint8 (a memory map of the file). Q4_0, Q4_1 and Q8_0 blocks already hold the
         kernel's integers (a nibble byte pairs weights i and i + 16, as here) and
         half scales: their fields are copied out as they are, one pass over the bytes
-        (Q4_0 keeps its form, ``zero`` 8); other formats are decoded."""
-        rows = raw.shape[0]
-        fields = BLOCK_FIELDS.get(fmt)
-        if fields is None or cols % 32:
+        (``from_fields``); other formats are decoded."""
+        if not has_fields(fmt, cols):
             return cls.from_decoded(decode(raw, fmt, cols))
-        # The blocks as records: numpy copies a field of fixed-size records at memory
-        # speed, where a slice of each block's bytes goes a few bytes at a time.
-        blocks = np.ascontiguousarray(raw).view(np.dtype(fields))  # (rows, cols / 32)
-        field = lambda name: torch.from_numpy(np.ascontiguousarray(blocks[name]))
-        qs = torch.from_numpy(np.ascontiguousarray(blocks["q"]).view(np.uint8).reshape(rows, -1))
-        offsets = field("m") if fmt == "Q4_1" else None
+        return cls.from_fields([np.ascontiguousarray(raw)], fmt, cols, torch_empty)
+
+    @classmethod
+    def from_fields(cls, raws: list[np.ndarray], fmt: str, cols: int, empty: Empty) -> QuantWeight:
+        """The kernel's layout of the rows of ``raws`` one after another, each (..., cols
+        / 32 * bytes) uint8 blocks of format ``fmt`` (``has_fields``) whose leading axes,
+        flattened in order, are its rows (a view of a memory map, rows permuted or not),
+        in tensors ``empty`` allocates: each field of the blocks (d, Q4_1's m, q) is copied
+        where it belongs as it is, so Q4_0 keeps its form, ``zero`` 8."""
+        fields = np.dtype(BLOCK_FIELDS[fmt])
+        blocks = cols // 32
         bits, zero = (8, 0) if fmt == "Q8_0" else (4, 8 if fmt == "Q4_0" else 0)
-        return cls(qs, field("d"), offsets, bits, 32, zero)
+        rows = sum(math.prod(raw.shape[:-1]) for raw in raws)
+        into = {"q": empty((rows, cols * bits // 8), torch.uint8), "d": empty((rows, blocks), torch.float16)}
+        if fmt == "Q4_1":  # its blocks' minimum m
+            into["m"] = empty((rows, blocks), torch.float16)
+        first = 0
+        for raw in raws:
+            # The blocks as records: numpy copies a field of fixed-size records at memory
+            # speed, where a slice of each block's bytes goes a few bytes at a time.
+            records, n = raw.view(fields), math.prod(raw.shape[:-1])
+            for name, dest in into.items():
+                np.copyto(dest[first : first + n].numpy().view(fields[name]).reshape(records.shape), records[name])
+            first += n
+        return cls(into["q"], into["d"], into.get("m"), bits, 32, zero)
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""
@@ -168,6 +193,60 @@ class QuantWeight:
         if d.offsets is not None:
             w = (w.view(end - first, -1, 32) + torch.from_numpy(d.offsets)[:, :, None]).view(end - first, -1)
         return w
+
+
+def has_fields(fmt: str, cols: int) -> bool:
+    """Whether blocks of ``fmt`` hold the kernel's layout as fields (``QuantWeight.from_fields``)."""
+    return fmt in BLOCK_FIELDS and cols % 32 == 0
+
+
+@dataclass(frozen=True)
+class MappedBlocks:
+    """A GGUF tensor's blocks where the file's memory map holds them, not yet laid out:
+    ``join`` writes them once, where the weight stays (beside a fused projection's
+    other parts), where laying each out first would write every byte twice."""
+
+    raw: np.ndarray  # (..., bytes a row) uint8 of the map: leading axes, flattened in order, are the rows
+    fmt: str  # its block format (layers/quant_blocks.py)
+    cols: int  # weights a row
+    empty: Empty  # allocates the joined weight's tensors
+    release: Callable[[], None]  # drops the map's pages once copied (the page cache keeps them)
+
+    @property
+    def out_features(self) -> int:
+        return math.prod(self.raw.shape[:-1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.cols)
+
+    def laid_out(self) -> QuantWeight:
+        """Its own layout, in memory of its own (``QuantWeight.from_blocks``); its pages released."""
+        w = QuantWeight.from_blocks(np.ascontiguousarray(self.raw).reshape(self.out_features, -1), self.fmt, self.cols)
+        self.release()
+        return w
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) float32 (where a fused weight's other rows came as floats)."""
+        return self.laid_out().dequantize()
+
+
+def join(parts: list[QuantWeight | MappedBlocks]) -> QuantWeight:
+    """The parts' rows one after another as one weight (a fused QKV or gate|up
+    projection, or one part alone), the same bytes as ``concat`` of each laid out.
+    Mapped parts of one format with fields (``has_fields``) are copied from the map
+    straight into the joined tensors, which the first part's ``empty`` allocates;
+    others are laid out each, then concatenated."""
+    first = parts[0]
+    if isinstance(first, MappedBlocks) and has_fields(first.fmt, first.cols):
+        same = [p for p in parts if isinstance(p, MappedBlocks) and (p.fmt, p.cols) == (first.fmt, first.cols)]
+        if len(same) == len(parts):
+            joined = QuantWeight.from_fields([p.raw for p in same], first.fmt, first.cols, first.empty)
+            for p in same:
+                p.release()
+            return joined
+    laid = [p.laid_out() if isinstance(p, MappedBlocks) else p for p in parts]
+    return laid[0] if len(laid) == 1 else concat(laid)
 
 
 def concat(parts: list[QuantWeight]) -> QuantWeight:

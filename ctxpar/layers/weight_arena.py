@@ -5,6 +5,8 @@ huge (every rank on the CPU, ``place_on_huge_pages``), and one segment of
 shared pages per host that every PCP rank maps (executor/shared_weights.py).
 Each weight starts on a cache line; the order is ``shared_tensors``', the same
 on every rank, so every rank lays out the same bytes at the same offsets.
+Weights a loader wrote on huge pages already (a GGUF's blocks, models/gguf.py)
+stay where they are.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ctxpar.kernels.huge_pages import huge_empty
+from ctxpar.kernels.huge_pages import ALIGN, huge_empty, on_huge_pages
 from ctxpar.layers.linear import shared_tensors
 
-ALIGN = 64  # bytes: each weight starts on a cache line
 TRIM_BYTES = 256 << 20  # weights moved between returns of their old copies' pages to the OS
 
 
@@ -33,7 +34,12 @@ class WeightArena:
 
     @classmethod
     def of(cls, model: nn.Module) -> WeightArena:
-        holders = shared_tensors(model)
+        """Every packed weight of ``model``."""
+        return cls.of_holders(shared_tensors(model))
+
+    @classmethod
+    def of_holders(cls, holders: list[tuple[object, str]]) -> WeightArena:
+        """The weights ``holders`` names, in that order."""
         offsets, total = [], 0
         for h, a in holders:
             w = getattr(h, a)
@@ -65,8 +71,9 @@ class WeightArena:
 
 
 def place_on_huge_pages(model: nn.Module) -> None:
-    """Move ``model``'s packed weights (on the CPU) into one buffer of huge pages."""
-    arena = WeightArena.of(model)
+    """Move ``model``'s packed weights (on the CPU) into one buffer of huge pages, but for
+    those on huge pages already."""
+    arena = WeightArena.of_holders([h for h in shared_tensors(model) if not on_huge_pages(getattr(*h))])
     if arena.total == 0 or getattr(*arena.holders[0]).device.type != "cpu":
         return
     arena.point_at(huge_empty(arena.total), fill=True)

@@ -2,10 +2,14 @@
 
 The weights are read where they lie: ``gguf_weights`` maps the file
 (models/gguf_file.py: read-only, the page cache's pages) and yields each tensor
-under its Hugging Face name, a projection kept quantized as the kernel's
-layout of its blocks (``QuantWeight``: Q4_0, Q4_1 and Q8_0 blocks are one
-strided copy of the file's bytes, the other formats decoded once), the rest
-dequantized. Nothing the size of the weights is written anywhere.
+under its Hugging Face name, a projection kept quantized as its blocks in
+the map, which the model lays out for the kernel where the weight stays
+(layers/quant_linear.py's ``join``: Q4_0, Q4_1 and Q8_0 blocks are one strided
+copy of the file's bytes into huge pages, beside a fused projection's other
+parts; the other formats decoded once), the rest dequantized. The file is read
+ahead of the copies, in order (models/gguf_file.py's ``read_ahead``), so a load
+of a file not in the page cache reads the disk at its speed. Nothing the size
+of the weights is written anywhere.
 
 What is slow to rebuild is the tokenizer (transformers takes 5-15 s to build
 it from the GGUF's vocabulary), so that, with the config, is cached once in
@@ -29,14 +33,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ctxpar.errors import CtxparError
+from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import MappedBlocks
 from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
@@ -211,22 +217,32 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def unpermuted_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rope permutation of a Q/K weight's rows (or a bias) undone, as a view:
+    (n_head, 2, hd / 2, ...) whose first three axes, flattened in order, are the HF rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+
+
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rope permutation of a Q/K weight (rows) or bias: (n_head*hd, ...) -> HF layout."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return unpermuted_rows(w, n_head).reshape(w.shape)
 
 
 def gguf_weights(
     reader: GGUFFile, config, path: Path, keep_quantized: bool
-) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
     """Every tensor of the GGUF under its HF name, Q and K rows un-permuted, read
     from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors
-    in a block format of layers/quant_blocks.py as the kernel's layout
-    (``QuantWeight``; a row permutation moves whole rows of blocks); otherwise,
-    and for the rest (norms; F16/F32 weights), float32 tensors."""
+    in a block format of layers/quant_blocks.py as their blocks in the map
+    (``MappedBlocks``, a row permutation a view that moves whole rows of blocks),
+    to be laid out for the kernel on huge pages (kernels/huge_pages.py's
+    ``HugeArena``) by the model's ``join``; otherwise, and for the rest (norms;
+    F16/F32 weights), float32 tensors."""
     from gguf.quants import dequantize
 
+    arena = HugeArena()
     for t in reader.tensors:
+        reader.read_ahead(t)
         name = hf_name(t.name)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
@@ -234,12 +250,8 @@ def gguf_weights(
         heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
         n_head = next((n for key, n in heads.items() if key in name), None)
         if keep_quantized and kind in FORMATS and len(t.shape) == 2:
-            raw = t.data  # (rows, blocks * bytes), mapped
-            if n_head is not None:
-                raw = unpermute(raw, n_head)
-            weight = QuantWeight.from_blocks(raw, kind, int(t.shape[0]))  # a copy: the map's pages can go
-            reader.release(t)
-            yield name, weight
+            raw = t.data if n_head is None else unpermuted_rows(t.data, n_head)
+            yield name, MappedBlocks(raw, kind, int(t.shape[0]), arena.empty, partial(reader.release, t))
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         w = np.asarray(dequantize(t.data, t.kind), dtype=np.float32).reshape(shape)

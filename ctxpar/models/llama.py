@@ -27,7 +27,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import default_runs
 from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.quant_linear import QuantWeight, concat
+from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
@@ -210,19 +210,19 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]]) -> None:
         """Copy Hugging Face-named tensors in; CtxparError on a missing, unexpected or mis-shaped one.
 
         Rotary ``inv_freq`` buffers are ignored, and so is ``lm_head.weight``
-        when the embeddings are tied. A QuantWeight (a GGUF's blocks kept
-        quantized) replaces its parameter (``_place_quantized``).
+        when the embeddings are tied. A QuantWeight, or a GGUF's blocks kept
+        quantized (MappedBlocks), replaces its parameter (``_place_quantized``).
         """
         if self.lm_head_packed is not None:
             raise RuntimeError("the weights are packed for CPU already; load_weights must come before pack_for_cpu()")
         targets = self._targets()
         missing = set(targets)
         unexpected: list[str] = []
-        quantized: dict[int, list[tuple[int, QuantWeight]]] = {}  # id(param) -> (first row, rows) parts
+        quantized: dict[int, list[tuple[int, QuantWeight | MappedBlocks]]] = {}  # id(param) -> (first row, part)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             expected = (rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise CtxparError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
-            if isinstance(tensor, QuantWeight):
+            if isinstance(tensor, (QuantWeight, MappedBlocks)):
                 parts = quantized.setdefault(id(param), [])
                 parts.append((start, tensor))
                 if sum(w.out_features for _, w in parts) == param.shape[0]:  # whole: joined now, parts freed
@@ -254,13 +254,13 @@ class LlamaForCausalLM(nn.Module):
             for start, w in parts:
                 params[key][start : start + w.out_features].copy_(w.dequantize())
 
-    def _place_quantized(self, param: torch.nn.Parameter, parts: list[tuple[int, QuantWeight]]) -> None:
+    def _place_quantized(self, param: torch.nn.Parameter, parts: list[tuple[int, QuantWeight | MappedBlocks]]) -> None:
         """A parameter whose rows all came quantized becomes one QuantWeight (the parts
-        of a fused one joined, layers/quant_linear.py's ``concat``), a plain attribute
+        of a fused one joined, layers/quant_linear.py's ``join``), a plain attribute
         in the parameter's place, as soon as its last part arrives: the parts are freed
         then, not after the whole model (which would hold two copies of it at once)."""
         parts.sort(key=lambda part: part[0])
-        joined = parts[0][1] if len(parts) == 1 else concat([w for _, w in parts])
+        joined = join([w for _, w in parts])
         for m in self.modules():  # every name it goes by (tied embeddings: embed_tokens and lm_head)
             for n, p in list(m._parameters.items()):
                 if p is param:

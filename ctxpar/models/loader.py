@@ -24,7 +24,7 @@ import torch
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import overridden_config_kwargs
 from ctxpar.layers.quant_blocks import quantize_int8
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.models import gguf
 from ctxpar.models.deepseek_mtp import DeepseekMTP
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
@@ -217,8 +217,8 @@ INT8_WEIGHTS = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
 def int8_weights(
-    weights: Iterator[tuple[str, torch.Tensor | QuantWeight]],
-) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    weights: Iterator[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]],
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]]:
     """``weights`` with every one named by INT8_WEIGHTS (2-D, rows of whole groups of 32)
     quantized to int8 blocks (layers/quant_blocks.py's ``quantize_int8``)."""
     for name, w in weights:

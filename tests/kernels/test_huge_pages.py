@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctxpar.kernels.huge_pages import HUGE_PAGE, huge_empty, huge_zeros
+from ctxpar.kernels import huge_pages
+from ctxpar.kernels.huge_pages import HUGE_PAGE, HugeArena, huge_empty, huge_zeros, on_huge_pages
 from ctxpar.layers.linear import shared_tensors
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.loader import load_model
@@ -68,6 +69,26 @@ def test_huge_zeros_views_as_the_dtype():
     assert torch.equal(t[5, 1, 2], torch.arange(64.0)) and float(t.sum()) == float(torch.arange(64.0).sum())
 
 
+def test_an_arena_carves_aligned_tensors_out_of_huge_pages(monkeypatch: pytest.MonkeyPatch):
+    """Tensors one after another on cache lines of one advised mapping; one larger than
+    a chunk gets a mapping of its own; ``on_huge_pages`` knows them, and not others."""
+    monkeypatch.setattr(huge_pages, "ARENA_CHUNK", 2 * HUGE_PAGE)
+    arena = HugeArena()
+    a = arena.empty((3, 5), torch.float16)
+    b = arena.empty((7,), torch.uint8)
+    c = arena.empty((HUGE_PAGE + 1,), torch.float32)
+    assert a.shape == (3, 5) and a.dtype == torch.float16 and b.shape == (7,) and c.dtype == torch.float32
+    assert all(t.data_ptr() % 64 == 0 and int(t.count_nonzero()) == 0 for t in (a, b, c))
+    assert b.data_ptr() == a.data_ptr() + 64  # the next cache line after a's 30 bytes
+    assert mapping_of(a.data_ptr())["range"] == mapping_of(b.data_ptr())["range"] != mapping_of(c.data_ptr())["range"]
+    assert all("hg" in mapping_of(t.data_ptr())["VmFlags"].split() for t in (a, c))
+    a.copy_(torch.arange(15.0).view(3, 5))
+    b.fill_(9)
+    assert torch.equal(a, torch.arange(15.0, dtype=torch.float16).view(3, 5)) and int(b.sum()) == 63
+    assert all(on_huge_pages(t) for t in (a, b, c, a[1:], huge_zeros((1024, 1024), torch.float32)))
+    assert not on_huge_pages(torch.zeros(1 << 20)) and not on_huge_pages(huge_empty(4096))
+
+
 def test_kv_caches_are_advised_huge():
     caches = allocate_kv_caches(2, 4096, (2, 3, 64), torch.float32, torch.device("cpu"))
     for c in caches:
@@ -99,6 +120,19 @@ def test_weights_move_to_huge_pages_unchanged(model_dir):
     assert {m["range"] for m in mappings} == {mappings[0]["range"]}
     assert "hg" in mappings[0]["VmFlags"].split()
     assert all(a.data_ptr() % 64 == 0 for a in after)
+
+
+def test_weights_on_huge_pages_already_stay_where_they_are(model_dir):
+    """A weight a loader wrote on huge pages is not copied again; the others move."""
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu")).model
+    holders = shared_tensors(model)
+    holder, attr = holders[0]
+    w = getattr(holder, attr)
+    placed = HugeArena().empty(tuple(w.shape), w.dtype).copy_(w)  # as a GGUF's loader writes its blocks
+    setattr(holder, attr, placed)
+    place_on_huge_pages(model)
+    assert getattr(holder, attr).data_ptr() == placed.data_ptr()
+    assert all(on_huge_pages(getattr(h, a)) for h, a in holders)
 
 
 def test_an_engine_keeps_its_weights_and_caches_on_huge_pages(model_dir):

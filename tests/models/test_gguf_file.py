@@ -4,6 +4,10 @@ the same metadata, array lengths, tensors, and bytes; broken files refused."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,11 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 
 from ctxpar.bench.gguf_shapes import Shape, write_gguf
+from ctxpar.kernels.huge_pages import on_huge_pages
+from ctxpar.layers.linear import shared_tensors
+from ctxpar.layers.quant_linear import QuantWeight, concat
+from ctxpar.layers.weight_arena import place_on_huge_pages
+from ctxpar.models.gguf import unpermute
 from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.models.loader import default_model_path, load_model
 
@@ -77,3 +86,83 @@ def test_loading_maps_the_file_and_writes_only_its_tokenizer(
     files = [f for f in (tmp_path / "cache").rglob("*") if f.is_file()]
     assert files and sum(f.stat().st_size for f in files) < 10 << 20
     assert not [f for f in files if f.suffix == ".safetensors"]
+
+
+def cached_fraction(path: Path, start: int = 0) -> float:
+    """The share of ``path``'s pages from byte ``start`` on in the page cache (mincore(2)
+    over a map of its own)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    first = start // mmap.PAGESIZE
+    return sum(b & 1 for b in vec.raw[first:]) / (pages - first)
+
+
+def test_read_ahead_reads_the_file_into_the_page_cache(tiny: str, tmp_path: Path) -> None:
+    """The tensors' pages dropped from the page cache first (the file's own, written and
+    synced), then read by the OS on the advice alone: what a cold load's copies then find."""
+    path = write_gguf(tiny, "Q4_0", tmp_path / "tiny.gguf", default_model_path())
+    reader = GGUFFile(path)
+    start = reader.tensors[0].offset
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # all but the header pages the reader maps
+    if cached_fraction(path, start) > 0.1:
+        pytest.skip("this file system keeps the file's pages (tmpfs)")
+    reader.read_ahead(reader.tensors[0])  # READ_AHEAD past the first tensor: the whole small file
+    deadline = time.monotonic() + 10
+    while cached_fraction(path, start) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the advice returns at once; the reads complete meanwhile
+    assert cached_fraction(path, start) == 1
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
+def test_kept_blocks_are_each_tensor_laid_out_on_huge_pages(fmt: str, tiny: str, tmp_path: Path) -> None:
+    """The loaded weights hold exactly the layout of each file tensor (Q and K rows
+    un-permuted), the fused ones joined; Q4_0's lie on huge pages as loaded, where moving
+    the model's weights there leaves them; Q4_K's (decoded) move there then."""
+    path = write_gguf(tiny, fmt, tmp_path / "tiny.gguf", default_model_path())
+    model = load_model(str(path), torch.float32, torch.device("cpu"), 256, quantization="gguf").model
+    file = {t.name: t for t in GGUFReader(path).tensors}
+    config = model.config
+
+    def laid_out(name: str, n_head: int | None = None) -> QuantWeight:
+        cols, rows = (int(d) for d in file[name].shape)  # innermost first
+        raw = np.asarray(file[name].data).view(np.uint8).reshape(rows, -1)
+        return QuantWeight.from_blocks(raw if n_head is None else unpermute(raw, n_head), fmt, cols)
+
+    got = [model.embed_tokens, model.lm_head]
+    want = [laid_out("token_embd.weight"), laid_out("output.weight")]
+    for i, layer in enumerate(model.decoder_layers):
+        b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
+        q = laid_out(b + "attn_q.weight", config.num_attention_heads)
+        k = laid_out(b + "attn_k.weight", config.num_key_value_heads)
+        got += [attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight]
+        want += [concat([q, k, laid_out(b + "attn_v.weight")]), laid_out(b + "attn_output.weight")]
+        want += [
+            concat([laid_out(b + "ffn_gate.weight"), laid_out(b + "ffn_up.weight")]),
+            laid_out(b + "ffn_down.weight"),
+        ]
+    for g, w in zip(got, want, strict=True):
+        assert (g.bits, g.group, g.zero) == (w.bits, w.group, w.zero)
+        for a, b in zip(g.tensors(), w.tensors(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    tensors = [getattr(h, a) for h, a in shared_tensors(model)]
+    assert all(on_huge_pages(t) == (fmt == "Q4_0") for t in tensors)
+    where = [t.data_ptr() for t in tensors]
+    place_on_huge_pages(model)
+    tensors = [getattr(h, a) for h, a in shared_tensors(model)]
+    assert all(on_huge_pages(t) for t in tensors)
+    assert ([t.data_ptr() for t in tensors] == where) == (fmt == "Q4_0")
