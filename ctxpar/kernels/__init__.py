@@ -51,6 +51,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _f32, _ptr, _ptr], None),
     "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 10 + [_ptr] + [_i64] * 4 + [_f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
+    "prefill_attention_bf16": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _f32, _ptr, _ptr], None),
+    "prefill_attention_bf16_supports": ([_i64, _i64], ctypes.c_int),
     "kv_quantize": ([_ptr, _i64, _i64, _ptr] + [_i64] * 4 + [_ptr], None),
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),

@@ -122,15 +122,21 @@ def latent_paged_decode(
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``prefill_attention`` takes these: float32 CPU tensors whose
-    heads are contiguous rows, widths the kernel's vectors divide, kernels on."""
-    return (
+    """Whether ``prefill_attention`` takes these: CPU tensors of one dtype whose heads
+    are contiguous rows, kernels on, and a kernel for that dtype and these widths:
+    float32 (widths its vectors divide), or bf16 on a CPU with AMX-BF16 (Q/K widths
+    a multiple of 32 up to 192, V of 16)."""
+    if not (
         q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
         and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
         and kernels.available()
-        and bool(kernels.loaded().prefill_attention_supports(q.shape[-1], v.shape[-1]))
-    )
+    ):
+        return False
+    lib = kernels.loaded()
+    supports = lib.prefill_attention_supports if q.dtype == torch.float32 else lib.prefill_attention_bf16_supports
+    return bool(supports(q.shape[-1], v.shape[-1]))
 
 
 def prefill_attention(
@@ -148,7 +154,8 @@ def prefill_attention(
     [0, counts[i]), 1 <= counts[i] <= S; else causal: the queries are the last
     L of the S keys (bottom-right aligned, L <= S), or every query sees every
     key. Returns out (L, H, Dv), written into `out` if given (contiguous
-    float32), and lse (L, H), float32."""
+    float32), and lse (L, H), float32. bf16 inputs take AMX's tiles
+    (prefill_tiles.cpp: softmax weights rounded to bf16 for P · V)."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
     if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and counts is None and L > S):
         raise ValueError(
@@ -157,7 +164,9 @@ def prefill_attention(
         )
     out = attention_out(out, (L, H, Dv), "prefill_attention")
     lse = torch.empty(L, H, dtype=torch.float32)
-    kernels.loaded().prefill_attention_f32(
+    lib = kernels.loaded()
+    kernel = lib.prefill_attention_f32 if q.dtype == torch.float32 else lib.prefill_attention_bf16
+    kernel(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),

@@ -28,20 +28,14 @@
 #include <vector>
 
 #include "kv_codes.h"
+#include "online_softmax.h"
 #include "vec.h"
 
 namespace {
 
-#ifdef __AVX512F__
-typedef v16 vec;  // 32 registers of 16 floats: tiles of 6 x 4 vectors (24 accumulators)
-typedef v16i veci;
-constexpr int64_t ROWS = 6;
-#else
-typedef v8 vec;  // 16 registers of 8 floats: tiles of 3 x 4 vectors (12 accumulators)
-typedef v8i veci;
-constexpr int64_t ROWS = 3;
-#endif
-constexpr int64_t W = sizeof(vec) / sizeof(float);
+using online_softmax::vec;  // AVX-512: 32 registers of 16 floats, tiles of 6 x 4 vectors (24 accumulators);
+using online_softmax::W;    // else 16 registers of 8 floats, tiles of 3 x 4 vectors (12 accumulators)
+constexpr int64_t ROWS = W == 16 ? 6 : 3;
 constexpr int64_t TILE = 4 * W;  // columns of a tile
 // Chosen by measurement (2 threads, AVX-512, 9/3 heads of 64, 2048 queries
 // after 0 and 4096 keys): 6-row tiles beat 4-row ones by 1.2x; BK 128 and
@@ -132,10 +126,9 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
     }
 
-    // Per-row state, padded to whole vectors (the extra rows' block maxima stay 0: finite).
     std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim);
-    // Row sums stay W partial sums per row until the end (no horizontal add per block).
     std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
+    const online_softmax::Rows rows{top.data(), block_top.data(), rescale.data(), totals.data()};
     std::vector<const float*> v_rows(BK);
     std::vector<float> kt_block(quantized ? dim * BK : 0), v_block(quantized ? BK * value_dim : 0);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
@@ -169,41 +162,12 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             for (int64_t c = 0; c < BK; c += TILE)
               tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
                            nullptr, scores.data() + m * BK + c, BK);
-          // Online softmax. Every row sees key 0, so after the first block its
-          // running max is finite and no rescale below is 2^(-inf - -inf).
-          for (int64_t m = 0; m < M; ++m) {  // mask the future (and padding keys), row maxima
-            float* row = scores.data() + m * BK;
-            const int64_t seen = std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0));
-            for (int64_t s = seen; s < BK; ++s) row[s] = -INFINITY;
-            vec tops = loadv<vec>(row);
-            for (int64_t s = W; s < BK; s += W) tops = tops < loadv<vec>(row + s) ? loadv<vec>(row + s) : tops;
-            block_top[m] = hmax(tops);
-          }
-          for (int64_t m = 0; m < M_vec; m += W) {  // new maxima and rescales, W rows at a time
-            const vec old_top = loadv<vec>(top.data() + m), bt = loadv<vec>(block_top.data() + m);
-            const vec new_top = old_top < bt ? bt : old_top;
-            // 0 on the first block; exactly 1 where the maximum stands (the polynomial's 2^0 is
-            // 1 + 1.2e-7), so a block no query of the row sees changes nothing: a query's
-            // output is the same bits whichever queries share its task (PCP's chunks).
-            const vec r = exp2_nonpositive<vec, veci>(old_top - new_top);
-            storev(rescale.data() + m, old_top == new_top ? vec{} + 1.0f : r);
-            storev(top.data() + m, new_top);
-          }
-          for (int64_t m = 0; m < M; ++m) {  // p = 2^(score - max), row sums
-            float* row = scores.data() + m * BK;
-            vec sum = loadv<vec>(totals.data() + m * W) * rescale[m];
-            for (int64_t s = 0; s < BK; s += W) {
-              const vec x = loadv<vec>(row + s);
-              vec p = exp2_nonpositive<vec, veci>(x - top[m]);
-              // With counts, a key the query does not see weighs exactly 0 (not 2^-125): a block
-              // only other queries of the task see, or a shorter key tensor, changes no bit even
-              // of an output that is 0 (a quantized value's zero code).
-              if constexpr (with_counts) p = x == vec{} - INFINITY ? vec{} : p;
-              storev(row + s, p);
-              sum += p;
-            }
-            storev(totals.data() + m * W, sum);
-          }
+          auto seen = [&](int64_t m) { return std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0)); };
+          online_softmax::block<with_counts, false>(scores.data(), M, M_vec, BK, 1.0f, seen, rows,
+                                             [&](int64_t m, int64_t s, vec p) {
+                                               storev(scores.data() + m * BK + s, p);
+                                               return p;
+                                             });
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < value_dim; c += TILE)
               tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys,
@@ -211,11 +175,9 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
         }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
-            const int64_t m = i * g + j, hq = h * g + j;
-            const float total = hsum(loadv<vec>(totals.data() + m * W));
-            float* dst = out + ((i0 + i) * heads + hq) * value_dim;
-            for (int64_t d = 0; d < value_dim; ++d) dst[d] = o[m * value_dim + d] / total;
-            if (lse) lse[(i0 + i) * heads + hq] = (top[m] + std::log2(total)) * LN2;
+            const int64_t m = i * g + j, row = (i0 + i) * heads + h * g + j;
+            online_softmax::finish(o.data() + m * value_dim, value_dim, rows, m, out + row * value_dim,
+                                   lse ? lse + row : nullptr);
           }
       }
   }

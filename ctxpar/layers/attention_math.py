@@ -30,7 +30,7 @@ def causal_attention(
 
     Query i (absolute position S - L + i) sees keys [0, S - L + i]: causal,
     aligned bottom-right. On the CPU every call runs in ctxpar's compiled kernel
-    (bf16 inputs widened to fp32), which aligns bottom-right itself and gives a
+    (``kernel_inputs``), which aligns bottom-right itself and gives a
     query the same bits whatever the queries with it: one path for any L, so a
     prompt's tokens do not depend on how it was chunked. Elsewhere: PyTorch's
     ``is_causal`` aligns top-left, so a continued prefill (0 < S - L, L > 1) is
@@ -52,23 +52,35 @@ def causal_attention(
 def kernel_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """q, k, v as the compiled prefill kernel takes them (fp32; bf16 widened), or None
-    where it does not run (``causal_attention`` and DCP's ``attention_lse``). Unlike
-    PyTorch's CPU kernel, it takes V narrower than Q and K. Widths it does not take
-    are padded with zeros (Q and K to whole vectors, V to whole tiles: 16 and 64
-    floats cover every build), which add nothing to q·k; the caller cuts the padded
-    value columns off. So every width runs in the kernel, whose result for a query
-    does not depend on the queries beside it (PyTorch's does: MLA's 24-wide heads)."""
+    """q, k, v as the compiled prefill kernel takes them, or None where it does not
+    run (``causal_attention`` and DCP's ``attention_lse``): float32 as they are; bf16
+    as they are where the CPU has AMX-BF16, else widened to float32. Unlike PyTorch's
+    CPU kernel, it takes V narrower than Q and K. Widths it does not take are padded
+    with zeros (Q and K to whole vectors or tiles, V to whole tiles: 16 or 32, and 64
+    or 32 values cover every build), which add nothing to q·k; the caller cuts the
+    padded value columns off. So every width runs in the kernel, whose result for a
+    query does not depend on the queries beside it (PyTorch's does: MLA's 24-wide heads)."""
     if q.device.type != "cpu" or not kernels.available() or q.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if q.dtype != torch.float32:
+    if q.dtype == torch.bfloat16:
+        tiles = _padded(q, k, v, 32, 32)
+        if attn_kernels.prefill_usable(*tiles):
+            return tiles
         q, k, v = q.float(), k.float(), v.float()
-    pad_qk, pad_v = -q.shape[-1] % 16, -v.shape[-1] % 64
+    widened = _padded(q, k, v, 16, 64)
+    return widened if attn_kernels.prefill_usable(*widened) else None
+
+
+def _padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_to: int, v_to: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k zero-padded to a multiple of qk_to values per head, v of v_to."""
+    pad_qk, pad_v = -q.shape[-1] % qk_to, -v.shape[-1] % v_to
     if pad_qk:
         q, k = F.pad(q, (0, pad_qk)), F.pad(k, (0, pad_qk))
     if pad_v:
         v = F.pad(v, (0, pad_v))
-    return (q, k, v) if attn_kernels.prefill_usable(q, k, v) else None
+    return q, k, v
 
 
 def paged_kernel(cache: torch.Tensor, *widths: int) -> bool:

@@ -128,7 +128,8 @@ def test_unmasked_prefill_matches_reference(group, queries, keys, seed, march) -
 
 def test_causal_attention_takes_the_kernel_for_any_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """causal_attention runs every CPU call in the kernel, one query or many, fp32 or bf16
-    (widened): equal to PyTorch's path (CTXPAR_KERNELS=0) within float rounding."""
+    (AMX-BF16's tiles, or widened): equal to PyTorch's path (CTXPAR_KERNELS=0) within
+    float rounding."""
     from ctxpar.layers.attention_math import causal_attention
 
     calls = []
@@ -166,7 +167,9 @@ def test_bf16_cache_matches_reference_on_its_values(march: str) -> None:
 def test_usable_only_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     q, kv = torch.zeros(4, 4, 64), torch.zeros(8, 2, 2, 64)
     assert attn_kernels.prefill_usable(q, kv[:, 0], kv[:, 1])
-    assert not attn_kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16())  # fp32 only
+    tiles = bool(kernels.loaded().prefill_attention_bf16_supports(64, 64))  # bf16: AMX-BF16's tiles, else widened
+    assert attn_kernels.prefill_usable(q.bfloat16(), kv[:, 0].bfloat16(), kv[:, 1].bfloat16()) == tiles
+    assert not attn_kernels.prefill_usable(q.half(), kv[:, 0].half(), kv[:, 1].half())
     assert not attn_kernels.prefill_usable(q.transpose(1, 2), kv[:, 0], kv[:, 1])  # a head's row must be contiguous
     cache = torch.zeros(8, 2, 2, 16)
     assert attn_kernels.usable(cache, 16)
