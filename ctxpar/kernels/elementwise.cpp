@@ -1,4 +1,7 @@
-// The elementwise steps of a decoder layer, each one pass over memory (fp32):
+// The elementwise steps of a decoder layer, each one pass over memory, over fp32 or
+// bf16 (T: float or BF16; bf16 is computed in floats, rounded where PyTorch's bf16
+// ops round: the residual sum, the normalised row before the weight, the SiLU before
+// the product; rope's rotation rounds once):
 //
 //   rms_norm   out = x / sqrt(mean(x^2) + eps) * weight, optionally after the
 //              residual add it follows (residual += x, then the norm of it)
@@ -27,72 +30,68 @@ typedef v8i veci;
 constexpr int64_t W = sizeof(vec) / sizeof(float);
 constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work per call, one thread
 
-}  // namespace
-
-extern "C" {
-
-// x (n, dim) with x_stride floats between rows; residual (n, dim) contiguous
-// or null; out (n, dim) contiguous (may be x itself when x_stride == dim).
-void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n,
-                  int64_t dim, float eps, float* out) {
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, int64_t n, int64_t dim, float eps,
+              T* out) {
 #pragma omp parallel for if (n * dim >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
-    const float* xi = x + i * x_stride;
-    float* src = residual ? residual + i * dim : const_cast<float*>(xi);
+    const T* xi = x + i * x_stride;
+    T* src = residual ? residual + i * dim : const_cast<T*>(xi);
     vec squares = {};
     float tail = 0.0f;
     int64_t j = 0;
     for (; j + W <= dim; j += W) {
       vec v = loadv<vec>(xi + j);
       if (residual) {
-        v += loadv<vec>(src + j);
+        v = rounded<T>(v + loadv<vec>(src + j));
         storev(src + j, v);
       }
       squares += v * v;
     }
     for (; j < dim; ++j) {
-      const float v = residual ? (src[j] += xi[j]) : xi[j];
+      float v = widen(xi[j]);
+      if (residual) narrow_to(src + j, v = rounded_one<T>(widen(src[j]) + v));
       tail += v * v;
     }
     const float inv = 1.0f / std::sqrt((hsum(squares) + tail) / float(dim) + eps);
-    float* oi = out + i * dim;
-    for (j = 0; j + W <= dim; j += W) storev(oi + j, loadv<vec>(src + j) * inv * loadv<vec>(weight + j));
-    for (; j < dim; ++j) oi[j] = src[j] * inv * weight[j];
+    T* oi = out + i * dim;
+    for (j = 0; j + W <= dim; j += W) storev(oi + j, rounded<T>(loadv<vec>(src + j) * inv) * loadv<vec>(weight + j));
+    for (; j < dim; ++j) narrow_to(oi + j, rounded_one<T>(widen(src[j]) * inv) * widen(weight[j]));
   }
 }
 
-// gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
-void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
+template <typename T>
+void silu_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
 #pragma omp parallel for if (n * inter >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
-    const float* g = gate_up + i * 2 * inter;
-    const float* u = g + inter;
-    float* oi = out + i * inter;
+    const T* g = gate_up + i * 2 * inter;
+    const T* u = g + inter;
+    T* oi = out + i * inter;
     int64_t j = 0;
     for (; j + W <= inter; j += W) {
       // silu(x) = x / (1 + e^-x), written with e = exp(-|x|) <= 1 so the exp
       // never overflows: x / (1 + e) for x >= 0, x e / (1 + e) below.
       const vec x = loadv<vec>(g + j);
       const vec e = exp2_nonpositive<vec, veci>((x < 0 ? x : -x) * LOG2E);
-      storev(oi + j, (x < 0 ? x * e : x) / (1.0f + e) * loadv<vec>(u + j));
+      storev(oi + j, rounded<T>((x < 0 ? x * e : x) / (1.0f + e)) * loadv<vec>(u + j));
     }
-    for (; j < inter; ++j) oi[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    for (; j < inter; ++j) {
+      const float x = widen(g[j]);
+      narrow_to(oi + j, rounded_one<T>(x / (1.0f + std::exp(-x))) * widen(u[j]));
+    }
   }
 }
 
-// x (n, heads, dim) in place, heads contiguous, x_stride floats between
-// tokens; cos, sin (n, dim / 2) contiguous. Pairs (k, k + dim/2) rotate:
-// (a, b) -> (a cos - b sin, b cos + a sin).
-void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
-              const float* sin) {
+template <typename T>
+void rope(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin) {
   const int64_t half = dim / 2;
 #pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
     const float* c = cos + i * half;
     const float* s = sin + i * half;
     for (int64_t h = 0; h < heads; ++h) {
-      float* a = x + i * x_stride + h * dim;
-      float* b = a + half;
+      T* a = x + i * x_stride + h * dim;
+      T* b = a + half;
       int64_t k = 0;
       for (; k + W <= half; k += W) {
         const vec ak = loadv<vec>(a + k), bk = loadv<vec>(b + k), ck = loadv<vec>(c + k), sk = loadv<vec>(s + k);
@@ -100,13 +99,45 @@ void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
         storev(b + k, bk * ck + ak * sk);
       }
       for (; k < half; ++k) {
-        const float ak = a[k], bk = b[k];
-        a[k] = ak * c[k] - bk * s[k];
-        b[k] = bk * c[k] + ak * s[k];
+        const float ak = widen(a[k]), bk = widen(b[k]);
+        narrow_to(a + k, ak * c[k] - bk * s[k]);
+        narrow_to(b + k, bk * c[k] + ak * s[k]);
       }
     }
   }
 }
+
+}  // namespace
+
+extern "C" {
+
+// x (n, dim) with x_stride elements between rows; residual (n, dim) contiguous
+// or null; out (n, dim) contiguous (may be x itself when x_stride == dim).
+void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n,
+                  int64_t dim, float eps, float* out) {
+  rms_norm(x, x_stride, residual, weight, n, dim, eps, out);
+}
+void rms_norm_bf16(const BF16* x, int64_t x_stride, BF16* residual, const BF16* weight, int64_t n, int64_t dim,
+                   float eps, BF16* out) {
+  rms_norm(x, x_stride, residual, weight, n, dim, eps, out);
+}
+
+// gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
+void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) { silu_mul(gate_up, n, inter, out); }
+void silu_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) { silu_mul(gate_up, n, inter, out); }
+
+// x (n, heads, dim) in place, heads contiguous, x_stride elements between
+// tokens; cos, sin (n, dim / 2) contiguous float32. Pairs (k, k + dim/2) rotate:
+// (a, b) -> (a cos - b sin, b cos + a sin).
+void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
+              const float* sin) {
+  rope(x, x_stride, n, heads, dim, cos, sin);
+}
+void rope_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
+               const float* sin) {
+  rope(x, x_stride, n, heads, dim, cos, sin);
+}
+
 // x (n, heads, dim) in place, heads contiguous, x_stride floats between tokens:
 // each head's run times the Walsh-Hadamard matrix (Sylvester's order, not
 // normalised), then times scale (a power of two: exact). Stage h turns the pairs

@@ -36,6 +36,87 @@ inline v8 load8(const uint16_t* p) {  // bfloat16: the high half of a float
   return v;
 }
 
+// bfloat16 (its bits as uint16_t) as floats and back: widening is exact; narrowing
+// rounds to nearest even, a NaN to the quiet NaN, as PyTorch's .to(torch.bfloat16).
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float widen(float x) { return x; }
+inline float widen(BF16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t bf16_bits(uint32_t u, bool nan) { return nan ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
+
+inline void narrow_to(float* p, float x) { *p = x; }
+inline void narrow_to(BF16* p, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  p->bits = uint16_t(bf16_bits(u, x != x));
+}
+
+// The bf16 halves (H) and the 32-bit lanes (U) of a vector of floats.
+template <typename V>
+struct Lanes;
+template <>
+struct Lanes<v8> {
+  typedef uint16_t H __attribute__((vector_size(16)));
+  typedef uint32_t U __attribute__((vector_size(32)));
+};
+template <>
+struct Lanes<v16> {
+  typedef uint16_t H __attribute__((vector_size(32)));
+  typedef uint32_t U __attribute__((vector_size(64)));
+};
+
+// W lanes of floats (V) from floats or bf16, and to them.
+template <typename V>
+inline V loadv(const BF16* p) {
+  typedef typename Lanes<V>::H H;
+  typedef typename Lanes<V>::U U;
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  const U u = __builtin_convertvector(h, U) << 16;
+  V v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <typename V>
+inline void storev(BF16* p, V v) {
+  typedef typename Lanes<V>::H H;
+  typedef typename Lanes<V>::U U;
+  U u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  u = v != v ? U{} + 0x7FC0u : u;
+  const H h = __builtin_convertvector(u, H);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// v rounded to T's precision, kept as floats: where PyTorch's bf16 ops round between
+// two steps, the kernels round there too (identity for float).
+template <typename T, typename V>
+inline V rounded(V v) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return v;
+  } else {
+    T tmp[sizeof(V) / sizeof(float)];
+    storev(tmp, v);
+    return loadv<V>(tmp);
+  }
+}
+template <typename T>
+inline float rounded_one(float x) {
+  T t;
+  narrow_to(&t, x);
+  return widen(t);
+}
+
 // Softmax weights are computed base 2: the kernels scale their queries by
 // log2(e), so a score minus its row's maximum is t <= 0 and its weight 2^t;
 // the log-sum-exp is then (max + log2(sum)) ln 2.

@@ -59,7 +59,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """``apply_rotary`` (half-split layout) in place on x (n, heads, rot_dim), whose
     heads are contiguous rows (tokens may be strided: a view into the QKV
     projection). Returns x."""
-    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and elementwise.usable(x, cos, sin):
+    rows = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if rows and elementwise.usable(x) and elementwise.usable(cos, sin) and cos.dtype == torch.float32:
         elementwise.rope_(x, cos.contiguous(), sin.contiguous())
         return x
     return x.copy_(apply_rotary(x, cos, sin))

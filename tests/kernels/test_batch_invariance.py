@@ -6,7 +6,7 @@ whole call, compared with ``==``.
 - projections: block-quantized weights in every GGUF format on every build this CPU
   runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 panels, and bf16
   panels on every path this CPU runs (AMX-BF16's tiles, AVX-512 BF16, AVX2);
-- RMSNorm (with and without the residual), SiLU·up, rope;
+- RMSNorm (with and without the residual), SiLU·up, rope, in fp32 and bf16;
 - attention: prefill chunks (a prompt's queries cut anywhere, as chunked prefill and
   PCP cut them), queries with a key count each (DCP's shards) and decode rows alone
   or in a batch, fp32 and quantized caches;
@@ -128,12 +128,13 @@ def test_bf16_path_is_the_cpus() -> None:
         assert not kernels._library("cooperlake").linear_bf16_tiles()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @SETTINGS
 @given(data=st.data())
-def test_elementwise(data: st.DataObject) -> None:
+def test_elementwise(dtype: torch.dtype, data: st.DataObject) -> None:
     n, heads, dim = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 4)), 2 * data.draw(st.integers(4, 40))
-    x, weight = torch.randn(n, heads * dim), torch.randn(heads * dim)
-    residual = torch.randn(n, heads * dim)
+    x, weight = torch.randn(n, heads * dim).to(dtype), torch.randn(heads * dim).to(dtype)
+    residual = torch.randn(n, heads * dim).to(dtype)
     assert_rows_alone(lambda rows: elementwise.rms_norm(rows, weight, 1e-5), x, data)
 
     def with_residual(rows: torch.Tensor) -> torch.Tensor:

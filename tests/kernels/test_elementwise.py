@@ -1,7 +1,8 @@
 """The compiled elementwise kernels (ctxpar/kernels/elementwise.cpp) against
 the formulas in float64, over random shapes (widths that the vectors do not
-divide, strided rows), large and tiny values; and the layers that call them
-against PyTorch's path (CTXPAR_KERNELS=0)."""
+divide, strided rows), large and tiny values; in bf16 against PyTorch's bf16 ops
+(the same rounding points); and the layers that call them against PyTorch's path
+(CTXPAR_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,62 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def test_kernels_serve_fp32_cpu_only() -> None:
-    assert elementwise.usable(torch.zeros(2, 8))
-    assert not elementwise.usable(torch.zeros(2, 8, dtype=torch.bfloat16))
-    assert not elementwise.usable(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64))
+def test_kernels_serve_fp32_and_bf16_on_the_cpu() -> None:
+    assert elementwise.usable(torch.zeros(2, 8)) and elementwise.usable(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not elementwise.usable(torch.zeros(2, 8, dtype=torch.float64))
+    assert not elementwise.usable(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16))  # one dtype a call
+    with pytest.raises(ValueError, match="float32"):
+        elementwise.hadamard_(torch.zeros(2, 1, 8, dtype=torch.bfloat16), 1.0)
+
+
+# A bf16 result off by at most one unit in its last place (8 significant bits): the
+# kernels round where PyTorch's bf16 ops round, from floats summed in another order.
+BF16_ULP = dict(rtol=2.0**-7, atol=1e-30)
+
+
+@SETTINGS
+@given(n=st.integers(1, 30), dim=st.integers(1, 200), residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_rms_norm_rounds_as_pytorch(march: str, n: int, dim: int, residual: bool, seed: int) -> None:
+    """transformers' bf16 RMSNorm: the residual sum rounded (the same bits: one rounding
+    of an exact float sum), the row normalised in floats and rounded, times the weight."""
+    g = torch.Generator().manual_seed(seed)
+    x, weight = (torch.randn(n, dim, generator=g) * 3).bfloat16(), torch.randn(dim, generator=g).bfloat16()
+    res = torch.randn(n, dim, generator=g).bfloat16() if residual else None
+    summed = res + x if res is not None else x
+    xf = summed.float()
+    want = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    got = elementwise.rms_norm(x, weight, 1e-6, res)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, **BF16_ULP)
+    if res is not None:
+        assert torch.equal(res, summed)
+
+
+@SETTINGS
+@given(n=st.integers(1, 30), inter=st.integers(1, 300), scale=st.sampled_from([1.0, 10.0, 120.0]))
+def test_bf16_silu_mul_rounds_as_pytorch(march: str, n: int, inter: int, scale: float) -> None:
+    """F.silu in bf16 (rounded), then the product with up (rounded)."""
+    gate_up = (torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(n * inter)) * scale).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = elementwise.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, **BF16_ULP)
+
+
+@SETTINGS
+@given(n=st.integers(1, 30), heads=st.integers(1, 9), half=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_bf16_rope_rounds_once(march: str, n: int, heads: int, half: int, seed: int) -> None:
+    """bf16 rows rotated in floats by float32 angles, rounded once: within half a unit of
+    the exact rotation of the same bf16 values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, 2 * half, generator=g).bfloat16()
+    angles = torch.rand(n, half, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x.double()[..., :half], x.double()[..., half:]
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    elementwise.rope_(x, cos, sin)
+    assert (x.double() - want).abs().le(want.abs() * 2.0**-8 + 1e-6).all()
 
 
 @SETTINGS
