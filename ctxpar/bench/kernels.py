@@ -7,10 +7,11 @@ steps ``RMSNorm`` with and without the residual, ``apply_rotary_`` and
 ``silu_and_mul``; a layer's four projections through ``linear`` with its
 weights ``packed``), once with the kernels and once with
 ``CTXPAR_KERNELS=0``, at SmolLM2's shapes (9 query and 3 KV heads of 64,
-fp32): so the baseline is exactly what ctxpar runs without them (batched
-GEMMs over gathered contexts, PyTorch's flash kernel, oneDNN's packed
-weights). Prints the best time
-of each, the ratio, and the largest difference between the two outputs.
+fp32, or bf16 with ``--dtype bfloat16``): so the baseline is exactly what
+ctxpar runs without them (batched GEMMs over gathered contexts, PyTorch's flash
+kernel, oneDNN's packed weights). Prints the best time of each, the ratio, and
+the largest difference between the two outputs; a prefill row also the kernel's
+rate in GFLOP/s (4 x head width per visible query-key pair: q·k and p·v).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ HIDDEN, INTER = 576, 1536
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=5, help="timed calls per case and path (best kept)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="the tensors' dtype (default float32)"
+    )
 
 
 def _best(fn: Callable[[], torch.Tensor], kernel: bool, repeat: int) -> tuple[float, torch.Tensor]:
@@ -59,29 +63,33 @@ def _best(fn: Callable[[], torch.Tensor], kernel: bool, repeat: int) -> tuple[fl
     return best, out
 
 
-def _compare(label: str, fn: Callable[[], torch.Tensor], repeat: int) -> None:
+def _compare(label: str, fn: Callable[[], torch.Tensor], repeat: int, flops: float = 0.0) -> None:
+    """One row: both paths' best times, their ratio, the outputs' largest difference,
+    and the kernel's GFLOP/s where `flops` is given."""
     t_kernel, out = _best(fn, True, repeat)
     t_torch, want = _best(fn, False, repeat)
-    diff = (out - want).abs().max().item()
-    print(f"{label:>32} | {t_kernel * 1e3:9.3f} | {t_torch * 1e3:9.3f} | {t_kernel / t_torch:6.2f}x | {diff:.1e}")
+    diff = (out.float() - want.float()).abs().max().item()
+    rate = f" | {flops / t_kernel / 1e9:7.0f}" if flops else ""
+    print(f"{label:>32} | {t_kernel * 1e3:9.3f} | {t_torch * 1e3:9.3f} | {t_kernel / t_torch:6.2f}x | {diff:.1e}{rate}")
 
 
-def _decode_step(rows: int, keys: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+def _decode_step(rows: int, keys: int, g: torch.Generator, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """One layer's attention of `rows` one-query rows with `keys` keys each, their
     blocks scattered over the cache like a used pool's."""
     blocks_per_row = -(-keys // BLOCK)
     num_blocks = rows * blocks_per_row
-    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, DIM, generator=g)
+    cache = torch.randn(num_blocks * BLOCK, 2, KV_HEADS, DIM, generator=g).to(dtype)
     order = torch.randperm(num_blocks, generator=g).view(rows, blocks_per_row)
     pos = torch.arange(keys)
     slots = [order[r][pos // BLOCK] * BLOCK + pos % BLOCK for r in range(rows)]
-    q = torch.randn(rows, HEADS, DIM, generator=g)
+    q = torch.randn(rows, HEADS, DIM, generator=g).to(dtype)
 
     def step() -> torch.Tensor:
         ctx = ForwardContext(  # a fresh one per call: nothing memoised from the other path
             query_start_loc=list(range(rows + 1)),
             start_pos=[keys - 1] * rows,
             seq_lens=[keys] * rows,
+            prompt_lens=[keys - 1] * rows,  # each query a generated token's: the decode path
             context_slots=slots,
             write_src=None,
             write_slots=torch.empty(0, dtype=torch.int64),
@@ -92,16 +100,16 @@ def _decode_step(rows: int, keys: int, g: torch.Generator) -> Callable[[], torch
     return step
 
 
-def _elementwise_steps(n: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+def _elementwise_steps(n: int, g: torch.Generator, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """A Llama layer's elementwise steps on n tokens (SmolLM2's widths): the input
     RMSNorm, rope of Q and K inside the QKV projection, the residual add with
     the post-attention RMSNorm, SiLU·up. The in-place steps work on fresh
     copies of their inputs (copied on both paths alike)."""
     norm = RMSNorm(HIDDEN, 1e-5)
-    norm.weight.data = torch.randn(HIDDEN, generator=g)
-    x, h = torch.randn(n, HIDDEN, generator=g), torch.randn(n, HIDDEN, generator=g)
-    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM, generator=g)
-    gate_up = torch.randn(n, 2 * INTER, generator=g)
+    norm.weight.data = torch.randn(HIDDEN, generator=g).to(dtype)
+    x, h = torch.randn(n, HIDDEN, generator=g).to(dtype), torch.randn(n, HIDDEN, generator=g).to(dtype)
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * DIM, generator=g).to(dtype)
+    gate_up = torch.randn(n, 2 * INTER, generator=g).to(dtype)
     angles = torch.rand(n, DIM // 2, generator=g) * n
     cos, sin = angles.cos(), angles.sin()
 
@@ -114,14 +122,14 @@ def _elementwise_steps(n: int, g: torch.Generator) -> Callable[[], torch.Tensor]
     return step
 
 
-def _projections(n: int, layers: int, g: torch.Generator) -> Callable[[], torch.Tensor]:
+def _projections(n: int, layers: int, g: torch.Generator, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """The four projections (QKV, O, gate|up, down) of `layers` Llama layers on n
     tokens, the weights packed as the loader packs them with the kernels on or
     off. Decode cases take SmolLM2's 30 layers: 425 MB of weights, streamed from
     memory as in a real step, not from the cache."""
     shapes = (((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), (HIDDEN, HEADS * DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER))
-    weights = [torch.randn(shape, generator=g) / shape[1] ** 0.5 for _ in range(layers) for shape in shapes]
-    xs = [torch.randn(n, shape[1], generator=g) for shape in shapes]
+    weights = [(torch.randn(shape, generator=g) / shape[1] ** 0.5).to(dtype) for _ in range(layers) for shape in shapes]
+    xs = [torch.randn(n, shape[1], generator=g).to(dtype) for shape in shapes]
     cache: dict[bool, list] = {}
 
     def step() -> torch.Tensor:
@@ -141,30 +149,35 @@ def run(args: argparse.Namespace) -> None:
             "ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "
             "nothing to compare; unset CTXPAR_KERNELS or install g++"
         )
+    dtype = getattr(torch, args.dtype)
     print(describe_machine())
     print(
         f"{torch.get_num_threads()} threads; one layer's attention ({HEADS}/{KV_HEADS} heads of {DIM}) and "
-        f"elementwise steps (hidden {HIDDEN}, intermediate {INTER}), fp32"
+        f"elementwise steps (hidden {HIDDEN}, intermediate {INTER}), {args.dtype}"
     )
     g = torch.Generator().manual_seed(0)
     saved = os.environ.get("CTXPAR_KERNELS")
     try:
         print(f"{'decode: rows x keys':>32} | kernel ms | torch ms |  ratio | max |diff|")
         for rows, keys in DECODE_CASES:
-            _compare(f"{rows} x {keys}", _decode_step(rows, keys, g), args.repeat)
-        print(f"{'prefill: chunk after context':>32} | kernel ms | torch ms |  ratio | max |diff|")
+            _compare(f"{rows} x {keys}", _decode_step(rows, keys, g, dtype), args.repeat)
+        print(f"{'prefill: chunk after context':>32} | kernel ms | torch ms |  ratio | max |diff| | GFLOP/s")
         for chunk, context in PREFILL_CASES:
-            q = torch.randn(chunk, HEADS, DIM, generator=g)
-            kv = torch.randn(context + chunk, 2, KV_HEADS, DIM, generator=g)
+            q = torch.randn(chunk, HEADS, DIM, generator=g).to(dtype)
+            kv = torch.randn(context + chunk, 2, KV_HEADS, DIM, generator=g).to(dtype)
+            pairs = chunk * context + chunk * (chunk + 1) / 2  # query-key pairs a causal chunk sees
             _compare(
-                f"{chunk} after {context}", lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5), args.repeat
+                f"{chunk} after {context}",
+                lambda: causal_attention(q, kv[:, 0], kv[:, 1], DIM**-0.5),
+                args.repeat,
+                flops=4 * DIM * HEADS * pairs,
             )
         print(f"{'elementwise: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
         for n in ELEMENTWISE_TOKENS:
-            _compare(f"{n}", _elementwise_steps(n, g), args.repeat)
+            _compare(f"{n}", _elementwise_steps(n, g, dtype), args.repeat)
         print(f"{'projections: tokens':>32} | kernel ms | torch ms |  ratio | max |diff|")
         for n, layers in PROJECTION_CASES:
-            _compare(f"{n} x {layers} layers", _projections(n, layers, g), args.repeat)
+            _compare(f"{n} x {layers} layers", _projections(n, layers, g, dtype), args.repeat)
     finally:
         if saved is None:
             os.environ.pop("CTXPAR_KERNELS", None)
