@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -153,14 +154,16 @@ class QuantWeight:
         into = {"q": empty((rows, cols * bits // 8), torch.uint8), "d": empty((rows, blocks), torch.float16)}
         if fmt == "Q4_1":  # its blocks' minimum m
             into["m"] = empty((rows, blocks), torch.float16)
-        first = 0
+        copies, first = [], 0
         for raw in raws:
             # The blocks as records: numpy copies a field of fixed-size records at memory
             # speed, where a slice of each block's bytes goes a few bytes at a time.
             records, n = raw.view(fields), math.prod(raw.shape[:-1])
             for name, dest in into.items():
-                np.copyto(dest[first : first + n].numpy().view(fields[name]).reshape(records.shape), records[name])
+                dest_rows = dest[first : first + n].numpy().view(fields[name]).reshape(records.shape)
+                copies.append((dest_rows, records[name]))
             first += n
+        copy_on_threads(copies)
         return cls(into["q"], into["d"], into.get("m"), bits, 32, zero)
 
     def decoded(self) -> Decoded:
@@ -193,6 +196,22 @@ class QuantWeight:
         if d.offsets is not None:
             w = (w.view(end - first, -1, 32) + torch.from_numpy(d.offsets)[:, :, None]).view(end - first, -1)
         return w
+
+
+def copy_on_threads(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dest, src)`` of each pair, their first axis split over torch's threads
+    (a rank's cores; numpy copies without the GIL): the first writes to fresh memory
+    fault its pages in, which costs as much as the copy, and the cores take the faults
+    side by side."""
+    threads = torch.get_num_threads()
+
+    def part(k: int) -> None:
+        for dest, src in copies:
+            lo, hi = len(dest) * k // threads, len(dest) * (k + 1) // threads
+            np.copyto(dest[lo:hi], src[lo:hi])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(part, range(threads)))  # list: a thread's exception is raised here
 
 
 def has_fields(fmt: str, cols: int) -> bool:
