@@ -59,6 +59,12 @@ class HardwareProfile:
     # layers. 0 (built-in profiles, profiles saved before it existed): the memory rate,
     # memory_bandwidth x memory_efficiency.
     weight_read_bandwidth: float = 0.0
+    # Bytes/s at which a decode step reads its KV cache, as ``ctxpar calibrate`` measures the
+    # engine's paged decode kernel over a cache of the activation dtype (its per-key work makes
+    # it slower than a plain read): used for a decode step's KV read where the cache stores the
+    # activations as they are ("auto"). 0 (built-in profiles, profiles saved before it existed,
+    # a GPU, where that kernel does not run): the memory rate, as for a quantized cache.
+    kv_read_bandwidth: float = 0.0
     # Fraction of a ring step's transfer that runs under that step's attention
     # (1: a GPU's copy engines overlap them; 0: a blocking collective, as ctxpar's on CPU).
     comm_overlap: float = 0.0
@@ -106,6 +112,7 @@ class HardwareProfile:
         nonnegative = (
             "link_latency_s",
             "weight_read_bandwidth",
+            "kv_read_bandwidth",
             "ring_step_overhead_s",
             "step_overhead_s",
             "layer_overhead_s",
@@ -166,6 +173,20 @@ class HardwareProfile:
             self, weight_dtype=weight_dtype, gemm_flops=gemm, weight_read_bandwidth=read, gemm_efficiency=1.0, lead=lead
         )
 
+    def for_model(self, m: ModelShape) -> HardwareProfile:
+        """This profile (and its lead) reading ``m``'s weights at the rate `ctxpar calibrate`
+        measured for its weight dtype over the layer whose hidden size is nearest ``m``'s (notes
+        ``weight_read_bandwidth_<dtype>_hidden<size>``): a decode projection reads long rows
+        faster than short ones, so a 4096-wide layer's rate prices an 8B model, a 2048-wide
+        one's a 1B. Unchanged where the notes have no such rates."""
+        prefix = f"weight_read_bandwidth_{self.weight_dtype}_hidden"
+        rates = {int(k.removeprefix(prefix)): v for k, v in self.notes.items() if k.startswith(prefix)}
+        lead = self.lead.for_model(m) if self.lead is not None else None
+        if not rates:
+            return replace(self, lead=lead)
+        nearest = min(rates, key=lambda hidden: abs(math.log2(hidden / m.hidden_size)))
+        return replace(self, weight_read_bandwidth=rates[nearest], lead=lead)
+
     def kv_token_bytes(self, m: ModelShape) -> float:
         """Bytes of one token's KV entry in one layer's cache."""
         return m.kv_bytes(self.kv_cache_dtype, self.act_bytes)
@@ -180,7 +201,8 @@ class HardwareProfile:
 
     @property
     def memory_rate(self) -> float:
-        """Bytes/s of plain memory traffic (the KV cache's reads): peak x efficiency."""
+        """Bytes/s of plain memory traffic (a prefill's KV reads; a decode step's where
+        ``kv_read_rate`` has no measured rate): peak x efficiency."""
         return self.memory_bandwidth * self.memory_efficiency
 
     @property
@@ -188,6 +210,14 @@ class HardwareProfile:
         """Bytes/s at which the linear layers read weights: the measured projection rate
         where the profile has one, else the memory rate."""
         return self.weight_read_bandwidth or self.memory_rate
+
+    @property
+    def kv_read_rate(self) -> float:
+        """Bytes/s at which a decode step reads its KV cache: the paged decode kernel's
+        measured rate where the profile has one for this cache (the activation dtype's,
+        "auto"), else the memory rate."""
+        measured = self.kv_read_bandwidth if self.kv_cache_dtype == "auto" else 0.0
+        return measured or self.memory_rate
 
     def link_time(self, nbytes: float, steps: int = 1) -> float:
         """Seconds for ``steps`` collective steps moving ``nbytes`` in all (alpha-beta)."""

@@ -1,6 +1,7 @@
 """Measure this machine for the cost model (`ctxpar calibrate`): one rank's GEMM and
-attention FLOP/s, memory read bandwidth, the rate at which its decode projection
-reads weights, and the collective cost between two local ranks.
+attention FLOP/s, memory read bandwidth, the rates at which its decode step reads
+weights (the projection) and its KV cache (the paged decode kernel, on the CPU),
+and the collective cost between two local ranks.
 
 Each figure is the best of a few timed repetitions (a shared machine only ever
 makes things slower). Collectives are timed between two spawned processes for
@@ -29,6 +30,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -54,10 +56,44 @@ from ctxpar.machine import cpu_info
 # long shapes of real layers (2 AMX cores), which a layer's FLOPs then weigh as a prefill does.
 GEMM_SHAPES = ((1024, 2048, 3072), (1024, 2048, 2048), (1024, 2048, 16384), (1024, 8192, 2048))
 ATTN_SHAPE = (2048, 32, 64)  # (tokens, heads, head dim): causal, Llama-3.2-1B's layer (8 KV heads)
-READ_BYTES = 256 << 20  # far beyond the caches
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int:
+    """Bytes of the largest of the CPU's caches as Linux reports them (``caches``: cpu0's
+    cache directory in sysfs, each ``index*/size`` such as "491520K"); 0 where none is."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = [0]
+    for size in caches.glob("index*/size"):
+        try:
+            text = size.read_text().strip()
+        except OSError:
+            continue
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes)
+
+
+# Bytes each read rate streams: twice the last-level cache, 256 MB at least, so that a pass finds
+# almost none of its bytes still cached, as a decode step streaming a model's weights and KV cache
+# through that cache does. (A server CPU's L3 can hold 256 MB: on one of 480 MB, every rate read
+# over 256 MB was 8-16% above its rate over 1 or 2 GB, which agree, and a decode step's.)
+READ_BYTES = max(256 << 20, 2 * last_level_cache_bytes())
+# (context, heads, KV heads, head dim) of the KV read timed: a Llama-3.2-1B layer's cache as a
+# decode step reads it, one row of thousands of tokens, over the caches of enough layers to
+# hold READ_BYTES, so that every call reads its keys and values from memory, as a step whose
+# weights stream between its layers' attention does.
+KV_SHAPE = (2048, 32, 8, 64)
 # (out, in) of the weights a decode step's projections read: GEMM_SHAPES' layer, so that both
 # rates are of the shapes a step multiplies (wide gate|up, long down), not of one matrix.
 WEIGHT_SHAPES = tuple((out, inp) for _, inp, out in GEMM_SHAPES)
+# (hidden size, its layer's (out, in) weights) of the layers the decode read is timed over on
+# the CPU: WEIGHT_SHAPES (Llama-3.2-1B's) and Llama-3-8B's. One width would not do: the Q4_0
+# kernel read the 8B's layer (rows of 4096 and 14336 inputs) at 23.7 GB/s and the 1B's (2048 and
+# 8192) at 20.7 (2 cores, beyond the L3), and each model's decode step at its own layer's rate.
+WEIGHT_LAYERS = ((2048, WEIGHT_SHAPES), (4096, ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))))
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
 GPU_GEMM_SHAPES = ((8192, 4096, 4096),)
@@ -162,16 +198,62 @@ def projection_rates(device: torch.device, progress: Callable[[str], None]) -> d
     """Both rates of the projections (GEMM FLOP/s at a prefill's rows, weight bytes/s at a
     decode's one) for every weight dtype the engine keeps on ``device``, as notes:
     ``gemm_flops_<dtype>``, ``weight_read_bandwidth_<dtype>`` (HardwareProfile.with_weight_dtype
-    reads them)."""
+    reads them); on the CPU also the weight read over each of WEIGHT_LAYERS, as
+    ``weight_read_bandwidth_<dtype>_hidden<size>`` (HardwareProfile.for_model picks one), the
+    first of which is ``weight_read_bandwidth_<dtype>``."""
     rates: dict[str, float] = {}
     for dtype in CALIBRATED_WEIGHT_DTYPES:
         if dtype == "q4" and not quantized_on(device):
             continue
         rates[f"gemm_flops_{dtype}"] = gemm = gemm_flops(dtype, device)
-        rates[f"weight_read_bandwidth_{dtype}"] = read = weight_read_bandwidth(dtype, device)
-        progress(
-            f"projection, {dtype} weights: GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {read / 1e9:.1f} GB/s"
-        )
+        if device.type == "cpu":
+            reads = {hidden: weight_read_bandwidth(dtype, device, shapes=shapes) for hidden, shapes in WEIGHT_LAYERS}
+            rates |= {f"weight_read_bandwidth_{dtype}_hidden{hidden}": rate for hidden, rate in reads.items()}
+            read = reads[WEIGHT_LAYERS[0][0]]
+            widths = ", ".join(f"{rate / 1e9:.1f} GB/s over a {hidden}-wide layer" for hidden, rate in reads.items())
+        else:
+            read = weight_read_bandwidth(dtype, device)
+            widths = f"{read / 1e9:.1f} GB/s"
+        rates[f"weight_read_bandwidth_{dtype}"] = read
+        progress(f"projection, {dtype} weights: GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {widths}")
+    return rates
+
+
+def kv_read_bandwidth(
+    dtype: torch.dtype, nbytes: int | None = None, shape: tuple[int, int, int, int] | None = None
+) -> float | None:
+    """Bytes/s at which the engine's paged decode kernel (``gqa_paged_decode``) reads a GQA
+    KV cache of ``dtype`` (the activation dtype's: the engine's "auto" cache) on the CPU: one
+    row of ``shape``'s context (its tokens in consecutive slots, as a fresh engine's blocks)
+    per call, over caches of layers enough to hold ``nbytes``, in huge pages as the engine's
+    (ctxpar/worker/kv_cache_allocation.py). Bytes counted as the cost model counts them: the
+    keys' and values' entries (ModelShape.kv_bytes). None where the kernels do not serve
+    such a cache (not built, or disabled)."""
+    from ctxpar.kernels.attention_kernels import gqa_paged_decode, usable
+
+    context, heads, kv_heads, dim = shape or KV_SHAPE
+    per_layer = context * 2 * kv_heads * dim * dtype.itemsize
+    layers = max(2, math.ceil((nbytes or READ_BYTES) / per_layer))  # two at least: a call never finds its keys cached
+    caches = huge_zeros((layers, context, 2, kv_heads, dim), dtype)  # touched only below, if used
+    if not usable(caches[0], dim):
+        return None
+    caches.normal_()
+    q = torch.randn(1, heads, dim)
+    slots, starts = torch.arange(context), torch.tensor([0, context])
+    read = lambda: [gqa_paged_decode(q, caches[i], slots, starts, dim**-0.5) for i in range(layers)]
+    return layers * per_layer / best_time(read)
+
+
+def kv_read_rates(progress: Callable[[str], None]) -> dict[str, float]:
+    """The paged decode kernel's KV read rate (``kv_read_bandwidth``) over the cache of each
+    activation dtype, as notes ``kv_read_bandwidth_<dtype>``; none where the kernels do not
+    serve (a step then reads its cache otherwise, at the memory rate)."""
+    rates: dict[str, float] = {}
+    for name, dtype in ACTIVATION_DTYPES.items():
+        rate = kv_read_bandwidth(dtype)
+        if rate is not None:
+            rates[f"kv_read_bandwidth_{name}"] = rate
+            progress(f"decode's KV read, {name} cache (paged decode kernel): {rate / 1e9:.1f} GB/s")
     return rates
 
 
@@ -211,6 +293,8 @@ def calibrate(
     notes |= projection_rates(device, progress)
     bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
+    if device.type == "cpu":  # the paged decode kernel is the CPU's
+        notes |= kv_read_rates(progress)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
     for name in ("gloo", "shm"):
@@ -254,6 +338,7 @@ def calibrate(
         attention_flops=notes[f"attention_flops_{activation}"],
         memory_bandwidth=bandwidth,
         weight_read_bandwidth=notes[f"weight_read_bandwidth_{dtype}"],
+        kv_read_bandwidth=notes.get(f"kv_read_bandwidth_{activation}", 0.0),
         memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],
@@ -282,6 +367,7 @@ def lead_profile(
     try:
         attention, memory = attention_flops(ACTIVATION_DTYPES[activation]), read_bandwidth()
         rates = projection_rates(CPU, lambda line: progress(f"a led step's {line}"))
+        rates |= kv_read_rates(lambda line: progress(f"a led step's {line}"))
     finally:
         torch.set_num_threads(own)
     progress(
@@ -301,6 +387,7 @@ def lead_profile(
         attention_flops=attention,
         memory_bandwidth=memory,
         weight_read_bandwidth=rates[f"weight_read_bandwidth_{weight}"],
+        kv_read_bandwidth=rates.get(f"kv_read_bandwidth_{activation}", 0.0),
         step_overhead_s=step,
         layer_overhead_s=layer,
         notes={"threads": threads, "ranks": ranks, **rates},

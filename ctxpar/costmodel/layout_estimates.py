@@ -122,6 +122,7 @@ def estimate(
     pcp = list(DEFAULT_PCP) if pcp is None else pcp
     for p in pcp + (dcp or []):
         _check_count("a PCP / DCP size", p, 1, MAX_RANKS)
+    hardware = hardware.for_model(model)  # its weights read at the rate of its layers' width
     weights = model.total_params * hardware.weight_bytes
     kv_token = hardware.kv_token_bytes(model) * model.num_layers
     results = []

@@ -28,8 +28,9 @@ B*(T*C + T*(T+1)/2)):
 
 Decode step (B rows at the full context each): every rank reads all weights
 (the rows are replicated; at ``weight_read_rate``) and its share of the KV cache
-(1/D of it, at the memory rate); under DCP each layer ends with one pairwise
-all-to-all of the partial outputs and LSEs (D - 1 latencies).
+(1/D of it, at ``kv_read_rate``: measured by ``ctxpar calibrate`` through the
+engine's paged decode kernel, else the memory rate); under DCP each layer ends
+with one pairwise all-to-all of the partial outputs and LSEs (D - 1 latencies).
 
 Every step, prefill or decode, also pays the fixed costs of fixed_costs.py: the
 host's step and layers (launches included; exposed on a GPU only beyond the
@@ -140,7 +141,7 @@ def prefill_time(
 
 def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp: int) -> Breakdown:
     """One decode step of ``batch`` rows, each at ``context`` tokens (its KV cache sharded over ``dcp`` ranks)."""
-    gemm, attn_rate, mem = _rates(h)
+    gemm, attn_rate, _ = _rates(h)
     head = m.vocab_size * m.hidden_size
     b = _roofline(
         Breakdown(),
@@ -155,7 +156,7 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         keys * m.decode_attention_flops_per_pair * m.num_layers,
         attn_rate,
         keys * h.kv_token_bytes(m) * m.num_layers,
-        mem,
+        h.kv_read_rate,
     )
     b = b.plus(tp_comm=tp_allreduce_s(m, h, batch))
     if dcp > 1:

@@ -222,6 +222,26 @@ def test_profiles_without_a_projection_rate_keep_the_memory_rate(tmp_path) -> No
         dataclasses.replace(CPU, weight_read_bandwidth=-1.0)
 
 
+def test_a_measured_kv_read_rate_round_trips_and_old_profiles_keep_the_memory_rate(tmp_path: Path) -> None:
+    """A profile saved with the paged decode kernel's KV read rate loads with it; one saved
+    before the field existed, or a built-in, loads with 0 and reads its cache at the memory
+    rate, as before; a negative rate is refused."""
+    path = tmp_path / "p.json"
+    measured = dataclasses.replace(CPU, kv_read_bandwidth=7e9)
+    path.write_text(measured.to_json())
+    loaded = load_hardware(str(path))
+    assert loaded == measured and loaded.kv_read_rate == 7e9
+    old = json.loads(CPU.to_json())
+    del old["kv_read_bandwidth"]
+    path.write_text(json.dumps(old))
+    assert load_hardware(str(path)) == CPU and CPU.kv_read_rate == CPU.memory_bandwidth
+    for name in ("h100x8-ib", "cpu-core-shm"):
+        h = load_hardware(name)
+        assert h.kv_read_bandwidth == 0 and h.kv_read_rate == h.memory_bandwidth * h.memory_efficiency
+    with pytest.raises(CtxparError, match="kv_read_bandwidth"):
+        dataclasses.replace(CPU, kv_read_bandwidth=-1.0)
+
+
 def test_ranks_on_one_host_decode_at_the_lead_rates() -> None:
     """A profile with a lead (ranks sharing one host) predicts P > 1, D = 1 decode steps
     at the lead's rates, as the engine runs them on rank 0 with every rank's threads:

@@ -21,8 +21,33 @@ def test_rank_figures_at_small_sizes(monkeypatch) -> None:
         cal.attention_flops(torch.bfloat16, cpu, (64, 4, 16)),
         cal.read_bandwidth(cpu, 1 << 20),
         *(cal.weight_read_bandwidth(dtype, cpu, 1 << 20, [(256, 64), (128, 96)]) for dtype in ("fp32", "bf16", "q4")),
+        *(cal.kv_read_bandwidth(dtype, 1 << 20, (256, 8, 2, 64)) for dtype in (torch.float32, torch.bfloat16)),
     ):
-        assert 0 < figure < math.inf
+        assert figure is not None and 0 < figure < math.inf
+
+
+def test_reads_are_sized_beyond_the_last_level_cache(tmp_path) -> None:
+    """The largest cache of a sysfs cache directory as Linux writes it (sizes in K or M),
+    0 where it reports none; the reads stream at least twice this machine's."""
+    for index, size in enumerate(("48K", "2048K", "491520K", "1M")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert cal.last_level_cache_bytes(tmp_path) == 491520 * 1024
+    assert cal.last_level_cache_bytes(tmp_path / "none") == 0
+    assert cal.READ_BYTES == max(256 << 20, 2 * cal.last_level_cache_bytes())
+
+
+def test_the_kv_read_is_timed_only_where_the_paged_kernel_serves(monkeypatch) -> None:
+    """With the kernels off the engine reads its cache otherwise: no rate is measured, and
+    the profile's KV read falls back to the memory rate (HardwareProfile.kv_read_rate)."""
+    monkeypatch.setattr(cal, "BUDGET_S", 0.02)
+    monkeypatch.setattr(cal, "KV_SHAPE", (256, 8, 2, 64))
+    monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
+    lines: list[str] = []
+    assert set(cal.kv_read_rates(lines.append)) == {"kv_read_bandwidth_fp32", "kv_read_bandwidth_bf16"}
+    assert len(lines) == 2 and all("paged decode kernel" in line for line in lines)
+    monkeypatch.setenv("CTXPAR_KERNELS", "0")
+    assert cal.kv_read_bandwidth(torch.float32) is None and cal.kv_read_rates(lines.append) == {}
 
 
 def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
@@ -42,16 +67,29 @@ def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
     assert torch.allclose(linear(x, w), x @ dense.T, rtol=0.05, atol=0.05)
 
 
-def test_projection_rates_cover_every_weight_dtype(monkeypatch) -> None:
+SMALL_LAYERS = ((64, [(256, 64)]), (128, [(128, 128), (64, 256)]))  # WEIGHT_LAYERS' form, small
+
+
+def test_projection_rates_cover_every_weight_dtype_and_layer_width(monkeypatch) -> None:
+    """Every dtype's GEMM and weight read rates, the read over each layer of WEIGHT_LAYERS,
+    the first of which is the dtype's own rate (the profile's, and old profiles' only one)."""
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
     monkeypatch.setattr(cal, "GEMM_SHAPES", [(64, 64, 64)])
-    monkeypatch.setattr(cal, "WEIGHT_SHAPES", [(256, 64)])
+    monkeypatch.setattr(cal, "WEIGHT_LAYERS", SMALL_LAYERS)
     monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
     lines: list[str] = []
     rates = cal.projection_rates(torch.device("cpu"), lines.append)
     dtypes = ("fp32", "bf16", "q4")
-    assert set(rates) == {f"{rate}_{d}" for rate in ("gemm_flops", "weight_read_bandwidth") for d in dtypes}
+    names = (
+        "gemm_flops_{}",
+        "weight_read_bandwidth_{}",
+        "weight_read_bandwidth_{}_hidden64",
+        "weight_read_bandwidth_{}_hidden128",
+    )
+    assert set(rates) == {name.format(d) for name in names for d in dtypes}
     assert all(0 < r < math.inf for r in rates.values()) and len(lines) == 3
+    assert all(rates[f"weight_read_bandwidth_{d}"] == rates[f"weight_read_bandwidth_{d}_hidden64"] for d in dtypes)
+    assert all("over a 128-wide layer" in line for line in lines)
 
 
 def test_cli_takes_the_device() -> None:
@@ -82,9 +120,10 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     from ctxpar.costmodel import load_hardware
 
     monkeypatch.setattr(cal, "BUDGET_S", 0.02)
-    for name, small in (("GEMM_SHAPES", [(64, 64, 64)]), ("ATTN_SHAPE", (64, 4, 16)), ("READ_BYTES", 1 << 20)):
+    small_shapes = (("GEMM_SHAPES", [(64, 64, 64)]), ("ATTN_SHAPE", (64, 4, 16)), ("KV_SHAPE", (256, 8, 2, 64)))
+    for name, small in (*small_shapes, ("READ_BYTES", 1 << 20)):
         monkeypatch.setattr(cal, name, small)
-    monkeypatch.setattr(cal, "WEIGHT_SHAPES", [(256, 64)])
+    monkeypatch.setattr(cal, "WEIGHT_LAYERS", SMALL_LAYERS)
     asked = []
     host_overhead = lambda *args: asked.append(args) or (1.5e-3, 16e-6)
     before = torch.get_num_threads()
@@ -98,9 +137,10 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
         lead.notes["weight_read_bandwidth_fp32"],
     )
     assert lead.with_weight_dtype("q4").gemm_flops == lead.notes["gemm_flops_q4"]
+    assert lead.kv_read_bandwidth == lead.notes["kv_read_bandwidth_fp32"] and "kv_read_bandwidth_bf16" in lead.notes
     assert any("a step led for 2 ranks" in line for line in lines)
     assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
-    rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth")
+    rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth", "kv_read_bandwidth")
     assert all(0 < getattr(lead, r) < math.inf for r in rates)
     host = ("step_overhead_s", "layer_overhead_s")
     same = {f.name for f in dataclasses.fields(rank)} - {*rates, *host, "name", "description", "notes"}

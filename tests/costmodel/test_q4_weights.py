@@ -47,6 +47,28 @@ def test_a_decode_step_reads_the_q4_weights_once_and_the_fp32_cache() -> None:
         assert step.compute_s == 0 and step.memory_s == pytest.approx(weights + kv)
 
 
+def test_a_decode_step_reads_its_cache_at_the_paged_kernel_rate() -> None:
+    """A profile that measured the paged decode kernel's KV read (here a quarter of its
+    memory rate) prices a decode step's cache at that rate: the step grows by the cache's
+    bytes over the slower rate; its weights and a prefill cost what they did. A quantized
+    cache, which that measurement is not of, is read at the memory rate."""
+    m = load_model_shape("llama-3.2-1b")
+    paged = dataclasses.replace(Q4, kv_read_bandwidth=5e9)
+    weights = (LAYERS * LAYER_PARAMS + HEAD_PARAMS) * Q4_BYTES / Q4.weight_read_bandwidth
+    for context in (16, 2048):
+        kv = context * KV_BYTES * LAYERS
+        assert decode_time(m, paged, context, 1, 1).memory_s == pytest.approx(weights + kv / 5e9)
+        slower = decode_time(m, paged, context, 1, 1).total_s - decode_time(m, Q4, context, 1, 1).total_s
+        assert slower == pytest.approx(kv / 5e9 - kv / Q4.memory_bandwidth)
+        measured, memory_rate = (prefill_time(m, h, context, 0, 1, 1, 1, "gather") for h in (paged, Q4))
+        assert measured == memory_rate
+    int8_kv = 2 * KV_HEADS * HEAD_DIM + 4 * 2 * KV_HEADS  # a byte a value, a float32 scale per K or V head
+    step = decode_time(m, paged.with_kv_cache_dtype("int8"), 2048, 1, 1)
+    read = 2048 * int8_kv * LAYERS / Q4.memory_bandwidth
+    attention = 2048 * 2 * HEADS * (2 * HEAD_DIM) * LAYERS / Q4.attention_flops  # the slower of the two counts
+    assert step.compute_s + step.memory_s == pytest.approx(weights + max(read, attention))
+
+
 def test_a_prefill_multiplies_every_token_at_the_q4_gemm_rate() -> None:
     m = load_model_shape("llama-3.2-1b")
     for tokens in (2048, 8192):
@@ -72,3 +94,29 @@ def test_one_calibration_prices_every_weight_dtype() -> None:
     assert fp32.with_weight_dtype("fp32") is fp32
     with pytest.raises(CtxparError, match="no rates for bf16 weights"):
         fp32.with_weight_dtype("bf16")
+
+
+def test_a_model_reads_its_weights_at_the_rate_of_its_layers_width() -> None:
+    """A profile with the weight read measured over a 2048- and a 4096-wide layer prices each
+    model at the nearest width's rate (a 1B's 2048 and SmolLM2's 576 at the first, an 8B's
+    4096 and a 70B's 8192 at the second), its lead too, and `estimate` uses it: the 8B's
+    decode step is the step at that rate; a profile without such notes is priced as it was."""
+    from ctxpar.costmodel import estimate
+
+    notes = {"weight_read_bandwidth_q4_hidden2048": 18e9, "weight_read_bandwidth_q4_hidden4096": 24e9}
+    lead_notes = {"weight_read_bandwidth_q4_hidden2048": 30e9, "weight_read_bandwidth_q4_hidden4096": 36e9}
+    q4 = dataclasses.replace(Q4, notes=notes, lead=dataclasses.replace(Q4, name="lead", notes=lead_notes))
+    for name, rate, lead in (
+        ("smollm2-135m", 18e9, 30e9),
+        ("llama-3.2-1b", 18e9, 30e9),
+        ("llama-3-8b", 24e9, 36e9),
+        ("llama-3-70b", 24e9, 36e9),
+    ):
+        priced = q4.for_model(load_model_shape(name))
+        assert priced.weight_read_bandwidth == rate
+        assert priced.lead is not None and priced.lead.weight_read_bandwidth == lead
+    m = load_model_shape("llama-3-8b")
+    [row] = estimate(m, q4, 2048, pcp=[1], dcp=[1])
+    at_24 = decode_time(m, dataclasses.replace(Q4, weight_read_bandwidth=24e9), 2048, 1, 1)
+    assert row.decode.total_s == pytest.approx(at_24.total_s) and at_24.total_s < decode_time(m, Q4, 2048, 1, 1).total_s
+    assert Q4.for_model(m) == Q4

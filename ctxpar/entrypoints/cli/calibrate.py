@@ -1,18 +1,21 @@
 """Measure this machine (attention FLOP/s in fp32 and bf16; for each weight dtype,
 fp32, bf16 and, on a CPU, q4 (GGUF's Q4_0 blocks), the FLOP/s of the engine's
-projection at a prefill's rows and the rate its decode projection reads weights;
-memory read bandwidth, all-gather latency and bandwidth between two local ranks
-over gloo and shared memory, and the host's cost of a decode step beyond its
-kernels, a step and a layer) and save a hardware profile for `ctxpar estimate
---hardware PATH`. Takes about a minute; one line per measurement. The profile's
-rates are for ``--dtype``; the other weight dtypes' stay in its notes, where
-`ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4).
+projection at a prefill's rows and the rate its decode projection reads weights
+(on a CPU over a Llama-3.2-1B layer and a Llama-3-8B layer: `ctxpar estimate`
+prices a model at the rate of the nearest width); memory read bandwidth; on a CPU
+the rate the engine's paged decode kernel reads an fp32 and a bf16 KV cache (what
+a decode step's KV read is priced at); all-gather latency and bandwidth between
+two local ranks over gloo and shared memory; and the host's cost of a decode step
+beyond its kernels, a step and a layer) and save a hardware profile for `ctxpar
+estimate --hardware PATH`. Takes about a minute; one line per measurement. The
+profile's rates are for ``--dtype``; the other weight dtypes' stay in its notes,
+where `ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4).
 
-With ``--link shm`` (ranks on one host) and ``--threads`` below the host's
-cores, the GEMM, attention, memory and projection rates are measured again
-with every core and saved as the profile's ``lead``: on one host, rank 0 runs a
-step that splits no prompt (a P > 1 decode step) with every rank's threads,
-and `ctxpar estimate` times those steps at these rates.
+With ``--link shm`` (ranks on one host) and ``--threads`` below the host's cores,
+the GEMM, attention, memory, projection and KV read rates are measured again with
+every core and saved as the profile's ``lead``: on one host, rank 0 runs a step
+that splits no prompt (a P > 1 decode step) with every rank's threads, and `ctxpar
+estimate` times those steps at these rates.
 
 ``--link 1gbit|10gbit|100gbit|rdma`` also measures a gloo all-gather between
 two network namespaces linked through a switch by veths shaped with tc tbf to
