@@ -20,14 +20,9 @@
 
 namespace {
 
-#ifdef __AVX512F__
-typedef v16 vec;
-typedef v16i veci;
-#else
-typedef v8 vec;
-typedef v8i veci;
-#endif
-constexpr int64_t W = sizeof(vec) / sizeof(float);
+using widest::vec;
+using widest::veci;
+using widest::W;
 constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work per call, one thread
 
 template <typename T>

@@ -49,15 +49,11 @@
 
 namespace {
 
-#ifdef __AVX512F__
-typedef v16 vec;
-constexpr int MB = 12;  // 24 accumulators + 2 weight vectors + 1 broadcast of 32 registers
-#else
-typedef v8 vec;
-constexpr int MB = 6;  // 12 + 2 + 1 of 16
-#endif
+using widest::vec;
+using widest::W;
+constexpr int MB = W == 16 ? 12 : 6;  // AVX-512: 24 accumulators + 2 weight vectors + 1 broadcast of 32
+                                      // registers; else 12 + 2 + 1 of 16
 typedef uint32_t pairs __attribute__((vector_size(sizeof(vec))));  // W bf16 weight pairs
-constexpr int64_t W = sizeof(vec) / sizeof(float);
 constexpr int64_t NP = 2 * W;
 constexpr int64_t ONE_BLOCK_FLOATS = 1 << 18, ROW_BLOCK_FLOATS = 1 << 15;
 

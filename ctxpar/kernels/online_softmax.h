@@ -21,14 +21,9 @@
 
 namespace online_softmax {
 
-#ifdef __AVX512F__
-typedef v16 vec;
-typedef v16i veci;
-#else
-typedef v8 vec;
-typedef v8i veci;
-#endif
-constexpr int64_t W = sizeof(vec) / sizeof(float);
+using widest::vec;
+using widest::veci;
+using widest::W;
 
 // Per-row state of a task: M rows, M_vec = M rounded up to whole vectors.
 struct Rows {

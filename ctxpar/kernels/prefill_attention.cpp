@@ -33,8 +33,8 @@
 
 namespace {
 
-using online_softmax::vec;  // AVX-512: 32 registers of 16 floats, tiles of 6 x 4 vectors (24 accumulators);
-using online_softmax::W;    // else 16 registers of 8 floats, tiles of 3 x 4 vectors (12 accumulators)
+using widest::vec;  // AVX-512: 32 registers of 16 floats, tiles of 6 x 4 vectors (24 accumulators);
+using widest::W;    // else 16 registers of 8 floats, tiles of 3 x 4 vectors (12 accumulators)
 constexpr int64_t ROWS = W == 16 ? 6 : 3;
 constexpr int64_t TILE = 4 * W;  // columns of a tile
 // Chosen by measurement (2 threads, AVX-512, 9/3 heads of 64, 2048 queries

@@ -35,8 +35,8 @@
 
 namespace {
 
-using online_softmax::vec;
-using online_softmax::W;
+using widest::vec;
+using widest::W;
 constexpr int64_t T = bf16_tiles::T;  // 16: rows of a tile, pairs of a K step, columns of a C tile
 constexpr int64_t BK = 128;           // keys per block: four K steps of P · V
 constexpr int64_t KG = 2 * T;         // keys per packed group of K: a 2 x 2 block's columns

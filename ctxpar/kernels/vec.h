@@ -14,6 +14,19 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// The widest vector of floats the build has: one AVX-512 register of 16, else 8
+// (one AVX register, two SSE ones). The kernels that size their loops by it share it.
+namespace widest {
+#ifdef __AVX512F__
+typedef v16 vec;
+typedef v16i veci;
+#else
+typedef v8 vec;
+typedef v8i veci;
+#endif
+constexpr int64_t W = sizeof(vec) / sizeof(float);
+}  // namespace widest
+
 template <typename V>
 inline V loadv(const float* p) {
   V v;
