@@ -3,13 +3,15 @@
 The inverse frequencies and the cos/sin scaling ("attention_factor", e.g.
 yarn's mscale) come from transformers' own rope initialisers, so llama3, yarn,
 linear and dynamic scaling match the reference implementations bit for bit.
+The default rope (no scaling) is computed here: transformers' module
+(``transformers.modeling_rope_utils``) is imported only for another rope type,
+so importing this module, and a model with the default rope, do not pay for it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ctxpar.kernels import elementwise
 
@@ -31,6 +33,8 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "default":
             inv_freq, self.attention_scaling = _default_inv_freq(config, rot_dim)
         else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         if inv_freq.numel() * 2 != rot_dim:
             raise ValueError(f"rope produced {inv_freq.numel() * 2} dims, expected {rot_dim}")

