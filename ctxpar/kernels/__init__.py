@@ -66,8 +66,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "linear_packed_bf16_out": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_panel_width": ([], _i64),
     "linear_bf16_tiles": ([], _i64),
-    "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
-    "quant_dequantize_f32": ([_ptr, _ptr, _ptr] + [_i64] * 7 + [_ptr], None),
+    "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _ptr] + [_i64] * 5 + [_ptr, _ptr], None),
+    "quant_dequantize_f32": ([_ptr] + [_i64] * 7 + [_ptr], None),
     "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 5 + [_f32], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }

@@ -19,15 +19,17 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_part.h"
+
 extern "C" {
 void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n, int64_t dim,
                   float eps, float* out);
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin);
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
-void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
-                      const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
-                      int64_t zero, const float* bias, float* out);
+void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts,
+                      int64_t num_parts, int64_t bits, int64_t group, int64_t half, int64_t zero, const float* bias,
+                      float* out);
 void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
                        int64_t out_features, const float* bias, float* out);
 void kv_quantize(const float* x, int64_t n, int64_t x_stride, const int64_t* runs, int64_t num_runs, int64_t code,
@@ -44,12 +46,12 @@ void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slo
 
 namespace {
 
-// One projection's weight: block-quantized (bits 4 or 8) or, with bits 0, fp32 panels.
+// One projection's weight: block-quantized (bits 4 or 8: its parts, quant_part.h) or,
+// with bits 0, fp32 panels (data).
 struct Projection {
-  const void* data;  // QuantWeight.qs, or PanelWeight.data
-  const void* scales;
-  const void* offsets;  // null: none
-  const float* bias;    // null: none
+  const void* data;  // QuantPart[num_parts], or PanelWeight.data
+  int64_t num_parts;
+  const float* bias;  // null: none
   int64_t in, out, bits, group, half, zero;
 };
 
@@ -73,8 +75,8 @@ void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, f
   if (p.bits == 0)
     linear_packed_f32(x, x_stride, n, static_cast<const float*>(p.data), p.in, p.out, p.bias, out);
   else
-    quant_linear_f32(x, x_stride, n, p.in, p.out, p.bits, static_cast<const uint8_t*>(p.data), p.scales, p.group,
-                     p.offsets, p.half, p.zero, p.bias, out);
+    quant_linear_f32(x, x_stride, n, p.in, static_cast<const QuantPart*>(p.data), p.num_parts, p.bits, p.group,
+                     p.half, p.zero, p.bias, out);
 }
 
 }  // namespace

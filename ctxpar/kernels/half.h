@@ -49,4 +49,12 @@ inline __m256 load8_ps(const Half* p) {
                         to_float(p[5]), to_float(p[6]), to_float(p[7]));
 #endif
 }
+// Eight values `stride` elements apart (a GGUF file's scales lie a block apart): the same floats.
+template <typename S>
+inline __m256 load8_ps(const S* p, int64_t stride) {
+  if (stride == 1) return load8_ps(p);
+  return _mm256_setr_ps(to_float(p[0]), to_float(p[stride]), to_float(p[2 * stride]), to_float(p[3 * stride]),
+                        to_float(p[4 * stride]), to_float(p[5 * stride]), to_float(p[6 * stride]),
+                        to_float(p[7 * stride]));
+}
 #endif

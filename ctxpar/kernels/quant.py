@@ -3,57 +3,95 @@ stored (4 or 8 bits a weight, a scale per group of 16 or 32, an optional
 offset per 32; scales and offsets float32, or both float16 where the weight's
 values are halves: half.h), the activations quantized per block of 32
 to int8 inside the kernel; and the weight's rows dequantized to float32, where
-no kernel multiplies them (quant_dequant.cpp)."""
+no kernel multiplies them (quant_dequant.cpp).
+
+A weight reaches the kernels as ``QuantPart``s (quant_part.h): pointers and
+strides, so that a GGUF file's blocks are read where its memory map holds them,
+and a fused projection's parts where each lies."""
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from ctxpar import kernels
 
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class QuantPart(ctypes.Structure):
+    """quant_part.h's QuantPart: one weight's rows, by pointers and strides (in elements)."""
+
+    _fields_ = [
+        ("q", _ptr),
+        ("scales", _ptr),
+        ("offsets", _ptr),
+        ("rows", _i64),
+        ("q_row", _i64),
+        ("q_block", _i64),
+        ("s_row", _i64),
+        ("s_col", _i64),
+        ("o_row", _i64),
+        ("o_col", _i64),
+    ]
+
+
+def part(qs: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int) -> QuantPart:
+    """The kernels' view of a weight: qs (out, in * bits / 8) or (out, in / 32, 32 * bits / 8)
+    uint8, scales (out, in / group), offsets (out, in / 32) or None, each at its own strides
+    (a block's bytes, and a row's, contiguous within: layers/quant_linear.py checks that)."""
+    q_block = qs.stride(1) if qs.dim() == 3 else 32 * bits // 8
+    o_row, o_col = (0, 0) if offsets is None else offsets.stride()
+    return QuantPart(
+        qs.data_ptr(),
+        scales.data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        qs.shape[0],
+        qs.stride(0),
+        q_block,
+        *scales.stride(),
+        o_row,
+        o_col,
+    )
+
 
 def quant_linear(
     x: torch.Tensor,
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
+    parts: ctypes.Array,
+    out_features: int,
     bits: int,
     group: int,
-    bias: torch.Tensor | None = None,
+    half: bool,
     zero: int = 0,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x (n, in) float32, rows contiguous -> x @ W^T (+ bias) (n, out) float32, W
-    (out, in) given as qs (out, in * bits / 8) uint8, scales (out, in / group),
-    offsets (out, in / 32) or None (of the scales' dtype, float32 or float16), all
-    contiguous; in a multiple of 32. zero 8: weight = scale * (q - 8) (GGUF's Q4_0,
-    4 bits, groups of 32, no offsets)."""
+    (out, in) given as ``parts`` (an array of QuantPart, their rows one after another,
+    out_features in all), of ``bits`` 4 or 8, scales per ``group`` of 16 or 32, float16
+    if ``half`` else float32; in a multiple of 32. zero 8: weight = scale * (q - 8)
+    (GGUF's Q4_0, 4 bits, groups of 32, no offsets)."""
     n, in_features = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     # The weight's layout is the caller's (layers/quant_linear.py builds and checks it once,
     # at load); a decode step makes ~120 of these calls, so only what each call brings is
-    # checked: x against the weight's width, and the bias's length.
-    rows, width = qs.shape
-    if x.dtype != torch.float32 or in_features % 32 or width * 8 != in_features * bits:
-        raise ValueError(
-            f"quant_linear: x must be float32 with the weight's {width * 8 // bits} features (a multiple of 32), "
-            f"got {x.dtype} {tuple(x.shape)}"
-        )
-    if bias is not None and bias.numel() != rows:
-        raise ValueError(f"quant_linear: bias has {bias.numel()} values for {rows} outputs")
-    out = torch.empty(n, rows, dtype=torch.float32)
+    # checked: x's dtype and width, and the bias's length.
+    if x.dtype != torch.float32 or in_features % 32:
+        raise ValueError(f"quant_linear: x must be float32, a multiple of 32 features; got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and bias.numel() != out_features:
+        raise ValueError(f"quant_linear: bias has {bias.numel()} values for {out_features} outputs")
+    out = torch.empty(n, out_features, dtype=torch.float32)
     kernels.loaded().quant_linear_f32(
         x.data_ptr(),
         x.stride(0),
         n,
         in_features,
-        rows,
+        ctypes.addressof(parts),
+        len(parts),
         bits,
-        qs.data_ptr(),
-        scales.data_ptr(),
         group,
-        0 if offsets is None else offsets.data_ptr(),
-        scales.dtype == torch.float16,
+        half,
         zero,
         0 if bias is None else bias.contiguous().data_ptr(),
         out.data_ptr(),
@@ -62,38 +100,14 @@ def quant_linear(
 
 
 def quant_dequantize(
-    qs: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    group: int,
-    first: int = 0,
-    rows: int | None = None,
-    zero: int = 0,
+    weight: QuantPart, in_features: int, bits: int, group: int, half: bool, first: int, rows: int, zero: int = 0
 ) -> torch.Tensor:
-    """Rows [first, first + rows) of the weight (as ``quant_linear`` takes it) as
+    """Rows [first, first + rows) of the weight (as ``quant_linear`` takes a part) as
     float32 (rows, in): ``scale * (q - zero)``, then ``+ offset``."""
-    rows = qs.shape[0] - first if rows is None else rows
-    _check_rows(qs, first, rows)
-    in_features = qs.shape[1] * 8 // bits
+    if first < 0 or rows < 0 or first + rows > weight.rows:
+        raise ValueError(f"quant_dequantize: rows [{first}, {first + rows}) outside the weight's {weight.rows} rows")
     out = torch.empty(rows, in_features, dtype=torch.float32)
     kernels.loaded().quant_dequantize_f32(
-        qs.data_ptr(),
-        scales.data_ptr(),
-        0 if offsets is None else offsets.data_ptr(),
-        scales.dtype == torch.float16,
-        bits,
-        group,
-        zero,
-        first,
-        rows,
-        in_features,
-        out.data_ptr(),
+        ctypes.addressof(weight), half, bits, group, zero, first, rows, in_features, out.data_ptr()
     )
     return out
-
-
-def _check_rows(qs: torch.Tensor, first: int, rows: int) -> None:
-    """Rows [first, first + rows) lie in the weight: the kernels read them unchecked."""
-    if first < 0 or rows < 0 or first + rows > qs.shape[0]:
-        raise ValueError(f"quant_dequantize: rows [{first}, {first + rows}) outside the weight's {qs.shape[0]} rows")

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "half.h"
+#include "quant_part.h"
 
 namespace {
 
@@ -15,13 +16,12 @@ constexpr int64_t QB = 32;  // weights per block
 
 // Weights [b * 32, b * 32 + 32) of row o as float32 into y: scale * q, then + offset.
 template <typename S>
-inline void dequantize_block(const uint8_t* qs, const S* scales, const S* offsets, int64_t bits, int64_t group,
-                             int64_t zero, int64_t o, int64_t b, int64_t in, float* y) {
-  const int64_t nb = in / QB;
-  const uint8_t* q = qs + o * (in * bits / 8) + b * (QB * bits / 8);
-  const S* sc = scales + o * (in / group) + b * QB / group;
-  const float s0 = to_float(sc[0]), s1 = to_float(group == QB ? sc[0] : sc[1]);
-  const float off = offsets ? to_float(offsets[o * nb + b]) : 0.0f;
+inline void dequantize_block(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero, int64_t o, int64_t b,
+                             float* y) {
+  const uint8_t* q = w.block(o, b);
+  const int64_t j = b * QB / group;  // the block's first group
+  const float s0 = w.scale(o, j), s1 = group == QB ? s0 : w.scale(o, j + 1);
+  const float off = w.o ? w.offset(o, b) : 0.0f;
   float v[QB];
   for (int i = 0; i < 16; ++i) {
     v[i] = bits == 4 ? float((q[i] & 15) - zero) : float(int8_t(q[i]));
@@ -29,33 +29,32 @@ inline void dequantize_block(const uint8_t* qs, const S* scales, const S* offset
   }
   for (int i = 0; i < 16; ++i) y[i] = s0 * v[i];
   for (int i = 16; i < QB; ++i) y[i] = s1 * v[i];
-  if (offsets)
+  if (w.o)
     for (int i = 0; i < QB; ++i) y[i] += off;
 }
 
-// f(scales, offsets) with the pointers as their type: half if `half`, else float32.
-template <typename F>
-inline void with_scales(const void* scales, const void* offsets, int64_t half, F&& f) {
-  if (half)
-    f(static_cast<const Half*>(scales), static_cast<const Half*>(offsets));
-  else
-    f(static_cast<const float*>(scales), static_cast<const float*>(offsets));
+template <typename S>
+void dequantize_rows(const QuantPart& part, int64_t bits, int64_t group, int64_t zero, int64_t first, int64_t rows,
+                     int64_t in, float* out) {
+  const PartView<S> w(part);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < in / QB; ++b) dequantize_block(w, bits, group, zero, first + r, b, out + r * in + b * QB);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Rows [first, first + rows) of the weight as float32 (rows, in): scale * (q - zero), then + offset
-// (two roundings, as ctxpar's and gguf's dequantizers). Prefill multiplies tiles of these.
-void quant_dequantize_f32(const uint8_t* qs, const void* scales, const void* offsets, int64_t half, int64_t bits,
-                          int64_t group, int64_t zero, int64_t first, int64_t rows, int64_t in, float* out) {
-  with_scales(scales, offsets, half, [&](auto* sc, auto* off) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < in / QB; ++b)
-        dequantize_block(qs, sc, off, bits, group, zero, first + r, b, in, out + r * in + b * QB);
-  });
+// Rows [first, first + rows) of the weight (one part, quant_part.h; scales and offsets half if
+// `half`, else float32) as float32 (rows, in): scale * (q - zero), then + offset (two
+// roundings, as ctxpar's and gguf's dequantizers). Prefill multiplies tiles of these.
+void quant_dequantize_f32(const QuantPart* part, int64_t half, int64_t bits, int64_t group, int64_t zero,
+                          int64_t first, int64_t rows, int64_t in, float* out) {
+  if (half)
+    dequantize_rows<Half>(*part, bits, group, zero, first, rows, in, out);
+  else
+    dequantize_rows<float>(*part, bits, group, zero, first, rows, in, out);
 }
 
 }  // extern "C"

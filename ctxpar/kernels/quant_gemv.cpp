@@ -12,6 +12,8 @@
 //   bits = 8: 32 int8 a block.
 // scales: (out, in / group), group 16 or 32; offsets (out, in / 32) or null (all
 // zero); both float32, or both half (half.h) where the weight's values are halves.
+// Each is read through strides (quant_part.h), so a GGUF file's blocks serve where
+// they lie, and a fused projection is a list of such parts.
 // zero: 0, or 8 for GGUF's Q4_0 as the file holds it (4 bits, groups of 32, no
 // offsets): weight i = scale * (q[i] - 8). The AVX-512 paths (quant_tiles.h) take
 // sum (q - 8) x in integers; the others add the offset term -8 * scale per block, as
@@ -37,6 +39,7 @@
 #include <vector>
 
 #include "half.h"
+#include "quant_part.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -156,35 +159,35 @@ inline float hsum8(__m256 v) {
 #endif
 
 #if defined(__AVX2__)
-// sum_b a[b] * c[b] over n values, in 8 lanes (the offsets' term: a float dot product).
+// sum_b a[b * stride] * c[b] over n values, in 8 lanes (the offsets' term: a float dot product).
 template <typename S>
-inline float dot(const S* a, const float* c, int64_t n) {
+inline float dot(const S* a, int64_t stride, const float* c, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(load8_ps(a + b), _mm256_loadu_ps(c + b), acc);
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(load8_ps(a + b * stride, stride), _mm256_loadu_ps(c + b), acc);
   float s = hsum8(acc);
-  for (; b < n; ++b) s += to_float(a[b]) * c[b];
+  for (; b < n; ++b) s += to_float(a[b * stride]) * c[b];
   return s;
 }
 #endif
 
-// A row's offsets term: sum_b offset_b * xs_b, the offsets stored (wo) or -zero * the
+// Row o's offsets term: sum_b offset_b * xs_b, the offsets stored or -zero * the
 // block's scale (zero 8: Q4_0, groups of 32, one scale a block).
 template <typename S>
-inline float offsets_term(const S* wo, const S* ws, float zero, const float* xs, int64_t nb) {
+inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const float* xs, int64_t nb) {
 #if defined(__AVX2__)
-  if (wo) return dot(wo, xs, nb);
-  return zero != 0.0f ? -zero * dot(ws, xs, nb) : 0.0f;
+  if (w.o) return dot(w.o + o * w.o_row, w.o_col, xs, nb);
+  return zero != 0.0f ? -zero * dot(w.s + o * w.s_row, w.s_col, xs, nb) : 0.0f;
 #else
-  if (!wo && zero == 0.0f) return 0.0f;
+  if (!w.o && zero == 0.0f) return 0.0f;
   float off = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) off += (wo ? to_float(wo[b]) : -zero * to_float(ws[b])) * xs[b];
+  for (int64_t b = 0; b < nb; ++b) off += (w.o ? w.offset(o, b) : -zero * w.scale(o, b)) * xs[b];
   return off;
 #endif
 }
 
 #if defined(__AVX2__)
-// The 4-bit weights two blocks at a time: blocks 2p and 2p+1 are 32 adjacent bytes,
+// The 4-bit weights two blocks at a time: blocks 2p and 2p+1 (32 bytes, one load apiece),
 // whose low nibbles are both blocks' first 16 weights and high nibbles their last 16;
 // the activations are paired to match (quantize_rows' xp). One load, one shift, two
 // ands, two maddubs (an s16 lane sums 4 products: < 2^13), one madd, one convert and
@@ -192,8 +195,8 @@ inline float offsets_term(const S* wo, const S* ws, float zero, const float* xs,
 // blocks at once) one permute spreads over their halves of the vector. Half the
 // instructions of a block at a time: the kernel is compute-bound on AVX2.
 template <typename S, int mr>
-void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const int8_t* xq, const int8_t* xp,
-                const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+void row_dot_q4(const PartView<S>& wt, int64_t o, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
+                const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, pairs = nb / 2;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
@@ -202,8 +205,9 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const i
   __m256 acc[2][mr];
   for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   auto pair = [&](int64_t p, __m256i spread, const __m256* scales, __m256* a) __attribute__((always_inline)) {
-    _mm_prefetch(reinterpret_cast<const char*>(wq + p * 32) + 1024, _MM_HINT_T0);
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + p * 32));
+    const uint8_t *first = wt.block(o, 2 * p), *second = wt.block(o, 2 * p + 1);
+    _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+    const __m256i w = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second), reinterpret_cast<const __m128i*>(first));
     const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
     for (int m = 0; m < mr; ++m) {
       const int8_t* x = xp + (m0 + m) * in + p * 64;
@@ -223,7 +227,7 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const i
   int64_t p = 0;
   for (; p + 4 <= pairs; p += 4) {  // 8 blocks: their scales in one vector a row
     __m256 scales[mr];
-    const __m256 wv = load8_ps(ws + 2 * p);
+    const __m256 wv = load8_ps(wt.s + o * wt.s_row + 2 * p * wt.s_col, wt.s_col);
     for (int m = 0; m < mr; ++m) scales[m] = _mm256_mul_ps(wv, _mm256_loadu_ps(xd + (m0 + m) * nb + 2 * p));
     pair(p, spread[0], scales, acc[0]);
     pair(p + 1, spread[1], scales, acc[1]);
@@ -234,22 +238,22 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const i
     __m256 scales[mr];
     for (int m = 0; m < mr; ++m) {
       const float* d = xd + (m0 + m) * nb + 2 * p;
-      scales[m] = _mm256_setr_ps(to_float(ws[2 * p]) * d[0], to_float(ws[2 * p + 1]) * d[1], 0, 0, 0, 0, 0, 0);
+      scales[m] = _mm256_setr_ps(wt.scale(o, 2 * p) * d[0], wt.scale(o, 2 * p + 1) * d[1], 0, 0, 0, 0, 0, 0);
     }
     pair(p, spread[0], scales, acc[0]);
   }
   float tail[mr] = {};
   if (nb % 2) {  // an odd last block alone, its weights as one block (16 bytes)
     const int64_t b = nb - 1;
-    const __m256i w = load_block<4>(wq + b * 16);
+    const __m256i w = load_block<4>(wt.block(o, b));
     for (int m = 0; m < mr; ++m) {
       const int64_t r = m0 + m;
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * to_float(ws[b]) * xd[r * nb + b];
+      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * wt.scale(o, b) * xd[r * nb + b];
     }
   }
   for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
 }
 #endif
 
@@ -257,12 +261,12 @@ void row_dot_q4(const uint8_t* wq, const S* ws, const S* wo, float zero, const i
 // rows unrolls and the accumulators stay in registers (indexed by a run-time row
 // count they live on the stack, and each block's update waits on a store and a load).
 template <typename S, int bits, int mr>
-void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float zero, const int8_t* xq,
-             const int8_t* xp, const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
-  const int64_t nb = in / QB, bytes = QB * bits / 8;
+void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const int8_t* xq, const int8_t* xp,
+             const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB;
 #if defined(__AVX2__)
   if constexpr (bits == 4) {
-    row_dot_q4<S, mr>(wq, ws, wo, zero, xq, xp, xd, xs, m0, in, res);
+    row_dot_q4<S, mr>(wt, o, zero, xq, xp, xd, xs, m0, in, res);
     return;
   }
   // Two accumulators a row, for even and odd blocks: one would chain every block's
@@ -271,10 +275,10 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
   for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   auto step = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
     // A row's blocks stream past once: ask for them ~1 KB ahead (a few percent here).
-    _mm_prefetch(reinterpret_cast<const char*>(wq + b * bytes) + 1024, _MM_HINT_T0);
-    const __m256i w = load_block<bits>(wq + b * bytes);
-    const __m256 sw = group == QB ? _mm256_set1_ps(to_float(ws[b]))
-                                  : _mm256_set_m128(_mm_set1_ps(to_float(ws[2 * b + 1])), _mm_set1_ps(to_float(ws[2 * b])));
+    _mm_prefetch(reinterpret_cast<const char*>(wt.block(o, b)) + 1024, _MM_HINT_T0);
+    const __m256i w = load_block<bits>(wt.block(o, b));
+    const __m256 sw = group == QB ? _mm256_set1_ps(wt.scale(o, b))
+                                  : _mm256_set_m128(_mm_set1_ps(wt.scale(o, 2 * b + 1)), _mm_set1_ps(wt.scale(o, 2 * b)));
     for (int m = 0; m < mr; ++m) {
       const int64_t r = m0 + m;
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
@@ -289,7 +293,7 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
   }
   if (b < nb) step(b, acc[0]);
   for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
+    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
 #else
   (void)xp;  // the paired activations serve the AVX2 path only
   float acc[mr] = {};
@@ -297,10 +301,10 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
     int q[QB];
     for (int i = 0; i < QB; ++i) {
       if constexpr (bits == 4) {
-        const uint8_t byte = wq[b * bytes + (i & 15)];
+        const uint8_t byte = wt.block(o, b)[i & 15];
         q[i] = i < 16 ? (byte & 15) : (byte >> 4);
       } else {
-        q[i] = int8_t(wq[b * bytes + i]);
+        q[i] = int8_t(wt.block(o, b)[i]);
       }
     }
     for (int m = 0; m < mr; ++m) {
@@ -309,17 +313,17 @@ void row_dot(const uint8_t* wq, const S* ws, int64_t group, const S* wo, float z
       int lo = 0, hi = 0;  // the two halves: groups of 16 have a scale each
       for (int i = 0; i < 16; ++i) lo += q[i] * x[i];
       for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
-      const float s0 = to_float(group == QB ? ws[b] : ws[2 * b]), s1 = to_float(group == QB ? ws[b] : ws[2 * b + 1]);
+      const float s0 = wt.scale(o, group == QB ? b : 2 * b), s1 = wt.scale(o, group == QB ? b : 2 * b + 1);
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
     }
   }
-  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wo, ws, zero, xs + (m0 + m) * nb, nb);
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
 #endif
 }
 
 template <typename S>
-using RowFn = void (*)(const uint8_t*, const S*, int64_t, const S*, float, const int8_t*, const int8_t*,
-                       const float*, const float*, int64_t, int64_t, float*);
+using RowFn = void (*)(const PartView<S>&, int64_t, int64_t, float, const int8_t*, const int8_t*, const float*,
+                       const float*, int64_t, int64_t, float*);
 
 template <typename S, int bits, int... R>
 constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
@@ -327,10 +331,11 @@ constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int
 }
 
 template <typename S>
-void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
-                  const uint8_t* qs, const S* scales, int64_t group, const S* offsets, int64_t zero, const float* bias,
-                  float* out) {
+void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts, int64_t num_parts,
+                  int64_t bits, int64_t group, int64_t zero, const float* bias, float* out) {
   const int64_t nb = in / QB;
+  int64_t out_features = 0;  // the output rows' stride: every part's outputs side by side
+  for (int64_t k = 0; k < num_parts; ++k) out_features += parts[k].rows;
   // The quantized activations, kept per calling thread between calls: a decode step makes ~120.
   // (Pointers taken here: inside the parallel loop each thread would name its own vectors.)
   static thread_local std::vector<int8_t> xq_buf, xp_buf;
@@ -353,26 +358,26 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
       quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, xi ? xi + m * nb : nullptr,
                     nullptr);
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
-      tiles::product(qs, scales, offsets, zero, bits, group, in, out_features, xq, xd, xs, xi, r0,
-                     std::min(n, r0 + row_block), bias, out);
+      for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k)
+        tiles::product(PartView<S>(parts[k]), zero, bits, group, in, out_features, xq, xd, xs, xi, r0,
+                       std::min(n, r0 + row_block), bias ? bias + col : nullptr, out + col);
   }
 #else
-  const int64_t row_bytes = in * bits / 8, row_scales = in / group;
   static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
   static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, nullptr, xp);
+  for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k) {
+    const PartView<S> w(parts[k]);
 #pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < out_features; ++o) {
-    const uint8_t* wq = qs + o * row_bytes;
-    const S* ws = scales + o * row_scales;
-    const S* wo = offsets ? offsets + o * nb : nullptr;
-    for (int64_t m0 = 0; m0 < n; m0 += MR) {
-      const int mr = int(std::min<int64_t>(MR, n - m0));
-      float res[MR];
-      (bits == 4 ? table4 : table8)[mr - 1](wq, ws, group, wo, float(zero), xq, xp, xd, xs, m0, in, res);
-      for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + o] = res[m] + (bias ? bias[o] : 0.0f);
+    for (int64_t o = 0; o < w.rows; ++o) {
+      for (int64_t m0 = 0; m0 < n; m0 += MR) {
+        const int mr = int(std::min<int64_t>(MR, n - m0));
+        float res[MR];
+        (bits == 4 ? table4 : table8)[mr - 1](w, o, group, float(zero), xq, xp, xd, xs, m0, in, res);
+        for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
+      }
     }
   }
 #endif
@@ -383,18 +388,17 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, int64
 extern "C" {
 
 // x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
-// (out_features, in) as above, its scales and offsets half if `half`, else float32;
-// zero 0 or 8 (see the top); bias (out_features,) or null; out (n, out_features).
-void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, int64_t out_features, int64_t bits,
-                      const uint8_t* qs, const void* scales, int64_t group, const void* offsets, int64_t half,
-                      int64_t zero, const float* bias, float* out) {
-  if (n == 0 || out_features == 0) return;
+// (out_features, in) as above, the rows of `num_parts` parts one after another (quant_part.h),
+// their scales and offsets half if `half`, else float32; zero 0 or 8 (see the top); bias
+// (out_features,) or null; out (n, out_features).
+void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts,
+                      int64_t num_parts, int64_t bits, int64_t group, int64_t half, int64_t zero, const float* bias,
+                      float* out) {
+  if (n == 0 || num_parts == 0) return;
   if (half)
-    quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const Half*>(scales), group,
-                 static_cast<const Half*>(offsets), zero, bias, out);
+    quant_linear<Half>(x, x_stride, n, in, parts, num_parts, bits, group, zero, bias, out);
   else
-    quant_linear(x, x_stride, n, in, out_features, bits, qs, static_cast<const float*>(scales), group,
-                 static_cast<const float*>(offsets), zero, bias, out);
+    quant_linear<float>(x, x_stride, n, in, parts, num_parts, bits, group, zero, bias, out);
 }
 
 }  // extern "C"

@@ -2,8 +2,8 @@
 // CPU has it): every row count, a decode step's one row and a prefill's thousands,
 // takes this one path, so a row's result never depends on the rows beside it.
 //
-// Included by quant_gemv.cpp (its weight layout, its int8 activations: xq codes, xd
-// scales, xs = xd * sum of codes, per block of 32).
+// Included by quant_gemv.cpp (its weight layout, read through quant_part.h's strides;
+// its int8 activations: xq codes, xd scales, xs = xd * sum of codes, per block of 32).
 //
 // Per call the weight's output rows are taken 16 at a time (a tile), and a tile's
 // integers are laid out for the dot-product instructions, once per block of
@@ -119,10 +119,15 @@ inline void transpose16(__m512 r[16]) {
 inline __m512 load_floats(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
 inline __m512 load_floats(const Half* p, __mmask16 keep) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p)); }
 
-// A (rows, cols) matrix with `stride` between rows (rows <= 16) as floats into out
-// (cols, 16), column-major: out[c][o] = m[o][c], zero for o >= rows.
+// A (rows, cols) matrix with `stride` between rows and `step` between columns (rows <=
+// 16) as floats into out (cols, 16), column-major: out[c][o] = m[o][c], zero for o >= rows.
 template <typename S>
-void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out) {
+void columns(const S* m, int64_t stride, int64_t step, int64_t rows, int64_t cols, float* out) {
+  if (step != 1) {  // a GGUF file's scales, a block apart: one by one
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t o = 0; o < 16; ++o) out[c * T + o] = o < rows ? to_float(m[o * stride + c * step]) : 0.0f;
+    return;
+  }
   int64_t c0 = 0;
   for (; c0 + 16 <= cols; c0 += 16) {
     __m512 r[16];
@@ -136,15 +141,16 @@ void columns(const S* m, int64_t stride, int64_t rows, int64_t cols, float* out)
 
 // The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero);
 // zero 8 (Q4_0): the nibbles less 8, signed bytes as an 8-bit weight's.
-inline void pack_q(const uint8_t* qs, int64_t bits, int64_t zero, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
-  const int64_t nb = in / QB, row_bytes = in * bits / 8;
+template <typename S>
+void pack_q(const PartView<S>& w, int64_t bits, int64_t zero, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
+  const int64_t nb = in / QB;
   tile.q.resize(nb * 8 * T * 4);
   const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
-    const uint8_t* src = qs + o0 * row_bytes + b * QB * bits / 8;
+    const uint8_t* src = w.block(o0, b);
     __m512i d[4];
-    gather_dwords(src, row_bytes, rows, d);
+    gather_dwords(src, w.q_row, rows, d);
     if (bits == 4) {  // byte i holds weight i (low nibble) and weight 16 + i (high)
       for (int j = 0; j < 4; ++j) {
         _mm512_storeu_si512(q + j, _mm512_sub_epi8(_mm512_and_si512(d[j], low), z));
@@ -152,7 +158,7 @@ inline void pack_q(const uint8_t* qs, int64_t bits, int64_t zero, int64_t in, in
       }
     } else {
       for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, d[j]);
-      gather_dwords(src + 16, row_bytes, rows, d);
+      gather_dwords(src + 16, w.q_row, rows, d);
       for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, d[j]);
     }
   }
@@ -160,13 +166,12 @@ inline void pack_q(const uint8_t* qs, int64_t bits, int64_t zero, int64_t in, in
 
 // The tile's scales and offsets as columns (both paths read them so).
 template <typename S>
-void pack_columns(const S* scales, const S* offsets, int64_t group, int64_t in, int64_t o0, int64_t rows,
-                  Tile& tile) {
+void pack_columns(const PartView<S>& w, int64_t group, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
   const int64_t nb = in / QB, ng = in / group;
   tile.scales.resize(ng * T);
-  tile.offsets.resize(offsets ? nb * T : 0);
-  columns(scales + o0 * ng, ng, rows, ng, tile.scales.data());
-  if (offsets) columns(offsets + o0 * nb, nb, rows, nb, tile.offsets.data());
+  tile.offsets.resize(w.o ? nb * T : 0);
+  columns(w.s + o0 * w.s_row, w.s_row, w.s_col, rows, ng, tile.scales.data());
+  if (w.o) columns(w.o + o0 * w.o_row, w.o_row, w.o_col, rows, nb, tile.offsets.data());
 }
 
 // The float steps of one group for one row: acc = fma(float(s), scale * xd, acc).
@@ -239,6 +244,30 @@ inline void sum_partials(const __m512i v[16], __m512i r[4]) {
   r[3] = _mm512_shuffle_i32x4(p1, q1, 0xDD);
 }
 
+// Blocks [b0, b0 + blocks) of a row (blocks <= 64 / bytes, `bytes` 16 or 32 a block) as one
+// vector, zero past them: one load where they are adjacent, else a load a block.
+template <typename S>
+inline __m512i load_blocks(const PartView<S>& w, int64_t row, int64_t b0, int64_t blocks, int64_t bytes) {
+  const uint8_t* p = w.block(row, b0);
+  if (w.q_block == bytes) {
+    const int64_t width = blocks * bytes;
+    return _mm512_maskz_loadu_epi8(width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1, p);
+  }
+  if (bytes == 32) {
+    const __m256i second = blocks > 1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + w.q_block))
+                                      : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                              second, 1);
+  }
+  auto piece = [&](int64_t k) {
+    return k < blocks ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * w.q_block)) : _mm_setzero_si128();
+  };
+  __m512i v = _mm512_castsi128_si512(piece(0));
+  v = _mm512_inserti32x4(v, piece(1), 1);
+  v = _mm512_inserti32x4(v, piece(2), 2);
+  return _mm512_inserti32x4(v, piece(3), 3);
+}
+
 // One row against rows [o0, o0 + rows) of the weight read where they lie, for a few
 // rows (a decode step): no tile is laid out. A 512-bit load holds 4 blocks (4 bits) or
 // 2 (8 bits) of one output; dpbusd leaves partial sums of 4 products per lane, which
@@ -248,20 +277,25 @@ inline void sum_partials(const __m512i v[16], __m512i r[4]) {
 // next_rows: rows of the tile after this one, whose same bytes each load prefetches:
 // the loads of a tile are 16 streams a row apart, which the hardware prefetchers do
 // not run ahead of, so without it a decode step waits on memory at every tile.
-inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t zero, int64_t in, int64_t o0,
-                       int64_t rows, int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk,
-                       const float* xd, const float* xs, const int32_t* xi, __m512* acc) {
-  const int64_t nb = in / QB, row_bytes = in * bits / 8, per_load = bits == 4 ? 4 : 2;
+template <typename S>
+void direct_row(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero, int64_t in, int64_t o0,
+                int64_t rows, int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk,
+                const float* xd, const float* xs, const int32_t* xi, __m512* acc) {
+  const int64_t nb = in / QB, bytes = QB * bits / 8, per_load = bits == 4 ? 4 : 2;
   const bool offsets = !tile.offsets.empty();
   const __m512i low = _mm512_set1_epi8(0x0F);
   *acc = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += per_load) {
     const int64_t blocks = std::min(per_load, nb - b0);
-    const int64_t width = blocks * QB * bits / 8;  // bytes of this load: 64, or fewer at the row's end
-    const __mmask64 bytes = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
+    const int64_t width = blocks * bytes;  // bytes of codes in this load: 64, or fewer at the row's end
     __m512i v[16], x = _mm512_setzero_si512();
-    const uint8_t* ahead = qs + (o0 + T) * row_bytes + b0 * QB * bits / 8;
-    for (int64_t o = 0; o < next_rows; ++o) _mm_prefetch(reinterpret_cast<const char*>(ahead + o * row_bytes), _MM_HINT_T0);
+    // Blocks a GGUF file holds (d before each) take more than one line a load: the last's too.
+    const int64_t span = (blocks - 1) * w.q_block + bytes - 1;
+    for (int64_t o = 0; o < next_rows; ++o) {
+      const char* ahead = reinterpret_cast<const char*>(w.block(o0 + T + o, b0));
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if (span >= 64) _mm_prefetch(ahead + span, _MM_HINT_T0);
+    }
     if (bits == 4) {
       const __m512i xl = _mm512_loadu_si512(xk + b0 * QB), xh = _mm512_loadu_si512(xk + b0 * QB + 64);
       for (int64_t o = 0; o < T; ++o) {
@@ -269,18 +303,18 @@ inline void direct_row(const uint8_t* qs, int64_t bits, int64_t group, int64_t z
           v[o] = _mm512_setzero_si512();
           continue;
         }
-        const __m512i w = _mm512_maskz_loadu_epi8(bytes, qs + (o0 + o) * row_bytes + b0 * 16);
-        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        const __m512i q = load_blocks(w, o0 + o, b0, blocks, bytes);
+        const __m512i lo = _mm512_and_si512(q, low), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
         v[o] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
       }
     } else {
       // dpbusd multiplies unsigned by signed: w + 128 (its sign bit flipped) by x, and
       // 128 * (the group's sum of x) subtracted after the sums (the same for every output).
-      x = _mm512_maskz_loadu_epi8(bytes, xq + b0 * QB);
+      x = _mm512_maskz_loadu_epi8(width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1, xq + b0 * QB);
       const __m512i flip = _mm512_set1_epi8(char(0x80));
       for (int64_t o = 0; o < T; ++o) {
-        const __m512i w = o < rows ? _mm512_maskz_loadu_epi8(bytes, qs + (o0 + o) * row_bytes + b0 * QB) : flip;
-        v[o] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(w, flip), x);
+        const __m512i q = o < rows ? load_blocks(w, o0 + o, b0, blocks, bytes) : flip;
+        v[o] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(q, flip), x);
       }
     }
     __m512i r[4];
@@ -490,13 +524,14 @@ constexpr auto vnni_table(std::integer_sequence<int, R...>) {
 
 // Rows [r0, r1) of the quantized activations against every output, tiles shared out
 // over the threads (inside an OpenMP parallel region).
+// out_features: the output rows' stride (a fused projection's parts write side by side).
 template <typename S>
-void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero, int64_t bits, int64_t group,
-             int64_t in, int64_t out_features, const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-             int64_t r0, int64_t r1, const float* bias, float* out) {
+void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, int64_t in, int64_t out_features,
+             const int8_t* xq, const float* xd, const float* xs, const int32_t* xi, int64_t r0, int64_t r1,
+             const float* bias, float* out) {
   static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
   static thread_local Tile tile;
-  const int64_t tiles_n = (out_features + T - 1) / T;
+  const int64_t tiles_n = (w.rows + T - 1) / T;
 #if defined(CTXPAR_AMX)
   const bool amx = r1 - r0 >= 16 && amx_ready();
   static thread_local std::vector<GroupScales> group_scales;
@@ -504,7 +539,7 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
     amx_configure(group);
     group_scales.resize((r1 - r0) / 16);
     for (int64_t g = 0; g < (r1 - r0) / 16; ++g)
-      group_scales[g].fill(xd, xs, r0 + 16 * g, in / QB, offsets != nullptr);
+      group_scales[g].fill(xd, xs, r0 + 16 * g, in / QB, w.o != nullptr);
   }
   // zero 8: AMX multiplies signed codes by the nibbles less 8 (a tile of signed bytes, as
   // an 8-bit weight's); without AMX the tile keeps the nibbles and vnni_rows subtracts.
@@ -522,20 +557,20 @@ void product(const uint8_t* qs, const S* scales, const S* offsets, int64_t zero,
   }
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles_n; ++t) {
-    const int64_t o0 = t * T, cols = std::min(T, out_features - o0);
-    pack_columns(scales, offsets, group, in, o0, cols, tile);
+    const int64_t o0 = t * T, cols = std::min(T, w.rows - o0);
+    pack_columns(w, group, in, o0, cols, tile);
     if (direct) {
-      const int64_t next_rows = std::clamp<int64_t>(out_features - o0 - T, 0, T);
+      const int64_t next_rows = std::clamp<int64_t>(w.rows - o0 - T, 0, T);
       for (int64_t m = r0; m < r1; ++m) {
         __m512 acc;
         const int8_t* row_xk = xk.data() + (m - r0) * xk_row;
-        direct_row(qs, bits, group, zero, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
+        direct_row(w, bits, group, zero, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
                    xs + m * (in / QB), xi ? xi + m * (in / QB) : nullptr, &acc);
         store_rows(&acc, 1, o0, cols, bias, out, out_features, m);
       }
       continue;
     }
-    pack_q(qs, bits, signed_tile ? zero : 0, in, o0, cols, tile);
+    pack_q(w, bits, signed_tile ? zero : 0, in, o0, cols, tile);
     const int64_t tile_bits = signed_tile ? 8 : bits, tile_zero = signed_tile ? 0 : zero;
     int64_t m0 = r0;
 #if defined(CTXPAR_AMX)

@@ -32,7 +32,7 @@ from torch import nn
 from ctxpar import kernels
 from ctxpar.device import cpu_has_native_bf16
 from ctxpar.kernels import panels
-from ctxpar.layers.quant_linear import TILE_ROWS, QuantWeight, quant_embedding, quant_linear
+from ctxpar.layers.quant_linear import TILE_ROWS, QuantParts, QuantWeight, quant_embedding, quant_linear
 
 
 @dataclass
@@ -56,12 +56,12 @@ class PanelWeight:
         return cls(padded.view(-1, width, in_features).transpose(1, 2).contiguous(), out_features)
 
 
-Weight = torch.Tensor | PanelWeight | QuantWeight
+Weight = torch.Tensor | PanelWeight | QuantWeight | QuantParts
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) @ weight (out, in)^T + bias -> (n, out), for plain, packed or quantized weights."""
-    if isinstance(weight, QuantWeight):
+    if isinstance(weight, (QuantWeight, QuantParts)):
         return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
         return panels.linear_packed(x, weight.data, weight.out_features, bias, out_dtype=x.dtype)
@@ -157,7 +157,8 @@ def panel_weights(model: nn.Module) -> list[PanelWeight]:
 
 def shared_tensors(model: nn.Module) -> list[tuple[object, str]]:
     """(holder, attribute) of every tensor of `model`'s packed and quantized weights
-    (a PanelWeight's data; a QuantWeight's qs, scales, offsets), each weight once
+    (a PanelWeight's data; a QuantWeight's qs, scales, offsets, and a QuantParts' parts';
+    not a file's memory map: ``mapped`` weights are the page cache's, shared already), each weight once
     (tied embeddings hold one), in a fixed order: the same list on every rank."""
     seen: set[int] = set()
     out: list[tuple[object, str]] = []
@@ -168,6 +169,9 @@ def shared_tensors(model: nn.Module) -> list[tuple[object, str]]:
             seen.add(id(v))
             if isinstance(v, PanelWeight):
                 out.append((v, "data"))
-            elif isinstance(v, QuantWeight):
-                out += [(v, a) for a in ("qs", "scales", "offsets") if getattr(v, a) is not None]
+            else:
+                parts = v.parts if isinstance(v, QuantParts) else [v] if isinstance(v, QuantWeight) else []
+                for w in parts:
+                    if not w.mapped:
+                        out += [(w, a) for a in ("qs", "scales", "offsets") if getattr(w, a) is not None]
     return out

@@ -12,6 +12,12 @@ quantized at load), which holds them exactly; the 5- and 6-bit formats widen
 to 8 bits. Q4_0 read from a file keeps its own form, scale * (q - 8) with q a
 nibble (``zero`` 8): its scales are the file's halves, and no offsets are stored.
 
+A GGUF file's Q4_0, Q4_1 and Q8_0 blocks are that form already, fields
+interleaved a block apart (d, [m,] q): ``QuantWeight.in_place`` takes them
+where the file's memory map holds them, as strided views (the page cache's
+pages, shared by every process that maps the file; nothing copied), and a
+fused projection of such parts is a ``QuantParts``, each part where it lies.
+
 On the CPU every row count takes the one integer kernel (quant_gemv.cpp):
 a row's activations are rounded to int8 per block of 32 and multiplied by the
 weight's integers, a decode step's one row and a prefill's thousands alike, so
@@ -22,10 +28,12 @@ Elsewhere (GPUs, or ``CTXPAR_KERNELS=0``) the weight is dequantized for
 
 from __future__ import annotations
 
+import ctypes
 import math
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -33,7 +41,7 @@ import torch.nn.functional as F
 
 from ctxpar import kernels
 from ctxpar.kernels import quant
-from ctxpar.layers.quant_blocks import Decoded, decode
+from ctxpar.layers.quant_blocks import FORMATS, Decoded, decode
 
 # The fields of the GGUF blocks kept as they are: a half scale d, Q4_1's half minimum m,
 # and the integers q (16 bytes of nibbles, or 32 int8).
@@ -58,34 +66,48 @@ class QuantWeight:
     """An (out_features, in_features) weight: row o, weight i = scales[o, i // group] *
     (q[o, i] - zero) + offsets[o, i // 32] (0 without offsets)."""
 
-    qs: torch.Tensor  # (out, in * bits / 8) uint8: nibbles (bits 4) or int8 bytes (bits 8)
+    # (out, in * bits / 8) uint8: nibbles (bits 4) or int8 bytes (bits 8); or (out, in / 32,
+    # 32 * bits / 8), blocks at any stride (a GGUF file's, between their scales)
+    qs: torch.Tensor
     scales: torch.Tensor  # (out, in / group) float32, or float16 (see the module's docstring)
     offsets: torch.Tensor | None  # (out, in / 32), the scales' dtype
     bits: int  # 4 or 8
     group: int  # 16 or 32
     zero: int = 0  # 8: Q4_0's nibbles (bits 4, group 32, no offsets)
+    mapped: bool = False  # views of a file's memory map: read where they lie, never copied
+    kernel_parts: ctypes.Array = field(init=False, repr=False, compare=False)  # the kernels' view: one QuantPart
 
     def __post_init__(self) -> None:
         # The kernel reads these through raw pointers: their layout is checked here, once
         # (a real check, not an assert: ``python -O`` would remove that).
-        rows, cols = self.qs.shape[0], self.qs.shape[1] * 8 // self.bits
+        rows, cols, block = self.out_features, self.in_features, 32 * self.bits // 8
         off = self.offsets
+        q_ok = self.qs.stride(-1) == 1 and (self.qs.dim() == 2 or self.qs.shape[1:] == (cols // 32, block))
         layout_ok = (
             self.bits in (4, 8)
             and self.group in (16, 32)
             and cols % 32 == 0
             and self.qs.dtype == torch.uint8
+            and q_ok
             and self.scales.dtype in (torch.float32, torch.float16)
             and self.scales.shape == (rows, cols // self.group)
             and (off is None or (off.dtype == self.scales.dtype and off.shape == (rows, cols // 32)))
-            and all(t.is_contiguous() for t in self.tensors())
+            and all(t.device.type == "cpu" and min(t.stride(), default=1) > 0 for t in self.tensors())
             and (self.zero == 0 or (self.zero == 8 and self.bits == 4 and self.group == 32 and off is None))
         )
         if not layout_ok:
-            shapes = [(tuple(t.shape), t.dtype) for t in self.tensors()]
+            shapes = [(tuple(t.shape), t.stride(), t.dtype) for t in self.tensors()]
             raise ValueError(
                 f"QuantWeight: bits {self.bits}, group {self.group}, zero {self.zero} and tensors {shapes} do not match"
             )
+        self.kernel_parts = (quant.QuantPart * 1)(quant.part(self.qs, self.scales, self.offsets, self.bits))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Weights move after loading (onto huge pages, into a segment the ranks share):
+        # the kernels' view follows, written where it lies (a QuantParts' array holds it).
+        super().__setattr__(name, value)
+        if name in ("qs", "scales", "offsets") and "kernel_parts" in self.__dict__:
+            self.kernel_parts[0] = quant.part(self.qs, self.scales, self.offsets, self.bits)
 
     @property
     def out_features(self) -> int:
@@ -93,7 +115,11 @@ class QuantWeight:
 
     @property
     def in_features(self) -> int:
-        return self.qs.shape[1] * 8 // self.bits
+        return self.qs.shape[1] * 32 if self.qs.dim() == 3 else self.qs.shape[1] * 8 // self.bits
+
+    @property
+    def half(self) -> bool:
+        return self.scales.dtype == torch.float16
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -128,6 +154,24 @@ class QuantWeight:
         as_tensor = lambda f: torch.from_numpy(np.ascontiguousarray(f.astype(np.float16 if halves else np.float32)))
         offsets = None if d.offsets is None else as_tensor(d.offsets)
         return cls(torch.from_numpy(np.ascontiguousarray(qs)), as_tensor(d.scales), offsets, bits, d.group, zero)
+
+    @classmethod
+    def in_place(cls, raw: np.ndarray, fmt: str) -> QuantWeight:
+        """A GGUF tensor's blocks (``has_fields``) where they lie, raw (rows, bytes a row)
+        uint8 rows of a memory map: its fields as views of the bytes, a block apart
+        (kernels/quant_part.h), nothing copied."""
+        rows, nbytes = raw.shape[0], FORMATS[fmt].nbytes
+        with warnings.catch_warnings():  # read-only by design: the kernels never write a weight
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(raw)
+        halves = blocks.view(torch.float16)  # (rows, bytes a row / 2): d, Q4_1's m, then the q bytes
+        q_at = 2 * (len(BLOCK_FIELDS[fmt]) - 1)  # q follows the block's halves
+        width = nbytes - q_at
+        qs = blocks.as_strided((rows, blocks.shape[1] // nbytes, width), (blocks.stride(0), nbytes, 1), q_at)
+        scales = halves[:, 0 :: nbytes // 2]
+        offsets = halves[:, 1 :: nbytes // 2] if fmt == "Q4_1" else None
+        bits, zero = (8, 0) if fmt == "Q8_0" else (4, 8 if fmt == "Q4_0" else 0)
+        return cls(qs, scales, offsets, bits, 32, zero, mapped=True)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, fmt: str, cols: int) -> QuantWeight:
@@ -168,7 +212,7 @@ class QuantWeight:
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""
-        qs = self.qs.numpy()
+        qs = self.qs.reshape(self.out_features, -1).numpy()
         if self.bits == 4:
             rows = qs.shape[0]
             nib = np.stack([qs.reshape(rows, -1, 16) & 15, qs.reshape(rows, -1, 16) >> 4], axis=2)
@@ -188,7 +232,7 @@ class QuantWeight:
         end = self.out_features if end is None else end
         if kernels.available():
             return quant.quant_dequantize(
-                self.qs, self.scales, self.offsets, self.bits, self.group, first, end - first, self.zero
+                self.kernel_parts[0], self.in_features, self.bits, self.group, self.half, first, end - first, self.zero
             )
         d = self.rows(first, end).decoded()
         w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * torch.from_numpy(d.scales)[:, :, None]
@@ -239,6 +283,15 @@ class MappedBlocks:
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.cols)
 
+    def placed(self) -> QuantWeight:
+        """Where it lies (``QuantWeight.in_place``) if the map holds its rows in order,
+        else its fields copied out (``from_fields``) and its pages released."""
+        if self.raw.ndim == 2 and self.raw.flags.c_contiguous:
+            return QuantWeight.in_place(self.raw, self.fmt)
+        w = QuantWeight.from_fields([self.raw], self.fmt, self.cols, self.empty)
+        self.release()
+        return w
+
     def laid_out(self) -> QuantWeight:
         """Its own layout, in memory of its own (``QuantWeight.from_blocks``); its pages released."""
         w = QuantWeight.from_blocks(np.ascontiguousarray(self.raw).reshape(self.out_features, -1), self.fmt, self.cols)
@@ -250,20 +303,71 @@ class MappedBlocks:
         return self.laid_out().dequantize()
 
 
-def join(parts: list[QuantWeight | MappedBlocks]) -> QuantWeight:
+@dataclass
+class QuantParts:
+    """A fused projection (QKV, gate|up) whose parts stay where they lie (a GGUF file's
+    blocks in its memory map): the parts' rows one after another, one kernel call
+    writing each part's outputs beside the others'. The parts share their form
+    (bits, group, zero, half scales)."""
+
+    parts: list[QuantWeight]
+    kernel_parts: ctypes.Array = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first = self.parts[0]
+        form = lambda w: (w.bits, w.group, w.zero, w.half, w.in_features, w.offsets is None)  # noqa: E731
+        if any(form(w) != form(first) for w in self.parts):
+            raise ValueError(f"QuantParts: parts of different forms {[form(w) for w in self.parts]}")
+        self.kernel_parts = (quant.QuantPart * len(self.parts))(*(w.kernel_parts[0] for w in self.parts))
+        size = ctypes.sizeof(quant.QuantPart)
+        for k, w in enumerate(self.parts):  # each part's view is its entry here, so that a moved part updates it
+            w.kernel_parts = (quant.QuantPart * 1).from_buffer(self.kernel_parts, k * size)
+
+    bits = property(lambda self: self.parts[0].bits)
+    group = property(lambda self: self.parts[0].group)
+    zero = property(lambda self: self.parts[0].zero)
+    half = property(lambda self: self.parts[0].half)
+    in_features = property(lambda self: self.parts[0].in_features)
+
+    @property
+    def out_features(self) -> int:
+        return sum(w.out_features for w in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for w in self.parts)
+
+    def dequantize(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [first, end) as float32 (end - first, in)."""
+        end = self.out_features if end is None else end
+        pieces, at = [], 0
+        for w in self.parts:
+            lo, hi = max(first, at), min(end, at + w.out_features)
+            if lo < hi:
+                pieces.append(w.dequantize(lo - at, hi - at))
+            at += w.out_features
+        return torch.cat(pieces) if pieces else torch.empty(0, self.in_features)
+
+
+Quantized = QuantWeight | QuantParts
+
+
+def join(parts: list[QuantWeight | MappedBlocks]) -> Quantized:
     """The parts' rows one after another as one weight (a fused QKV or gate|up
-    projection, or one part alone), the same bytes as ``concat`` of each laid out.
-    Mapped parts of one format with fields (``has_fields``) are copied from the map
-    straight into the joined tensors, which the first part's ``empty`` allocates;
-    others are laid out each, then concatenated."""
+    projection, or one part alone). Mapped parts of one format with fields
+    (``has_fields``) stay where the map holds them (``QuantWeight.in_place``), a
+    ``QuantParts`` where several; those whose rows the map does not hold in order
+    (Q and K, un-permuted) are copied out (``from_fields``, into memory the part's
+    ``empty`` allocates). Others are laid out each, then concatenated (``concat``)."""
     first = parts[0]
     if isinstance(first, MappedBlocks) and has_fields(first.fmt, first.cols):
         same = [p for p in parts if isinstance(p, MappedBlocks) and (p.fmt, p.cols) == (first.fmt, first.cols)]
         if len(same) == len(parts):
-            joined = QuantWeight.from_fields([p.raw for p in same], first.fmt, first.cols, first.empty)
-            for p in same:
-                p.release()
-            return joined
+            placed = [p.placed() for p in same]
+            return placed[0] if len(placed) == 1 else QuantParts(placed)
     laid = [p.laid_out() if isinstance(p, MappedBlocks) else p for p in parts]
     return laid[0] if len(laid) == 1 else concat(laid)
 
@@ -298,13 +402,15 @@ def _widen(p: QuantWeight, bits: int, group: int, zero: int) -> QuantWeight:
     return QuantWeight.from_decoded(Decoded(d.q, scales, d.offsets, group), bits)
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (n, in) @ w^T (+ bias) -> (n, out) in x's dtype."""
     dtype = x.dtype
     if dtype != torch.float32:
         x = x.float()
     if x.device.type == "cpu" and kernels.available():
-        out = quant.quant_linear(x, w.qs, w.scales, w.offsets, w.bits, w.group, bias, w.zero)
+        if x.shape[1] != w.in_features:
+            raise ValueError(f"quant_linear: x has {x.shape[1]} features, the weight {w.in_features}")
+        out = quant.quant_linear(x, w.kernel_parts, w.out_features, w.bits, w.group, w.half, w.zero, bias)
     else:
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
         for first in range(0, w.out_features, TILE_ROWS):

@@ -30,7 +30,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
 from ctxpar.layers.paged_attention import decode_batch
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -38,9 +38,8 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Projection(ctypes.Structure):
     _fields_ = [
-        ("data", _ptr),
-        ("scales", _ptr),
-        ("offsets", _ptr),
+        ("data", _ptr),  # the weight's QuantParts (kernels/quant_part.h), or fp32 panels
+        ("num_parts", _i64),
         ("bias", _ptr),
         ("in_", _i64),
         ("out", _i64),
@@ -84,25 +83,21 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
     """The loop's record of one projection, or None for a weight it does not read."""
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if isinstance(weight, QuantWeight):
-        half = int(weight.scales.dtype == torch.float16)
+    if isinstance(weight, (QuantWeight, QuantParts)):
         return _Projection(
-            _address(weight.qs),
-            _address(weight.scales),
-            _address(weight.offsets),
+            ctypes.addressof(weight.kernel_parts),
+            len(weight.kernel_parts),
             _address(bias),
             weight.in_features,
             weight.out_features,
             weight.bits,
             weight.group,
-            half,
+            int(weight.half),
             weight.zero,
         )
     if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
         in_features = weight.data.shape[1]  # fp32 panels: (panels, in, panel width)
-        return _Projection(
-            _address(weight.data), None, None, _address(bias), in_features, weight.out_features, 0, 0, 0, 0
-        )
+        return _Projection(_address(weight.data), 0, _address(bias), in_features, weight.out_features, 0, 0, 0, 0)
     return None
 
 

@@ -3,13 +3,15 @@
 The weights are read where they lie: ``gguf_weights`` maps the file
 (models/gguf_file.py: read-only, the page cache's pages) and yields each tensor
 under its Hugging Face name, a projection kept quantized as its blocks in
-the map, which the model lays out for the kernel where the weight stays
-(layers/quant_linear.py's ``join``: Q4_0, Q4_1 and Q8_0 blocks are one strided
-copy of the file's bytes into huge pages, beside a fused projection's other
-parts; the other formats decoded once), the rest dequantized. The file is read
-ahead of the copies, in order (models/gguf_file.py's ``read_ahead``), so a load
-of a file not in the page cache reads the disk at its speed. Nothing the size
-of the weights is written anywhere.
+the map, which the model places (layers/quant_linear.py's ``join``): Q4_0,
+Q4_1 and Q8_0 blocks stay in the map and the kernels read them there, so
+every process that maps the file (PCP ranks on one host) reads the same
+pages and a load copies nothing; Q and K, whose rows llama.cpp permutes for
+its rope, are copied out un-permuted (one strided copy into huge pages); the
+other formats are decoded once, the rest dequantized. The file is read ahead,
+in order (models/gguf_file.py's ``read_ahead``), so a load of a file not in
+the page cache reads the disk at its speed. Nothing the size of the weights is
+written anywhere.
 
 What is slow to rebuild is the tokenizer (transformers takes 5-15 s to build
 it from the GGUF's vocabulary), so that, with the config, is cached once in
@@ -235,8 +237,8 @@ def gguf_weights(
     from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors
     in a block format of layers/quant_blocks.py as their blocks in the map
     (``MappedBlocks``, a row permutation a view that moves whole rows of blocks),
-    to be laid out for the kernel on huge pages (kernels/huge_pages.py's
-    ``HugeArena``) by the model's ``join``; otherwise, and for the rest (norms;
+    to be placed by the model's ``join`` (in the map, or copied onto huge pages:
+    kernels/huge_pages.py's ``HugeArena``); otherwise, and for the rest (norms;
     F16/F32 weights), float32 tensors."""
     from gguf.quants import dequantize
 

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from ctxpar import kernels
 from ctxpar.engine.sample.sampler import logprobs_of
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.kernels import elementwise, kv_cache, panels, quant
+from ctxpar.kernels import elementwise, kv_cache, panels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_blocks import FORMATS, decode
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import QuantWeight, quant_linear
 from ctxpar.machine import cpu_info
 from helpers.gguf_blocks import random_blocks
 from helpers.kernel_builds import VNNI_BUILD
@@ -82,9 +82,7 @@ def test_quantized_projection(name: str, build: str, data: st.DataObject) -> Non
     bias = torch.randn(out) if data.draw(st.booleans()) else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "_library", lambda march="native": lib)
-        assert_rows_alone(
-            lambda r: quant.quant_linear(r, w.qs, w.scales, w.offsets, w.bits, w.group, bias, w.zero), x, data
-        )
+        assert_rows_alone(lambda r: quant_linear(r, w, bias), x, data)
 
 
 @SETTINGS

@@ -22,7 +22,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from ctxpar import kernels
-from ctxpar.kernels import quant
 from ctxpar.layers import quant_linear
 from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
 from ctxpar.layers.quant_linear import QuantWeight, concat
@@ -149,7 +148,7 @@ def test_kernel_matches_float64_product(name: str, build: str) -> None:
         x[:, :32] = 0  # an all-zero block: d = 0
         bias = rng.standard_normal(out).astype(np.float32)
         b = torch.from_numpy(bias)
-        y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, b, w.zero)
+        y = quant_linear.quant_linear(torch.from_numpy(x), w, b)
         check(y, x, weights, bias.astype(np.float64))
 
 
@@ -191,6 +190,72 @@ def test_a_changed_scale_or_offset_fails(field: str, name: str) -> None:
     target = w.scales if field == "scale" else w.offsets
     assert target is not None
     target.view(-1)[target.abs().argmax()] *= 1.001  # the largest: a block whose weights count
-    y = quant.quant_linear(torch.from_numpy(x), w.qs, w.scales, w.offsets, w.bits, w.group, zero=w.zero)
+    y = quant_linear.quant_linear(torch.from_numpy(x), w)
     with pytest.raises(AssertionError):
         check(y, x, weights, np.zeros(16))
+
+
+IN_PLACE = ["Q4_0", "Q4_1", "Q8_0"]  # the formats whose blocks the kernels read where a file holds them
+
+
+def mapped(raw: np.ndarray) -> np.ndarray:
+    """raw's bytes as a file's read-only memory map holds them (what GGUFFile hands out)."""
+    view = raw.copy()
+    view.flags.writeable = False
+    return view
+
+
+@pytest.mark.parametrize("name", IN_PLACE)
+def test_blocks_in_place_compute_the_copied_layouts_bits(name: str, build: str) -> None:
+    """A GGUF tensor's blocks read where they lie (fields interleaved a block apart) give
+    exactly the bits of the same blocks copied into ctxpar's own layout: the same integers,
+    scales and float steps, through strides. Every row count (a decode step's direct
+    reads, the VNNI loop, AMX's groups of 16), odd block counts, the dequantized rows."""
+    rng = np.random.default_rng(300 + IN_PLACE.index(name))
+    for out, cols in [(37, 512), (16, 96), (5, 224), (64, 1536)]:
+        raw = random_blocks(name, out, cols, rng)
+        copied = QuantWeight.from_blocks(raw, name, cols)
+        placed = QuantWeight.in_place(mapped(raw), name)
+        assert placed.mapped and placed.nbytes() == raw.nbytes  # its bytes are the file's, no more
+        assert torch.equal(placed.dequantize(), copied.dequantize())
+        assert torch.equal(placed.dequantize(3, 5), copied.dequantize(3, 5))
+        for n in (1, 2, 3, 5, 16, 37):
+            x = torch.from_numpy((rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32))
+            bias = torch.randn(out)
+            assert torch.equal(quant_linear.quant_linear(x, placed, bias), quant_linear.quant_linear(x, copied, bias))
+
+
+@pytest.mark.parametrize("name", IN_PLACE)
+def test_parts_in_place_compute_the_joined_weights_bits(name: str, build: str) -> None:
+    """A fused projection whose parts stay where they lie (QuantParts: one in place, one
+    copied out, as a GGUF's V beside its un-permuted Q) gives the bits of the parts
+    joined into one weight, each output beside the others'."""
+    rng = np.random.default_rng(310 + IN_PLACE.index(name))
+    raws = [random_blocks(name, rows, 256, rng) for rows in (48, 16, 21)]
+    joined = concat([QuantWeight.from_blocks(raw, name, 256) for raw in raws])
+    parts = quant_linear.QuantParts(
+        [QuantWeight.in_place(mapped(raws[0]), name), QuantWeight.from_blocks(raws[1], name, 256)]
+        + [QuantWeight.in_place(mapped(raws[2]), name)]
+    )
+    assert parts.shape == joined.shape
+    bias = torch.randn(joined.out_features)
+    for n in (1, 4, 19):
+        x = torch.randn(n, 256)
+        assert torch.equal(quant_linear.quant_linear(x, parts, bias), quant_linear.quant_linear(x, joined, bias))
+    assert torch.equal(parts.dequantize(40, 70), joined.dequantize(40, 70))
+
+
+def test_a_moved_part_is_read_where_it_went() -> None:
+    """Weights move after loading (onto huge pages, into the ranks' shared segment): the
+    kernels then read the new place, also through a QuantParts, and never the old one."""
+    rng = np.random.default_rng(320)
+    raws = [random_blocks("Q4_0", 32, 256, rng) for _ in range(2)]
+    parts = quant_linear.QuantParts([QuantWeight.from_blocks(raw, "Q4_0", 256) for raw in raws])
+    x = torch.randn(3, 256)
+    before = quant_linear.quant_linear(x, parts)
+    moved = parts.parts[1]
+    old = [moved.qs, moved.scales]
+    moved.qs, moved.scales = moved.qs.clone(), moved.scales.clone()
+    for t in old:
+        t.zero_()  # the old place now holds other weights
+    assert torch.equal(quant_linear.quant_linear(x, parts), before)

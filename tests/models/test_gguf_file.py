@@ -18,7 +18,7 @@ from gguf import GGUFReader, GGUFValueType
 from ctxpar.bench.gguf_shapes import Shape, write_gguf
 from ctxpar.kernels.huge_pages import on_huge_pages
 from ctxpar.layers.linear import shared_tensors
-from ctxpar.layers.quant_linear import QuantWeight, concat
+from ctxpar.layers.quant_linear import QuantParts, QuantWeight, concat
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.gguf import unpermute
 from ctxpar.models.gguf_file import GGUFFile
@@ -128,11 +128,24 @@ def test_read_ahead_reads_the_file_into_the_page_cache(tiny: str, tmp_path: Path
     assert cached_fraction(path, start) == 1
 
 
+def in_file_map(t: torch.Tensor, path: Path) -> bool:
+    """Whether the bytes t reaches lie in this process's memory map of the file ``path``."""
+    first = t.data_ptr()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        lo, hi = (int(a, 16) for a in span.split("-"))
+        if name.strip() == str(path.resolve()) and lo <= first and last < hi:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
-def test_kept_blocks_are_each_tensor_laid_out_on_huge_pages(fmt: str, tiny: str, tmp_path: Path) -> None:
-    """The loaded weights hold exactly the layout of each file tensor (Q and K rows
-    un-permuted), the fused ones joined; Q4_0's lie on huge pages as loaded, where moving
-    the model's weights there leaves them; Q4_K's (decoded) move there then."""
+def test_kept_blocks_are_read_in_the_files_map_or_laid_out_on_huge_pages(fmt: str, tiny: str, tmp_path: Path) -> None:
+    """The loaded weights hold exactly each file tensor's weights (Q and K rows un-permuted),
+    the fused ones joined. Q4_0's blocks stay where the file's map holds them, and the
+    kernels read its pages, but for Q and K, copied out un-permuted onto huge pages, where
+    moving the model's weights there leaves them; Q4_K's (decoded) move there then."""
     path = write_gguf(tiny, fmt, tmp_path / "tiny.gguf", default_model_path())
     model = load_model(str(path), torch.float32, torch.device("cpu"), 256, quantization="gguf").model
     file = {t.name: t for t in GGUFReader(path).tensors}
@@ -145,6 +158,7 @@ def test_kept_blocks_are_each_tensor_laid_out_on_huge_pages(fmt: str, tiny: str,
 
     got = [model.embed_tokens, model.lm_head]
     want = [laid_out("token_embd.weight"), laid_out("output.weight")]
+    in_place = [True, True]  # whether the file holds a weight's rows in order (not Q's and K's)
     for i, layer in enumerate(model.decoder_layers):
         b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
         q = laid_out(b + "attn_q.weight", config.num_attention_heads)
@@ -155,10 +169,17 @@ def test_kept_blocks_are_each_tensor_laid_out_on_huge_pages(fmt: str, tiny: str,
             concat([laid_out(b + "ffn_gate.weight"), laid_out(b + "ffn_up.weight")]),
             laid_out(b + "ffn_down.weight"),
         ]
-    for g, w in zip(got, want, strict=True):
-        assert (g.bits, g.group, g.zero) == (w.bits, w.group, w.zero)
-        for a, b in zip(g.tensors(), w.tensors(), strict=True):
-            assert a.dtype == b.dtype and torch.equal(a, b)
+        in_place += [False, True, True, True]
+    for g, w, whole in zip(got, want, in_place, strict=True):
+        assert (g.bits, g.group, g.zero, g.shape) == (w.bits, w.group, w.zero, w.shape)
+        assert torch.equal(g.dequantize(), w.dequantize())
+        parts = g.parts if isinstance(g, QuantParts) else [g]
+        if fmt == "Q4_0":  # the QKV's V in place, its Q and K copied out
+            where = [whole] * len(parts) if whole else [False, False, True]
+            assert [p.mapped for p in parts] == where
+            assert all(all(in_file_map(t, path) for t in p.tensors()) == p.mapped for p in parts)
+        else:
+            assert not any(p.mapped for p in parts)
     tensors = [getattr(h, a) for h, a in shared_tensors(model)]
     assert all(on_huge_pages(t) == (fmt == "Q4_0") for t in tensors)
     where = [t.data_ptr() for t in tensors]

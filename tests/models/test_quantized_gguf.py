@@ -28,7 +28,7 @@ import os
 import pytest
 
 from ctxpar import LLM, SamplingParams
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 from helpers.procs import shm_mappings
 
 pytestmark = pytest.mark.multiprocess  # the P = 2 run starts rank processes
@@ -45,16 +45,24 @@ TOL = 0.5
 GAP = 1.0
 
 
-def in_shared_pages(llm: LLM, weight: QuantWeight) -> bool:
-    """Whether every tensor of `weight` lies in a shared file that rank 1 maps too."""
+def mapped_files(pid: int) -> set[str]:
+    """The files pid maps (ctxpar's shared segments, the GGUF file, libraries)."""
+    return {line.split()[5] for line in open(f"/proc/{pid}/maps") if len(line.split()) >= 6}
+
+
+def in_shared_pages(llm: LLM, weight: QuantWeight | QuantParts) -> bool:
+    """Whether every tensor of `weight` lies in a file that rank 1 maps too: the GGUF file
+    itself where its blocks are read in place, else the ranks' shared segment."""
     [worker] = llm.engine.executor.procs
-    shared = set(shm_mappings(os.getpid())) & set(shm_mappings(worker.pid))
+    shared = mapped_files(os.getpid()) & mapped_files(worker.pid)
+    assert any(name.startswith("/dev/shm/ctxpar-") for name in shm_mappings(worker.pid))  # Q and K's copies
     spans = [
         (int(line.split()[0].split("-")[0], 16), int(line.split()[0].split("-")[1], 16))
         for line in open(f"/proc/{os.getpid()}/maps")
         if len(line.split()) >= 6 and line.split()[5] in shared
     ]
-    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in weight.tensors())
+    parts = weight.parts if isinstance(weight, QuantParts) else [weight]
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for w in parts for t in w.tensors())
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +75,8 @@ def outputs() -> dict[tuple[str, int], list]:
                 kinds = {type(model.embed_tokens), type(model.layers[0].mlp.down_weight)}
                 assert (QuantWeight in kinds) == (quantization == "gguf"), kinds
             elif llm.engine.executor.group.shm is not None:  # ranks on one host: one copy of the blocks
-                out["shared"] = [in_shared_pages(llm, w) for w in (model.lm_head, model.layers[7].mlp.down_weight)]
+                weights = (model.lm_head, model.layers[7].mlp.down_weight, model.layers[3].self_attn.qkv_weight)
+                out["shared"] = [in_shared_pages(llm, w) for w in weights]
             out[quantization, pcp_size] = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return out
 
@@ -75,7 +84,7 @@ def outputs() -> dict[tuple[str, int], list]:
 def test_ranks_on_one_host_share_the_quantized_weights(outputs) -> None:
     if "shared" not in outputs:
         pytest.skip("CTXPAR_SHM=0: each rank keeps its own copy")
-    assert outputs["shared"] == [True, True]
+    assert outputs["shared"] == [True, True, True]
 
 
 def test_prefill_with_int8_activations_stays_close(outputs) -> None:
