@@ -83,10 +83,10 @@ def weight_bytes(model: Any) -> int:
     (as the model holds them: packed, quantized or plain), not the embedding
     rows it looks up."""
     from ctxpar.layers.linear import PanelWeight
-    from ctxpar.layers.quant_linear import QuantWeight
+    from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 
     def size(w: Any) -> int:
-        if isinstance(w, QuantWeight):
+        if isinstance(w, (QuantWeight, QuantParts)):
             return w.nbytes()
         t = w.data if isinstance(w, PanelWeight) else w
         return t.numel() * t.element_size()
@@ -124,9 +124,9 @@ def _in_features(w: Any) -> int:
     import torch
 
     from ctxpar.layers.linear import PanelWeight
-    from ctxpar.layers.quant_linear import QuantWeight
+    from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, QuantParts)):
         return w.in_features
     if isinstance(w, PanelWeight):  # bf16 panels hold the columns in pairs
         return w.data.shape[1] * (2 if w.data.dtype == torch.bfloat16 else 1)

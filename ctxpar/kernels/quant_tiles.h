@@ -119,11 +119,29 @@ inline void transpose16(__m512 r[16]) {
 inline __m512 load_floats(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
 inline __m512 load_floats(const Half* p, __mmask16 keep) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p)); }
 
+// Element at[o] of p for each o in keep as floats, zero elsewhere. A half is read as the
+// low half of 32 bits: the two bytes after a GGUF block's d (or m) are the block's own.
+inline __m512 gather_floats(const float* p, __m512i at, __mmask16 keep) {
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, at, p, 4);
+}
+inline __m512 gather_floats(const Half* p, __m512i at, __mmask16 keep) {
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, at, p, 2);
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+}
+
 // A (rows, cols) matrix with `stride` between rows and `step` between columns (rows <=
 // 16) as floats into out (cols, 16), column-major: out[c][o] = m[o][c], zero for o >= rows.
 template <typename S>
 void columns(const S* m, int64_t stride, int64_t step, int64_t rows, int64_t cols, float* out) {
-  if (step != 1) {  // a GGUF file's scales, a block apart: one by one
+  // A GGUF file's scales, a block apart: a column's 16 rows in one gather.
+  if (step != 1 && stride < (int64_t(1) << 27)) {
+    const __mmask16 keep = __mmask16((1u << rows) - 1);
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(stride)));
+    for (int64_t c = 0; c < cols; ++c) _mm512_storeu_ps(out + c * T, gather_floats(m + c * step, at, keep));
+    return;
+  }
+  if (step != 1) {  // rows too far apart for a gather's 32-bit offsets: one by one
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t o = 0; o < 16; ++o) out[c * T + o] = o < rows ? to_float(m[o * stride + c * step]) : 0.0f;
     return;
