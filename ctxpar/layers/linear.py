@@ -77,6 +77,13 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch
     return F.embedding(ids, table)
 
 
+def row_invariant(weight: Weight) -> bool:
+    """Whether ``linear``'s result for a row never depends on the rows beside it: ctxpar's
+    kernels' weights (packed panels, block-quantized). PyTorch's GEMMs pick their blocking,
+    and so their sums' order, by the number of rows."""
+    return isinstance(weight, (PanelWeight, QuantWeight, QuantParts))
+
+
 def can_pack(weight: Weight) -> bool:
     """Whether ``packed`` changes this weight: on the CPU, fp32 or bf16 (without the
     kernels, bf16 only where the CPU computes it natively: elsewhere oneDNN emulates
