@@ -193,13 +193,26 @@ void pack_columns(const PartView<S>& w, int64_t group, int64_t in, int64_t o0, i
 }
 
 // The float steps of one group for one row: acc = fma(float(s), scale * xd, acc).
+inline __m512 scale_add(__m512i s, __m512 scale, float xd, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(xd)), acc);
+}
 inline __m512 scale_add(__m512i s, const float* scale, float xd, __m512 acc) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(xd)), acc);
+  return scale_add(s, _mm512_loadu_ps(scale), xd, acc);
 }
 
 // A block's offset term for one row, after its groups: acc = fma(offset, xs, acc).
-inline __m512 offset_add(const float* offset, float xs, __m512 acc) {
-  return _mm512_fmadd_ps(_mm512_loadu_ps(offset), _mm512_set1_ps(xs), acc);
+inline __m512 offset_add(__m512 offset, float xs, __m512 acc) {
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(xs), acc);
+}
+inline __m512 offset_add(const float* offset, float xs, __m512 acc) { return offset_add(_mm512_loadu_ps(offset), xs, acc); }
+
+// Whether direct_row gathers the part's scales (and offsets) itself: a GGUF file's, a block
+// apart, lie in the lines its loads of the block's integers read, where laying them out
+// for the tile first would be a pass of its own over the weight.
+template <typename S>
+inline bool gathers_scales(const PartView<S>& w) {
+  constexpr int64_t far = int64_t(1) << 27;  // a gather's offsets are 32-bit
+  return w.s_col != 1 && w.s_row < far && (!w.o || (w.o_col != 1 && w.o_row < far));
 }
 
 // Rows [m0, m0 + mr) against the tile with VNNI: per block, the 8 weight vectors are
@@ -300,7 +313,19 @@ void direct_row(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero,
                 int64_t rows, int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk,
                 const float* xd, const float* xs, const int32_t* xi, __m512* acc) {
   const int64_t nb = in / QB, bytes = QB * bits / 8, per_load = bits == 4 ? 4 : 2;
-  const bool offsets = !tile.offsets.empty();
+  const bool gathered = gathers_scales(w), offsets = gathered ? w.o != nullptr : !tile.offsets.empty();
+  const __mmask16 keep = __mmask16((1u << rows) - 1);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i s_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.s_row)));
+  const __m512i o_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.o_row)));
+  auto scale = [&](int64_t j) {  // group j's scales of the 16 outputs
+    if (gathered) return gather_floats(w.s + o0 * w.s_row + j * w.s_col, s_at, keep);
+    return _mm512_loadu_ps(tile.scales.data() + j * T);
+  };
+  auto offset = [&](int64_t b) {
+    if (gathered) return gather_floats(w.o + o0 * w.o_row + b * w.o_col, o_at, keep);
+    return _mm512_loadu_ps(tile.offsets.data() + b * T);
+  };
   const __m512i low = _mm512_set1_epi8(0x0F);
   *acc = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += per_load) {
@@ -352,14 +377,14 @@ void direct_row(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero,
       // 8 bits, r[2k] and r[2k + 1] (its halves), added for a group of 32.
       if (bits == 4) {  // zero 8: sum (q - 8) x = sum q x - 8 sum x
         const __m512i s = zero ? _mm512_sub_epi32(r[k], _mm512_set1_epi32(int32_t(zero) * xi[b])) : r[k];
-        *acc = scale_add(s, tile.scales.data() + b * T, xd[b], *acc);
+        *acc = scale_add(s, scale(b), xd[b], *acc);
       } else if (group == QB) {
-        *acc = scale_add(_mm512_add_epi32(r[2 * k], r[2 * k + 1]), tile.scales.data() + b * T, xd[b], *acc);
+        *acc = scale_add(_mm512_add_epi32(r[2 * k], r[2 * k + 1]), scale(b), xd[b], *acc);
       } else {
-        *acc = scale_add(r[2 * k], tile.scales.data() + 2 * b * T, xd[b], *acc);
-        *acc = scale_add(r[2 * k + 1], tile.scales.data() + (2 * b + 1) * T, xd[b], *acc);
+        *acc = scale_add(r[2 * k], scale(2 * b), xd[b], *acc);
+        *acc = scale_add(r[2 * k + 1], scale(2 * b + 1), xd[b], *acc);
       }
-      if (offsets) *acc = offset_add(tile.offsets.data() + b * T, xs[b], *acc);
+      if (offsets) *acc = offset_add(offset(b), xs[b], *acc);
     }
   }
 }
@@ -576,7 +601,7 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles_n; ++t) {
     const int64_t o0 = t * T, cols = std::min(T, w.rows - o0);
-    pack_columns(w, group, in, o0, cols, tile);
+    if (!(direct && gathers_scales(w))) pack_columns(w, group, in, o0, cols, tile);
     if (direct) {
       const int64_t next_rows = std::clamp<int64_t>(w.rows - o0 - T, 0, T);
       for (int64_t m = r0; m < r1; ++m) {

@@ -244,7 +244,13 @@ def gguf_weights(
 
     arena = HugeArena()
     for t in reader.tensors:
-        reader.read_ahead(t)
+        if keep_quantized:
+            # Mapped now, in order: faults on the map (advised huge) read the file in 2 MB
+            # folios, which the map then takes as huge pages; read_ahead's small reads would
+            # fill the page cache with small ones first.
+            reader.populate(t)
+        else:
+            reader.read_ahead(t)
         name = hf_name(t.name)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
