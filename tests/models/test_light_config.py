@@ -1,5 +1,5 @@
 """A load reads Llama-family configs with ctxpar's copies of transformers' config
-classes (models/loader.py's ``light_config_class``), not transformers' own, whose
+classes (models/light_config.py's ``light_config_class``), not transformers' own, whose
 modules import torch.distributed.tensor and more (~1.3 s): each copy against
 transformers' class, field by field, and every config read both ways; a GGUF
 file and an HF directory loaded in a fresh process import neither class nor
@@ -25,7 +25,8 @@ from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import overridden_config_kwargs
 from ctxpar.models import gguf, loader
-from ctxpar.models.loader import default_model_path, light_config_class
+from ctxpar.models.light_config import LIGHT_CONFIGS_OF, light_config_class
+from ctxpar.models.loader import default_model_path
 from helpers.models import tiny_configs
 
 THEIRS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
@@ -100,8 +101,8 @@ def same_config(ours, theirs) -> None:
 
 
 def test_the_copies_are_of_this_transformers() -> None:
-    assert transformers.__version__.startswith(loader.LIGHT_CONFIGS_OF), (
-        f"transformers {transformers.__version__}: compare models/loader.py's config classes with this "
+    assert transformers.__version__.startswith(LIGHT_CONFIGS_OF), (
+        f"transformers {transformers.__version__}: compare models/light_config.py's config classes with this "
         "release's, then add it to LIGHT_CONFIGS_OF"
     )
 
