@@ -65,6 +65,12 @@ class HardwareProfile:
     # activations as they are ("auto"). 0 (built-in profiles, profiles saved before it existed,
     # a GPU, where that kernel does not run): the memory rate, as for a quantized cache.
     kv_read_bandwidth: float = 0.0
+    # Bytes/s at which a step's elementwise steps move their values (ModelShape.elementwise_bytes:
+    # RMSNorms, residual adds, rope, SiLU·up, the KV cache's write), as ``ctxpar calibrate``
+    # measures the engine's own kernels for them at a prefill's rows in the activation dtype.
+    # 0 (built-in profiles, profiles saved before it existed): not counted (a GPU fuses and
+    # hides them; the published fits were made without them).
+    elementwise_bandwidth: float = 0.0
     # Fraction of a ring step's transfer that runs under that step's attention
     # (1: a GPU's copy engines overlap them; 0: a blocking collective, as ctxpar's on CPU).
     comm_overlap: float = 0.0
@@ -113,6 +119,7 @@ class HardwareProfile:
             "link_latency_s",
             "weight_read_bandwidth",
             "kv_read_bandwidth",
+            "elementwise_bandwidth",
             "ring_step_overhead_s",
             "step_overhead_s",
             "layer_overhead_s",
@@ -163,7 +170,9 @@ class HardwareProfile:
             return self
         gemm, read = (self.notes.get(f"{rate}_{weight_dtype}") for rate in ("gemm_flops", "weight_read_bandwidth"))
         if gemm is None or read is None:
-            measured = sorted(k.removeprefix("gemm_flops_") for k in self.notes if k.startswith("gemm_flops_"))
+            measured = sorted(
+                k.removeprefix("gemm_flops_") for k in self.notes if k.startswith("gemm_flops_") and "_hidden" not in k
+            )
             raise CtxparError(
                 f"hardware {self.name} has no rates for {weight_dtype} weights (measured: "
                 f"{', '.join(measured) or 'none'}); `ctxpar calibrate` measures {', '.join(CALIBRATED_WEIGHT_DTYPES)}"
@@ -173,19 +182,51 @@ class HardwareProfile:
             self, weight_dtype=weight_dtype, gemm_flops=gemm, weight_read_bandwidth=read, gemm_efficiency=1.0, lead=lead
         )
 
+    def with_activation_dtype(self, activation_dtype: str) -> HardwareProfile:
+        """This profile (and its lead) computing in ``activation_dtype`` (fp32 or bf16: the
+        engine's ``--dtype``, its KV cache's dtype where "auto"): the attention, KV read and
+        elementwise rates `ctxpar calibrate` measured in that dtype (notes
+        ``attention_flops_<dtype>``, ``kv_read_bandwidth_<dtype>``, ``elementwise_bandwidth_<dtype>``:
+        bf16 attention on AMX's tiles where the CPU has them); the weights stay as they are."""
+        if activation_dtype == self.activation_dtype:
+            return self
+        attention = self.notes.get(f"attention_flops_{activation_dtype}")
+        if attention is None:
+            measured = sorted(k.removeprefix("attention_flops_") for k in self.notes if k.startswith("attention_flops"))
+            raise CtxparError(
+                f"hardware {self.name} has no attention rate for {activation_dtype} activations (measured: "
+                f"{', '.join(measured) or 'none'}); `ctxpar calibrate` measures fp32 and bf16"
+            )
+        lead = self.lead.with_activation_dtype(activation_dtype) if self.lead is not None else None
+        return replace(
+            self,
+            activation_dtype=activation_dtype,
+            attention_flops=attention,
+            attention_efficiency=1.0,
+            kv_read_bandwidth=self.notes.get(f"kv_read_bandwidth_{activation_dtype}", 0.0),
+            elementwise_bandwidth=self.notes.get(f"elementwise_bandwidth_{activation_dtype}", 0.0),
+            lead=lead,
+        )
+
     def for_model(self, m: ModelShape) -> HardwareProfile:
-        """This profile (and its lead) reading ``m``'s weights at the rate `ctxpar calibrate`
-        measured for its weight dtype over the layer whose hidden size is nearest ``m``'s (notes
-        ``weight_read_bandwidth_<dtype>_hidden<size>``): a decode projection reads long rows
-        faster than short ones, so a 4096-wide layer's rate prices an 8B model, a 2048-wide
-        one's a 1B. Unchanged where the notes have no such rates."""
-        prefix = f"weight_read_bandwidth_{self.weight_dtype}_hidden"
-        rates = {int(k.removeprefix(prefix)): v for k, v in self.notes.items() if k.startswith(prefix)}
+        """This profile (and its lead) at the rates `ctxpar calibrate` measured over the layer
+        whose hidden size is nearest ``m``'s: its weights read (notes
+        ``weight_read_bandwidth_<weight dtype>_hidden<size>``: a decode projection reads long rows
+        faster than short ones, so a 4096-wide layer's rate prices an 8B model, a 2048-wide one's
+        a 1B), its projections' GEMM (``gemm_flops_<weight dtype>_hidden<size>``) and its
+        elementwise steps (``elementwise_bandwidth_<activation dtype>_hidden<size>``). Each rate
+        unchanged where the notes have none of its kind."""
         lead = self.lead.for_model(m) if self.lead is not None else None
-        if not rates:
-            return replace(self, lead=lead)
-        nearest = min(rates, key=lambda hidden: abs(math.log2(hidden / m.hidden_size)))
-        return replace(self, weight_read_bandwidth=rates[nearest], lead=lead)
+        rates = {
+            "weight_read_bandwidth": f"weight_read_bandwidth_{self.weight_dtype}_hidden",
+            "gemm_flops": f"gemm_flops_{self.weight_dtype}_hidden",
+            "elementwise_bandwidth": f"elementwise_bandwidth_{self.activation_dtype}_hidden",
+        }
+        nearest = {field: _nearest_width(self.notes, prefix, m.hidden_size) for field, prefix in rates.items()}
+        changed: dict[str, Any] = {field: rate for field, rate in nearest.items() if rate is not None}
+        if "gemm_flops" in changed:
+            changed["gemm_efficiency"] = 1.0
+        return replace(self, lead=lead, **changed)
 
     def kv_token_bytes(self, m: ModelShape) -> float:
         """Bytes of one token's KV entry in one layer's cache."""
@@ -225,6 +266,14 @@ class HardwareProfile:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
+
+
+def _nearest_width(notes: dict[str, float], prefix: str, hidden: int) -> float | None:
+    """The note ``<prefix><size>`` whose size is nearest ``hidden`` (by ratio), or None."""
+    rates = {int(k.removeprefix(prefix)): v for k, v in notes.items() if k.startswith(prefix)}
+    if not rates:
+        return None
+    return rates[min(rates, key=lambda size: abs(math.log2(size / hidden)))]
 
 
 def _check(profile: str, name: str, value: object, lo: float, hi: float, open_lo: bool = False) -> None:

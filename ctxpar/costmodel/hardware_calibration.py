@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from ctxpar.costmodel.collective_calibration import collective_costs, shaped_lin
 from ctxpar.costmodel.hardware import CALIBRATED_WEIGHT_DTYPES, DTYPE_BYTES, HardwareProfile
 from ctxpar.costmodel.launch_calibration import launch_terms
 from ctxpar.costmodel.link_calibration import TIMEOUT_S
+from ctxpar.costmodel.models import BUILTIN_MODELS
 from ctxpar.costmodel.netns import LINKS
 from ctxpar.costmodel.projection_weights import (
     ACTIVATION_DTYPES,
@@ -46,15 +48,20 @@ from ctxpar.costmodel.projection_weights import (
     projection_weight,
     quantized_on,
 )
+from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.machine import cpu_info
+from ctxpar.models.llama import MLP_ROWS
 
+# Rows of a prefill chunk the attention's projections (QKV, O) are timed at, and the MLP's: ctxpar
+# runs a long prefill's MLP MLP_ROWS rows at a time (LlamaMLP), and so calibrate times it.
+PREFILL_ROWS = 1024
 # (tokens, in, out) of the projections timed together: a Llama-3.2-1B layer's (QKV, O,
-# gate|up, down, as the engine fuses them) at a prefill chunk's rows. One square GEMM
+# gate|up, down, as the engine fuses them) at a prefill's rows. One square GEMM
 # would not do: Q4_0's integer GEMM ran 950 GOP/s at 1024^3 and 570-820 at the wide and
 # long shapes of real layers (2 AMX cores), which a layer's FLOPs then weigh as a prefill does.
-GEMM_SHAPES = ((1024, 2048, 3072), (1024, 2048, 2048), (1024, 2048, 16384), (1024, 8192, 2048))
+GEMM_SHAPES = ((PREFILL_ROWS, 2048, 3072), (PREFILL_ROWS, 2048, 2048), (MLP_ROWS, 2048, 16384), (MLP_ROWS, 8192, 2048))
 ATTN_SHAPE = (2048, 32, 64)  # (tokens, heads, head dim): causal, Llama-3.2-1B's layer (8 KV heads)
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
@@ -94,6 +101,12 @@ WEIGHT_SHAPES = tuple((out, inp) for _, inp, out in GEMM_SHAPES)
 # kernel read the 8B's layer (rows of 4096 and 14336 inputs) at 23.7 GB/s and the 1B's (2048 and
 # 8192) at 20.7 (2 cores, beyond the L3), and each model's decode step at its own layer's rate.
 WEIGHT_LAYERS = ((2048, WEIGHT_SHAPES), (4096, ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))))
+# (hidden size, a config of that width) of the layers whose elementwise steps are timed on the CPU,
+# at ELEMENTWISE_TOKENS rows (a prefill chunk of the engine's default max_num_batched_tokens):
+# Llama-3.2-1B's and Llama-3-8B's, whose widths HardwareProfile.for_model picks between.
+ELEMENTWISE_LAYERS = ((2048, BUILTIN_MODELS["llama-3.2-1b"]), (4096, BUILTIN_MODELS["llama-3-8b"]))
+ELEMENTWISE_TOKENS = 2048
+ELEMENTWISE_RUNS = 5  # timed calls, the fastest kept (each writes KV into cache pages of its own)
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
 GPU_GEMM_SHAPES = ((8192, 4096, 4096),)
@@ -152,13 +165,42 @@ def gemm_flops(dtype: str, device: torch.device = CPU, shapes: Sequence[tuple[in
 
 def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> float:
     """Causal attention at the cost model's count: pairs * 2 * H * (d_qk + d_v).
-    ctxpar's own path (its compiled kernel in fp32 on the CPU, PyTorch's otherwise)."""
+    ctxpar's own path (``attention_path``: on the CPU its compiled kernel, in fp32, or in bf16
+    on AMX-BF16's tiles where the CPU has them; PyTorch's otherwise)."""
     n, h, d = shape or (GPU_ATTN_SHAPE if device.type == "cuda" else ATTN_SHAPE)
     kv_heads = h // 4  # Llama-3's 8 of 32
     q = torch.randn(n, h, d, dtype=dtype, device=device)
     k, v = (torch.randn(n, kv_heads, d, dtype=dtype, device=device) for _ in range(2))
     pairs = n * (n + 1) / 2
     return pairs * 2 * h * 2 * d / best_time(lambda: causal_attention(q, k, v, d**-0.5), device=device)
+
+
+def attention_path(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> str:
+    """Which kernel ``causal_attention`` runs on inputs of ``dtype`` at ``shape`` (ATTN_SHAPE's
+    widths): the engine's choice, which ``attention_flops`` times."""
+    from ctxpar.layers.attention_math import kernel_inputs
+
+    _, h, d = shape or (GPU_ATTN_SHAPE if device.type == "cuda" else ATTN_SHAPE)
+    q, k = torch.zeros(1, h, d, dtype=dtype, device=device), torch.zeros(1, h // 4, d, dtype=dtype, device=device)
+    inputs = kernel_inputs(q, k, k)
+    if inputs is None:
+        return "PyTorch's"
+    if inputs[0].dtype == torch.bfloat16:
+        return "the compiled bf16 kernel on AMX tiles"
+    return "the compiled fp32 kernel" + (", bf16 widened" if dtype != torch.float32 else "")
+
+
+def attention_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:
+    """Causal attention's FLOP/s (``attention_flops``) in each activation dtype, each through
+    the kernel the engine runs for it (bf16 on AMX-BF16's tiles where the CPU has them), as
+    notes ``attention_flops_<dtype>`` (HardwareProfile.with_activation_dtype reads them)."""
+    rates: dict[str, float] = {}
+    for name, dtype in ACTIVATION_DTYPES.items():
+        rates[f"attention_flops_{name}"] = attention_flops(dtype, device)
+        progress(
+            f"attention {name} ({attention_path(dtype, device)}): {rates[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s"
+        )
+    return rates
 
 
 def weight_read_bandwidth(
@@ -194,28 +236,47 @@ def weight_read_bandwidth(
     return copies * size / best_time(lambda: [linear(x, w) for x, w in calls], device=device)
 
 
+def layer_gemms(shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """A layer's (out, in) weights (WEIGHT_LAYERS' form: QKV, O, gate|up, down) as the GEMMs
+    (tokens, in, out) a prefill runs them at: each at the rows of GEMM_SHAPES' projection of
+    its place (the attention's at PREFILL_ROWS, the MLP's at MLP_ROWS), the last's beyond."""
+    rows = [n for n, _, _ in GEMM_SHAPES]
+    return tuple((rows[min(i, len(rows) - 1)], inp, out) for i, (out, inp) in enumerate(shapes))
+
+
 def projection_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:
     """Both rates of the projections (GEMM FLOP/s at a prefill's rows, weight bytes/s at a
     decode's one) for every weight dtype the engine keeps on ``device``, as notes:
     ``gemm_flops_<dtype>``, ``weight_read_bandwidth_<dtype>`` (HardwareProfile.with_weight_dtype
-    reads them); on the CPU also the weight read over each of WEIGHT_LAYERS, as
-    ``weight_read_bandwidth_<dtype>_hidden<size>`` (HardwareProfile.for_model picks one), the
-    first of which is ``weight_read_bandwidth_<dtype>``."""
+    reads them); on the CPU also both over each of WEIGHT_LAYERS (the GEMM at GEMM_SHAPES' rows),
+    as ``gemm_flops_<dtype>_hidden<size>`` and ``weight_read_bandwidth_<dtype>_hidden<size>``
+    (HardwareProfile.for_model picks a width), the first width's read being
+    ``weight_read_bandwidth_<dtype>``. (The Q4_0 GEMM ran the 8B's layer, whose down projection
+    multiplies rows of 14336, ~15% slower than the 1B's at the same rows.)"""
     rates: dict[str, float] = {}
     for dtype in CALIBRATED_WEIGHT_DTYPES:
         if dtype == "q4" and not quantized_on(device):
             continue
         rates[f"gemm_flops_{dtype}"] = gemm = gemm_flops(dtype, device)
         if device.type == "cpu":
+            layers = {hidden: layer_gemms(shapes) for hidden, shapes in WEIGHT_LAYERS}
+            gemms = {
+                hidden: gemm if list(shapes) == list(GEMM_SHAPES) else gemm_flops(dtype, device, shapes)
+                for hidden, shapes in layers.items()
+            }
             reads = {hidden: weight_read_bandwidth(dtype, device, shapes=shapes) for hidden, shapes in WEIGHT_LAYERS}
+            rates |= {f"gemm_flops_{dtype}_hidden{hidden}": rate for hidden, rate in gemms.items()}
             rates |= {f"weight_read_bandwidth_{dtype}_hidden{hidden}": rate for hidden, rate in reads.items()}
             read = reads[WEIGHT_LAYERS[0][0]]
-            widths = ", ".join(f"{rate / 1e9:.1f} GB/s over a {hidden}-wide layer" for hidden, rate in reads.items())
+            at = lambda rates, unit, scale: ", ".join(
+                f"{rate / scale:.1f} {unit} over a {hidden}-wide layer" for hidden, rate in rates.items()
+            )
+            line = f"GEMM {at(gemms, 'GFLOP/s', 1e9)}, decode's weight read {at(reads, 'GB/s', 1e9)}"
         else:
             read = weight_read_bandwidth(dtype, device)
-            widths = f"{read / 1e9:.1f} GB/s"
+            line = f"GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {read / 1e9:.1f} GB/s"
         rates[f"weight_read_bandwidth_{dtype}"] = read
-        progress(f"projection, {dtype} weights: GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {widths}")
+        progress(f"projection, {dtype} weights: {line}")
     return rates
 
 
@@ -257,6 +318,76 @@ def kv_read_rates(progress: Callable[[str], None]) -> dict[str, float]:
     return rates
 
 
+def elementwise_bandwidth(dtype: torch.dtype, config: dict[str, Any], tokens: int | None = None) -> float:
+    """Bytes/s at which the engine's elementwise steps of one decoder layer of the Llama config
+    ``config`` move their values (ModelShape.elementwise_bytes) over ``tokens`` rows (default
+    ELEMENTWISE_TOKENS) in ``dtype``, each through the engine's own function as a layer calls it
+    (ctxpar/models/llama.py; the compiled kernels where they serve): RMSNorm, rope in place in
+    the QKV projection's output, the KV entries' write into a cache in huge pages
+    (``gather_and_store_kv``), RMSNorm with the residual add before it, SiLU·up over the MLP's
+    row chunks (MLP_ROWS rows at a time, as LlamaMLP runs a long prefill), their outputs
+    joined, and the residual add after the MLP. Each allocates its output afresh, as in a
+    step. The KV entries go to cache pages nothing has touched yet, as a prompt's do in an
+    engine that has not yet cycled through its cache: on this VM the first write of a huge
+    page cost ~30x the write (an 8 MB layer's entries: 11.5 ms into fresh pages, 0.4 ms into
+    touched ones), the largest of these steps in a 1B's prefill."""
+    from ctxpar.layers.activation import silu_and_mul
+    from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
+    from ctxpar.layers.norm import RMSNorm
+    from ctxpar.layers.rotary import apply_rotary_
+
+    n = tokens or ELEMENTWISE_TOKENS
+    shape = shape_from_hf_config({**config, "num_hidden_layers": 1}, "a layer")
+    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    dim = config.get("head_dim") or hidden // heads
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data.fill_(1.0)
+    h, a = (torch.randn(n, hidden, dtype=dtype) for _ in range(2))
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    gate_up = torch.randn(n, 2 * inter, dtype=dtype)
+    angles = torch.rand(n, dim // 2) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    # One cache of a slice per call (the warm-up's included), each call's entries written into
+    # its own slice, pages nothing has touched yet: a prompt's blocks in a fresh engine's cache.
+    cache = huge_zeros(((ELEMENTWISE_RUNS + 1) * n, 2, kv_heads, dim), dtype)
+    calls = iter(range(ELEMENTWISE_RUNS + 1))
+
+    def layer() -> None:
+        norm(h)
+        apply_rotary_(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
+        slots = torch.arange(n) + next(calls) * n
+        ctx = ForwardContext([0, n], [0], [n], [slots], None, slots, [cache])
+        gather_and_store_kv(qkv[:, heads * dim :].view(n, 2, kv_heads, dim), ctx, 0)
+        norm(a, residual=h)
+        if n <= MLP_ROWS:
+            silu_and_mul(gate_up)
+            mlp = a  # stands for the down projection's output
+        else:
+            for i in range(0, n, MLP_ROWS):
+                silu_and_mul(gate_up[i : i + MLP_ROWS])
+            mlp = torch.cat([a[i : i + MLP_ROWS] for i in range(0, n, MLP_ROWS)])  # the chunks' outputs joined
+        h.add_(mlp)
+
+    return n * shape.elementwise_bytes(dtype.itemsize) / best_time(layer, budget_s=0.0, min_runs=ELEMENTWISE_RUNS)
+
+
+def elementwise_rates(progress: Callable[[str], None]) -> dict[str, float]:
+    """The elementwise steps' rate (``elementwise_bandwidth``) in each activation dtype over each
+    of ELEMENTWISE_LAYERS, as notes ``elementwise_bandwidth_<dtype>_hidden<size>`` (HardwareProfile.
+    for_model picks one), the first of which is ``elementwise_bandwidth_<dtype>``."""
+    rates: dict[str, float] = {}
+    for name, dtype in ACTIVATION_DTYPES.items():
+        widths = {hidden: elementwise_bandwidth(dtype, config) for hidden, config in ELEMENTWISE_LAYERS}
+        rates |= {f"elementwise_bandwidth_{name}_hidden{hidden}": rate for hidden, rate in widths.items()}
+        rates[f"elementwise_bandwidth_{name}"] = widths[ELEMENTWISE_LAYERS[0][0]]
+        progress(
+            f"elementwise steps (norms, rope, SiLU·up, residuals, KV write), {name}: "
+            + ", ".join(f"{rate / 1e9:.1f} GB/s over a {hidden}-wide layer" for hidden, rate in widths.items())
+        )
+    return rates
+
+
 def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
     """Bytes/s of a sum over a buffer far beyond the caches (on the CPU in huge pages, as
     the engine's KV caches)."""
@@ -287,14 +418,13 @@ def calibrate(
     torch.set_num_threads(threads)
     activation = CALIBRATED_WEIGHT_DTYPES[dtype]
     notes: dict[str, float] = {"threads": threads}
-    for name, torch_dtype in ACTIVATION_DTYPES.items():
-        notes[f"attention_flops_{name}"] = attention_flops(torch_dtype, device)
-        progress(f"attention {name}: {notes[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s")
+    notes |= attention_rates(device, progress)
     notes |= projection_rates(device, progress)
     bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
-    if device.type == "cpu":  # the paged decode kernel is the CPU's
+    if device.type == "cpu":  # the paged decode kernel and the elementwise kernels are the CPU's
         notes |= kv_read_rates(progress)
+        notes |= elementwise_rates(progress)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
     for name in ("gloo", "shm"):
@@ -339,6 +469,7 @@ def calibrate(
         memory_bandwidth=bandwidth,
         weight_read_bandwidth=notes[f"weight_read_bandwidth_{dtype}"],
         kv_read_bandwidth=notes.get(f"kv_read_bandwidth_{activation}", 0.0),
+        elementwise_bandwidth=notes.get(f"elementwise_bandwidth_{activation}", 0.0),
         memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],
@@ -365,15 +496,13 @@ def lead_profile(
     threads = ranks * own
     torch.set_num_threads(threads)
     try:
-        attention, memory = attention_flops(ACTIVATION_DTYPES[activation]), read_bandwidth()
-        rates = projection_rates(CPU, lambda line: progress(f"a led step's {line}"))
-        rates |= kv_read_rates(lambda line: progress(f"a led step's {line}"))
+        led = lambda line: progress(f"a led step's {line}")
+        rates = attention_rates(CPU, led) | projection_rates(CPU, led)
+        memory = read_bandwidth()
+        rates |= kv_read_rates(led) | elementwise_rates(led)
     finally:
         torch.set_num_threads(own)
-    progress(
-        f"a step led for {ranks} ranks, {threads} threads: attention {attention / 1e9:.1f} GFLOP/s, "
-        f"memory read {memory / 1e9:.1f} GB/s"
-    )
+    progress(f"a step led for {ranks} ranks, {threads} threads: memory read {memory / 1e9:.1f} GB/s")
     try:
         step, layer = host_overhead(activation, CPU, ranks, own)
     finally:
@@ -384,10 +513,11 @@ def lead_profile(
         name=f"{rank.name}-lead",
         description=f"{rank.description}; a step led for {ranks} ranks with {threads} threads",
         gemm_flops=rates[f"gemm_flops_{weight}"],
-        attention_flops=attention,
+        attention_flops=rates[f"attention_flops_{activation}"],
         memory_bandwidth=memory,
         weight_read_bandwidth=rates[f"weight_read_bandwidth_{weight}"],
         kv_read_bandwidth=rates.get(f"kv_read_bandwidth_{activation}", 0.0),
+        elementwise_bandwidth=rates.get(f"elementwise_bandwidth_{activation}", 0.0),
         step_overhead_s=step,
         layer_overhead_s=layer,
         notes={"threads": threads, "ranks": ranks, **rates},

@@ -7,7 +7,9 @@ bytes a token leaves in the KV cache. From them, per token and layer:
   its top-k experts' in an MoE layer;
 - attention FLOPs per (query, key) pair = 2 * H_q * (d_qk + d_v): Q.K^T and P.V;
 - KV-cache entries = 2 * H_kv * d_head for GQA (K and V), kv_lora_rank + d_rope
-  for MLA (DeepSeek stores one compressed latent per token).
+  for MLA (DeepSeek stores one compressed latent per token);
+- elementwise values: what the layer's steps between its projections and its
+  attention read and write, one pass each (``elementwise_values``).
 """
 
 from __future__ import annotations
@@ -42,11 +44,19 @@ class ModelShape:
     # Runs of a token's KV entry that share one scale in a quantized cache (ctxpar/layers/kv_quant.py):
     # GQA's K and V of each KV head, MLA's latent and roped key.
     kv_scale_runs: int = 2
+    # Values one token reads and writes in one layer's elementwise steps, a pass each, averaged
+    # over the layers (shape_from_hf_config): its RMSNorms (the residual add before the second
+    # fused in), the MLP's output joined from its row chunks, the residual add after the MLP,
+    # rope in place, SiLU·up and the KV cache's write.
+    # Priced at the rate `ctxpar calibrate` measures those steps of the engine at (timing.py).
+    elementwise_values: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "vocab_size", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, field) < 1:
                 raise CtxparError(f"model {self.name}: {field} must be >= 1, got {getattr(self, field)}")
+        if self.elementwise_values < 0:
+            raise CtxparError(f"model {self.name}: elementwise_values must be >= 0")
         if self.kv_entries_per_token < 1 or self.dense_params < 1:
             raise CtxparError(f"model {self.name}: a model needs KV entries and dense parameters")
         if self.num_moe_layers and not (0 < self.experts_per_token <= self.num_experts and self.expert_params > 0):
@@ -88,6 +98,11 @@ class ModelShape:
             return self.kv_entries_per_token * act_bytes
         return -(-self.kv_entries_per_token // 4) * 4 + 4 * self.kv_scale_runs
 
+    def elementwise_bytes(self, act_bytes: float) -> float:
+        """Bytes one token moves through one layer's elementwise steps (``elementwise_values``),
+        its activations at ``act_bytes`` a value."""
+        return self.elementwise_values * act_bytes
+
     @property
     def decode_attention_flops_per_pair(self) -> int:
         return 2 * self.num_heads * (self.decode_qk_dim + self.decode_v_dim)
@@ -116,12 +131,16 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
         q_proj = hidden * heads * qk_dim if not q_rank else hidden * q_rank + q_rank * heads * qk_dim
         attn = q_proj + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
         kv_entries, decode_qk, decode_v, runs = kv_rank + rope, kv_rank + rope, kv_rank, 2
+        # The latent's norms (q's where it has a rank), rope over the queries' and the key's rope dims.
+        attn_elementwise = 2 * (kv_rank + (q_rank or 0)) + 2 * (heads + 1) * rope
     else:  # GQA (Llama, Qwen2/3, SmolLM2)
         kv_heads = cfg.get("num_key_value_heads") or heads
         qk_dim = v_dim = cfg.get("head_dim") or hidden // heads
         attn = 2 * hidden * heads * qk_dim + 2 * hidden * kv_heads * qk_dim
         kv_entries, decode_qk, decode_v, runs = 2 * kv_heads * qk_dim, qk_dim, qk_dim, 2 * kv_heads
-    dense_mlp = 3 * hidden * _get(cfg, "intermediate_size", name)  # gate, up, down
+        attn_elementwise = 2 * (heads + kv_heads) * qk_dim  # rope over Q's and K's heads, in place
+    inter = _get(cfg, "intermediate_size", name)
+    dense_mlp = 3 * hidden * inter  # gate, up, down
     experts = cfg.get("n_routed_experts") or 0
     if experts:
         moe_inter = _get(cfg, "moe_intermediate_size", name)
@@ -132,8 +151,19 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
         shared = (cfg.get("n_shared_experts") or 0) * expert + experts * hidden  # shared experts + router
         dense = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * shared
         top_k = _get(cfg, "num_experts_per_tok", name)
+        # A token's SiLU·up: the dense MLP's width, or in an MoE layer its experts' and the shared ones'.
+        moe_width = (top_k + (cfg.get("n_shared_experts") or 0)) * moe_inter
+        mlp_width = ((layers - moe_layers) * inter + moe_layers * moe_width) / layers
     else:
         expert, moe_layers, top_k, dense = 0, 0, 0, layers * (attn + dense_mlp)
+        mlp_width = inter
+    # Per token and layer: RMSNorm before attention (x read, its norm written: 2 hidden), the
+    # residual add fused into the second one (a, h read; h, its norm written: 4), the MLP's
+    # output joined from the row chunks ctxpar runs a long prefill's MLP in (read, written: 2),
+    # the residual add after the MLP (3), SiLU·up (gate and up read, their product written:
+    # 3 x the MLP's width), rope in place, and the KV cache's write (the entry read, then
+    # written: 2 x entries).
+    elementwise = 11 * hidden + round(3 * mlp_width) + attn_elementwise + 2 * kv_entries
     return ModelShape(
         name=name,
         num_layers=layers,
@@ -153,6 +183,7 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
         decode_qk_dim=decode_qk,
         decode_v_dim=decode_v,
         kv_scale_runs=runs,
+        elementwise_values=elementwise,
     )
 
 

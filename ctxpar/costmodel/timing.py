@@ -16,6 +16,11 @@ B*(T*C + T*(T+1)/2)):
              measured by ``ctxpar calibrate`` through the engine's decode
              projection, else the memory rate)
 - attention: 2*H*(d_qk + d_v) FLOPs per (query, key) pair per layer
+- elementwise: B*T/P tokens x L layers x the bytes a token moves through a layer's
+             RMSNorms, residual adds, rope, SiLU·up and KV-cache write
+             (ModelShape.elementwise_bytes), at the rate ``ctxpar calibrate``
+             measured those kernels of the engine at (``elementwise_bandwidth``;
+             0, the built-in profiles: not counted)
 - per layer and algorithm (kv, q, o: bytes per token of KV entries, queries,
   partial outputs with their LSE; X = T + C where the context is sharded
   (D = P), else T):
@@ -29,7 +34,8 @@ B*(T*C + T*(T+1)/2)):
 Decode step (B rows at the full context each): every rank reads all weights
 (the rows are replicated; at ``weight_read_rate``) and its share of the KV cache
 (1/D of it, at ``kv_read_rate``: measured by ``ctxpar calibrate`` through the
-engine's paged decode kernel, else the memory rate); under DCP each layer ends
+engine's paged decode kernel, else the memory rate) and moves its B rows through
+the elementwise steps as a prefill's tokens; under DCP each layer ends
 with one pairwise all-to-all of the partial outputs and LSEs (D - 1 latencies).
 
 Every step, prefill or decode, also pays the fixed costs of fixed_costs.py: the
@@ -92,6 +98,14 @@ def _rates(h: HardwareProfile) -> tuple[float, float, float]:
     return h.gemm_flops * h.gemm_efficiency, h.attention_flops * h.attention_efficiency, h.memory_rate
 
 
+def _elementwise(b: Breakdown, m: ModelShape, h: HardwareProfile, tokens: float) -> Breakdown:
+    """Add the elementwise steps of ``tokens`` tokens through every layer (memory traffic at
+    the calibrated rate; nothing where the profile has none)."""
+    if not h.elementwise_bandwidth:
+        return b
+    return b.plus(memory=tokens * m.num_layers * m.elementwise_bytes(h.act_bytes) / h.elementwise_bandwidth)
+
+
 def prefill_time(
     m: ModelShape, h: HardwareProfile, new: int, cached: int, batch: int, pcp: int, dcp: int, algorithm: str
 ) -> Breakdown:
@@ -118,6 +132,7 @@ def prefill_time(
         mem,
     )
     attn_layer = (b.compute_s + b.memory_s - before) / m.num_layers
+    b = _elementwise(b, m, h, tokens)
     b = b.plus(tp_comm=tp_allreduce_s(m, h, tokens))
     b = b.plus(overhead=fixed_s(m, h, b.total_s, graphed=False))
     if pcp == 1:
@@ -158,6 +173,7 @@ def decode_time(m: ModelShape, h: HardwareProfile, context: int, batch: int, dcp
         keys * h.kv_token_bytes(m) * m.num_layers,
         h.kv_read_rate,
     )
+    b = _elementwise(b, m, h, batch)
     b = b.plus(tp_comm=tp_allreduce_s(m, h, batch))
     if dcp > 1:
         out_row = m.num_heads * (m.decode_v_dim * h.act_bytes + LSE_BYTES)

@@ -68,6 +68,12 @@ def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
 
 
 SMALL_LAYERS = ((64, [(256, 64)]), (128, [(128, 128), (64, 256)]))  # WEIGHT_LAYERS' form, small
+# ELEMENTWISE_LAYERS' form, small: Llama configs of two widths.
+SMALL_CONFIG = {"intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}
+SMALL_ELEMENTWISE_LAYERS = (
+    (64, SMALL_CONFIG | {"hidden_size": 64, "num_key_value_heads": 2}),
+    (128, SMALL_CONFIG | {"hidden_size": 128, "num_key_value_heads": 2, "head_dim": 64}),
+)
 
 
 def test_projection_rates_cover_every_weight_dtype_and_layer_width(monkeypatch) -> None:
@@ -82,6 +88,8 @@ def test_projection_rates_cover_every_weight_dtype_and_layer_width(monkeypatch) 
     dtypes = ("fp32", "bf16", "q4")
     names = (
         "gemm_flops_{}",
+        "gemm_flops_{}_hidden64",
+        "gemm_flops_{}_hidden128",
         "weight_read_bandwidth_{}",
         "weight_read_bandwidth_{}_hidden64",
         "weight_read_bandwidth_{}_hidden128",
@@ -124,6 +132,8 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     for name, small in (*small_shapes, ("READ_BYTES", 1 << 20)):
         monkeypatch.setattr(cal, name, small)
     monkeypatch.setattr(cal, "WEIGHT_LAYERS", SMALL_LAYERS)
+    monkeypatch.setattr(cal, "ELEMENTWISE_LAYERS", SMALL_ELEMENTWISE_LAYERS)
+    monkeypatch.setattr(cal, "ELEMENTWISE_TOKENS", 32)
     asked = []
     host_overhead = lambda *args: asked.append(args) or (1.5e-3, 16e-6)
     before = torch.get_num_threads()
@@ -140,7 +150,11 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     assert lead.kv_read_bandwidth == lead.notes["kv_read_bandwidth_fp32"] and "kv_read_bandwidth_bf16" in lead.notes
     assert any("a step led for 2 ranks" in line for line in lines)
     assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
+    assert lead.elementwise_bandwidth == lead.notes["elementwise_bandwidth_fp32"]
+    assert lead.attention_flops == lead.notes["attention_flops_fp32"]
+    assert lead.with_activation_dtype("bf16").attention_flops == lead.notes["attention_flops_bf16"]
     rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth", "kv_read_bandwidth")
+    rates += ("elementwise_bandwidth",)
     assert all(0 < getattr(lead, r) < math.inf for r in rates)
     host = ("step_overhead_s", "layer_overhead_s")
     same = {f.name for f in dataclasses.fields(rank)} - {*rates, *host, "name", "description", "notes"}

@@ -1,18 +1,22 @@
-"""Measure this machine (attention FLOP/s in fp32 and bf16; for each weight dtype,
-fp32, bf16 and, on a CPU, q4 (GGUF's Q4_0 blocks), the FLOP/s of the engine's
+"""Measure this machine (attention FLOP/s in fp32 and bf16, each through the kernel
+the engine runs: bf16 on AMX-BF16's tiles where the CPU has them; for each weight
+dtype, fp32, bf16 and, on a CPU, q4 (GGUF's Q4_0 blocks), the FLOP/s of the engine's
 projection at a prefill's rows and the rate its decode projection reads weights
-(on a CPU over a Llama-3.2-1B layer and a Llama-3-8B layer: `ctxpar estimate`
-prices a model at the rate of the nearest width); memory read bandwidth; on a CPU
+(on a CPU both over a Llama-3.2-1B layer and a Llama-3-8B layer: `ctxpar estimate`
+prices a model at the rates of the nearest width); memory read bandwidth; on a CPU
 the rate the engine's paged decode kernel reads an fp32 and a bf16 KV cache (what
-a decode step's KV read is priced at); all-gather latency and bandwidth between
+a decode step's KV read is priced at), and the rate a prefill's elementwise steps
+move their values in each dtype over both layers (RMSNorms, residual adds, rope,
+SiLU·up, the KV cache's write); all-gather latency and bandwidth between
 two local ranks over gloo and shared memory; and the host's cost of a decode step
 beyond its kernels, a step and a layer) and save a hardware profile for `ctxpar
 estimate --hardware PATH`. Takes about a minute; one line per measurement. The
-profile's rates are for ``--dtype``; the other weight dtypes' stay in its notes,
-where `ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4).
+profile's rates are for ``--dtype``; the other dtypes' stay in its notes, where
+`ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4) or run
+in another dtype (its ``--dtype``).
 
 With ``--link shm`` (ranks on one host) and ``--threads`` below the host's cores,
-the GEMM, attention, memory, projection and KV read rates are measured again with
+the GEMM, attention, memory, projection, KV read and elementwise rates are measured again with
 every core and saved as the profile's ``lead``: on one host, rank 0 runs a step
 that splits no prompt (a P > 1 decode step) with every rank's threads, and `ctxpar
 estimate` times those steps at these rates.

@@ -7,7 +7,9 @@ llama-3-405b, qwen3-32b, deepseek-v3, smollm2-135m), a config.json, or a .gguf f
 its shape from the file's metadata, and its weights priced as the engine keeps them
 (Q4_0 blocks: q4, at the rates the profile measured for q4: one `ctxpar calibrate`
 serves every weight dtype); the hardware a built-in profile (h100x8-ib, h100x8-tcp,
-cpu-*) or a JSON profile from `ctxpar calibrate`.
+cpu-*) or a JSON profile from `ctxpar calibrate`, whose activation dtype ``--dtype``
+changes as the engine's does (bf16: attention at the rate calibrate measured on AMX's
+tiles where the CPU has them).
 The formulas are in ctxpar/costmodel/timing.py; docs/scaling.md shows what they
 predict and how far they were off where measured.
 """
@@ -37,6 +39,8 @@ from ctxpar.errors import CtxparError
 # widens or decodes at load (Q4_K's scales, the 5- and 6-bit ones) read other bytes
 # than any dtype here, so they are refused rather than mispriced.
 GGUF_WEIGHT_DTYPES = {"Q4_0": "q4", "BF16": "bf16", "F32": "fp32"}
+# The engine's --dtype -> the profile's activation dtype that prices it.
+COMPUTE_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="the KV cache's dtype, as the engine's --kv-cache-dtype (default: the profile's, "
         "normally auto: the activation dtype); int8 / fp8 store a byte a value and a scale per head",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(COMPUTE_DTYPES),
+        help="the engine's compute dtype, as its --dtype: activations, attention (bf16 on AMX tiles where "
+        "calibrate found them) and an auto KV cache priced at the profile's rates for it, and the weights "
+        "too unless quantized (default: the profile's activation dtype)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     p.add_argument(
@@ -114,6 +125,11 @@ def run(args: argparse.Namespace) -> None:
         hardware = hardware.with_weight_dtype(weights)
     else:
         model = load_model_shape(args.model)
+    if args.dtype is not None:
+        compute = COMPUTE_DTYPES[args.dtype]
+        if hardware.weight_dtype in COMPUTE_DTYPES.values():  # unquantized weights are in the compute dtype
+            hardware = hardware.with_weight_dtype(compute)
+        hardware = hardware.with_activation_dtype(compute)
     if args.kv_cache_dtype is not None:
         hardware = hardware.with_kv_cache_dtype(args.kv_cache_dtype)
     if args.plot:
@@ -130,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
         print(json.dumps([e.to_dict() for e in results], indent=1))
         return
     print(
-        f"model {model.name}: {model.total_params / 1e9:.1f}B parameters, {hardware.weight_dtype} weights; "
+        f"model {model.name}: {model.total_params / 1e9:.1f}B parameters, {hardware.weight_dtype} weights, "
+        f"{hardware.activation_dtype} activations; "
         f"hardware {hardware.name}: {hardware.description}"
     )
     print(
