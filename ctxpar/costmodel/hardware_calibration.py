@@ -51,8 +51,8 @@ from ctxpar.costmodel.projection_weights import (
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
+from ctxpar.layers.linear import MLP_ROWS
 from ctxpar.machine import cpu_info
-from ctxpar.models.llama import MLP_ROWS
 
 # Rows of a prefill chunk the attention's projections (QKV, O) are timed at, and the MLP's: ctxpar
 # runs a long prefill's MLP MLP_ROWS rows at a time (LlamaMLP), and so calibrate times it.

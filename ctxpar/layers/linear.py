@@ -77,6 +77,11 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch
     return F.embedding(ids, table)
 
 
+# Rows of a step through a model's MLP at a time where its products are row-invariant: a long
+# prefill's (n, 2I) intermediate would be the step's largest buffer (2K rows of a 1B model: 134 MB).
+MLP_ROWS = 512
+
+
 def row_invariant(weight: Weight) -> bool:
     """Whether ``linear``'s result for a row never depends on the rows beside it: ctxpar's
     kernels' weights (packed panels, block-quantized). PyTorch's GEMMs pick their blocking,

@@ -25,7 +25,7 @@ from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import default_runs
-from ctxpar.layers.linear import Weight, can_pack, embedding, linear, pack_weight, packed, row_invariant
+from ctxpar.layers.linear import MLP_ROWS, Weight, can_pack, embedding, linear, pack_weight, packed, row_invariant
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
@@ -78,9 +78,6 @@ class LlamaAttention(nn.Module):
         return linear(out.view(n, self.q_size), self.o_weight, self.o_bias)
 
 
-MLP_ROWS = 512  # rows of a step through the MLP at a time (LlamaMLP.forward)
-
-
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
@@ -97,8 +94,7 @@ class LlamaMLP(nn.Module):
         self.down_bias = _optional(bias, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A long prefill's (n, 2I) intermediate would be the step's largest buffer (2K rows of
-        # a 1B model: 134 MB): where each row computes alone, MLP_ROWS rows at a time, the same bits.
+        # Where each row computes alone, MLP_ROWS rows at a time (layers/linear.py): the same bits.
         if x.shape[0] <= MLP_ROWS or not (row_invariant(self.gate_up_weight) and row_invariant(self.down_weight)):
             return self._rows(x)
         return torch.cat([self._rows(x[i : i + MLP_ROWS]) for i in range(0, x.shape[0], MLP_ROWS)])
