@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -52,6 +53,7 @@ from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
 from ctxpar.layers.linear import MLP_ROWS
+from ctxpar.layers.weight_arena import release_freed_memory
 from ctxpar.machine import cpu_info
 
 # Rows of a prefill chunk the attention's projections (QKV, O) are timed at, and the MLP's: ctxpar
@@ -106,7 +108,7 @@ WEIGHT_LAYERS = ((2048, WEIGHT_SHAPES), (4096, ((6144, 4096), (4096, 4096), (286
 # Llama-3.2-1B's and Llama-3-8B's, whose widths HardwareProfile.for_model picks between.
 ELEMENTWISE_LAYERS = ((2048, BUILTIN_MODELS["llama-3.2-1b"]), (4096, BUILTIN_MODELS["llama-3-8b"]))
 ELEMENTWISE_TOKENS = 2048
-ELEMENTWISE_RUNS = 5  # timed calls, the fastest kept (each writes KV into cache pages of its own)
+ELEMENTWISE_RUNS = 5  # timed calls, the median kept (each writes KV into cache pages of its own)
 # A GPU's: a Llama-3-8B-sized projection and layer's attention at 8K tokens, and a read
 # far beyond its L2 (a few launches' overhead is then noise).
 GPU_GEMM_SHAPES = ((8192, 4096, 4096),)
@@ -327,10 +329,15 @@ def elementwise_bandwidth(dtype: torch.dtype, config: dict[str, Any], tokens: in
     (``gather_and_store_kv``), RMSNorm with the residual add before it, SiLU·up over the MLP's
     row chunks (MLP_ROWS rows at a time, as LlamaMLP runs a long prefill), their outputs
     joined, and the residual add after the MLP. Each allocates its output afresh, as in a
-    step. The KV entries go to cache pages nothing has touched yet, as a prompt's do in an
-    engine that has not yet cycled through its cache: on this VM the first write of a huge
-    page cost ~30x the write (an 8 MB layer's entries: 11.5 ms into fresh pages, 0.4 ms into
-    touched ones), the largest of these steps in a 1B's prefill."""
+    step, from a heap whose free pages went back to the OS before the call (a prefill's
+    projections map and unmap outputs of tens to hundreds of MB between these steps, and on a
+    VM a page's first write is much of a step's cost); the KV entries go to cache pages
+    nothing has touched yet, as a prompt's do in an engine that has not yet cycled through
+    its cache (an 8 MB layer's entries took 11.5 ms into fresh huge pages, 0.4 ms into
+    touched ones). Those faults vary from call to call, and a prefill pays them as they
+    come: the rate is of the median of ELEMENTWISE_RUNS calls, not the fastest. (Timed so,
+    a 1B's steps take ~0.35 s of a 2K prefill and an 8B's ~1.8 s; the engine spent ~0.6 and
+    ~2.6 s in them, the fastest calls of a warm process ~0.2 and ~0.9.)"""
     from ctxpar.layers.activation import silu_and_mul
     from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
     from ctxpar.layers.norm import RMSNorm
@@ -369,7 +376,14 @@ def elementwise_bandwidth(dtype: torch.dtype, config: dict[str, Any], tokens: in
             mlp = torch.cat([a[i : i + MLP_ROWS] for i in range(0, n, MLP_ROWS)])  # the chunks' outputs joined
         h.add_(mlp)
 
-    return n * shape.elementwise_bytes(dtype.itemsize) / best_time(layer, budget_s=0.0, min_runs=ELEMENTWISE_RUNS)
+    layer()  # warm-up
+    times = []
+    for _ in range(ELEMENTWISE_RUNS):
+        release_freed_memory()  # the heap's free pages back to the OS, as a prefill's churn leaves them
+        t0 = time.perf_counter()
+        layer()
+        times.append(time.perf_counter() - t0)
+    return n * shape.elementwise_bytes(dtype.itemsize) / statistics.median(times)
 
 
 def elementwise_rates(progress: Callable[[str], None]) -> dict[str, float]:
