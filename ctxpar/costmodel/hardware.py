@@ -187,7 +187,9 @@ class HardwareProfile:
         engine's ``--dtype``, its KV cache's dtype where "auto"): the attention, KV read and
         elementwise rates `ctxpar calibrate` measured in that dtype (notes
         ``attention_flops_<dtype>``, ``kv_read_bandwidth_<dtype>``, ``elementwise_bandwidth_<dtype>``:
-        bf16 attention on AMX's tiles where the CPU has them); the weights stay as they are."""
+        bf16 attention on AMX's tiles where the CPU has them) and the host's cost of a step in it
+        (``step_overhead_s_<dtype>``, ``layer_overhead_s_<dtype>``, where measured); the weights
+        stay as they are."""
         if activation_dtype == self.activation_dtype:
             return self
         attention = self.notes.get(f"attention_flops_{activation_dtype}")
@@ -205,6 +207,8 @@ class HardwareProfile:
             attention_efficiency=1.0,
             kv_read_bandwidth=self.notes.get(f"kv_read_bandwidth_{activation_dtype}", 0.0),
             elementwise_bandwidth=self.notes.get(f"elementwise_bandwidth_{activation_dtype}", 0.0),
+            step_overhead_s=self.notes.get(f"step_overhead_s_{activation_dtype}", self.step_overhead_s),
+            layer_overhead_s=self.notes.get(f"layer_overhead_s_{activation_dtype}", self.layer_overhead_s),
             lead=lead,
         )
 

@@ -454,11 +454,10 @@ def calibrate(
             f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
         )
     notes.update(costs)
-    notes["step_overhead_s"], notes["layer_overhead_s"] = host_overhead(activation, device, 1, None)
-    progress(
-        f"host cost of a step beyond its kernels: {notes['step_overhead_s'] * 1e3:.2f} ms "
-        f"+ {notes['layer_overhead_s'] * 1e6:.0f} us a layer"
-    )
+    dtypes = tuple(ACTIVATION_DTYPES) if device.type == "cpu" else (activation,)
+    notes |= host_costs(host_overhead, dtypes, device, 1, None, lambda line: progress(f"host cost of a {line}"))
+    notes["step_overhead_s"] = notes[f"step_overhead_s_{activation}"]
+    notes["layer_overhead_s"] = notes[f"layer_overhead_s_{activation}"]
     kernels = kernel_count(activation, device) if kernel_count is not None and device.type == "cuda" else 0
     terms = launch_terms(device, notes["layer_overhead_s"], kernels)
     notes.update(terms)
@@ -500,6 +499,26 @@ def calibrate(
     return replace(profile, lead=lead_profile(profile, ranks, progress, host_overhead))
 
 
+def host_costs(
+    host_overhead: HostOverhead,
+    dtypes: Sequence[str],
+    device: torch.device,
+    ranks: int,
+    threads: int | None,
+    progress: Callable[[str], None],
+) -> dict[str, float]:
+    """The host's cost of a step (``host_overhead``: ranks of ``threads`` threads, rank 0
+    leading) with activations of each of ``dtypes``, as notes ``step_overhead_s_<dtype>`` and
+    ``layer_overhead_s_<dtype>`` (HardwareProfile.with_activation_dtype reads them): on the CPU
+    an fp32 step runs its layers in one compiled loop, a bf16 one layer by layer from Python."""
+    costs: dict[str, float] = {}
+    for dtype in dtypes:
+        step, layer = host_overhead(dtype, device, ranks, threads)
+        costs |= {f"step_overhead_s_{dtype}": step, f"layer_overhead_s_{dtype}": layer}
+        progress(f"step in {dtype} beyond its kernels: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
+    return costs
+
+
 def lead_profile(
     rank: HardwareProfile, ranks: int, progress: Callable[[str], None], host_overhead: HostOverhead
 ) -> HardwareProfile:
@@ -518,10 +537,17 @@ def lead_profile(
         torch.set_num_threads(own)
     progress(f"a step led for {ranks} ranks, {threads} threads: memory read {memory / 1e9:.1f} GB/s")
     try:
-        step, layer = host_overhead(activation, CPU, ranks, own)
+        rates |= host_costs(
+            host_overhead,
+            tuple(ACTIVATION_DTYPES),
+            CPU,
+            ranks,
+            own,
+            lambda line: progress(f"host cost of a led {line}"),
+        )
     finally:
         torch.set_num_threads(own)
-    progress(f"host cost of a led step: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
+    step, layer = rates[f"step_overhead_s_{activation}"], rates[f"layer_overhead_s_{activation}"]
     return replace(
         rank,
         name=f"{rank.name}-lead",

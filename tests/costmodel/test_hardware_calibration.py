@@ -135,7 +135,7 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     monkeypatch.setattr(cal, "ELEMENTWISE_LAYERS", SMALL_ELEMENTWISE_LAYERS)
     monkeypatch.setattr(cal, "ELEMENTWISE_TOKENS", 32)
     asked = []
-    host_overhead = lambda *args: asked.append(args) or (1.5e-3, 16e-6)
+    host_overhead = lambda *args: asked.append(args) or ((1.5e-3, 16e-6) if args[0] == "fp32" else (2.5e-3, 90e-6))
     before = torch.get_num_threads()
     rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
     lines: list[str] = []
@@ -149,7 +149,10 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     assert lead.with_weight_dtype("q4").gemm_flops == lead.notes["gemm_flops_q4"]
     assert lead.kv_read_bandwidth == lead.notes["kv_read_bandwidth_fp32"] and "kv_read_bandwidth_bf16" in lead.notes
     assert any("a step led for 2 ranks" in line for line in lines)
-    assert asked == [("fp32", cal.CPU, 2, before)] and (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
+    assert asked == [("fp32", cal.CPU, 2, before), ("bf16", cal.CPU, 2, before)]
+    assert (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
+    bf16 = lead.with_activation_dtype("bf16")
+    assert (bf16.step_overhead_s, bf16.layer_overhead_s) == (2.5e-3, 90e-6)
     assert lead.elementwise_bandwidth == lead.notes["elementwise_bandwidth_fp32"]
     assert lead.attention_flops == lead.notes["attention_flops_fp32"]
     assert lead.with_activation_dtype("bf16").attention_flops == lead.notes["attention_flops_bf16"]

@@ -239,7 +239,8 @@ def test_a_calibrated_profile_carries_the_new_rates_and_estimate_adds_them(monke
     monkeypatch.setattr(cal, "usable_cores", lambda: 1)  # one rank on this host: no lead to measure
     threads = torch.get_num_threads()
     try:
-        profile = cal.calibrate(threads, "q4", "shm", lambda line: None, lambda *args: (5e-4, 2e-5))
+        host = lambda dtype, *args: (5e-4, 2e-5) if dtype == "fp32" else (9e-4, 7e-5)  # bf16 steps: no compiled loop
+        profile = cal.calibrate(threads, "q4", "shm", lambda line: None, host)
     finally:
         torch.set_num_threads(threads)
     notes = profile.notes
@@ -247,6 +248,10 @@ def test_a_calibrated_profile_carries_the_new_rates_and_estimate_adds_them(monke
     assert {f"gemm_flops_q4_hidden{w}" for w in (2048, 4096)} <= notes.keys()
     assert {f"elementwise_bandwidth_{d}_hidden{w}" for d in ("fp32", "bf16") for w in (2048, 4096)} <= notes.keys()
     assert notes["attention_flops_bf16"] > 0 and profile.attention_flops == notes["attention_flops_fp32"]
+    assert (profile.step_overhead_s, profile.layer_overhead_s) == (5e-4, 2e-5)
+    bf16 = profile.with_activation_dtype("bf16")
+    assert (bf16.step_overhead_s, bf16.layer_overhead_s) == (9e-4, 7e-5)
+    assert bf16.attention_flops == notes["attention_flops_bf16"]
     m = load_model_shape("llama-3.2-1b")
     without = dataclasses.replace(profile, elementwise_bandwidth=0.0, notes={})
     without = dataclasses.replace(without, gemm_flops=notes["gemm_flops_q4_hidden2048"])
