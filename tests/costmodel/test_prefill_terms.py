@@ -260,3 +260,17 @@ def test_a_calibrated_profile_carries_the_new_rates_and_estimate_adds_them(monke
     [base] = estimate(m, without, 2048, pcp=[1], dcp=[1])
     grown = 2048 * L1B[2] * values(L1B) * 4 / notes["elementwise_bandwidth_fp32_hidden2048"]
     assert row.ttft_s - base.ttft_s == pytest.approx(grown)
+
+
+def test_a_prefills_rates_are_its_calls_median(monkeypatch) -> None:
+    """best_time keeps the fastest call, typical_time (the GEMM's and attention's) the median:
+    a call of each of these durations after the warm-up's, timed by a clock that reads them."""
+    durations = iter([9.0, 0.5, 0.2, 0.4, 0.3, 0.1] * 2)  # the first of each six: the warm-up
+    now = [0.0]
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: now[0])
+
+    def call() -> None:
+        now[0] += next(durations)
+
+    assert cal.best_time(call, budget_s=0.0, min_runs=5) == pytest.approx(0.1)
+    assert cal.typical_time(call, budget_s=0.0, min_runs=5) == pytest.approx(0.3)
