@@ -1,7 +1,7 @@
 """EngineConfig: every knob of the engine, written once, validated once, never mutated.
 
-Each field is a ``knob`` (ctxpar/knobs.py): its default, and its help and spelling on the
-command line. EngineArgs and the engine flags of `ctxpar generate` and `ctxpar serve` are
+Each field is a ``knob`` (ctxpar/knobs.py): its default, its allowed values, and its help
+and spelling on the command line. EngineArgs and the engine flags of `ctxpar generate` and `ctxpar serve` are
 derived from these fields (ctxpar/engine/arg_utils.py), so a new one appears everywhere.
 Values derived at run time (number of KV blocks, EOS ids, the model's own
 context limit) are computed from it and passed explicitly, never written back.
@@ -14,11 +14,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ctxpar.checks import THREADS_PER_CORE, check_float, check_int, machine_memory_bytes, max_threads
+from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
 from ctxpar.device import SPELLINGS, canonical_dtype, resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import parse_hf_overrides
-from ctxpar.knobs import knob
+from ctxpar.knobs import Range, check_knobs, knob
 from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
@@ -55,28 +55,43 @@ class EngineConfig:
     device: str = knob(
         "auto", "where the ranks compute (default: auto, a GPU per rank when there are GPUs)", choices=DEVICES
     )
-    max_model_len: int | None = knob(None, "context limit, prompt + output (default: the model's)", "N")
-    block_size: int = knob(16, "tokens per KV-cache block", "N")
+    # A request needs at least one prompt token and room for one generated token.
+    max_model_len: int | None = knob(
+        None,
+        "context limit, prompt + output (default: the model's)",
+        "N",
+        range=Range(2, why=" (a prompt token plus a generated one)"),
+    )
+    block_size: int = knob(16, "tokens per KV-cache block", "N", range=Range(1, MAX_BLOCK_SIZE))
     num_kv_blocks: int | None = knob(
         None,
         "KV-cache size in blocks (default: as many as fit in --kv-cache-bytes)",
         "N",
         aliases=("--kv-cache-blocks",),
+        range=Range(1),
     )
-    kv_cache_bytes: int = knob(1 << 30, "KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES")
+    kv_cache_bytes: int = knob(
+        1 << 30, "KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES", range=Range(1)
+    )
     kv_cache_dtype: str = knob(
         "auto",
         "KV-cache storage: auto (the model's dtype), or 1 byte a value with a float32 scale per token per "
         "head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (about 4x the tokens of a float32 cache)",
         choices=KV_CACHE_DTYPES,
     )
-    max_num_seqs: int = knob(64, "most requests running at once", "N")
-    max_num_batched_tokens: int = knob(2048, "tokens per step; longer prompts are prefilled in chunks", "N")
-    pcp_size: int = knob(1, "prefill context-parallel ranks", "P", aliases=("--pcp",))
+    max_num_seqs: int = knob(64, "most requests running at once", "N", range=Range(1))
+    max_num_batched_tokens: int = knob(
+        2048, "tokens per step; longer prompts are prefilled in chunks", "N", range=Range(1)
+    )
+    pcp_size: int = knob(1, "prefill context-parallel ranks", "P", aliases=("--pcp",), range=Range(1))
     # Decode context parallelism: the KV cache is sharded over the PCP ranks themselves (D = P),
     # each holding 1/D of every request's KV (docs/architecture.md).
     dcp_size: int = knob(
-        1, "shard the KV cache over D ranks: 1 (a full cache per rank) or P (= --pcp)", "D", aliases=("--dcp",)
+        1,
+        "shard the KV cache over D ranks: 1 (a full cache per rank) or P (= --pcp)",
+        "D",
+        aliases=("--dcp",),
+        range=Range(1),
     )
     # Position t lives on rank (t // I) % D.
     cp_interleave: int = knob(
@@ -94,6 +109,7 @@ class EngineConfig:
         "prompts shorter than this are not split across ranks (default: derived from the cost model for the "
         "model, P, D and --hardware-profile; --verbose prints it)",
         "N",
+        range=Range(0),
     )
     pcp_spread_min_rows: int | None = knob(
         None,
@@ -101,6 +117,7 @@ class EngineConfig:
         "prompt or have at least N of them; not with --dcp. Ranks on one host lead a step without a split row "
         "on rank 0 with all their threads instead (default: derived from the cost model)",
         "N",
+        range=Range(0),
     )
     pcp_split_mode: str = knob(
         "auto",
@@ -114,6 +131,7 @@ class EngineConfig:
         "deprecated, ignored (a warning says so): under --dcp every query reaches the shards by passing "
         "queries, so a request's bits do not depend on what else runs",
         "R",
+        range=Range(0.0),
     )
     hardware_profile: str | None = knob(
         None,
@@ -121,11 +139,24 @@ class EngineConfig:
         "ctxpar calibrate (default: ./hardware-profile.json if there, else a built-in CPU core's)",
         "PROFILE",
     )
-    seed: int = knob(0, "engine seed (requests without a seed of their own draw from it)", "S")
-    max_logprobs: int = knob(20, "most logprobs a request may ask for; -1: the whole vocabulary", "N")
-    num_threads: int | None = knob(None, "torch threads per rank (default: cores / ranks)", "N", aliases=("--threads",))
+    seed: int = knob(
+        0, "engine seed (requests without a seed of their own draw from it)", "S", range=Range(0, SEED_MAX)
+    )
+    max_logprobs: int = knob(
+        20,
+        "most logprobs a request may ask for; -1: the whole vocabulary",
+        "N",
+        range=Range(0, also=(-1,), why=" or -1 (the whole vocabulary)"),
+    )
+    num_threads: int | None = knob(
+        None,
+        "torch threads per rank (default: cores / ranks)",
+        "N",
+        aliases=("--threads",),
+        range=Range(1, max_threads, why=f" ({THREADS_PER_CORE} per core of this machine; more only adds contention)"),
+    )
     master_addr: str = knob("127.0.0.1", "address of rank 0 for the PCP process group", "HOST")
-    master_port: int | None = knob(None, "port of rank 0 (default: a free one)", "PORT")
+    master_port: int | None = knob(None, "port of rank 0 (default: a free one)", "PORT", range=Range(1, 65535))
     # vLLM's speculative_config: a dict or its JSON is parsed into one.
     speculative_config: SpeculativeConfig | None = knob(
         None,
@@ -147,8 +178,14 @@ class EngineConfig:
         "a lost PCP rank is respawned and the requests in flight continue, at most N times per "
         "--rank-recovery-window-s (0: a lost rank stops the engine)",
         "N",
+        range=Range(0),
     )
-    rank_recovery_window_s: float = knob(600.0, "the window of --max-rank-recoveries, in seconds", "SECONDS")
+    rank_recovery_window_s: float = knob(
+        600.0,
+        "the window of --max-rank-recoveries, in seconds",
+        "SECONDS",
+        range=Range(0.0, lo_open=True, why=" (seconds)"),
+    )
     # vLLM's spelling. None is detected, as vLLM does: "gguf" for a .gguf file (the default
     # model is one) on the CPU, else "none" (``weight_quantization``).
     quantization: str | None = knob(
@@ -169,13 +206,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise CtxparError(f"model must be a path (a string) or None, got {self.model!r}")
-        if not isinstance(self.device, str) or self.device not in DEVICES:
-            raise CtxparError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        # Each knob's range and choices; dtype's spellings (torch dtypes too) and quantization's
+        # fix are checked by their own parsing below.
+        check_knobs(self, skip=frozenset({"dtype", "quantization"}))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, self.device))  # one spelling from here on
-        # A request needs at least one prompt token and room for one generated token.
-        check_int("max_model_len", self.max_model_len, 2, none_ok=True, why=" (a prompt token plus a generated one)")
-        check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
-        check_int("num_kv_blocks", self.num_kv_blocks, 1, none_ok=True)
         # The cache's own bytes depend on the model and the device: checked in
         # ctxpar.worker.kv_cache_allocation once the model's shape is known, before any
         # allocation. Its bookkeeping alone is checked here, before the model loads.
@@ -186,45 +220,14 @@ class EngineConfig:
                 f"{self.num_kv_blocks * BLOCK_ID_BYTES / 2**30:.1f} GiB of its {host / 2**30:.1f} GiB of memory "
                 f"(the KV tensors far more); at most {host // BLOCK_ID_BYTES} blocks, lower num_kv_blocks"
             )
-        check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise CtxparError(
-                f"kv_cache_dtype must be one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        check_int("pcp_size", self.pcp_size, 1)
-        check_int("pcp_min_tokens", self.pcp_min_tokens, 0, none_ok=True)
-        check_int("pcp_spread_min_rows", self.pcp_spread_min_rows, 0, none_ok=True)
         self._check_dcp()
-        if self.pcp_split_mode not in PCP_SPLIT_MODES:
-            modes = ", ".join(PCP_SPLIT_MODES)
-            raise CtxparError(f"pcp_split_mode must be one of {modes}, got {self.pcp_split_mode!r}")
         if self.dcp_gather_ratio is not None:
-            check_float("dcp_gather_ratio", self.dcp_gather_ratio, 0.0, why=" or None")
             warnings.warn(DCP_GATHER_RATIO_DEPRECATED, FutureWarning, stacklevel=3)
         profile = self.hardware_profile
         if profile is not None and (not isinstance(profile, str) or not profile):
             raise CtxparError(f"hardware_profile must be a profile name or a JSON file, got {profile!r}")
-        check_int("seed", self.seed, 0, SEED_MAX)
-        if self.max_logprobs != -1:
-            check_int("max_logprobs", self.max_logprobs, 0, why=" or -1 (the whole vocabulary)")
-        check_int(
-            "num_threads",
-            self.num_threads,
-            1,
-            max_threads(),
-            none_ok=True,
-            why=f" ({THREADS_PER_CORE} per core of this machine; more only adds contention)",
-        )
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise CtxparError(f"master_addr must be a host name or IP address, got {self.master_addr!r}")
-        check_int("master_port", self.master_port, 1, 65535, none_ok=True)
-        check_int("max_rank_recoveries", self.max_rank_recoveries, 0)
-        window = self.rank_recovery_window_s
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < float("inf"):
-            raise CtxparError(f"rank_recovery_window_s must be a positive number of seconds, got {window!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         self._check_quantization()
@@ -279,7 +282,6 @@ class EngineConfig:
         """D must be 1 or P (the DCP group is the PCP group), and a block must
         hold whole interleave runs, so every logical block (block_size * D
         tokens) gives each rank exactly block_size of its tokens."""
-        check_int("dcp_size", self.dcp_size, 1)
         if self.dcp_size not in (1, self.pcp_size):
             fix = f"pass pcp_size={self.dcp_size} too" if self.pcp_size == 1 else f"pass dcp_size={self.pcp_size}"
             raise CtxparError(

@@ -4,7 +4,8 @@ Each engine setting is written once, as an EngineConfig field made by ``knob``:
 its default, type, help text and spelling on the command line. EngineArgs and
 the engine flags of `ctxpar generate` and `ctxpar serve` are derived from those
 fields (ctxpar/engine/arg_utils.py), so a new field appears everywhere at once
-and the help cannot drift from the default.
+and the help cannot drift from the default. A knob's allowed values (its ``Range`` or
+its ``choices``) sit on it too, and ``check_knobs`` checks them all at once.
 """
 
 from __future__ import annotations
@@ -12,10 +13,41 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ctxpar.checks import check_float, check_int
+from ctxpar.errors import CtxparError
+
 FLAG = "ctxpar.flag"  # the key of a knob's Flag in its field's metadata
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a knob accepts: [lo, hi] (open ends where said), plus the special
+    values in ``also`` (max_logprobs' -1: the whole vocabulary). An int knob is checked as
+    an integer, a float knob as a finite number; None passes where the annotation allows it.
+    ``hi`` may be a function, for a limit of this machine (num_threads)."""
+
+    lo: float | None
+    hi: float | Callable[[], int] | None = None
+    lo_open: bool = False  # floats only
+    hi_open: bool = False
+    why: str = ""  # what the range means, appended to the message
+    also: tuple[int, ...] = ()
+
+    def check(self, name: str, value: object, kind: type, none_ok: bool) -> None:
+        """Raise CtxparError, naming the knob, the value and the range, unless ``value`` is in it."""
+        if (value is None and none_ok) or any(type(value) is type(a) and value == a for a in self.also):
+            return
+        hi = self.hi() if callable(self.hi) else self.hi
+        if kind is int:
+            check_int(name, value, self.lo, hi, none_ok=none_ok, why=self.why)  # type: ignore[arg-type]
+        else:
+            assert self.lo is not None  # a float range has a floor
+            why = f"{self.why} or None" if none_ok else self.why
+            check_float(name, value, self.lo, hi, lo_open=self.lo_open, hi_open=self.hi_open, why=why)
 
 
 @dataclass(frozen=True)
@@ -26,6 +58,7 @@ class Flag:
     metavar: str | None = None  # the value's name in --help; none with choices (argparse lists them)
     aliases: tuple[str, ...] = ()  # other accepted spellings; for a boolean knob, of its --no- form
     choices: tuple[str, ...] | None = None
+    range: Range | None = None  # the numbers it accepts (checked by check_knobs, not by argparse)
 
 
 def knob(
@@ -35,15 +68,36 @@ def knob(
     *,
     aliases: tuple[str, ...] = (),
     choices: tuple[str, ...] | None = None,
+    range: Range | None = None,
 ) -> Any:
     """A dataclass field with ``default`` and its Flag. Typed Any, as ``dataclasses.field``
     is, so that ``block_size: int = knob(16, ...)`` type-checks."""
-    return dataclasses.field(default=default, metadata={FLAG: Flag(help, metavar, aliases, choices)})
+    return dataclasses.field(default=default, metadata={FLAG: Flag(help, metavar, aliases, choices, range)})
 
 
 def knobs(cls: type) -> list[dataclasses.Field[Any]]:
     """The fields of dataclass ``cls`` made by ``knob``, in their order."""
     return [f for f in dataclasses.fields(cls) if FLAG in f.metadata]
+
+
+def check_knobs(obj: object, skip: frozenset[str] = frozenset()) -> None:
+    """Raise CtxparError for the first knob of dataclass instance ``obj`` whose value is
+    outside its ``choices`` or its ``Range``. ``skip``: knobs whose own parsing checks them
+    with a fuller message (a dtype also spelt as a torch dtype)."""
+    cls = type(obj)
+    hints = typing.get_type_hints(cls)
+    for f in knobs(cls):
+        if f.name in skip:
+            continue
+        flag: Flag = f.metadata[FLAG]
+        value = getattr(obj, f.name)
+        none_ok = type(None) in typing.get_args(hints[f.name])
+        if value is None and none_ok:
+            continue
+        if flag.choices is not None and not (isinstance(value, str) and value in flag.choices):
+            raise CtxparError(f"{f.name} must be one of {', '.join(map(repr, flag.choices))}, got {value!r}")
+        if flag.range is not None:
+            flag.range.check(f.name, value, flag_type(cls, f.name), none_ok)
 
 
 def flag_type(cls: type, name: str) -> type:

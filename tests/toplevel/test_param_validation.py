@@ -106,7 +106,7 @@ def test_seed_limits_are_torchs(seed):
         (dict(pcp_min_tokens=-1), ["pcp_min_tokens", ">= 0", "-1"]),
         (dict(pcp_min_tokens=False), ["pcp_min_tokens", "False"]),
         (dict(pcp_spread_min_rows=-1), ["pcp_spread_min_rows", ">= 0", "-1"]),
-        (dict(pcp_split_mode="half"), ["pcp_split_mode", "auto, all, disjoint, whole", "'half'"]),
+        (dict(pcp_split_mode="half"), ["pcp_split_mode", "'auto', 'all', 'disjoint', 'whole'", "'half'"]),
         (dict(hardware_profile=""), ["hardware_profile", "''"]),
         (dict(dcp_gather_ratio=-0.5), ["dcp_gather_ratio", ">= 0.0", "-0.5"]),
         (dict(dcp_gather_ratio=float("nan")), ["dcp_gather_ratio", "finite", "nan"]),
