@@ -17,9 +17,15 @@ import argparse
 import dataclasses
 import sys
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ctxpar.engine.arg_utils import EngineArgs
+from ctxpar.knobs import add_flags, knob, knobs
 from ctxpar.worker.kv_cache_allocation import tokens_per_gib
+
+if TYPE_CHECKING:
+    from ctxpar.sampling_params import SamplingParams
 
 DEFAULT_CHAT = "Write a haiku about context parallelism."
 # --verbose's account of EngineConfig.weight_quantization.
@@ -28,6 +34,21 @@ WEIGHTS = {
     "int8": "int8, quantized at load (quantization int8)",
     None: "the dtype (quantization none)",
 }
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """generate's sampling flags, one knob each: SamplingParams' fields under the same
+    names, with a terminal's defaults (greedy, 256 tokens). Their ranges are the request's
+    own, checked by SamplingParams as for every other caller (ctxpar/sampling_params.py)."""
+
+    max_tokens: int = knob(256, "most tokens to generate", "N")
+    temperature: float = knob(0.0, "0 = greedy; e.g. 0.8 to sample", "T")
+    top_p: float = knob(1.0, "nucleus mass in (0, 1]; 1 = off", "P")
+    top_k: int = knob(-1, "sample among the K likeliest tokens; -1 = off", "K")
+    min_p: float = knob(0.0, "drop tokens below M x the top probability", "M")
+    seed: int | None = knob(None, "sampling seed (default: from the engine seed)", "S")
+    ignore_eos: bool = knob(False, "keep generating past the end-of-sequence token")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,39 +62,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"a user message, wrapped in the model's chat template (default: {DEFAULT_CHAT!r})",
     )
 
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate (default: 256)")
-    s.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); e.g. 0.8 to sample"
-    )
-    s.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default: 1 = off)")
-    s.add_argument(
-        "--top-k", type=int, default=-1, metavar="K", help="sample among the K likeliest tokens (default: -1 = off)"
-    )
-    s.add_argument(
-        "--min-p", type=float, default=0.0, metavar="M", help="drop tokens below M x the top probability (default: 0)"
-    )
-    s.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: from the engine seed)")
-    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-
+    add_flags(p.add_argument_group("sampling"), SamplingFlags)
     EngineArgs.add_cli_args(p, exclude=frozenset({"seed"}))  # --seed: the request's
     p.add_argument(
         "--verbose", "-v", action="store_true", help="print the model and KV-cache layout first, prefix-cache hits last"
     )
 
 
-def run(args: argparse.Namespace) -> None:
-    from ctxpar import LLM, SamplingParams
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The request's SamplingParams, from the sampling flags (checked there)."""
+    from ctxpar import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    return SamplingParams(**{f.name: getattr(args, f.name) for f in knobs(SamplingFlags)})
+
+
+def run(args: argparse.Namespace) -> None:
+    from ctxpar import LLM
+
+    params = sampling_params(args)
     t_load = time.perf_counter()
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:
         if args.verbose:

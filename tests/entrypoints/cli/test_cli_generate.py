@@ -87,3 +87,22 @@ def test_unparseable_number_is_a_usage_error(capsys):
         main(["generate", "--max-tokens", "many"])
     assert e.value.code == 2
     assert "invalid int value" in capsys.readouterr().err
+
+
+def test_sampling_flags_are_the_requests_fields():
+    """Each sampling flag is the SamplingParams field of its name (SamplingFlags' table);
+    the defaults are a terminal's: greedy, 256 tokens, no top-k."""
+    import argparse
+    import dataclasses
+
+    from ctxpar.entrypoints.cli import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    defaults = generate.sampling_params(parser.parse_args([]))
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k, defaults.ignore_eos) == (0.0, 256, -1, False)
+    argv = ["--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "3", "--min-p", "0.1"]
+    given = generate.sampling_params(parser.parse_args([*argv, "--seed", "11", "--ignore-eos"]))
+    assert given == dataclasses.replace(
+        SamplingParams(), max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, seed=11, ignore_eos=True
+    )
