@@ -1,7 +1,9 @@
-"""Attention kernels over ctxpar's caches (paged_decode.cpp, prefill_attention.cpp):
-decode rows over their paged cache slots, read in place; prefill queries over
-their keys, causal or with a key count per query (DCP's shards); and the checks
-their raw pointers need."""
+"""Every attention kernel of ctxpar, and the checks their raw pointers need:
+decode rows over their paged cache slots, read in place (paged_decode.cpp);
+prefill queries over their keys, causal or with a key count per query (DCP's
+shards), in float32, in bf16 on AMX's tiles (prefill_attention.cpp,
+prefill_tiles.cpp), or over a quantized cache's rows, dequantized block by
+block. The layers reach them through one backend (ctxpar/layers/attention/backend.py)."""
 
 from __future__ import annotations
 
@@ -184,6 +186,46 @@ def prefill_attention(
         scale,
         out.data_ptr(),
         lse.data_ptr(),
+    )
+    return out, lse
+
+
+def prefill_quant_usable(q: torch.Tensor, quant: QuantRows) -> bool:
+    """Whether ``prefill_attention_quant`` takes these queries over a GQA cache of this format."""
+    _, _, D = quant.entry_shape
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.stride(-1) == 1
+        and q.stride(-2) == q.shape[-1]
+        and kernels.available()
+        and bool(kernels.loaded().prefill_attention_supports(D, D))
+    )
+
+
+def prefill_attention_quant(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    quant: QuantRows,
+    scale: float,
+    causal: bool = True,
+    out: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefill_attention`` over S quantized rows (S, row_bytes) of a GQA cache
+    (K and V of each head with its own scale), dequantized block by block in the
+    kernel: q (L, H, D) ``prefill_quant_usable``; causal and counts as there.
+    Returns out (L, H, D), written into `out` if given, and lse (L, H), float32."""
+    (L, H, D), (S, row_bytes), (_, Hk, _) = q.shape, rows.shape, quant.entry_shape
+    rows = rows.contiguous()
+    out = attention_out(out, (L, H, D), "prefill_attention_quant")
+    lse = torch.empty(L, H, dtype=torch.float32)
+    sizes = (L, S, H, Hk, D, D, q.stride(0), row_bytes, Hk * D, int(causal))
+    scales = (CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
+    pointers = (q.data_ptr(), rows.data_ptr())
+    lib = kernels.loaded()
+    lib.prefill_attention_quant(
+        *pointers, *sizes, key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
     )
     return out, lse
 

@@ -22,7 +22,6 @@ from typing import Protocol
 import torch
 
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.attention_math import attention_lse, paged_kernel
 from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
@@ -116,8 +115,8 @@ class GQA:
 
     def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None) -> Partials:
         if quant is not None:
-            if kv_kernels.prefill_quant_usable(q, quant):  # the rows read in place
-                return kv_kernels.prefill_attention_quant(q, kv, quant, self.scale, counts=counts)
+            if attn_kernels.prefill_quant_usable(q, quant):  # the rows read in place
+                return attn_kernels.prefill_attention_quant(q, kv, quant, self.scale, counts=counts)
             kv = quant.dequantize(kv).to(q.dtype)
         return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, counts)
 

@@ -36,7 +36,6 @@ from collections.abc import Iterator
 import torch
 
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.attention_math import causal_attention, paged_kernel
 from ctxpar.layers.attention_ops import concat_slots, decode_attention, gather_paged_kv
 from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
@@ -134,8 +133,8 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
         kv = cache.index_select(0, slots)  # (S, 2, Hk, D), or (S, row_bytes) quantized
         if quant is None:
             causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])
-        elif kv_kernels.prefill_quant_usable(q[a:b], quant):
-            kv_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
+        elif attn_kernels.prefill_quant_usable(q[a:b], quant):
+            attn_kernels.prefill_attention_quant(q[a:b], kv, quant, scale, out=out[a:b])
         else:
             kv = quant.dequantize(kv).to(q.dtype)
             causal_attention(q[a:b], kv[:, 0], kv[:, 1], scale, out=out[a:b])

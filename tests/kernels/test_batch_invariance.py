@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from ctxpar import kernels
 from ctxpar.engine.sample.sampler import logprobs_of
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.kernels import elementwise, kv_cache, panels
+from ctxpar.kernels import elementwise, panels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_blocks import FORMATS, decode
@@ -191,7 +191,7 @@ def test_prefill_attention_key_counts(kv_dtype: str, data: st.DataObject) -> Non
     def attend(queries: torch.Tensor, keys: torch.Tensor, n: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         if quant is None:
             return attn_kernels.prefill_attention(queries, keys[:, 0], keys[:, 1], 0.125, counts=n)
-        return kv_cache.prefill_attention_quant(queries, keys, quant, 0.125, counts=n)
+        return attn_kernels.prefill_attention_quant(queries, keys, quant, 0.125, counts=n)
 
     whole, whole_lse = attend(q, rows, counts)
     bounds = split_points(L, data)

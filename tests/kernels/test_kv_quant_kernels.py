@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.kernels import kv_cache as kv_kernels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from helpers.attention_reference import TOL, dequantize64, paged, reference
 
@@ -103,8 +102,8 @@ def test_prefill_over_quantized_rows(name, kv_heads, group, chunk, context, caus
     quant = KVQuant.of(name, shape, default_runs(shape))
     rows, kv = quantized_cache(quant, S, g)
     q = torch.randn(L, H + 2 * Hk, D, generator=g)[:, :H]
-    assert kv_kernels.prefill_quant_usable(q, quant)
-    out, lse = kv_kernels.prefill_attention_quant(q, rows, quant, D**-0.5, causal)
+    assert attn_kernels.prefill_quant_usable(q, quant)
+    out, lse = attn_kernels.prefill_attention_quant(q, rows, quant, D**-0.5, causal)
     for i in range(L) if not causal else [None]:
         qi, keys = (q, S) if i is None else (q[i : i + 1], S)
         want, want_lse = reference(qi, kv[:keys, 0], kv[:keys, 1], D**-0.5)

@@ -105,7 +105,7 @@ def test_attending_cache_rows_equals_attending_their_entries(name) -> None:
     """GQA's attend_lse over quantized cache rows (DCP's shards: the compiled kernel reads
     them in place), each query over its own prefix of them, gives what it gives over the
     same rows dequantized first."""
-    from ctxpar.kernels import kv_cache
+    from ctxpar.kernels import attention_kernels
     from ctxpar.layers.attention import GQA
 
     shape = (2, 2, 64)
@@ -113,7 +113,7 @@ def test_attending_cache_rows_equals_attending_their_entries(name) -> None:
     rows = quant.quantize(torch.randn(13, *shape))
     q = torch.randn(5, 4, 64)
     counts = torch.tensor([1, 4, 4, 9, 13])
-    assert kv_cache.prefill_quant_usable(q, quant)
+    assert attention_kernels.prefill_quant_usable(q, quant)
     gqa = GQA(0, 64, 0.125)
     out, lse = gqa.attend_lse(q, rows, counts, quant)
     want_out, want_lse = gqa.attend_lse(q, quant.dequantize(rows), counts, None)
