@@ -7,20 +7,20 @@ is parsed from the text by the server's --tool-call-parser).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ctxpar.entrypoints.openai import prompts
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.grammars import compile_first
 from ctxpar.entrypoints.openai.limits import check_fanout
 from ctxpar.entrypoints.openai.protocol import ApiError, parse
 from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from ctxpar.entrypoints.openai.state import ServerDep
-from ctxpar.entrypoints.openai.streaming import collect, sse, usage
+from ctxpar.entrypoints.openai.streaming import collect, response_id, sse, usage
 from ctxpar.entrypoints.openai.tools import ToolParser, ToolPlan, merge_calls, plan_tools
 
 router = APIRouter()
@@ -38,19 +38,22 @@ async def chat(request: Request, state: ServerDep) -> Response:
         constraint = tools.constraint
     check_fanout(state.limits, 1, req.n)
     await compile_first(state.engine.structured, constraint)
-    sub = state.engine_client.submit([await asyncio.to_thread(state.prepare_chat, req, constraint)])
-    meta = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", state.model_name, R.now())
+    sub = state.engine_client.submit([await asyncio.to_thread(prompts.chat_request, state, req, constraint)])
+    meta = (f"chatcmpl-{response_id(request, req)}", "chat.completion.chunk", state.model_name, R.now())
     choice = partial(_choice, req, tools, state.tokenizer, {})
+    echoed = req.echoed()  # the first delta carries it, or the message starts with it
     if req.stream:
         first = [
-            {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": j, "delta": {"role": "assistant", "content": echoed}, "logprobs": None, "finish_reason": None}
             for j in range(req.n)
         ]
-        return sse(request, sub, meta, choice, req.include_usage, first=first)
+        return sse(request, sub, meta, choice, req, first=first)
     [out] = await collect(request, sub)
     choices = [choice(j, out, R.ChoiceCursor(j).advance(out), j, key="message") for j in range(len(out.outputs))]
     for c in choices:
         c["message"]["role"] = "assistant"
+        if echoed:
+            c["message"]["content"] = echoed + (c["message"]["content"] or "")
     extra: dict[str, Any] = {"prompt_logprobs": R.prompt_logprobs(out)} if req.prompt_logprobs is not None else {}
     return JSONResponse(R.envelope(meta[0], "chat.completion", *meta[2:], choices, usage=usage([out]), **extra))
 
@@ -74,7 +77,7 @@ def _choice(
     c = {
         "index": i,
         key: msg,
-        "logprobs": R.chat_logprobs(tokenizer, d, req.top_logprobs or 0),
+        "logprobs": R.chat_logprobs(tokenizer, d, req.top_logprobs or 0, bool(req.return_tokens_as_token_ids)),
         **finish,
     }
     if req.return_token_ids:

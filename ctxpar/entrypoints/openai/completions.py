@@ -8,19 +8,20 @@ engine's own message and disturbs no other.
 from __future__ import annotations
 
 import asyncio
-import uuid
+import dataclasses
 from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ctxpar.entrypoints.openai import prompts
 from ctxpar.entrypoints.openai import responses as R
 from ctxpar.entrypoints.openai.grammars import compile_first
 from ctxpar.entrypoints.openai.limits import check_fanout
 from ctxpar.entrypoints.openai.protocol import parse
 from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
 from ctxpar.entrypoints.openai.state import ServerDep
-from ctxpar.entrypoints.openai.streaming import collect, sse, usage
+from ctxpar.entrypoints.openai.streaming import collect, response_id, sse, usage
 
 router = APIRouter()
 
@@ -33,11 +34,13 @@ async def completions(request: Request, state: ServerDep) -> Response:
     check_fanout(state.limits, len(given), req.n, req.best_of)
     constraint = req.structured_outputs_params()
     await compile_first(state.engine.structured, constraint)
-    sub = state.engine_client.submit(await asyncio.to_thread(state.prepare_prompts, req, given, constraint))
-    meta = (f"cmpl-{uuid.uuid4().hex}", "text_completion", state.model_name, R.now())
+    sub = state.engine_client.submit(
+        await asyncio.to_thread(prompts.completion_requests, state, req, given, constraint)
+    )
+    meta = (f"cmpl-{response_id(request, req)}", "text_completion", state.model_name, R.now())
     choice = partial(_choice, req, state.tokenizer)
     if req.stream:
-        return sse(request, sub, meta, choice, req.include_usage, first=None)
+        return sse(request, sub, meta, choice, req, first=None)
     outs = await collect(request, sub)
     # Prompt i's sample j is choice i * n + j, as vLLM numbers them.
     choices = [
@@ -50,18 +53,25 @@ async def completions(request: Request, state: ServerDep) -> Response:
 
 def _choice(req: CompletionRequest, tokenizer, i: int, out, d: R.Delta, sample: int) -> dict:
     """Choice ``i`` of a completion (whole or a streamed chunk's): ``d``, the text and
-    tokens of sample ``sample`` of ``out`` not sent yet (echo: the prompt before the first)."""
-    text = d.text
-    if req.echo and d.text_offset == 0:  # the choice's first text: the prompt goes before it
-        text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) + text
+    tokens of sample ``sample`` of ``out`` not sent yet. With echo the prompt goes
+    before the first (with its logprobs: completions' way of scoring a prompt), and
+    later chunks' offsets count it; echo with max_tokens 0 answers the prompt alone."""
+    if req.echo_only:
+        d = R.Delta("", [], [] if d.logprobs is not None else None, d.text_offset)
+    generated = d.token_ids
+    if req.echo and d.text_offset == 0:
+        d = R.echoed(out, tokenizer, d)
+    elif req.echo:
+        prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+        d = dataclasses.replace(d, text_offset=d.text_offset + len(prompt))
     c = {
         "index": i,
-        "text": text,
-        "logprobs": R.completion_logprobs(tokenizer, d),
+        "text": d.text,
+        "logprobs": R.completion_logprobs(tokenizer, d, bool(req.return_tokens_as_token_ids)),
         **R.finish_fields(out, sample),
     }
     if req.prompt_logprobs is not None:
         c["prompt_logprobs"] = R.prompt_logprobs(out)
     if req.return_token_ids:
-        c.update(token_ids=d.token_ids, prompt_token_ids=out.prompt_token_ids)
+        c.update(token_ids=generated, prompt_token_ids=out.prompt_token_ids)
     return c

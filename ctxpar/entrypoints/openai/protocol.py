@@ -4,16 +4,16 @@ The bodies themselves: protocol_completions.py, protocol_chat.py, protocol_token
 
 Bodies are parsed strictly (no "5" for 5) and unknown fields are refused:
 a field the server ignored would silently change what the client asked for.
-Fields OpenAI (or vLLM) defines that the engine does not implement yet are
-accepted only at their neutral value; any other value is a 400 naming the
-field, never silence.
+Every field of vLLM's request models is declared: honoured, or (``UNSUPPORTED``)
+accepted only at its neutral value, any other value a 400 naming the field and
+why; docs/vllm.md lists them all.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ctxpar.errors import CtxparError
 from ctxpar.sampling_params import SamplingParams, StructuredOutputsParams
@@ -60,8 +60,33 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_REQUEST_ID_CHARS = 256  # echoed in the response's id: a client's label, not a payload
+
+
 class StreamOptions(StrictBody):
     include_usage: bool = False
+    # vLLM extension: with include_usage, every chunk carries the usage so far, not only the last
+    continuous_usage_stats: bool = False
+
+
+# vLLM's fields the engine has no use for, refused at any other value than these (field -> (neutral values, why)).
+VLLM_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False,), "the server has no beam search; LLM.beam_search offers it offline"),
+    "length_penalty": ((1.0, 1), "it weighs beam search, which the server does not run"),
+    "logprob_token_ids": ((None,), "logprobs of chosen token ids are not implemented; use logprobs=N"),
+    "logits_processors": ((None,), "the server loads no code named by a request"),
+    "vllm_xargs": ((None,), "ctxpar has no custom extensions to pass them to"),
+    "kv_transfer_params": ((None,), "ctxpar has no disaggregated prefill"),
+    "ec_transfer_params": ((None,), "ctxpar has no disaggregated encoder cache"),
+    "repetition_detection": ((None,), "repetition detection is not implemented"),
+    "max_repetition_pattern_size": ((0,), "repetition detection is not implemented"),
+    "min_repetition_pattern_size": ((0,), "repetition detection is not implemented"),
+    "repetition_min_count": ((0,), "repetition detection is not implemented"),
+    "thinking_token_budget": ((None, -1), "no reasoning parser: the thinking budget cannot be counted"),
+    "routed_experts_prompt_start": ((0,), "ctxpar returns no routed-expert data"),
+    "watermarking": ((None, False), "watermarking is not implemented"),
+}
 
 
 class SamplingRequest(StrictBody):
@@ -103,14 +128,40 @@ class SamplingRequest(StrictBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM extensions: the prompt's tokens.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # keep k tokens; -1: what fits
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts (default: the start)
+    # vLLM extensions: the request's handling and its answer.
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # accepted; every priority is served first come, first served
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
+    session_id: str | None = None  # routing hint across requests: one server, nothing to route
+    return_token_offsets: bool | None = None  # vLLM reads it only on its /render endpoints
+    return_mm_kwargs: bool = True  # likewise (and ctxpar runs text models)
+    stream_interval: int | None = Field(None, ge=1)  # tokens per streamed chunk, at least
+    # vLLM's fields, refused unless neutral (VLLM_UNSUPPORTED): typed Any so that any value gets the reason.
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    logprob_token_ids: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    max_repetition_pattern_size: Any = 0
+    min_repetition_pattern_size: Any = 0
+    repetition_min_count: Any = 0
+    thinking_token_budget: Any = None
+    routed_experts_prompt_start: Any = 0
+    watermarking: Any = None
 
     # Defined by OpenAI or vLLM, not implemented: field -> (neutral values, why it is refused otherwise)
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = VLLM_UNSUPPORTED
 
     def check_supported(self) -> None:
         for name, (neutral, why) in self.UNSUPPORTED.items():
             value = getattr(self, name)
-            if value not in neutral:
+            if not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
                 raise ApiError(400, f"{name}={value!r} is not supported: {why}", param=name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
@@ -153,6 +204,24 @@ class SamplingRequest(StrictBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's continuous_usage_stats, which needs include_usage as there)."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's tokens after truncate_prompt_tokens: the last k (truncation_side "left",
+        vLLM's default) or the first k ("right"); -1 keeps what leaves room for one token."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise ApiError(
+                400, "truncate_prompt_tokens must be >= 1, or -1 (what fits)", param="truncate_prompt_tokens"
+            )
+        keep = max_model_len - 1 if k == -1 else k
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
+
     def sampling_params(
         self,
         num_prompt_tokens: int,
@@ -167,6 +236,8 @@ class SamplingRequest(StrictBody):
         vLLM require, rather than being cut short without a word."""
         room = max_model_len - num_prompt_tokens
         max_tokens = self.max_tokens if self.max_tokens is not None else self.default_max_tokens(room)
+        if self.echo_only:
+            max_tokens = 1  # as vLLM: one token is generated, and left out of the answer
         if max_tokens > room and room > 0:
             raise CtxparError(
                 f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens} prompt "
@@ -178,7 +249,7 @@ class SamplingRequest(StrictBody):
         params = SamplingParams(
             n=self.n,
             best_of=getattr(self, "best_of", None),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs_wanted,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -206,6 +277,16 @@ class SamplingRequest(StrictBody):
 
     def default_max_tokens(self, room: int) -> int:
         return max(room, 1)  # a too-long prompt is refused by the engine's own check
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt is answered alone, nothing generated (completions' echo with max_tokens 0)."""
+        return False
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many logprobs the engine computes for each prompt token (None: none)."""
+        return self.prompt_logprobs
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias with integer token ids, each bias clamped to [-100, 100] (OpenAI's range, as vLLM)."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from ctxpar.entrypoints.chat import template_content
+from ctxpar.entrypoints.chat import template_content, text_parts
 from ctxpar.entrypoints.openai.protocol import ApiError, SamplingRequest, StrictBody
 from ctxpar.errors import CtxparError
 
@@ -58,6 +58,22 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM extensions: how the conversation becomes the prompt.
+    add_generation_prompt: bool = True  # the template's opening of the assistant's turn
+    continue_final_message: bool = False  # leave the last message open: the answer continues it
+    add_special_tokens: bool = False  # the tokenizer's BOS on top of the template's own
+    documents: list[dict[str, str]] | None = None  # for a template that takes them (RAG)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # given to the template
+    include_reasoning: bool = True  # no reasoning parser: no reasoning is split out to include or drop
+    echo: bool = False  # the last message's content before the answer, when it is the assistant's
+    chat_template: Any = None  # vLLM's; refused (UNSUPPORTED)
+    mm_processor_kwargs: Any = None  # vLLM's; refused (UNSUPPORTED)
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **SamplingRequest.UNSUPPORTED,
+        "chat_template": ((None,), "a request may not bring its own template; start the server with another model"),
+        "mm_processor_kwargs": ((None,), "ctxpar runs text models: there is no multimodal processor"),
+    }
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -67,13 +83,25 @@ class ChatCompletionRequest(SamplingRequest):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ApiError(400, "max_tokens and max_completion_tokens differ: give one", param="max_tokens")
             self.max_tokens = self.max_completion_tokens
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing, as in vLLM
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         reserved = {"add_generation_prompt", "tokenize", "conversation"} & set(self.chat_template_kwargs or {})
         if reserved:
             raise ApiError(
                 400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", param="chat_template_kwargs"
             )
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with the template variables vLLM gives from the body's own fields."""
+        given = {k: v for k, v in (("documents", self.documents), ("reasoning_effort", self.reasoning_effort)) if v}
+        return {**given, **(self.chat_template_kwargs or {})} or None
+
+    def echoed(self) -> str:
+        """What echo puts before the answer: the last message's text, when the assistant wrote it."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return "\n".join(text_parts(last.content))
 
     @property
     def num_logprobs(self) -> int | None:

@@ -7,6 +7,7 @@ keeps, per choice, how much it has sent and emits the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: Sequence[dict[int, Logprob] | None] | None  # None in the list: an echoed prompt's first token
     text_offset: int  # characters sent before this delta (completions' text_offset)
 
 
@@ -62,6 +63,11 @@ class ChoiceCursor:
         """Text to send, or an end not yet announced (tokens alone wait for their text)."""
         return bool(self.peek(out).text) or (out.outputs[self.sample].finished() and not self.finished)
 
+    def due(self, out: RequestOutput, interval: int) -> bool:
+        """Whether a stream sends now: the first chunk and the end at once, others every ``interval`` tokens."""
+        c = out.outputs[self.sample]
+        return self.chars == 0 or c.finished() or len(c.token_ids) - self.tokens >= interval
+
     def advance(self, out: RequestOutput) -> Delta:
         """The unsent rest, now counted as sent."""
         d = self.peek(out)
@@ -70,42 +76,68 @@ class ChoiceCursor:
         return d
 
 
-def _token_text(tokenizer, token_id: int) -> str:
+# JSON has no -inf: a token the constraint ruled out is reported at this logprob instead (as vLLM and OpenAI).
+MIN_LOGPROB = -9999.0
+
+
+def _token_text(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+    if as_id:
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
 
-def completion_logprobs(tokenizer, d: Delta) -> dict | None:
+def _logprob(lp: Logprob) -> float:
+    return max(lp.logprob, MIN_LOGPROB)
+
+
+def echoed(out: RequestOutput, tokenizer, d: Delta) -> Delta:
+    """``d`` with the prompt before it (completions' echo): its text, its tokens and, where the
+    engine computed them, its logprobs (the first token's None: it has no context)."""
+    prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    lps = None
+    if d.logprobs is not None and out.prompt_logprobs is not None:
+        lps = [*out.prompt_logprobs, *d.logprobs]
+    return Delta(prompt + d.text, [*out.prompt_token_ids, *d.token_ids], lps, 0)
+
+
+def completion_logprobs(tokenizer, d: Delta, as_ids: bool = False) -> dict | None:
     """/v1/completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset.
 
-    top_logprobs holds the requested most likely tokens plus the sampled one, as vLLM's does."""
+    top_logprobs holds the requested most likely tokens plus the sampled one, as vLLM's does;
+    a position without logprobs (an echoed prompt's first token) has null in both."""
     if d.logprobs is None:
         return None
-    tokens = [_token_text(tokenizer, t) for t in d.token_ids]
+    tokens = [_token_text(tokenizer, t, as_ids) for t in d.token_ids]
     offsets, pos = [], d.text_offset
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp[t].logprob for t, lp in zip(d.token_ids, d.logprobs)],
-        "top_logprobs": [{_token_text(tokenizer, k): v.logprob for k, v in lp.items()} for lp in d.logprobs],
+        "token_logprobs": [None if lp is None else _logprob(lp[t]) for t, lp in zip(d.token_ids, d.logprobs)],
+        "top_logprobs": [
+            None if lp is None else {_token_text(tokenizer, k, as_ids): _logprob(v) for k, v in lp.items()}
+            for lp in d.logprobs
+        ],
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tokenizer, d: Delta, top: int) -> dict | None:
+def chat_logprobs(tokenizer, d: Delta, top: int, as_ids: bool = False) -> dict | None:
     """/v1/chat/completions' logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     if d.logprobs is None:
         return None
 
-    def entry(t: int, lp: float) -> dict:
-        s = _token_text(tokenizer, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    def entry(t: int, lp: Logprob) -> dict:
+        s = _token_text(tokenizer, t, as_ids)
+        return {"token": s, "logprob": _logprob(lp), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for t, lp in zip(d.token_ids, d.logprobs):
+        assert lp is not None  # generated tokens all have logprobs
         best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top]
-        content.append({**entry(t, lp[t].logprob), "top_logprobs": [entry(k, v.logprob) for k, v in best]})
+        content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
     return {"content": content}
 
 

@@ -265,7 +265,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, ["temperature"]),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, ["presence_penalty", "[-2, 2]"]),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1.0}}, 400, ["logit_bias", "99999", "vocabulary"]),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, ["echo", "prompt_logprobs"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens=0", "echo"]),
     ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, ["best_of", "stream"]),
     ("/v1/completions", {"prompt": "x", "best_of": 3, "n": 4}, 400, ["best_of", "n=4"]),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, ["prompt_logprobs", "stream"]),

@@ -13,7 +13,26 @@ from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
 from ctxpar.errors import CtxparError
 
-NON_NEUTRAL = {"suffix": "end"}
+NON_NEUTRAL = {
+    "suffix": "end",
+    "prompt_embeds": "AAAA",
+    "chat_template": "{{ messages }}",
+    "mm_processor_kwargs": {"size": 1},
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "logprob_token_ids": [1, 2],
+    "logits_processors": ["os.system"],
+    "vllm_xargs": {"k": 1},
+    "kv_transfer_params": {"do_remote_prefill": True},
+    "ec_transfer_params": {"x": 1},
+    "repetition_detection": {"max_pattern_size": 4},
+    "max_repetition_pattern_size": 4,
+    "min_repetition_pattern_size": 2,
+    "repetition_min_count": 3,
+    "thinking_token_budget": 100,
+    "routed_experts_prompt_start": 1,
+    "watermarking": True,
+}
 BASE = {CompletionRequest: {"prompt": "x"}, ChatCompletionRequest: {"messages": [{"role": "user", "content": "x"}]}}
 CASES = [(m, f) for m in BASE for f in m.UNSUPPORTED]
 
