@@ -211,7 +211,7 @@ class SamplingRequest(StrictBody):
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's tokens after truncate_prompt_tokens: the last k (truncation_side "left",
-        vLLM's default) or the first k ("right"); -1 keeps what leaves room for one token."""
+        vLLM's default) or the first k ("right"); -1 keeps what leaves room for max_tokens (or one)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return ids
@@ -219,7 +219,7 @@ class SamplingRequest(StrictBody):
             raise ApiError(
                 400, "truncate_prompt_tokens must be >= 1, or -1 (what fits)", param="truncate_prompt_tokens"
             )
-        keep = max_model_len - 1 if k == -1 else k
+        keep = max_model_len - max(self.max_tokens or 1, 1) if k == -1 else k
         return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     def sampling_params(
