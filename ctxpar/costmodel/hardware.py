@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ctxpar.config import KV_CACHE_DTYPES
+from ctxpar.costmodel.rates import DTYPE_BYTES, Rates, rates_from_notes
 from ctxpar.costmodel.shapes import ModelShape
 from ctxpar.errors import CtxparError
 
@@ -27,7 +28,6 @@ ALLREDUCE_HOPS = {
     "one-shot": lambda ranks: 1,
 }
 
-DTYPE_BYTES = {"fp8": 1.0, "int8": 1.0, "q4": 0.5625, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 # The weight dtypes `ctxpar calibrate` measures projections in, each with the activation
 # dtype its projections take: q4 (GGUF's Q4_0 blocks, on a CPU) takes fp32 rows, which its
 # kernel rounds to int8 itself, as the engine runs a Q4_0 file by default.
@@ -104,7 +104,12 @@ class HardwareProfile:
     # NVLink at once, as vLLM's and TensorRT-LLM's custom all-reduce do for small messages).
     tp_allreduce: str = "ring"
     usable_memory_fraction: float = 0.9  # the rest: activations, workspace, fragmentation
-    notes: dict[str, float] = field(default_factory=dict)  # measurements kept for the record
+    # Every rate `ctxpar calibrate` measured, by dtype and width (ctxpar/costmodel/rates.py):
+    # where with_weight_dtype, with_activation_dtype and for_model take theirs.
+    rates: Rates = field(default_factory=Rates)
+    # The calibration's other measurements (threads, each link's fit), kept for the record:
+    # nothing is priced from them.
+    notes: dict[str, float] = field(default_factory=dict)
     # Ranks sharing one host's cores (ctxpar's shared-memory channel between them) run a
     # step that splits no prompt on rank 0 alone with every rank's threads, a *led* step
     # (ctxpar/worker/options.py): this is that host's rank with all of them, as `ctxpar
@@ -148,6 +153,8 @@ class HardwareProfile:
             raise CtxparError(f"hardware {self.name}: tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.tp_size > 1 and self.tp_bandwidth <= 0:
             raise CtxparError(f"hardware {self.name}: tp_size > 1 needs tp_bandwidth > 0")
+        if not isinstance(self.rates, Rates):
+            raise CtxparError(f"hardware {self.name}: rates must be a Rates record, got {type(self.rates).__name__}")
         if self.lead is not None and (not isinstance(self.lead, HardwareProfile) or self.lead.lead is not None):
             raise CtxparError(f"hardware {self.name}: lead must be a profile without a lead of its own")
 
@@ -163,16 +170,14 @@ class HardwareProfile:
 
     def with_weight_dtype(self, weight_dtype: str) -> HardwareProfile:
         """This profile (and its lead) with weights stored as ``weight_dtype``: its GEMM and
-        weight-read rates are those `ctxpar calibrate` measured for that dtype (the notes
-        ``gemm_flops_<dtype>`` and ``weight_read_bandwidth_<dtype>``: one calibration serves
-        every weight dtype); the activations, attention and memory stay as they are."""
+        weight-read rates are those `ctxpar calibrate` measured for that dtype (``rates``: one
+        calibration serves every weight dtype); the activations, attention and memory stay as
+        they are."""
         if weight_dtype == self.weight_dtype:
             return self
-        gemm, read = (self.notes.get(f"{rate}_{weight_dtype}") for rate in ("gemm_flops", "weight_read_bandwidth"))
+        gemm, read = self.rates.get("gemm_flops", weight_dtype), self.rates.get("weight_read_bandwidth", weight_dtype)
         if gemm is None or read is None:
-            measured = sorted(
-                k.removeprefix("gemm_flops_") for k in self.notes if k.startswith("gemm_flops_") and "_hidden" not in k
-            )
+            measured = self.rates.dtypes("gemm_flops")
             raise CtxparError(
                 f"hardware {self.name} has no rates for {weight_dtype} weights (measured: "
                 f"{', '.join(measured) or 'none'}); `ctxpar calibrate` measures {', '.join(CALIBRATED_WEIGHT_DTYPES)}"
@@ -185,16 +190,15 @@ class HardwareProfile:
     def with_activation_dtype(self, activation_dtype: str) -> HardwareProfile:
         """This profile (and its lead) computing in ``activation_dtype`` (fp32 or bf16: the
         engine's ``--dtype``, its KV cache's dtype where "auto"): the attention, KV read and
-        elementwise rates `ctxpar calibrate` measured in that dtype (notes
-        ``attention_flops_<dtype>``, ``kv_read_bandwidth_<dtype>``, ``elementwise_bandwidth_<dtype>``:
-        bf16 attention on AMX's tiles where the CPU has them) and the host's cost of a step in it
-        (``step_overhead_s_<dtype>``, ``layer_overhead_s_<dtype>``, where measured); the weights
-        stay as they are."""
+        elementwise rates `ctxpar calibrate` measured in that dtype (``rates``; bf16 attention on
+        AMX's tiles where the CPU has them) and the host's cost of a step and of a layer in it,
+        where measured; the weights stay as they are."""
         if activation_dtype == self.activation_dtype:
             return self
-        attention = self.notes.get(f"attention_flops_{activation_dtype}")
+        rates, dtype = self.rates, activation_dtype
+        attention = rates.get("attention_flops", dtype)
         if attention is None:
-            measured = sorted(k.removeprefix("attention_flops_") for k in self.notes if k.startswith("attention_flops"))
+            measured = rates.dtypes("attention_flops")
             raise CtxparError(
                 f"hardware {self.name} has no attention rate for {activation_dtype} activations (measured: "
                 f"{', '.join(measured) or 'none'}); `ctxpar calibrate` measures fp32 and bf16"
@@ -205,28 +209,27 @@ class HardwareProfile:
             activation_dtype=activation_dtype,
             attention_flops=attention,
             attention_efficiency=1.0,
-            kv_read_bandwidth=self.notes.get(f"kv_read_bandwidth_{activation_dtype}", 0.0),
-            elementwise_bandwidth=self.notes.get(f"elementwise_bandwidth_{activation_dtype}", 0.0),
-            step_overhead_s=self.notes.get(f"step_overhead_s_{activation_dtype}", self.step_overhead_s),
-            layer_overhead_s=self.notes.get(f"layer_overhead_s_{activation_dtype}", self.layer_overhead_s),
+            kv_read_bandwidth=rates.get("kv_read_bandwidth", dtype) or 0.0,
+            elementwise_bandwidth=rates.get("elementwise_bandwidth", dtype) or 0.0,
+            step_overhead_s=_or(rates.get("step_overhead_s", dtype), self.step_overhead_s),
+            layer_overhead_s=_or(rates.get("layer_overhead_s", dtype), self.layer_overhead_s),
             lead=lead,
         )
 
     def for_model(self, m: ModelShape) -> HardwareProfile:
         """This profile (and its lead) at the rates `ctxpar calibrate` measured over the layer
-        whose hidden size is nearest ``m``'s: its weights read (notes
-        ``weight_read_bandwidth_<weight dtype>_hidden<size>``: a decode projection reads long rows
-        faster than short ones, so a 4096-wide layer's rate prices an 8B model, a 2048-wide one's
-        a 1B), its projections' GEMM (``gemm_flops_<weight dtype>_hidden<size>``) and its
-        elementwise steps (``elementwise_bandwidth_<activation dtype>_hidden<size>``). Each rate
-        unchanged where the notes have none of its kind."""
+        whose hidden size is nearest ``m``'s (``rates`` by width): its weights read (a decode
+        projection reads long rows faster than short ones, so a 4096-wide layer's rate prices an
+        8B model, a 2048-wide one's a 1B) and its projections' GEMM in the weight dtype, and its
+        elementwise steps in the activation dtype. Each rate unchanged where none of its kind
+        was measured by width."""
         lead = self.lead.for_model(m) if self.lead is not None else None
-        rates = {
-            "weight_read_bandwidth": f"weight_read_bandwidth_{self.weight_dtype}_hidden",
-            "gemm_flops": f"gemm_flops_{self.weight_dtype}_hidden",
-            "elementwise_bandwidth": f"elementwise_bandwidth_{self.activation_dtype}_hidden",
+        hidden, weights, activations = m.hidden_size, self.weight_dtype, self.activation_dtype
+        nearest = {
+            "weight_read_bandwidth": self.rates.nearest("weight_read_bandwidth", weights, hidden),
+            "gemm_flops": self.rates.nearest("gemm_flops", weights, hidden),
+            "elementwise_bandwidth": self.rates.nearest("elementwise_bandwidth", activations, hidden),
         }
-        nearest = {field: _nearest_width(self.notes, prefix, m.hidden_size) for field, prefix in rates.items()}
         changed: dict[str, Any] = {field: rate for field, rate in nearest.items() if rate is not None}
         if "gemm_flops" in changed:
             changed["gemm_efficiency"] = 1.0
@@ -272,12 +275,9 @@ class HardwareProfile:
         return json.dumps(asdict(self), indent=2) + "\n"
 
 
-def _nearest_width(notes: dict[str, float], prefix: str, hidden: int) -> float | None:
-    """The note ``<prefix><size>`` whose size is nearest ``hidden`` (by ratio), or None."""
-    rates = {int(k.removeprefix(prefix)): v for k, v in notes.items() if k.startswith(prefix)}
-    if not rates:
-        return None
-    return rates[min(rates, key=lambda size: abs(math.log2(size / hidden)))]
+def _or(measured: float | None, otherwise: float) -> float:
+    """``measured`` where there is one (0 included), else ``otherwise``."""
+    return otherwise if measured is None else measured
 
 
 def _check(profile: str, name: str, value: object, lo: float, hi: float, open_lo: bool = False) -> None:
@@ -289,6 +289,9 @@ def _check(profile: str, name: str, value: object, lo: float, hi: float, open_lo
 
 
 def profile_from_dict(data: dict[str, Any], origin: str) -> HardwareProfile:
+    """The profile of ``data`` (a JSON object as ``to_json`` writes it). A profile saved with
+    its rates as notes (``gemm_flops_q4``, ``elementwise_bandwidth_fp32_hidden2048``: before
+    ``rates`` existed) loads with those notes as its rates."""
     if not isinstance(data, dict):
         raise CtxparError(f"hardware profile {origin}: expected a JSON object")
     known = {f.name for f in fields(HardwareProfile)}
@@ -297,6 +300,14 @@ def profile_from_dict(data: dict[str, Any], origin: str) -> HardwareProfile:
         raise CtxparError(f"hardware profile {origin}: unknown field(s) {', '.join(unknown)}")
     if isinstance(data.get("lead"), dict):
         data = data | {"lead": profile_from_dict(data["lead"], f"{origin} (lead)")}
+    try:
+        if isinstance(data.get("rates"), dict):
+            data = data | {"rates": Rates(**data["rates"])}
+        elif "rates" not in data and isinstance(data.get("notes"), dict):
+            rates, notes = rates_from_notes(data["notes"])
+            data = data | {"rates": rates, "notes": notes}
+    except (TypeError, CtxparError) as e:  # a rate's field misspelt or missing, an unknown kind
+        raise CtxparError(f"hardware profile {origin}: {e}") from None
     try:
         return HardwareProfile(**data)
     except TypeError as e:  # a required field missing

@@ -51,6 +51,7 @@ from ctxpar.costmodel.projection_weights import (
     projection_weight,
     quantized_on,
 )
+from ctxpar.costmodel.rates import Rate, RateKind, Rates
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.attention_math import causal_attention
@@ -211,17 +212,15 @@ def attention_path(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[
     return "the compiled fp32 kernel" + (", bf16 widened" if dtype != torch.float32 else "")
 
 
-def attention_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:
+def attention_rates(device: torch.device, progress: Callable[[str], None]) -> Rates:
     """Causal attention's FLOP/s (``attention_flops``) in each activation dtype, each through
-    the kernel the engine runs for it (bf16 on AMX-BF16's tiles where the CPU has them), as
-    notes ``attention_flops_<dtype>`` (HardwareProfile.with_activation_dtype reads them)."""
-    rates: dict[str, float] = {}
+    the kernel the engine runs for it (bf16 on AMX-BF16's tiles where the CPU has them)
+    (HardwareProfile.with_activation_dtype takes them)."""
+    rates = []
     for name, dtype in ACTIVATION_DTYPES.items():
-        rates[f"attention_flops_{name}"] = attention_flops(dtype, device)
-        progress(
-            f"attention {name} ({attention_path(dtype, device)}): {rates[f'attention_flops_{name}'] / 1e9:.1f} GFLOP/s"
-        )
-    return rates
+        rates.append(Rate("attention_flops", name, attention_flops(dtype, device)))
+        progress(f"attention {name} ({attention_path(dtype, device)}): {rates[-1].value / 1e9:.1f} GFLOP/s")
+    return Rates.of(rates)
 
 
 def weight_read_bandwidth(
@@ -265,20 +264,20 @@ def layer_gemms(shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int]
     return tuple((rows[min(i, len(rows) - 1)], inp, out) for i, (out, inp) in enumerate(shapes))
 
 
-def projection_rates(device: torch.device, progress: Callable[[str], None]) -> dict[str, float]:
-    """Both rates of the projections (GEMM FLOP/s at a prefill's rows, weight bytes/s at a
-    decode's one) for every weight dtype the engine keeps on ``device``, as notes:
-    ``gemm_flops_<dtype>``, ``weight_read_bandwidth_<dtype>`` (HardwareProfile.with_weight_dtype
-    reads them); on the CPU also both over each of WEIGHT_LAYERS (the GEMM at GEMM_SHAPES' rows),
-    as ``gemm_flops_<dtype>_hidden<size>`` and ``weight_read_bandwidth_<dtype>_hidden<size>``
-    (HardwareProfile.for_model picks a width), the first width's read being
-    ``weight_read_bandwidth_<dtype>``. (The Q4_0 GEMM ran the 8B's layer, whose down projection
-    multiplies rows of 14336, ~15% slower than the 1B's at the same rows.)"""
-    rates: dict[str, float] = {}
+def projection_rates(device: torch.device, progress: Callable[[str], None]) -> Rates:
+    """Both rates of the projections (``gemm_flops`` at a prefill's rows, ``weight_read_bandwidth``
+    at a decode's one) for every weight dtype the engine keeps on ``device``
+    (HardwareProfile.with_weight_dtype takes them); on the CPU also both over each of
+    WEIGHT_LAYERS (the GEMM at GEMM_SHAPES' rows), by the layer's width (HardwareProfile.for_model
+    picks one), the first width's read being the reference read. (The Q4_0 GEMM ran the 8B's
+    layer, whose down projection multiplies rows of 14336, ~15% slower than the 1B's at the
+    same rows.)"""
+    rates: list[Rate] = []
     for dtype in CALIBRATED_WEIGHT_DTYPES:
         if dtype == "q4" and not quantized_on(device):
             continue
-        rates[f"gemm_flops_{dtype}"] = gemm = gemm_flops(dtype, device)
+        gemm = gemm_flops(dtype, device)
+        rates.append(Rate("gemm_flops", dtype, gemm))
         if device.type == "cpu":
             layers = {hidden: layer_gemms(shapes) for hidden, shapes in WEIGHT_LAYERS}
             gemms = {
@@ -286,8 +285,8 @@ def projection_rates(device: torch.device, progress: Callable[[str], None]) -> d
                 for hidden, shapes in layers.items()
             }
             reads = {hidden: weight_read_bandwidth(dtype, device, shapes=shapes) for hidden, shapes in WEIGHT_LAYERS}
-            rates |= {f"gemm_flops_{dtype}_hidden{hidden}": rate for hidden, rate in gemms.items()}
-            rates |= {f"weight_read_bandwidth_{dtype}_hidden{hidden}": rate for hidden, rate in reads.items()}
+            rates += [Rate("gemm_flops", dtype, rate, hidden) for hidden, rate in gemms.items()]
+            rates += [Rate("weight_read_bandwidth", dtype, rate, hidden) for hidden, rate in reads.items()]
             read = reads[WEIGHT_LAYERS[0][0]]
             at = lambda rates, unit, scale: ", ".join(
                 f"{rate / scale:.1f} {unit} over a {hidden}-wide layer" for hidden, rate in rates.items()
@@ -296,9 +295,9 @@ def projection_rates(device: torch.device, progress: Callable[[str], None]) -> d
         else:
             read = weight_read_bandwidth(dtype, device)
             line = f"GEMM {gemm / 1e9:.1f} GFLOP/s, decode's weight read {read / 1e9:.1f} GB/s"
-        rates[f"weight_read_bandwidth_{dtype}"] = read
+        rates.append(Rate("weight_read_bandwidth", dtype, read))
         progress(f"projection, {dtype} weights: {line}")
-    return rates
+    return Rates.of(rates)
 
 
 def kv_read_bandwidth(
@@ -326,17 +325,17 @@ def kv_read_bandwidth(
     return layers * per_layer / best_time(read)
 
 
-def kv_read_rates(progress: Callable[[str], None]) -> dict[str, float]:
+def kv_read_rates(progress: Callable[[str], None]) -> Rates:
     """The paged decode kernel's KV read rate (``kv_read_bandwidth``) over the cache of each
-    activation dtype, as notes ``kv_read_bandwidth_<dtype>``; none where the kernels do not
-    serve (a step then reads its cache otherwise, at the memory rate)."""
-    rates: dict[str, float] = {}
+    activation dtype; none where the kernels do not serve (a step then reads its cache
+    otherwise, at the memory rate)."""
+    rates = []
     for name, dtype in ACTIVATION_DTYPES.items():
         rate = kv_read_bandwidth(dtype)
         if rate is not None:
-            rates[f"kv_read_bandwidth_{name}"] = rate
+            rates.append(Rate("kv_read_bandwidth", name, rate))
             progress(f"decode's KV read, {name} cache (paged decode kernel): {rate / 1e9:.1f} GB/s")
-    return rates
+    return Rates.of(rates)
 
 
 def elementwise_bandwidth(dtype: torch.dtype, config: dict[str, Any], tokens: int | None = None) -> float:
@@ -405,20 +404,20 @@ def elementwise_bandwidth(dtype: torch.dtype, config: dict[str, Any], tokens: in
     return n * shape.elementwise_bytes(dtype.itemsize) / statistics.median(times)
 
 
-def elementwise_rates(progress: Callable[[str], None]) -> dict[str, float]:
+def elementwise_rates(progress: Callable[[str], None]) -> Rates:
     """The elementwise steps' rate (``elementwise_bandwidth``) in each activation dtype over each
-    of ELEMENTWISE_LAYERS, as notes ``elementwise_bandwidth_<dtype>_hidden<size>`` (HardwareProfile.
-    for_model picks one), the first of which is ``elementwise_bandwidth_<dtype>``."""
-    rates: dict[str, float] = {}
+    of ELEMENTWISE_LAYERS, by the layer's width (HardwareProfile.for_model picks one), the first
+    of which is also the reference rate."""
+    rates: list[Rate] = []
     for name, dtype in ACTIVATION_DTYPES.items():
         widths = {hidden: elementwise_bandwidth(dtype, config) for hidden, config in ELEMENTWISE_LAYERS}
-        rates |= {f"elementwise_bandwidth_{name}_hidden{hidden}": rate for hidden, rate in widths.items()}
-        rates[f"elementwise_bandwidth_{name}"] = widths[ELEMENTWISE_LAYERS[0][0]]
+        rates += [Rate("elementwise_bandwidth", name, rate, hidden) for hidden, rate in widths.items()]
+        rates.append(Rate("elementwise_bandwidth", name, widths[ELEMENTWISE_LAYERS[0][0]]))
         progress(
             f"elementwise steps (norms, rope, SiLU·up, residuals, KV write), {name}: "
             + ", ".join(f"{rate / 1e9:.1f} GB/s over a {hidden}-wide layer" for hidden, rate in widths.items())
         )
-    return rates
+    return Rates.of(rates)
 
 
 def read_bandwidth(device: torch.device = CPU, nbytes: int | None = None) -> float:
@@ -450,14 +449,11 @@ def calibrate(
     layer what ``kernel_count`` counts (on a GPU; ctxpar/costmodel/launch_calibration.py)."""
     torch.set_num_threads(threads)
     activation = CALIBRATED_WEIGHT_DTYPES[dtype]
-    notes: dict[str, float] = {"threads": threads}
-    notes |= attention_rates(device, progress)
-    notes |= projection_rates(device, progress)
+    rates = attention_rates(device, progress) | projection_rates(device, progress)
     bandwidth = read_bandwidth(device)
     progress(f"memory read: {bandwidth / 1e9:.1f} GB/s")
     if device.type == "cpu":  # the paged decode kernel and the elementwise kernels are the CPU's
-        notes |= kv_read_rates(progress)
-        notes |= elementwise_rates(progress)
+        rates |= kv_read_rates(progress) | elementwise_rates(progress)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned ranks only copy
     costs = collective_costs()
     for name in ("gloo", "shm"):
@@ -472,14 +468,11 @@ def calibrate(
             f"all-gather over {link} ({LINKS[link][1]}, tc tbf between two network namespaces), 2 ranks: "
             f"latency {costs[f'{link}_latency_s'] * 1e6:.0f} us, {costs[f'{link}_bandwidth'] / 1e9:.3f} GB/s"
         )
-    notes.update(costs)
     dtypes = tuple(ACTIVATION_DTYPES) if device.type == "cpu" else (activation,)
-    notes |= host_costs(host_overhead, dtypes, device, 1, None, lambda line: progress(f"host cost of a {line}"))
-    notes["step_overhead_s"] = notes[f"step_overhead_s_{activation}"]
-    notes["layer_overhead_s"] = notes[f"layer_overhead_s_{activation}"]
+    rates |= host_costs(host_overhead, dtypes, device, 1, None, lambda line: progress(f"host cost of a {line}"))
+    step, layer = _measured(rates, "step_overhead_s", activation), _measured(rates, "layer_overhead_s", activation)
     kernels = kernel_count(activation, device) if kernel_count is not None and device.type == "cuda" else 0
-    terms = launch_terms(device, notes["layer_overhead_s"], kernels)
-    notes.update(terms)
+    terms = launch_terms(device, layer, kernels)
     progress("launch terms: " + ", ".join(f"{k} {v:.3g}" for k, v in terms.items()))
     if f"{link}_latency_s" not in costs:
         link = "gloo"
@@ -496,26 +489,34 @@ def calibrate(
     profile = HardwareProfile(
         name=f"calibrated-{socket.gethostname()}",
         description=f"{rank}, {dtype}, {links} (ctxpar calibrate, {when})",
-        gemm_flops=notes[f"gemm_flops_{dtype}"],
-        attention_flops=notes[f"attention_flops_{activation}"],
+        gemm_flops=_measured(rates, "gemm_flops", dtype),
+        attention_flops=_measured(rates, "attention_flops", activation),
         memory_bandwidth=bandwidth,
-        weight_read_bandwidth=notes[f"weight_read_bandwidth_{dtype}"],
-        kv_read_bandwidth=notes.get(f"kv_read_bandwidth_{activation}", 0.0),
-        elementwise_bandwidth=notes.get(f"elementwise_bandwidth_{activation}", 0.0),
+        weight_read_bandwidth=_measured(rates, "weight_read_bandwidth", dtype),
+        kv_read_bandwidth=rates.get("kv_read_bandwidth", activation) or 0.0,
+        elementwise_bandwidth=rates.get("elementwise_bandwidth", activation) or 0.0,
         memory_bytes=memory,
         link_bandwidth=costs[f"{link}_bandwidth"],
         link_latency_s=costs[f"{link}_latency_s"],
         weight_dtype=dtype,
         activation_dtype=activation,
-        step_overhead_s=notes["step_overhead_s"],
-        layer_overhead_s=notes["layer_overhead_s"],
-        notes=notes,
+        step_overhead_s=step,
+        layer_overhead_s=layer,
+        rates=rates,
+        notes={"threads": threads, **costs},
     )
     profile = replace(profile, **terms)  # type: ignore[arg-type]
     ranks = usable_cores() // threads
     if link != "shm" or device.type != "cpu" or ranks < 2:
         return profile
-    return replace(profile, lead=lead_profile(profile, ranks, progress, host_overhead))
+    return replace(profile, lead=lead_profile(profile, threads, ranks, progress, host_overhead))
+
+
+def _measured(rates: Rates, kind: RateKind, dtype: str) -> float:
+    """The reference rate of ``kind`` in ``dtype``, which the calibration has just measured."""
+    rate = rates.get(kind, dtype)
+    assert rate is not None, (kind, dtype)  # every calibration measures it
+    return rate
 
 
 def host_costs(
@@ -525,26 +526,26 @@ def host_costs(
     ranks: int,
     threads: int | None,
     progress: Callable[[str], None],
-) -> dict[str, float]:
+) -> Rates:
     """The host's cost of a step (``host_overhead``: ranks of ``threads`` threads, rank 0
-    leading) with activations of each of ``dtypes``, as notes ``step_overhead_s_<dtype>`` and
-    ``layer_overhead_s_<dtype>`` (HardwareProfile.with_activation_dtype reads them): on the CPU
-    an fp32 step runs its layers in one compiled loop, a bf16 one layer by layer from Python."""
-    costs: dict[str, float] = {}
+    leading) with activations of each of ``dtypes``, a step's and a layer's
+    (HardwareProfile.with_activation_dtype takes them): on the CPU an fp32 step runs its
+    layers in one compiled loop, a bf16 one layer by layer from Python."""
+    costs: list[Rate] = []
     for dtype in dtypes:
         step, layer = host_overhead(dtype, device, ranks, threads)
-        costs |= {f"step_overhead_s_{dtype}": step, f"layer_overhead_s_{dtype}": layer}
+        costs += [Rate("step_overhead_s", dtype, step), Rate("layer_overhead_s", dtype, layer)]
         progress(f"step in {dtype} beyond its kernels: {step * 1e3:.2f} ms + {layer * 1e6:.0f} us a layer")
-    return costs
+    return Rates.of(costs)
 
 
 def lead_profile(
-    rank: HardwareProfile, ranks: int, progress: Callable[[str], None], host_overhead: HostOverhead
+    rank: HardwareProfile, own: int, ranks: int, progress: Callable[[str], None], host_overhead: HostOverhead
 ) -> HardwareProfile:
-    """The step rank 0 leads for ``ranks`` ranks like ``rank`` sharing this host: the rates
-    with all their threads, and the host's cost of such a step, measured by ``host_overhead``
-    through an engine of that many ranks."""
-    weight, activation, own = rank.weight_dtype, rank.activation_dtype, int(rank.notes["threads"])
+    """The step rank 0 leads for ``ranks`` ranks like ``rank`` (of ``own`` threads) sharing
+    this host: the rates with all their threads, and the host's cost of such a step, measured
+    by ``host_overhead`` through an engine of that many ranks."""
+    weight, activation = rank.weight_dtype, rank.activation_dtype
     threads = ranks * own
     torch.set_num_threads(threads)
     try:
@@ -566,18 +567,18 @@ def lead_profile(
         )
     finally:
         torch.set_num_threads(own)
-    step, layer = rates[f"step_overhead_s_{activation}"], rates[f"layer_overhead_s_{activation}"]
     return replace(
         rank,
         name=f"{rank.name}-lead",
         description=f"{rank.description}; a step led for {ranks} ranks with {threads} threads",
-        gemm_flops=rates[f"gemm_flops_{weight}"],
-        attention_flops=rates[f"attention_flops_{activation}"],
+        gemm_flops=_measured(rates, "gemm_flops", weight),
+        attention_flops=_measured(rates, "attention_flops", activation),
         memory_bandwidth=memory,
-        weight_read_bandwidth=rates[f"weight_read_bandwidth_{weight}"],
-        kv_read_bandwidth=rates.get(f"kv_read_bandwidth_{activation}", 0.0),
-        elementwise_bandwidth=rates.get(f"elementwise_bandwidth_{activation}", 0.0),
-        step_overhead_s=step,
-        layer_overhead_s=layer,
-        notes={"threads": threads, "ranks": ranks, **rates},
+        weight_read_bandwidth=_measured(rates, "weight_read_bandwidth", weight),
+        kv_read_bandwidth=rates.get("kv_read_bandwidth", activation) or 0.0,
+        elementwise_bandwidth=rates.get("elementwise_bandwidth", activation) or 0.0,
+        step_overhead_s=_measured(rates, "step_overhead_s", activation),
+        layer_overhead_s=_measured(rates, "layer_overhead_s", activation),
+        rates=rates,
+        notes={"threads": threads, "ranks": ranks},
     )

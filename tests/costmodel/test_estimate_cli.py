@@ -10,6 +10,7 @@ import pytest
 
 from ctxpar.costmodel import shape_from_hf_config
 from ctxpar.entrypoints.cli.main import main
+from helpers.rates import rates
 
 KEYS = {"pcp", "dcp", "algorithm", "ttft_s", "decode_ms", "memory_gib_per_rank"}
 
@@ -88,7 +89,7 @@ def tiny_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 def test_a_gguf_file_is_its_metadata_shape_and_its_weights_dtype(tiny_gguf, tmp_path: Path, capsys) -> None:
     """A Q4_0 file: the shape the engine reads from its metadata (checked against the
-    config.json of the same numbers) priced with q4 weights at the rates the profile's notes
+    config.json of the same numbers) priced with q4 weights at the rates the profile's rates
     hold for q4, whatever dtype the profile was calibrated for."""
     from ctxpar.costmodel import load_hardware
     from ctxpar.costmodel.timing import decode_time, prefill_time
@@ -99,7 +100,9 @@ def test_a_gguf_file_is_its_metadata_shape_and_its_weights_dtype(tiny_gguf, tmp_
     config = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4}
     config |= {"num_key_value_heads": 2, "head_dim": 64, "vocab_size": vocab, "tie_word_embeddings": False}
     fp32 = dataclasses.replace(
-        load_hardware("cpu-core-shm"), lead=None, notes={"gemm_flops_q4": 300e9, "weight_read_bandwidth_q4": 9e9}
+        load_hardware("cpu-core-shm"),
+        lead=None,
+        rates=rates({("gemm_flops", "q4"): 300e9, ("weight_read_bandwidth", "q4"): 9e9}),
     )
     profile = tmp_path / "profile.json"
     profile.write_text(fp32.to_json())

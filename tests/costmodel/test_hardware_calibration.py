@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from ctxpar.costmodel import hardware_calibration as cal
+from ctxpar.costmodel.rates import Rates
 from ctxpar.entrypoints.cli.main import build_parser
+
+KV = "kv_read_bandwidth"
 
 
 def test_rank_figures_at_small_sizes(monkeypatch) -> None:
@@ -44,10 +47,11 @@ def test_the_kv_read_is_timed_only_where_the_paged_kernel_serves(monkeypatch) ->
     monkeypatch.setattr(cal, "KV_SHAPE", (256, 8, 2, 64))
     monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
     lines: list[str] = []
-    assert set(cal.kv_read_rates(lines.append)) == {"kv_read_bandwidth_fp32", "kv_read_bandwidth_bf16"}
+    measured = cal.kv_read_rates(lines.append).measured
+    assert {(r.kind, r.dtype, r.hidden) for r in measured} == {(KV, "fp32", None), (KV, "bf16", None)}
     assert len(lines) == 2 and all("paged decode kernel" in line for line in lines)
     monkeypatch.setenv("CTXPAR_KERNELS", "0")
-    assert cal.kv_read_bandwidth(torch.float32) is None and cal.kv_read_rates(lines.append) == {}
+    assert cal.kv_read_bandwidth(torch.float32) is None and cal.kv_read_rates(lines.append) == Rates()
 
 
 def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
@@ -84,19 +88,14 @@ def test_projection_rates_cover_every_weight_dtype_and_layer_width(monkeypatch) 
     monkeypatch.setattr(cal, "WEIGHT_LAYERS", SMALL_LAYERS)
     monkeypatch.setattr(cal, "READ_BYTES", 1 << 20)
     lines: list[str] = []
-    rates = cal.projection_rates(torch.device("cpu"), lines.append)
+    measured = cal.projection_rates(torch.device("cpu"), lines.append).measured
+    rates = {(r.kind, r.dtype, r.hidden): r.value for r in measured}
     dtypes = ("fp32", "bf16", "q4")
-    names = (
-        "gemm_flops_{}",
-        "gemm_flops_{}_hidden64",
-        "gemm_flops_{}_hidden128",
-        "weight_read_bandwidth_{}",
-        "weight_read_bandwidth_{}_hidden64",
-        "weight_read_bandwidth_{}_hidden128",
-    )
-    assert set(rates) == {name.format(d) for name in names for d in dtypes}
+    kinds, widths = ("gemm_flops", "weight_read_bandwidth"), (None, 64, 128)
+    assert set(rates) == {(kind, d, w) for kind in kinds for d in dtypes for w in widths}
     assert all(0 < r < math.inf for r in rates.values()) and len(lines) == 3
-    assert all(rates[f"weight_read_bandwidth_{d}"] == rates[f"weight_read_bandwidth_{d}_hidden64"] for d in dtypes)
+    read = "weight_read_bandwidth"
+    assert all(rates[(read, d, None)] == rates[(read, d, 64)] for d in dtypes)
     assert all("over a 128-wide layer" in line for line in lines)
 
 
@@ -137,29 +136,30 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
     asked = []
     host_overhead = lambda *args: asked.append(args) or ((1.5e-3, 16e-6) if args[0] == "fp32" else (2.5e-3, 90e-6))
     before = torch.get_num_threads()
-    rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None, notes={"threads": before})
+    rank = dataclasses.replace(load_hardware("cpu-core-shm"), lead=None)
     lines: list[str] = []
-    lead = cal.lead_profile(rank, 2, lines.append, host_overhead)
+    lead = cal.lead_profile(rank, before, 2, lines.append, host_overhead)
     assert torch.get_num_threads() == before
     assert (lead.notes["threads"], lead.notes["ranks"]) == (2 * before, 2)
+    measured = lead.rates.get
     assert (lead.gemm_flops, lead.weight_read_bandwidth) == (
-        lead.notes["gemm_flops_fp32"],
-        lead.notes["weight_read_bandwidth_fp32"],
+        measured("gemm_flops", "fp32"),
+        measured("weight_read_bandwidth", "fp32"),
     )
-    assert lead.with_weight_dtype("q4").gemm_flops == lead.notes["gemm_flops_q4"]
-    assert lead.kv_read_bandwidth == lead.notes["kv_read_bandwidth_fp32"] and "kv_read_bandwidth_bf16" in lead.notes
+    assert lead.with_weight_dtype("q4").gemm_flops == measured("gemm_flops", "q4")
+    assert lead.kv_read_bandwidth == measured(KV, "fp32") and measured(KV, "bf16") is not None
     assert any("a step led for 2 ranks" in line for line in lines)
     assert asked == [("fp32", cal.CPU, 2, before), ("bf16", cal.CPU, 2, before)]
     assert (lead.step_overhead_s, lead.layer_overhead_s) == (1.5e-3, 16e-6)
     bf16 = lead.with_activation_dtype("bf16")
     assert (bf16.step_overhead_s, bf16.layer_overhead_s) == (2.5e-3, 90e-6)
-    assert lead.elementwise_bandwidth == lead.notes["elementwise_bandwidth_fp32"]
-    assert lead.attention_flops == lead.notes["attention_flops_fp32"]
-    assert lead.with_activation_dtype("bf16").attention_flops == lead.notes["attention_flops_bf16"]
+    assert lead.elementwise_bandwidth == measured("elementwise_bandwidth", "fp32")
+    assert lead.attention_flops == measured("attention_flops", "fp32")
+    assert lead.with_activation_dtype("bf16").attention_flops == measured("attention_flops", "bf16")
     rates = ("gemm_flops", "attention_flops", "memory_bandwidth", "weight_read_bandwidth", "kv_read_bandwidth")
     rates += ("elementwise_bandwidth",)
     assert all(0 < getattr(lead, r) < math.inf for r in rates)
     host = ("step_overhead_s", "layer_overhead_s")
-    same = {f.name for f in dataclasses.fields(rank)} - {*rates, *host, "name", "description", "notes"}
+    same = {f.name for f in dataclasses.fields(rank)} - {*rates, *host, "name", "description", "rates", "notes"}
     assert all(getattr(lead, f) == getattr(rank, f) for f in same)
     assert dataclasses.replace(rank, lead=lead).led(True) is lead

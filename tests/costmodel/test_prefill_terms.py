@@ -17,9 +17,11 @@ import torch
 
 from ctxpar.costmodel import HardwareProfile, estimate, load_model_shape
 from ctxpar.costmodel import hardware_calibration as cal
+from ctxpar.costmodel.rates import Rates
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.entrypoints.cli.main import main
 from ctxpar.errors import CtxparError
+from helpers.rates import rates
 
 # Llama-3.2-1B's and Llama-3-8B's config.json, by hand: (hidden, MLP width, layers, heads, KV heads, head dim).
 L1B = (2048, 8192, 16, 32, 8, 64)
@@ -98,13 +100,13 @@ def test_every_token_pays_the_elementwise_steps_at_the_calibrated_rate(name: str
         assert step == pytest.approx(grown)
 
 
-WIDTH_NOTES = {
-    "weight_read_bandwidth_q4_hidden2048": 21e9,
-    "weight_read_bandwidth_q4_hidden4096": 24e9,
-    "gemm_flops_q4_hidden2048": 800e9,
-    "gemm_flops_q4_hidden4096": 650e9,
-    "elementwise_bandwidth_fp32_hidden2048": 11e9,
-    "elementwise_bandwidth_fp32_hidden4096": 9e9,
+WIDTH_RATES = {
+    ("weight_read_bandwidth", "q4", 2048): 21e9,
+    ("weight_read_bandwidth", "q4", 4096): 24e9,
+    ("gemm_flops", "q4", 2048): 800e9,
+    ("gemm_flops", "q4", 4096): 650e9,
+    ("elementwise_bandwidth", "fp32", 2048): 11e9,
+    ("elementwise_bandwidth", "fp32", 4096): 9e9,
 }
 
 
@@ -112,13 +114,13 @@ def test_a_model_is_priced_at_the_rates_of_its_layers_width() -> None:
     """The GEMM and elementwise rates measured over a 2048- and a 4096-wide layer, as the
     weight read: each model at the nearest width's (its lead too); the 8B's TTFT is the
     prefill at the 4096-wide layer's rates, derived here from them."""
-    lead = dataclasses.replace(RANK, name="lead", notes={k: 2 * v for k, v in WIDTH_NOTES.items()})
-    profile = dataclasses.replace(RANK, notes=WIDTH_NOTES, lead=lead)
+    lead = dataclasses.replace(RANK, name="lead", rates=rates({k: 2 * v for k, v in WIDTH_RATES.items()}))
+    profile = dataclasses.replace(RANK, rates=rates(WIDTH_RATES), lead=lead)
     for name, width in (("llama-3.2-1b", 2048), ("llama-3-8b", 4096), ("llama-3-70b", 4096)):
         priced = profile.for_model(load_model_shape(name))
-        rates = (priced.gemm_flops, priced.weight_read_bandwidth, priced.elementwise_bandwidth)
-        kinds = ("gemm_flops_q4", "weight_read_bandwidth_q4", "elementwise_bandwidth_fp32")
-        assert rates == tuple(WIDTH_NOTES[f"{kind}_hidden{width}"] for kind in kinds)
+        taken = (priced.gemm_flops, priced.weight_read_bandwidth, priced.elementwise_bandwidth)
+        kinds = (("gemm_flops", "q4"), ("weight_read_bandwidth", "q4"), ("elementwise_bandwidth", "fp32"))
+        assert taken == tuple(WIDTH_RATES[(kind, dtype, width)] for kind, dtype in kinds)
         assert priced.lead is not None and priced.lead.gemm_flops == 2 * priced.gemm_flops
     m = load_model_shape("llama-3-8b")
     [row] = estimate(m, profile, 2048, pcp=[1], dcp=[1])
@@ -132,15 +134,16 @@ def test_a_model_is_priced_at_the_rates_of_its_layers_width() -> None:
     assert row.ttft.memory_s == pytest.approx(elementwise)
 
 
-BF16_NOTES = {"attention_flops_fp32": 240e9, "attention_flops_bf16": 650e9, "kv_read_bandwidth_bf16": 14e9}
-BF16_NOTES |= {"elementwise_bandwidth_bf16": 7e9, "kv_read_bandwidth_fp32": 12e9, "elementwise_bandwidth_fp32": 11e9}
+BF16_RATES = {("attention_flops", "fp32"): 240e9, ("attention_flops", "bf16"): 650e9}
+BF16_RATES |= {("kv_read_bandwidth", "bf16"): 14e9, ("elementwise_bandwidth", "bf16"): 7e9}
+BF16_RATES |= {("kv_read_bandwidth", "fp32"): 12e9, ("elementwise_bandwidth", "fp32"): 11e9}
 
 
 def test_bf16_activations_take_the_bf16_rates() -> None:
     """with_activation_dtype: the attention (AMX tiles' rate), KV read and elementwise rates
     measured in bf16, bytes at 2 a value, the weights as they were, its lead alike; the
     prefill's attention at the bf16 rate; a dtype not measured is refused."""
-    fp32 = dataclasses.replace(RANK, kv_read_bandwidth=12e9, elementwise_bandwidth=11e9, notes=BF16_NOTES)
+    fp32 = dataclasses.replace(RANK, kv_read_bandwidth=12e9, elementwise_bandwidth=11e9, rates=rates(BF16_RATES))
     fp32 = dataclasses.replace(fp32, lead=dataclasses.replace(fp32, name="lead"))
     bf16 = fp32.with_activation_dtype("bf16")
     assert (bf16.activation_dtype, bf16.attention_flops) == ("bf16", 650e9)
@@ -162,9 +165,9 @@ def test_bf16_activations_take_the_bf16_rates() -> None:
 
 def test_estimate_prices_the_engines_dtype(tmp_path: Path, capsys) -> None:
     """`ctxpar estimate --dtype bfloat16`: a config.json model's weights and its activations in
-    bf16 at the rates the profile's notes hold for them."""
-    notes = BF16_NOTES | {"gemm_flops_bf16": 500e9, "weight_read_bandwidth_bf16": 20e9}
-    fp32 = dataclasses.replace(RANK, weight_dtype="fp32", kv_read_bandwidth=12e9, notes=notes)
+    bf16 at the rates the profile holds for them."""
+    measured = rates(BF16_RATES | {("gemm_flops", "bf16"): 500e9, ("weight_read_bandwidth", "bf16"): 20e9})
+    fp32 = dataclasses.replace(RANK, weight_dtype="fp32", kv_read_bandwidth=12e9, rates=measured)
     path = tmp_path / "profile.json"
     path.write_text(fp32.to_json())
     argv = ["estimate", "--model", "llama-3.2-1b", "--hardware", str(path), "--context", "2048", "--pcp", "1"]
@@ -205,22 +208,20 @@ def test_calibrate_times_the_elementwise_steps_and_bf16_attention(monkeypatch) -
     monkeypatch.setattr(cal, "ELEMENTWISE_TOKENS", 64)
     monkeypatch.setattr(cal, "ATTN_SHAPE", (64, 4, 32))
     lines: list[str] = []
-    rates = cal.elementwise_rates(lines.append)
-    names = ("elementwise_bandwidth_{}", "elementwise_bandwidth_{}_hidden64", "elementwise_bandwidth_{}_hidden128")
-    assert set(rates) == {name.format(d) for name in names for d in ("fp32", "bf16")}
+    rates = {(r.kind, r.dtype, r.hidden): r.value for r in cal.elementwise_rates(lines.append).measured}
+    kind = "elementwise_bandwidth"
+    assert set(rates) == {(kind, d, w) for w in (None, 64, 128) for d in ("fp32", "bf16")}
     assert all(0 < r < math.inf for r in rates.values()) and len(lines) == 2
-    assert all(
-        rates[f"elementwise_bandwidth_{d}"] == rates[f"elementwise_bandwidth_{d}_hidden64"] for d in ("fp32", "bf16")
-    )
+    assert all(rates[(kind, d, None)] == rates[(kind, d, 64)] for d in ("fp32", "bf16"))
     attention = cal.attention_rates(cal.CPU, lines.append)
-    assert set(attention) == {"attention_flops_fp32", "attention_flops_bf16"}
+    assert {(r.kind, r.dtype) for r in attention.measured} == {("attention_flops", "fp32"), ("attention_flops", "bf16")}
     amx = kernels.available() and bool(kernels.loaded().prefill_attention_bf16_supports(32, 32))
     assert ("AMX tiles" in lines[-1]) == amx and "fp32 kernel" in lines[-2]
 
 
 def test_a_calibrated_profile_carries_the_new_rates_and_estimate_adds_them(monkeypatch, tmp_path: Path) -> None:
     """calibrate() end to end at small sizes (the collectives and the host's cost recorded, not
-    measured): the profile's elementwise rate is its activation dtype's note, its notes hold
+    measured): the profile's elementwise rate is its activation dtype's, its rates hold
     every width's GEMM and elementwise rates and bf16's attention; and the TTFT `estimate`
     gives for the 1B grows, over the same profile without the elementwise rate, by the 1B's
     values x tokens x layers over the rate its width picks."""
@@ -243,22 +244,23 @@ def test_a_calibrated_profile_carries_the_new_rates_and_estimate_adds_them(monke
         profile = cal.calibrate(threads, "q4", "shm", lambda line: None, host)
     finally:
         torch.set_num_threads(threads)
-    notes = profile.notes
-    assert profile.elementwise_bandwidth == notes["elementwise_bandwidth_fp32"] > 0
-    assert {f"gemm_flops_q4_hidden{w}" for w in (2048, 4096)} <= notes.keys()
-    assert {f"elementwise_bandwidth_{d}_hidden{w}" for d in ("fp32", "bf16") for w in (2048, 4096)} <= notes.keys()
-    assert notes["attention_flops_bf16"] > 0 and profile.attention_flops == notes["attention_flops_fp32"]
+    measured = {(r.kind, r.dtype, r.hidden): r.value for r in profile.rates.measured}
+    assert profile.elementwise_bandwidth == measured[("elementwise_bandwidth", "fp32", None)] > 0
+    assert {("gemm_flops", "q4", w) for w in (2048, 4096)} <= measured.keys()
+    assert {("elementwise_bandwidth", d, w) for d in ("fp32", "bf16") for w in (2048, 4096)} <= measured.keys()
+    assert measured[("attention_flops", "bf16", None)] > 0
+    assert profile.attention_flops == measured[("attention_flops", "fp32", None)]
     assert (profile.step_overhead_s, profile.layer_overhead_s) == (5e-4, 2e-5)
     bf16 = profile.with_activation_dtype("bf16")
     assert (bf16.step_overhead_s, bf16.layer_overhead_s) == (9e-4, 7e-5)
-    assert bf16.attention_flops == notes["attention_flops_bf16"]
+    assert bf16.attention_flops == measured[("attention_flops", "bf16", None)]
     m = load_model_shape("llama-3.2-1b")
-    without = dataclasses.replace(profile, elementwise_bandwidth=0.0, notes={})
-    without = dataclasses.replace(without, gemm_flops=notes["gemm_flops_q4_hidden2048"])
-    without = dataclasses.replace(without, weight_read_bandwidth=notes["weight_read_bandwidth_q4_hidden2048"])
+    without = dataclasses.replace(profile, elementwise_bandwidth=0.0, rates=Rates())
+    without = dataclasses.replace(without, gemm_flops=measured[("gemm_flops", "q4", 2048)])
+    without = dataclasses.replace(without, weight_read_bandwidth=measured[("weight_read_bandwidth", "q4", 2048)])
     [row] = estimate(m, profile, 2048, pcp=[1], dcp=[1])
     [base] = estimate(m, without, 2048, pcp=[1], dcp=[1])
-    grown = 2048 * L1B[2] * values(L1B) * 4 / notes["elementwise_bandwidth_fp32_hidden2048"]
+    grown = 2048 * L1B[2] * values(L1B) * 4 / measured[("elementwise_bandwidth", "fp32", 2048)]
     assert row.ttft_s - base.ttft_s == pytest.approx(grown)
 
 

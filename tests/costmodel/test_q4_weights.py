@@ -12,6 +12,7 @@ import pytest
 from ctxpar.costmodel import HardwareProfile, load_model_shape
 from ctxpar.costmodel.timing import decode_time, prefill_time
 from ctxpar.errors import CtxparError
+from helpers.rates import rates
 
 # Llama-3.2-1B's config.json, by hand: per layer Q and O (2048 x 32 x 64 each), K and V
 # (2048 x 8 x 64 each), gate, up and down (2048 x 8192 each); the LM head tied to the embedding.
@@ -80,17 +81,19 @@ def test_a_prefill_multiplies_every_token_at_the_q4_gemm_rate() -> None:
 
 
 def test_one_calibration_prices_every_weight_dtype() -> None:
-    """A profile calibrated for fp32 weights carries q4's measured rates in its notes:
+    """A profile calibrated for fp32 weights carries q4's measured rates in its rates:
     with_weight_dtype takes them (for its lead too) and changes nothing else; a dtype not
     measured is refused rather than priced at another's rates."""
-    notes = {"gemm_flops_q4": 600e9, "weight_read_bandwidth_q4": 18e9, "gemm_flops_fp32": 150e9}
-    lead_notes = {"gemm_flops_q4": 1100e9, "weight_read_bandwidth_q4": 30e9}
-    fp32 = dataclasses.replace(Q4, weight_dtype="fp32", gemm_flops=150e9, weight_read_bandwidth=15e9, notes=notes)
-    fp32 = dataclasses.replace(fp32, lead=dataclasses.replace(fp32, name="lead", notes=lead_notes))
+    measured = rates(
+        {("gemm_flops", "q4"): 600e9, ("weight_read_bandwidth", "q4"): 18e9, ("gemm_flops", "fp32"): 150e9}
+    )
+    lead_rates = rates({("gemm_flops", "q4"): 1100e9, ("weight_read_bandwidth", "q4"): 30e9})
+    fp32 = dataclasses.replace(Q4, weight_dtype="fp32", gemm_flops=150e9, weight_read_bandwidth=15e9, rates=measured)
+    fp32 = dataclasses.replace(fp32, lead=dataclasses.replace(fp32, name="lead", rates=lead_rates))
     q4 = fp32.with_weight_dtype("q4")
     assert (q4.weight_dtype, q4.gemm_flops, q4.weight_read_bandwidth) == ("q4", 600e9, 18e9)
     assert q4.lead is not None and (q4.lead.gemm_flops, q4.lead.weight_read_bandwidth) == (1100e9, 30e9)
-    assert dataclasses.replace(q4, lead=None) == dataclasses.replace(Q4, notes=notes)
+    assert dataclasses.replace(q4, lead=None) == dataclasses.replace(Q4, rates=measured)
     assert fp32.with_weight_dtype("fp32") is fp32
     with pytest.raises(CtxparError, match="no rates for bf16 weights"):
         fp32.with_weight_dtype("bf16")
@@ -100,12 +103,12 @@ def test_a_model_reads_its_weights_at_the_rate_of_its_layers_width() -> None:
     """A profile with the weight read measured over a 2048- and a 4096-wide layer prices each
     model at the nearest width's rate (a 1B's 2048 and SmolLM2's 576 at the first, an 8B's
     4096 and a 70B's 8192 at the second), its lead too, and `estimate` uses it: the 8B's
-    decode step is the step at that rate; a profile without such notes is priced as it was."""
+    decode step is the step at that rate; a profile without such rates is priced as it was."""
     from ctxpar.costmodel import estimate
 
-    notes = {"weight_read_bandwidth_q4_hidden2048": 18e9, "weight_read_bandwidth_q4_hidden4096": 24e9}
-    lead_notes = {"weight_read_bandwidth_q4_hidden2048": 30e9, "weight_read_bandwidth_q4_hidden4096": 36e9}
-    q4 = dataclasses.replace(Q4, notes=notes, lead=dataclasses.replace(Q4, name="lead", notes=lead_notes))
+    widths = rates({("weight_read_bandwidth", "q4", 2048): 18e9, ("weight_read_bandwidth", "q4", 4096): 24e9})
+    lead_widths = rates({("weight_read_bandwidth", "q4", 2048): 30e9, ("weight_read_bandwidth", "q4", 4096): 36e9})
+    q4 = dataclasses.replace(Q4, rates=widths, lead=dataclasses.replace(Q4, name="lead", rates=lead_widths))
     for name, rate, lead in (
         ("smollm2-135m", 18e9, 30e9),
         ("llama-3.2-1b", 18e9, 30e9),

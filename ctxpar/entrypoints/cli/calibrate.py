@@ -11,7 +11,7 @@ SiLU·up, the KV cache's write); all-gather latency and bandwidth between
 two local ranks over gloo and shared memory; and the host's cost of a decode step
 beyond its kernels, a step and a layer) and save a hardware profile for `ctxpar
 estimate --hardware PATH`. Takes about a minute; one line per measurement. The
-profile's rates are for ``--dtype``; the other dtypes' stay in its notes, where
+profile's rates are for ``--dtype``; the other dtypes' stay in its ``rates``, where
 `ctxpar estimate` takes them for a model stored so (a Q4_0 .gguf file: q4) or run
 in another dtype (its ``--dtype``).
 
