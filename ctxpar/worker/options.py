@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -13,8 +12,9 @@ from ctxpar.checks import usable_cores
 from ctxpar.config import EngineConfig
 from ctxpar.costmodel.policy import PCPPolicy, derive_policy
 from ctxpar.costmodel.profiles import engine_hardware
-from ctxpar.costmodel.shapes import shape_from_hf_config
+from ctxpar.costmodel.shapes import shape_of
 from ctxpar.device import torch_dtype
+from ctxpar.model_args import ModelArgs
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class RunnerOptions:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, num_blocks: int, hf_config: Any, one_host: bool = False
+        cls, config: EngineConfig, num_blocks: int, hf_config: ModelArgs, one_host: bool = False
     ) -> RunnerOptions:
         """hf_config: the model's (its shapes size the PCP policy); one_host: the ranks
         share one host's cores (they lead unsplit steps)."""
@@ -96,12 +96,12 @@ def _lead_threads(threads: int, pcp_size: int) -> int | None:
     return min(threads * pcp_size, max(threads, usable_cores())) if pcp_size > 1 else None
 
 
-def pcp_policy(config: EngineConfig, hf_config: Any, one_host: bool) -> PCPPolicy:
+def pcp_policy(config: EngineConfig, hf_config: ModelArgs, one_host: bool) -> PCPPolicy:
     """The PCP policy of P > 1 ranks: the thresholds config leaves None derived from the
     cost model for the model's shapes, P, D and the hardware profile. Every rank derives
     the same one from the same config and profile."""
     return derive_policy(
-        shape_from_hf_config(hf_config.to_dict(), "the model"),
+        shape_of(hf_config, "the model"),
         engine_hardware(config.hardware_profile, one_host).with_kv_cache_dtype(config.kv_cache_dtype),
         config.pcp_size,
         config.dcp_size,

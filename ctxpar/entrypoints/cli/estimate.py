@@ -30,8 +30,8 @@ from ctxpar.costmodel import (
     estimate,
     load_hardware,
     load_model_shape,
-    shape_from_hf_config,
 )
+from ctxpar.costmodel.shapes import shape_of
 from ctxpar.errors import CtxparError
 
 # A GGUF's weight format -> the profile's weight dtype that prices it. The engine keeps
@@ -102,7 +102,7 @@ def gguf_model(path: Path) -> tuple[ModelShape, str]:
     from ctxpar.models.gguf import config_from_gguf, open_gguf
 
     reader = open_gguf(path)
-    shape = shape_from_hf_config(config_from_gguf(reader, path).to_dict(), path.name)
+    shape = shape_of(config_from_gguf(reader, path), path.name)
     weights: Counter[str] = Counter()
     for t in reader.tensors:
         if len(t.shape) == 2:

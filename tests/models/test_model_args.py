@@ -1,52 +1,51 @@
-"""A load reads Llama-family configs with ctxpar's copies of transformers' config
-classes (models/light_config.py's ``light_config_class``), not transformers' own, whose
-modules import torch.distributed.tensor and more (~1.3 s): each copy against
-transformers' class, field by field, and every config read both ways; a GGUF
-file and an HF directory loaded in a fresh process import neither class nor
-torch.distributed.tensor, and generate the same tokens as the model loaded
-through AutoConfig and AutoTokenizer in this one."""
+"""ctxpar reads a model's config.json into its own description (ctxpar/model_args.py),
+without transformers' config classes, whose modules import torch.distributed.tensor and
+more (~1.3 s): every config read both ways (ctxpar's reader on the file, and
+transformers' class described) gives the same description; what transformers' classes
+would refuse, ctxpar refuses naming the key; a GGUF file and an HF directory loaded in a
+fresh process import neither a model's config module nor torch.distributed.tensor, and
+generate the same tokens as the model loaded through AutoConfig and AutoTokenizer."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import transformers
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoTokenizer
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import overridden_config_kwargs
+from ctxpar.model_args import ModelArgs, from_config_json
 from ctxpar.models import gguf, loader
-from ctxpar.models.light_config import LIGHT_CONFIGS_OF, light_config_class
 from ctxpar.models.loader import default_model_path
+from helpers.deepseek_configs import tiny_deepseek_configs
 from helpers.models import tiny_configs
 
-THEIRS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 HEAVY = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor")
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH["mistral"] = "MistralForCausalLM"
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-SHAPE = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "max_position_embeddings": 512}
+SHAPE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
 
-# config.json files as checkpoints write them: bare, transformers 4's rope keys, extras.
+# config.json files as checkpoints write them: transformers 4's rope keys, extras, windows.
 CONFIGS = {
-    "llama-bare": {"model_type": "llama"},
-    "qwen2-bare": {"model_type": "qwen2"},
-    "qwen3-bare": {"model_type": "qwen3"},
+    "llama-defaults": {"model_type": "llama", **SHAPE},
     "llama-rope-theta": {"model_type": "llama", **SHAPE, "rope_theta": 500000.0, "torch_dtype": "bfloat16"},
-    "llama-linear": {
-        "model_type": "llama",
-        **SHAPE,
-        "rope_theta": 1e4,
-        "rope_scaling": {"type": "linear", "factor": 2.0},
-    },
+    "llama-linear": {"model_type": "llama", **SHAPE, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "llama-llama3": {"model_type": "llama", **SHAPE, "rope_theta": 5e5, "rope_scaling": LLAMA3},
     "llama-llama3-own-len": {
         "model_type": "llama",
@@ -62,14 +61,13 @@ CONFIGS = {
     "llama-extras": {
         "model_type": "llama",
         **SHAPE,
-        "num_key_value_heads": 2,
         "head_dim": 32,
         "tie_word_embeddings": True,
         "eos_token_id": [2, 7],
-        "temperature": 0.6,  # a generation parameter: dropped
+        "temperature": 0.6,  # a generation parameter: not the model's
         "num_labels": 3,
         "foo": {"bar": 1},
-        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
         "dtype": "float16",
     },
     "qwen2-sliding": {
@@ -80,7 +78,11 @@ CONFIGS = {
         "max_window_layers": 1,
         "rope_theta": 1e6,
     },
-    "qwen3-layer-types": {"model_type": "qwen3", **SHAPE, "layer_types": ["full_attention"] * 3},
+    "qwen2-window-unused": {"model_type": "qwen2", **SHAPE, "use_sliding_window": False, "sliding_window": 128},
+    "qwen3-layer-types": {"model_type": "qwen3", **SHAPE, "head_dim": 16, "layer_types": ["full_attention"] * 3},
+    "mistral-v0.1": {"model_type": "mistral", **SHAPE, "sliding_window": 4096},
+    "mistral-v0.3": {"model_type": "mistral", **SHAPE, "sliding_window": None},
+    "mistral-unstated-window": {"model_type": "mistral", **SHAPE},
 }
 
 
@@ -91,47 +93,54 @@ def write_config(tmp_path: Path, name: str, config: dict) -> Path:
     return d
 
 
-def same_config(ours, theirs) -> None:
-    assert type(ours) is light_config_class(theirs.model_type)  # read by the copy, not by AutoConfig
-    assert type(ours).__name__ == type(theirs).__name__ and ours.model_type == theirs.model_type
-    assert ours.__dict__ == theirs.__dict__
-    assert ours.to_dict() == theirs.to_dict() and ours.to_json_string() == theirs.to_json_string()
-    again = pickle.loads(pickle.dumps(ours))
-    assert type(again) is type(ours) and again.__dict__ == ours.__dict__
-
-
-def test_the_copies_are_of_this_transformers() -> None:
-    assert transformers.__version__.startswith(LIGHT_CONFIGS_OF), (
-        f"transformers {transformers.__version__}: compare models/light_config.py's config classes with this "
-        "release's, then add it to LIGHT_CONFIGS_OF"
-    )
-
-
-@pytest.mark.parametrize("model_type", sorted(THEIRS))
-def test_each_copy_has_the_fields_and_defaults_of_transformers_class(model_type: str) -> None:
-    ours, theirs = light_config_class(model_type), THEIRS[model_type]
-    assert [(f.name, f.default) for f in dataclasses.fields(ours)] == [
-        (f.name, f.default) for f in dataclasses.fields(theirs)
-    ]
-    same_config(ours(), theirs())
+def transformers_reads(d: Path, **kwargs) -> ModelArgs:
+    """The description of the config transformers' own class reads from ``d``."""
+    return ModelArgs.of(AutoConfig.from_pretrained(str(d), **kwargs))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_configs_read_as_autoconfig_reads_them(name: str, tmp_path: Path) -> None:
+def test_configs_read_as_transformers_reads_them(name: str, tmp_path: Path) -> None:
     d = write_config(tmp_path, name, {"architectures": [ARCH[CONFIGS[name]["model_type"]]], **CONFIGS[name]})
-    same_config(loader._read_config(d, d), AutoConfig.from_pretrained(str(d)))
+    ours = loader._read_config(d, d)
+    assert ours == transformers_reads(d)
+    # Written back (a converted GGUF's config.json): the same for ctxpar and for transformers.
+    again = write_config(tmp_path, "again", ours.to_config_json())
+    assert loader._read_config(again, again) == ours == transformers_reads(again)
+
+
+def test_the_description_holds_what_the_families_mean() -> None:
+    def read(name: str, **more) -> ModelArgs:
+        return from_config_json({**CONFIGS[name], **more})
+
+    assert read("qwen2-sliding").qkv_bias and read("qwen2-sliding").sliding_layers == [1, 2]
+    assert read("qwen2-window-unused").sliding_window is None
+    assert read("qwen3-layer-types").qk_norm and not read("qwen3-layer-types").qkv_bias
+    assert read("mistral-v0.1").sliding_layers == [0, 1, 2] == read("mistral-unstated-window").sliding_layers
+    assert read("mistral-v0.3").sliding_window is None
+    llama3 = read("llama-llama3-own-len").rope
+    assert (llama3.rope_type, llama3.factor, llama3.original_max_position_embeddings) == ("llama3", 8.0, 256)
+    assert read("llama-extras").eos_token_id == (2, 7) and read("llama-defaults").eos_token_id == (2,)
 
 
 @pytest.mark.parametrize("name", sorted(tiny_configs()))
-def test_saved_transformers_configs_read_as_autoconfig_reads_them(name: str, tmp_path: Path) -> None:
+def test_saved_transformers_configs_read_as_transformers_reads_them(name: str, tmp_path: Path) -> None:
     tiny_configs()[name].save_pretrained(tmp_path)
-    same_config(loader._read_config(tmp_path, tmp_path), AutoConfig.from_pretrained(str(tmp_path)))
+    assert loader._read_config(tmp_path, tmp_path) == transformers_reads(tmp_path)
 
 
-def test_a_converted_gguf_config_reads_as_autoconfig_reads_it() -> None:
+@pytest.mark.parametrize("name", sorted(tiny_deepseek_configs()))
+def test_other_model_types_are_read_by_their_transformers_class(name: str, tmp_path: Path) -> None:
+    config = tiny_deepseek_configs()[name]
+    config.save_pretrained(tmp_path)
+    ours = loader._read_config(tmp_path, tmp_path)
+    assert ours == ModelArgs.of(config) and ours.is_mla and ours.head_dim == config.qk_rope_head_dim
+    assert ours.n_routed_experts == config.n_routed_experts and ours.rope_parameters == config.rope_parameters
+
+
+def test_a_converted_gguf_config_reads_as_transformers_reads_it() -> None:
     d, temporary = gguf.gguf_to_hf_dir(default_model_path())
     try:
-        same_config(loader._read_config(d, d), AutoConfig.from_pretrained(str(d)))
+        assert loader._read_config(d, d) == transformers_reads(d)
     finally:
         if temporary:
             shutil.rmtree(d, ignore_errors=True)
@@ -145,28 +154,37 @@ def test_a_converted_gguf_config_reads_as_autoconfig_reads_it() -> None:
         {"rms_norm_eps": 1e-5, "unknown_key": 3},
     ],
 )
-def test_hf_overrides_read_as_autoconfig_reads_them(overrides: dict, tmp_path: Path) -> None:
+def test_hf_overrides_read_as_transformers_reads_them(overrides: dict, tmp_path: Path) -> None:
     tiny_configs()["llama3_rope"].save_pretrained(tmp_path)
     theirs = AutoConfig.from_pretrained(str(tmp_path))
-    theirs = AutoConfig.from_pretrained(str(tmp_path), **overridden_config_kwargs(theirs, overrides))
-    same_config(loader._read_config(tmp_path, tmp_path, overrides), theirs)
+    want = transformers_reads(tmp_path, **overridden_config_kwargs(theirs, overrides))
+    assert loader._read_config(tmp_path, tmp_path, overrides) == want
 
 
 @pytest.mark.parametrize(
-    "bad", [{"hidden_size": 65}, {"hidden_size": "64"}, {"rope_parameters": {"rope_type": "linear"}}]
+    "bad,words",
+    [
+        ({"hidden_size": 65}, "hidden_size .65. is not a multiple of num_attention_heads"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"rope_parameters": {"rope_type": "linear"}}, "needs factor"),
+        ({"rope_parameters": {"rope_type": "no-such-rope"}}, "rope_type 'no-such-rope' is unknown"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}}, "needs high_freq_factor"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"layer_types": ["full_attention"]}, "layer_types must name one of"),
+    ],
 )
-def test_configs_transformers_refuses_are_refused(bad: dict, tmp_path: Path) -> None:
-    d = write_config(tmp_path, "bad", {"architectures": ["LlamaForCausalLM"], **CONFIGS["llama-extras"], **bad})
-    with pytest.raises(Exception):  # noqa: B017 - whichever transformers raises
-        AutoConfig.from_pretrained(str(d))
-    with pytest.raises(CtxparError, match=r"cannot read .*config.json"):
+def test_bad_configs_are_refused_naming_the_key(bad: dict, words: str, tmp_path: Path) -> None:
+    d = write_config(tmp_path, "bad", {"architectures": ["LlamaForCausalLM"], **CONFIGS["llama-defaults"], **bad})
+    with pytest.raises(CtxparError, match=rf"cannot read .*config.json: .*{words}"):
         loader._read_config(d, d)
 
 
-def test_other_model_types_and_remote_code_are_read_by_autoconfig(tmp_path: Path) -> None:
-    assert light_config_class("deepseek_v3") is None and light_config_class(None) is None
-    d = write_config(tmp_path, "remote", {**CONFIGS["llama-bare"], "auto_map": {"AutoConfig": "x.XConfig"}})
-    assert type(loader._read_config(d, d)) is LlamaConfig  # the local class: no trust_remote_code
+def test_a_config_without_its_shape_is_refused(tmp_path: Path) -> None:
+    d = write_config(tmp_path, "bare", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    with pytest.raises(CtxparError, match="lacks 'hidden_size'"):
+        loader._read_config(d, d)
 
 
 # A fresh process: the modules a load imports, and the tokens it generates.
@@ -211,8 +229,8 @@ def test_a_load_imports_no_model_config_module_and_generates_as_before(
     for f in converted.iterdir():
         if f.name not in ("config.json", gguf.MARKER):
             shutil.copy(f, hf_dir)
-    with monkeypatch.context() as m:  # as before: the config by AutoConfig, the tokenizer by AutoTokenizer
-        m.setattr(loader, "light_config_class", lambda model_type: None)
+    with monkeypatch.context() as m:  # as transformers reads them: the config by AutoConfig, the tokenizer too
+        m.setattr(loader, "READ_HERE", ())
         m.setattr(loader, "_saved_tokenizer_class", lambda d: None)
         before = greedy(str(tiny_gguf))
         old_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
