@@ -1,7 +1,7 @@
-"""Batch invariance, kernel by kernel (DESIGN.md §7): a row's result is the same bits
-whatever other rows share the call. For each kernel a row can take, hypothesis draws
-a batch; every row (and every run of rows) computed alone must equal its row of the
-whole call, compared with ``==``.
+"""Batch invariance, kernel by kernel (docs/architecture.md, "The same bits whatever else
+runs"): a row's result is the same bits whatever other rows share the call. For each
+kernel a row can take, hypothesis draws a batch; every row (and every run of rows)
+computed alone must equal its row of the whole call, compared with ``==``.
 
 - projections: block-quantized weights in every GGUF format on every build this CPU
   runs (AVX-512 VNNI with AMX where present, AVX2, scalar), fp32 panels, and bf16
