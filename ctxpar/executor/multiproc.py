@@ -7,9 +7,11 @@ process runs the same program, rank 0 drives and the others serve in
 ``MultiRankExecutor.__init__`` until rank 0 shuts down, and then exit.
 
 Ranks meet through the handshake of startup.py, on a store whose keys lie
-under a prefix derived from the launch's secret and whose values are tagged
-with it (parallel/auth.py); spawned workers receive the secret in their spawn
-arguments, torchrun's ranks share one (parallel/cluster_secret.py).
+under a prefix of the launch's nonce and whose values are tagged with the
+launch's secret (parallel/auth.py); spawned workers receive both in their spawn
+arguments, torchrun's ranks share a secret (parallel/cluster_secret.py) and
+agree on a fresh nonce first (launch_nonce.py). Rank 0's messages to the
+other ranks are encoded as data (worker/plan_wire.py).
 
 The other ranks' processes (or torchrun's heartbeats) are watched and stopped
 by RankProcesses (rank_processes.py); this module leads the group: steps,
@@ -34,22 +36,23 @@ import torch.distributed as dist
 from ctxpar.config import EngineConfig
 from ctxpar.device import resolve_device
 from ctxpar.errors import RankFailure, RanksStopped
-from ctxpar.executor import rank_worker, regroup, startup
+from ctxpar.executor import launch_nonce, rank_worker, regroup, startup
 from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
 from ctxpar.executor.regroup import Members, Regrouped
-from ctxpar.parallel.auth import new_secret, store_prefix
+from ctxpar.parallel.auth import new_nonce, new_secret, store_prefix
 from ctxpar.parallel.cluster_secret import cluster_secret
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, TorchrunEnv, data_timeout_s, torchrun_env
 from ctxpar.parallel.rendezvous_store import host_store, open_store
 from ctxpar.parallel.signed_store import SignedStore
+from ctxpar.worker import plan_wire
 from ctxpar.worker.loading import load_rank
 from ctxpar.worker.step_plan import KVCopy, StepOutput, StepPlan
 
 __all__ = ["MultiRankExecutor", "RankFailure", "free_port"]
 
-# Each executor's handshake keys get their own prefix: under torchrun the
-# agent's store outlives an LLM, and every process creates its LLMs in the
-# same order, so the n-th LLM of every rank meets under "<launch prefix>n/".
+# Under torchrun the agent's store outlives an LLM, and every process creates its
+# LLMs in the same order: the n-th LLM of every rank agrees on its launch's nonce
+# under "ctxpar/torchrun/n/" (each executor's later keys lie under its nonce).
 _executor_serial = itertools.count()
 
 
@@ -77,11 +80,17 @@ class MultiRankExecutor:
         self._signed_stores: list[SignedStore] = []  # kept alive while stores built on them are used
         env = torchrun_env()
         rank = env.rank if env is not None else 0
+        if env is not None:  # agreed before the model load: ranks given different secrets fail fast
+            raw = _torchrun_store(env)
+            self.launch = Launch(secret=cluster_secret(), spawned=False)
+            self._prefix = f"ctxpar/torchrun/{next(_executor_serial)}/"  # fixed names (launch_nonce.py)
+            self.launch = replace(self.launch, nonce=launch_nonce.agree(self._signed(raw), rank, env.world_size))
+        else:
+            self.launch = Launch(secret=new_secret(), spawned=True, nonce=new_nonce())
+        self._prefix = store_prefix(self.launch.nonce)
         self.rank_model = load_rank(config, resolve_device(config.device, env.local_rank if env is not None else 0))
-        self.launch = Launch(secret=cluster_secret() if env is not None else new_secret(), spawned=env is None)
-        self._prefix = f"{store_prefix(self.launch.secret)}{next(_executor_serial)}/"
         if env is not None:
-            self.store = self._signed(_torchrun_store(env))
+            self.store = self._signed(raw)
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
             self.processes.heartbeats = regroup.Heartbeats(self.store)
@@ -93,7 +102,7 @@ class MultiRankExecutor:
         try:
             if env is None:
                 self._spawn(list(range(1, config.pcp_size)))
-            self._form_group(regroup.generation_store(self.store, 0), fresh=True)
+            self._form_group(regroup.generation_store(self.store, 0), regroup.generation_keys(0), fresh=True)
         except BaseException as e:  # KeyboardInterrupt included: never leave workers behind
             startup.abandon(self.store, startup.first_line(e))
             # Read before close() forgets the processes.
@@ -114,12 +123,13 @@ class MultiRankExecutor:
         self._signed_stores.append(signed)
         return dist.PrefixStore(self._prefix, signed)
 
-    def _form_group(self, store: dist.Store, fresh: bool) -> None:
-        """Meet every rank under ``store``'s keys and form the group; a fresh runner at
-        start-up, rank 0's own runner (and KV cache) kept after a recovery."""
+    def _form_group(self, store: dist.Store, generation: str, fresh: bool) -> None:
+        """Meet every rank under ``store``'s keys and form the group (its tags keyed
+        by the launch and ``generation``); a fresh runner at start-up, rank 0's own
+        runner (and KV cache) kept after a recovery."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         startup.lead(store, self.size, dict(enumerate(self.procs, start=1)), deadline)
-        self.group = PCPGroup(0, self.size, self.rank_model.device, store, self.launch)
+        self.group = PCPGroup(0, self.size, self.rank_model.device, store, self.launch, generation)
         if fresh:
             self.runner = rank_worker.make_runner(self.config, self.rank_model, self.group)
             self.runner_options = self.runner.target.options
@@ -140,7 +150,9 @@ class MultiRankExecutor:
         assert self.store is not None  # __init__ joined the store first
         regroup.start_heartbeat(lambda: self._signed(_torchrun_store(env)), rank)
         try:
-            group, runner = rank_worker.join(self.config, self.store, rank, self.size, self.rank_model, self.launch)
+            group, runner = rank_worker.join(
+                self.config, self.store, rank, self.size, self.rank_model, self.launch, regroup.generation_keys(0)
+            )
         except Exception as e:
             startup.report_failure(self.store, rank, e)
             raise
@@ -151,11 +163,7 @@ class MultiRankExecutor:
     _stopped_because: str | None = None
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        # The mtp layer's hidden states travel in the plan as host memory: a pickled GPU
-        # tensor would be unpickled onto the sender's GPU index in every other rank.
-        hidden = plan.hidden_states
-        sent = plan if hidden is None or hidden.device.type == "cpu" else replace(plan, hidden_states=hidden.cpu())
-        out = self._lead(sent, lambda _: self.runner.execute(plan))
+        out = self._lead(plan, lambda _: self.runner.execute(plan))
         assert out is not None  # rank 0 always gets them
         return out
 
@@ -178,7 +186,7 @@ class MultiRankExecutor:
             raise RankFailure(f"the PCP ranks were stopped: {why}")
         self._check_alive()
         try:
-            self.group.broadcast_object(msg)
+            self.group.broadcast_message(plan_wire.encode(msg))
             return run(msg)
         except Exception as e:
             why = self.processes.why_failed(e, self.store)
@@ -223,9 +231,9 @@ class MultiRankExecutor:
             except RankFailure as e:
                 why_not = f"respawning failed: {e}"
             else:
-                self._regroup(Members(list(range(self.size)), f"g{g}/"))
+                self._regroup(Members(list(range(self.size)), regroup.generation_keys(g)))
                 return Regrouped(lost=lost, respawned=lost, size=self.size, why_not_respawned=None)
-        self._regroup(Members([0, *(r for r in ranks if r not in lost)], f"g{g}/without/"))
+        self._regroup(Members([0, *(r for r in ranks if r not in lost)], f"{regroup.generation_keys(g)}without/"))
         return Regrouped(lost=lost, respawned=[], size=self.size, why_not_respawned=why_not)
 
     def _respawn(self, lost: list[int], generation: int) -> None:
@@ -249,7 +257,7 @@ class MultiRankExecutor:
         self.size = len(members.ranks)
         keys = dist.PrefixStore(members.keys, self.store)
         try:
-            self._form_group(keys, fresh=False)
+            self._form_group(keys, members.keys, fresh=False)
         except Exception as e:
             startup.abandon(keys, startup.first_line(e))  # the survivors waiting for the verdict leave
             why = self.processes.why_failed(e, self.store)
@@ -281,7 +289,7 @@ class MultiRankExecutor:
             regroup.abandon(self.store, self._generation + 1, self._stopped_because or "rank 0 shut down")
         if graceful and group is not None and not self.processes.dead():
             try:
-                group.broadcast_object(None)
+                group.broadcast_message(plan_wire.encode(None))
             except Exception:
                 pass  # a broken group: the workers are terminated below
         self.processes.stop(graceful)

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,11 @@ from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup
 from ctxpar.parallel.rendezvous_store import open_store
 from ctxpar.parallel.shm_channel import PeerLost
 from ctxpar.parallel.signed_store import SignedStore
+from ctxpar.worker import plan_wire
 from ctxpar.worker.loading import RankModel, load_rank
 from ctxpar.worker.model_runner import ModelRunner
 from ctxpar.worker.options import RunnerOptions
+from ctxpar.worker.plan_wire import MalformedMessage
 from ctxpar.worker.runners import Runners
 from ctxpar.worker.step_plan import KVCopy, StepPlan
 
@@ -59,18 +61,26 @@ def join(
     size: int,
     rank_model: RankModel,
     launch: Launch,
+    generation: str,
     share: bool = True,
 ) -> tuple[PCPGroup, Runners]:
     """A worker with its model loaded: handshake, then (group, runner); share: see make_runner."""
-    group = meet(store, rank, size, rank_model.device, launch)
+    group = meet(store, rank, size, rank_model.device, launch, generation)
     return group, make_runner(config, rank_model, group, share)
 
 
-def meet(store: dist.Store, rank: int, size: int, device: torch.device, launch: Launch) -> PCPGroup:
-    """Handshake under ``store``'s keys (startup.follow), then form the group: at
-    start-up, and again each time rank 0 re-forms it after a lost rank."""
+def meet(store: dist.Store, rank: int, size: int, device: torch.device, launch: Launch, generation: str) -> PCPGroup:
+    """Handshake under ``store``'s keys (startup.follow), then form the group of
+    ``generation`` (regroup.generation_keys): at start-up, and again each time rank 0
+    re-forms it after a lost rank."""
     startup.follow(store, rank, time.monotonic() + STARTUP_TIMEOUT_S)
-    return PCPGroup(rank, size, device, store, launch)
+    return PCPGroup(rank, size, device, store, launch, generation)
+
+
+def next_message(group: PCPGroup) -> StepPlan | KVCopy | None:
+    """Rank 0's next message, once its tag checks (auth.Unauthenticated if it does not)
+    and it decodes as data (plan_wire.MalformedMessage if it does not)."""
+    return plan_wire.decode(group.broadcast_message())
 
 
 def serve(runner: Runners, group: PCPGroup) -> None:
@@ -83,13 +93,13 @@ def serve(runner: Runners, group: PCPGroup) -> None:
     """
     while True:
         try:
-            msg = group.broadcast_object()
+            msg = next_message(group)
             if msg is None:
                 return
             if isinstance(msg, KVCopy):
                 runner.copy_kv(msg.block_ids)
             else:
-                runner.execute(cast(StepPlan, msg))
+                runner.execute(msg)
         except Exception as e:
             if not is_link_failure(e):
                 raise  # this rank's own failure: the caller shows the traceback
@@ -115,11 +125,11 @@ def serve_until_stopped(store: dist.Store, runner: Runners, group: PCPGroup, gen
             if rank is None:
                 raise RankFailure(f"{failure}; rank 0 found PCP rank {group.rank} lost and went on without it")
             keys = dist.PrefixStore(members.keys, store)
-            group = meet(keys, rank, len(members.ranks), group.device, group.launch)
+            group = meet(keys, rank, len(members.ranks), group.device, group.launch, members.keys)
             runner.rejoin(group)
 
 
-def report_refusal(store: dist.Store, e: Unauthenticated) -> None:
+def report_refusal(store: dist.Store, e: Exception) -> None:
     """Tell rank 0 why this rank leaves, under its pid (rank 0 knows its workers by
     process; their numbers change when a group re-forms). Best effort."""
     try:
@@ -158,7 +168,9 @@ def worker_main(
         gstore = regroup.generation_store(store, generation)
         gstore.set(f"started/{rank}", "")
         rank_model = load_rank(config, resolve_device(config.device, rank))
-        group, runner = join(config, gstore, rank, size, rank_model, launch, share=generation == 0)
+        group, runner = join(
+            config, gstore, rank, size, rank_model, launch, regroup.generation_keys(generation), share=generation == 0
+        )
     except Exception as e:
         startup.report_failure(gstore, rank, e)
         if not isinstance(e, (RankFailure, Unauthenticated)):  # rank 0 tells the user why
@@ -169,7 +181,7 @@ def worker_main(
     except RankFailure as e:  # rank 0 is gone, or went on without this rank
         print(f"ctxpar: {e}; exiting", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Unauthenticated as e:  # a forged message: refused, and this rank leaves rather than guess
+    except (Unauthenticated, MalformedMessage) as e:  # refused (forged, or not data): this rank leaves, not guesses
         report_refusal(store, e)
         print(f"ctxpar: PCP rank {rank}: {e}; exiting", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -43,6 +43,7 @@ from ctxpar.errors import RankFailure
 from ctxpar.executor.startup import POLL_S
 from ctxpar.parallel.auth import Unauthenticated
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S
+from ctxpar.parallel.signed_store import read_signed, signed_present
 
 HEARTBEAT_S = 0.5  # how often a torchrun rank says it lives
 HEARTBEAT_LOST_S = 3.0  # a rank whose heartbeat stood still this long (and did not check in) is lost
@@ -72,9 +73,15 @@ class Regrouped:
     why_not_respawned: str | None  # when the lost ranks were left out instead
 
 
+def generation_keys(generation: int) -> str:
+    """The name of a generation, which keys its group's tags (PCPGroup) and, after a
+    respawn, prefixes the keys it meets under."""
+    return f"g{generation}/"
+
+
 def generation_store(store: dist.Store, generation: int) -> dist.Store:
     """The keys the ranks of a generation meet under (generation 0: the executor's own)."""
-    return store if generation == 0 else dist.PrefixStore(f"g{generation}/", store)
+    return store if generation == 0 else dist.PrefixStore(generation_keys(generation), store)
 
 
 def check_in(store: dist.Store, generation: int, rank: int) -> None:
@@ -83,7 +90,8 @@ def check_in(store: dist.Store, generation: int, rank: int) -> None:
 
 
 def checked_in(store: dist.Store, generation: int, rank: int) -> bool:
-    return store.check([f"alive/{generation}/{rank}"])
+    """Whether ``rank`` checked in, with a value whose tag checks (a forged one is not counted)."""
+    return signed_present(store, [f"alive/{generation}/{rank}"])
 
 
 def announce(store: dist.Store, generation: int, members: Members) -> None:
@@ -122,19 +130,20 @@ def await_recovery(store: dist.Store, generation: int, rank: int, failure: RankF
 
 class Heartbeats:
     """Rank 0's view of the torchrun ranks' heartbeats (``beat/r``, under each rank's
-    torchrun number): when each last changed, timed on rank 0's clock (no skew between
+    torchrun number): when each last went up, timed on rank 0's clock (no skew between
     hosts). A value first seen now counts from now: a rank is found lost only after
-    HEARTBEAT_LOST_S of watching it stand still."""
+    HEARTBEAT_LOST_S of watching it stand still. A beat counts only if its tag checks
+    and it is higher than the last one seen (an earlier beat written again is not a beat)."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
-        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._seen: dict[int, tuple[int, float]] = {}
 
     def stopped(self, rank: int) -> bool:
-        key = f"beat/{rank}"
-        beat = self.store.get(key) if self.store.check([key]) else b""
+        value = read_signed(self.store, f"beat/{rank}")
+        beat = int(value) if value is not None and value.isdigit() else 0
         now = time.monotonic()
-        if rank not in self._seen or self._seen[rank][0] != beat:
+        if rank not in self._seen or beat > self._seen[rank][0]:
             self._seen[rank] = (beat, now)
         return now - self._seen[rank][1] > HEARTBEAT_LOST_S
 

@@ -7,6 +7,12 @@ Keys on the rendezvous store (under a prefix of their own per executor):
   error/r    rank r failed while starting: one line saying why
   verdict    rank 0's decision: "go" once every rank is ready, else why it gave up
 
+The keys lie under the launch's nonce, so a value of another launch is at
+another key, and every value is tagged: a presence key (``started/r``,
+``ready/r``) counts only once its tag checks (a forged one is not counted; the
+rank that should write it overwrites it), a forged ``error/r`` or ``verdict``
+is refused when read (auth.Unauthenticated).
+
 The process group is formed only after "go", when every rank is present, so
 no rank sits in a blocking collective waiting for a peer that is still
 loading its model, or dead. Waiting is done by polling the store (and, on
@@ -24,6 +30,7 @@ import torch.distributed as dist
 
 from ctxpar.errors import RankFailure
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S
+from ctxpar.parallel.signed_store import signed_present
 
 POLL_S = 0.1
 GO = "go"
@@ -66,11 +73,11 @@ def lead(store: dist.Store, size: int, procs: dict[int, BaseProcess], deadline: 
 def await_ready(store: dist.Store, ranks: list[int], procs: dict[int, BaseProcess], deadline: float) -> None:
     """Rank 0: wait until ``ranks`` are ready (see lead)."""
     ready = [f"ready/{r}" for r in ranks]
-    while not store.check(ready):
+    while not signed_present(store, ready):
         for r in ranks:
             _raise_if_failed(store, r, procs.get(r))
         if time.monotonic() > deadline:
-            missing = [str(r) for r in ranks if not store.check([f"ready/{r}"])]
+            missing = [str(r) for r in ranks if not signed_present(store, [f"ready/{r}"])]
             raise RankFailure(
                 f"PCP rank(s) {', '.join(missing)} not ready after {STARTUP_TIMEOUT_S} s "
                 "(still loading the model, or unable to reach rank 0)"
@@ -85,7 +92,7 @@ def _raise_if_failed(store: dist.Store, rank: int, proc: BaseProcess | None) -> 
         raise RankFailure(f"PCP rank {rank} failed while starting{how}: {store.get(f'error/{rank}').decode()}")
     if dead:
         assert proc is not None  # only a process can be dead
-        if store.check([f"started/{rank}"]):
+        if signed_present(store, [f"started/{rank}"]):
             where = ", while loading the model"
         elif proc.exitcode == 1:  # a Python error before the worker's code ran: importing __main__
             where = ", " + MAIN_GUARD_HINT

@@ -18,17 +18,19 @@ Ranks meet through a TCPStore (rendezvous_store.py); the gloo groups of
 ranks that rank 0 spawned listen on the loopback interface alone.
 
 Nothing a rank reads from a peer is trusted unchecked: the store's values are
-tagged with the launch secret (signed_store.py), and so is every plan rank 0
-sends (auth.PlanSeal), checked before it is unpickled. Under torchrun (ranks
-on several hosts) so is every rank's contribution to a gloo data collective
-(sealed_collectives.py), checked before it is used; NCCL's are not.
+tagged with the launch secret (signed_store.py), and so is every message rank
+0 sends (auth.PlanSeal), checked before it is decoded; its tags are bound to
+the launch's nonce and the group's generation, so a message of another launch
+or generation fails its check. Under torchrun (ranks on several hosts) so is
+every rank's contribution to a gloo data collective (sealed_collectives.py),
+checked before it is used; NCCL's are not. Messages are bytes here: what
+they say is ctxpar/worker/plan_wire.py's to encode, as data.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
 import socket
 import time
 from collections import Counter
@@ -40,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ctxpar.parallel.auth import PlanSeal
+from ctxpar.parallel.auth import PlanSeal, context
 from ctxpar.parallel.host_shm import on_one_host
 from ctxpar.parallel.sealed_collectives import SealedCollectives
 from ctxpar.parallel.shm_channel import ShmChannel
@@ -63,21 +65,29 @@ def data_timeout_s() -> float:
 @dataclass(frozen=True)
 class Launch:
     """What the ranks of one launch share besides the store: the secret that tags
-    their messages (auth.py), and whether rank 0 spawned them all on this host
-    (then gloo listens on the loopback interface only)."""
+    their messages (auth.py), whether rank 0 spawned them all on this host (then
+    gloo listens on the loopback interface only), and the launch's nonce, fresh
+    for each launch (drawn by rank 0, or agreed by torchrun's ranks): every tag
+    and store key of the launch is bound to it."""
 
     secret: bytes = field(repr=False)
     spawned: bool
+    nonce: bytes = b""
 
 
 class PCPGroup:
-    def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store, launch: Launch) -> None:
+    def __init__(
+        self, rank: int, size: int, device: torch.device, store: dist.Store, launch: Launch, generation: str = "g0"
+    ) -> None:
         """Form the groups. Called by every rank once all have loaded their
-        models (the start-up handshake), so a short timeout suffices."""
+        models (the start-up handshake), so a short timeout suffices.
+        generation: which forming of the group in the launch this is (regroup.py
+        names them); with the launch's nonce, it keys every tag of the group."""
         self.rank, self.size, self.device = rank, size, device
         self.timeout_s = data_timeout_s()
         self.launch = launch
-        self.seal = PlanSeal(launch.secret)
+        ctx = context(launch.nonce, generation.encode())
+        self.seal = PlanSeal(launch.secret, ctx)
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=self.timeout_s)
         with _gloo_interface(_loopback_interface() if launch.spawned else None):
@@ -95,7 +105,7 @@ class PCPGroup:
         # tags of the launch secret (sealed_collectives.py). Spawned ranks (one host)
         # and NCCL do not; an empty secret (CTXPAR_INSECURE_CLUSTER) has nothing to tag with.
         tagged = backend == "gloo" and not launch.spawned and bool(launch.secret) and self.shm is None
-        self.sealed = SealedCollectives(launch.secret, rank, size, self.data) if tagged else None
+        self.sealed = SealedCollectives(launch.secret, ctx, rank, size, self.data) if tagged else None
         # Seconds spent in collectives, waiting included (for benchmarks).
         self.comm_seconds = 0.0  # data: KV all-gathers and hidden-state gathers
         self.control_seconds = 0.0  # control: plan broadcasts
@@ -158,27 +168,29 @@ class PCPGroup:
             else:
                 dist.broadcast(x, src=0, group=self.data)
 
-    def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0 sends `obj`; every rank returns it. Rank 0 gives up on silent
-        ranks after DATA_TIMEOUT_S; the others wait for it indefinitely (as long
-        as it lives). The others unpickle it only once its HMAC checks, and
-        raise auth.Unauthenticated for a forged one."""
+    def broadcast_message(self, data: bytes | None = None) -> memoryview:
+        """Rank 0 sends ``data``; every rank returns it (the others a view of what they
+        received). Rank 0 gives up on silent ranks after DATA_TIMEOUT_S; the others wait
+        for it indefinitely (as long as it lives). The others return it only once its
+        HMAC checks, and raise auth.Unauthenticated for a forged or replayed one."""
         t0 = time.perf_counter()
-        # A tagged header (the length), then the tagged pickle: on one host through
+        # A tagged header (the length), then the tagged payload: on one host through
         # the shared pages (microseconds, against gloo's milliseconds), else the control group.
         wait = None if self.rank == 0 else math.inf
         if self.rank == 0:
-            header, payload = self.seal.seal(pickle.dumps(obj))
+            assert data is not None  # rank 0 always has something to say
+            header, payload = self.seal.seal(data)
             self._broadcast_bytes(_as_tensor(header), wait)
             self._broadcast_bytes(_as_tensor(payload), None)
+            received = memoryview(data)
         else:
             head = torch.empty(PlanSeal.HEADER_BYTES, dtype=torch.uint8)
             self._broadcast_bytes(head, wait)
             body = torch.empty(self.seal.open_header(head.numpy().tobytes()), dtype=torch.uint8)
             self._broadcast_bytes(body, None)
-            obj = pickle.loads(self.seal.open_payload(body.numpy().tobytes()))
+            received = self.seal.open_payload(body.numpy().data)  # a view: no copy
         self.control_seconds += time.perf_counter() - t0
-        return obj
+        return received
 
     def _broadcast_bytes(self, data: torch.Tensor, timeout_s: float | None) -> None:
         """Rank 0's uint8 tensor into the others' (same size) on the control path;

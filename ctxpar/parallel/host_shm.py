@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ctxpar import kernels
 from ctxpar.errors import RankFailure
 from ctxpar.parallel.private_file import create_private, open_private
+from ctxpar.parallel.signed_store import wait_signed
 
 SHM_DIR = Path("/dev/shm")
 WAIT_S = 60  # ranks are all started when this runs; a missing one has died
@@ -78,7 +79,7 @@ def shared_segment(
             if fill is not None:
                 fill(segment)
             store.set(f"shm/{name}", str(path))
-            wait_keys(store, [f"shm/{name}/mapped/{k}" for k in range(1, size)])
+            wait_keys(store, [f"shm/{name}/mapped/{k}" for k in range(1, size)], presence=True)
         finally:
             path.unlink(missing_ok=True)
         return segment
@@ -105,10 +106,14 @@ def free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def wait_keys(store: dist.Store, keys: list[str]) -> None:
-    """Wait until every key is set; RankFailure after WAIT_S."""
+def wait_keys(store: dist.Store, keys: list[str], presence: bool = False) -> None:
+    """Wait until every key is set (presence keys: with a value whose tag checks, so a
+    forged one is not counted; a forged value is refused when read); RankFailure after WAIT_S."""
     try:
-        store.wait(keys, timedelta(seconds=WAIT_S))
+        if presence:
+            wait_signed(store, keys, timedelta(seconds=WAIT_S))
+        else:
+            store.wait(keys, timedelta(seconds=WAIT_S))
     except Exception as e:  # the store's timeout or a lost connection
         raise RankFailure(
             f"a PCP rank did not reach the shared-memory set-up within {WAIT_S} s ({str(e).splitlines()[0]})"

@@ -5,7 +5,8 @@ hidden-state gathers, DCP partials and KV broadcasts cross a network. Under a
 cluster secret (cluster_secret.py) each rank appends to what it sends an
 HMAC-SHA256 tag over (the collective's kind, the group's message number, the
 sender's rank, the receiver's rank for a message meant for one rank, the
-bytes), with a key of its own derived from the launch secret; every receiver
+bytes), with a key of its own derived from the launch secret, the launch's
+nonce and the group's generation; every receiver
 checks every other rank's tag with ``hmac.compare_digest`` before the data is
 used, and raises ``auth.Unauthenticated`` naming the rank and the collective on
 a mismatch (the result, and a broadcast's destination, are then never written).
@@ -59,10 +60,12 @@ class SealedCollectives:
     every rank that receives it. Every rank of the group must make the same
     collectives in the same order (as with any collective): each counts them."""
 
-    def __init__(self, secret: bytes, rank: int, size: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, secret: bytes, ctx: bytes, rank: int, size: int, group: dist.ProcessGroup) -> None:
+        """ctx: the launch's nonce and the group's generation (auth.context)."""
         self.rank, self.size, self.group = rank, size, group
-        # A key of its own: a tag on a plan or a store value is never valid here.
-        self._mac = hmac.new(derive_key(secret, "bulk collectives"), digestmod=hashlib.sha256)
+        # A key of its own: a tag on a plan or a store value, or of another launch or
+        # generation of the group, is never valid here.
+        self._mac = hmac.new(derive_key(secret, "bulk collectives", ctx), digestmod=hashlib.sha256)
         self.seq = 0  # the group's data collectives so far
 
     def _tag(self, kind: str, sender: int, receiver: int, payload: torch.Tensor) -> bytes:

@@ -10,7 +10,12 @@ group's own keys (gloo's and NCCL's peer addresses) go through it too: a
 store that lies about a peer is refused before any rank connects to the lie.
 
 Counters (``add``) cannot carry a tag; ctxpar does not use them, torch's
-store barriers do, and a forged count can only stall or fail them.
+store barriers do, and a forged count can only stall or fail them. Nor does a
+key's existence (``check``, ``wait``) prove anything: the ranks count a
+presence key (``started/r``, ``ready/r``, ``alive/g/r``, a segment's
+``mapped/r``, a heartbeat) only once its value's tag checks
+(``signed_present``), and a forged one is not counted; a value read for what
+it says (a verdict, a segment's name) raises Unauthenticated when forged.
 
 A store implemented in Python lives only as long as its Python object: the
 stores torch builds on it (PrefixStore, the process groups) hold the C++ part
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from datetime import timedelta
 from typing import cast
 
@@ -79,3 +85,28 @@ class SignedStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)
+
+
+def read_signed(store: dist.Store, key: str) -> bytes | None:
+    """The value of ``key`` on a store built on a SignedStore, or None while it is
+    absent or its tag fails (a forged value is not acted on; the rank that should
+    write it overwrites it)."""
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Unauthenticated:
+        return None
+
+
+def signed_present(store: dist.Store, keys: list[str]) -> bool:
+    """Whether every key is set with a value whose tag checks (presence keys)."""
+    return store.check(keys) and all(read_signed(store, k) is not None for k in keys)
+
+
+def wait_signed(store: dist.Store, keys: list[str], timeout: timedelta, poll_s: float = 0.01) -> None:
+    """Wait until ``signed_present(store, keys)``; the store's timeout error after ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    store.wait(keys, timeout)
+    while not signed_present(store, keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no value of {keys} passed its check within {timeout.total_seconds():g} s")
+        time.sleep(poll_s)

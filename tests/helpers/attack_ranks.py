@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ctxpar.parallel.auth import TAG_BYTES, PlanSeal, Unauthenticated
+from ctxpar.executor.rank_worker import next_message
+from ctxpar.parallel.auth import TAG_BYTES, PlanSeal, Unauthenticated, context
 from ctxpar.parallel.comm import Launch, PCPGroup
 from ctxpar.parallel.host_shm import shared_segment
 from ctxpar.parallel.private_file import UnsafeFile
-from ctxpar.parallel.rendezvous_store import open_store
+from ctxpar.parallel.rendezvous_store import host_store, open_store
 from ctxpar.parallel.signed_store import SignedStore
+from ctxpar.worker import plan_wire
+from ctxpar.worker.plan_wire import MalformedMessage
+from ctxpar.worker.step_plan import StepPlan
 
 SECRET = b"the launch secret of the victim's ranks"
 PREFIX = "victim/"
@@ -45,38 +52,84 @@ def _report(results: Any, outcome: tuple[str, str]) -> None:
     os._exit(0)  # leave the broken group without waiting for its peer
 
 
-def plan_victim(port: int, shm: bool, results: Any) -> None:
-    """Rank 1 of a real group of two: waits for rank 0's next message, as a worker
-    does between steps (through the shared pages, or gloo's control group)."""
+NONCE = b"the victim's launch nonce"
+
+
+def a_plan() -> StepPlan:
+    """A genuine step plan of two rows (a prompt chunk and a decode)."""
+    return StepPlan(
+        input_ids=np.arange(5, dtype=np.int64),
+        num_scheduled_tokens=np.array([4, 1], dtype=np.int64),
+        num_computed_tokens=np.array([0, 9], dtype=np.int64),
+        is_prefilling=np.array([True, False]),
+        needs_logits=np.array([True, True]),
+        block_tables=[np.array([3], dtype=np.int64), np.array([1, 2], dtype=np.int64)],
+    )
+
+
+def plan_victim(port: int, shm: bool, results: Any, secret: bytes = SECRET, generation: str = "g0/") -> None:
+    """Rank 1 of a real group of two (of ``generation`` of a launch): waits for rank 0's
+    next message, as a worker does between steps (through the shared pages, or gloo's
+    control group), and decodes it as a worker does."""
     os.environ["CTXPAR_SHM"] = "1" if shm else "0"
     store = open_store("127.0.0.1", port, is_master=False)
-    group = PCPGroup(1, 2, torch.device("cpu"), store, Launch(SECRET, spawned=True))
+    launch = Launch(secret, spawned=bool(secret), nonce=NONCE)
+    group = PCPGroup(1, 2, torch.device("cpu"), store, launch, generation)
     try:
-        _report(results, ("received", repr(group.broadcast_object())))
-    except Unauthenticated as e:
+        _report(results, ("received", repr(next_message(group))))
+    except (Unauthenticated, MalformedMessage) as e:
         _report(results, ("refused", str(e)))
 
 
 def plan_attacker(port: int, shm: bool, how: str, path: str) -> None:
-    """Rank 0 of that group, sending a plan whose unpickling creates ``path``:
-    how="forged": without the secret (it tags with a guess); how="tampered": a
-    genuine header and tag (as if recorded on the wire) on a payload swapped in flight."""
+    """Rank 0 of that group, sending what ``how`` says:
+    "forged": a plan whose unpickling creates ``path``, without the secret (tagged with a guess);
+    "tampered": that pickle under a genuine header and tag (as if recorded on the wire),
+    its payload swapped in flight;
+    "generation 0", "generation 1": a genuine plan sealed by generation 0 (or 1) of the
+    victim's launch, at message number 0 (as recorded from a group before a recovery);
+    "insecure": that pickle, sealed with the key everyone has under CTXPAR_INSECURE_CLUSTER=1."""
     os.environ["CTXPAR_SHM"] = "1" if shm else "0"
     os.environ["CTXPAR_COLLECTIVE_TIMEOUT_S"] = "10"  # the victim leaves mid-message
     store = open_store("127.0.0.1", port, is_master=False)
-    secret = SECRET if how == "tampered" else b"a guess at the secret"
-    group = PCPGroup(0, 2, torch.device("cpu"), store, Launch(secret, spawned=True))
+    secret = {"forged": b"a guess at the secret", "insecure": b""}.get(how, SECRET)
+    group = PCPGroup(0, 2, torch.device("cpu"), store, Launch(secret, spawned=bool(secret), nonce=NONCE))
     evil = pickle.dumps(CreatesFile(path))
     try:
         if how == "forged":
-            group.broadcast_object(CreatesFile(path))
-        else:
-            header, genuine = PlanSeal(SECRET).seal(bytes(len(evil)))  # a message of the same length
+            group.broadcast_message(evil)
+        elif how == "tampered":
+            header, genuine = PlanSeal(SECRET, context(NONCE, b"g0/")).seal(bytes(len(evil)))  # as long as evil
             _send_raw(group, header)
             _send_raw(group, genuine[:TAG_BYTES] + evil)
+        else:
+            generation = {"generation 0": b"g0/", "generation 1": b"g1/", "insecure": b"g0/"}[how]
+            body = evil if how == "insecure" else plan_wire.encode(a_plan())
+            for part in PlanSeal(secret, context(NONCE, generation)).seal(body):
+                _send_raw(group, part)
     except Exception:
         pass  # the victim left: what it did is its report
     os._exit(0)
+
+
+def run_plan_attack(shm: bool, how: str, target: Path, victim: tuple = ()) -> tuple[str, str]:
+    """Rank 1 (plan_victim, given ``victim``'s extra arguments) and an attacker posing as
+    rank 0 (plan_attacker ``how``), both real processes; what rank 1 reports."""
+    ctx = mp.get_context("spawn")
+    store = host_store("127.0.0.1", 0)
+    results = ctx.Queue()
+    victim = ctx.Process(target=plan_victim, args=(store.port, shm, results, *victim))
+    attacker = ctx.Process(target=plan_attacker, args=(store.port, shm, how, str(target)))
+    victim.start()
+    attacker.start()
+    try:
+        outcome = results.get(timeout=120)
+    finally:
+        for p in (victim, attacker):
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return outcome
 
 
 def _send_raw(group: PCPGroup, data: bytes) -> None:

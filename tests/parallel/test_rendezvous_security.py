@@ -27,7 +27,6 @@ import subprocess
 import sys
 import textwrap
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -36,13 +35,13 @@ import torch.multiprocessing as mp
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor.multiproc import free_port
-from ctxpar.parallel.auth import PlanSeal, Unauthenticated
-from ctxpar.parallel.cluster_secret import cluster_secret
+from ctxpar.parallel.auth import PlanSeal, Unauthenticated, context
+from ctxpar.parallel.cluster_secret import cluster_secret, stretch
 from ctxpar.parallel.host_shm import SHM_DIR
 from ctxpar.parallel.private_file import UnsafeFile, create_private, open_private
 from ctxpar.parallel.rendezvous_store import host_store
 from ctxpar.parallel.signed_store import SignedStore
-from helpers.attack_ranks import PREFIX, SECRET, SEGMENT_BYTES, plan_attacker, plan_victim, segment_victim
+from helpers.attack_ranks import PREFIX, SECRET, SEGMENT_BYTES, run_plan_attack, segment_victim
 from helpers.procs import listening_addresses
 from helpers.tiny_tokenizer import with_byte_tokenizer
 
@@ -160,24 +159,6 @@ def test_a_client_on_the_store_finds_no_keys_under_guessed_prefixes(engine):
         signed.get(seen["verdict"][0])
 
 
-def _run_plan_attack(shm: bool, how: str, target: Path) -> tuple[str, str]:
-    ctx = mp.get_context("spawn")
-    store = host_store("127.0.0.1", 0)
-    results = ctx.Queue()
-    victim = ctx.Process(target=plan_victim, args=(store.port, shm, results))
-    attacker = ctx.Process(target=plan_attacker, args=(store.port, shm, how, str(target)))
-    victim.start()
-    attacker.start()
-    try:
-        outcome = results.get(timeout=120)
-    finally:
-        for p in (victim, attacker):
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return outcome
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("shm", [True, False], ids=["shared-pages", "gloo"])
 @pytest.mark.parametrize("how", ["forged", "tampered"])
@@ -187,7 +168,7 @@ def test_a_forged_plan_is_refused_before_it_is_unpickled(tmp_path, shm, how):
     wrong; swapped in under a genuine header and tag, its payload's tag is. Either
     way the rank refuses it, saying why, and the file is never created."""
     target = tmp_path / "pwned"
-    verdict, text = _run_plan_attack(shm, how, target)
+    verdict, text = run_plan_attack(shm, how, target)
     assert verdict == "refused", text
     assert "failed authentication" in text and "rank 0" in text
     assert ("header" in text) == (how == "forged")
@@ -196,8 +177,9 @@ def test_a_forged_plan_is_refused_before_it_is_unpickled(tmp_path, shm, how):
 
 def test_a_tampered_or_replayed_message_fails_its_check():
     """The same checks without processes: a flipped payload byte, a message replayed
-    at another place of the stream, a header from another launch."""
-    sender, receiver = PlanSeal(SECRET), PlanSeal(SECRET)
+    at another place of the stream, a header from another secret, launch or generation."""
+    ctx = context(b"launch nonce", b"g0/")
+    sender, receiver = PlanSeal(SECRET, ctx), PlanSeal(SECRET, ctx)
     first = sender.seal(b"plan 0")
     second = sender.seal(b"plan 1")
     assert receiver.open_header(first[0]) == len(first[1])
@@ -207,8 +189,11 @@ def test_a_tampered_or_replayed_message_fails_its_check():
     assert receiver.open_header(second[0]) == len(second[1])
     with pytest.raises(Unauthenticated):
         receiver.open_payload(second[1][:-1] + b"2")
+    for other in (PlanSeal(b"another secret", ctx), PlanSeal(SECRET, context(b"another launch's nonce", b"g0/"))):
+        with pytest.raises(Unauthenticated):
+            other.open_header(first[0])
     with pytest.raises(Unauthenticated):
-        PlanSeal(b"another launch").open_header(first[0])
+        PlanSeal(SECRET, context(b"launch nonce", b"g1/")).open_header(first[0])  # another generation
 
 
 @pytest.mark.multiprocess
@@ -221,7 +206,7 @@ def test_an_engine_worker_sent_a_forged_plan_leaves_with_a_clear_error(tiny_mode
         prompt = [{"prompt_token_ids": list(range(20))}]
         assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # serving
         group = llm.engine.executor.group
-        forger = PlanSeal(b"not the launch secret")
+        forger = PlanSeal(b"not the launch secret", context(b"", b"g0/"))
         forger.seq = group.seal.seq
         group.seal = forger
         with pytest.raises(RankFailure, match="rank 1 exited with code 1, after refusing a forged message") as e:
@@ -339,7 +324,7 @@ def test_a_substituted_segment_is_refused(segment, tmp_path, attack, why):
     "env,problem",
     [
         ({}, "need a shared secret, and none is set"),
-        ({"CTXPAR_CLUSTER_SECRET": "short"}, "is 5 characters; use at least 16"),
+        ({"CTXPAR_CLUSTER_SECRET": "short"}, "is 5 characters; use at least 32"),
         ({"CTXPAR_CLUSTER_SECRET": "s" * 32, "CTXPAR_CLUSTER_SECRET_FILE": "/x"}, "set one"),
         ({"CTXPAR_INSECURE_CLUSTER": "0"}, "need a shared secret"),
     ],
@@ -381,14 +366,16 @@ def test_a_secret_file_others_could_read_or_replace_is_refused(monkeypatch, tmp_
 
 
 def test_a_cluster_secret_comes_from_the_environment_or_a_private_file(monkeypatch, tmp_path):
-    monkeypatch.setenv("CTXPAR_CLUSTER_SECRET", " 0123456789abcdef \n")
-    assert cluster_secret() == b"0123456789abcdef"
+    """The ranks key their tags with a stretch of the secret (scrypt), never the secret itself."""
+    secret = "9f2c41d07be85a36e1c4f0a97d2b6e58c3a1f94e07d6b2c85e3f1a0d94b7c62e"
+    monkeypatch.setenv("CTXPAR_CLUSTER_SECRET", f" {secret} \n")
+    assert cluster_secret() == stretch(secret.encode()) != secret.encode()
     monkeypatch.delenv("CTXPAR_CLUSTER_SECRET")
     path = tmp_path / "secret"
-    path.write_text("fedcba9876543210fedcba\n")
+    path.write_text(secret[::-1] + "\n")
     os.chmod(path, 0o600)
     monkeypatch.setenv("CTXPAR_CLUSTER_SECRET_FILE", str(path))
-    assert cluster_secret() == b"fedcba9876543210fedcba"
+    assert cluster_secret() == stretch(secret[::-1].encode())
     monkeypatch.delenv("CTXPAR_CLUSTER_SECRET_FILE")
     monkeypatch.setenv("CTXPAR_INSECURE_CLUSTER", "1")
     with pytest.warns(UserWarning, match="not authenticated"):
