@@ -24,6 +24,12 @@ def _bf16_projections() -> ModuleType:
     return bf16_projections
 
 
+def _clients() -> ModuleType:
+    from ctxpar.bench import clients
+
+    return clients
+
+
 def _compare() -> ModuleType:
     from ctxpar.bench import compare
 
@@ -143,6 +149,9 @@ BENCHMARKS = CommandTable(
         "bf16": Command(
             "bf16 projections on AMX's tiles vs the AVX-512 BF16 panel loop vs oneDNN; --e2e: TTFT, decode",
             _bf16_projections,
+        ),
+        "clients": Command(
+            "lm-eval and guidellm, unmodified, against the server; lm-eval's scores vs offline", _clients
         ),
         "compare": Command("the same workload through ctxpar and vLLM's CPU build, side by side", _compare),
         "cuda": Command("one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate", _cuda),
