@@ -27,12 +27,33 @@ async def metrics(state: ServerDep) -> Response:
 
 @router.get("/v1/models")
 async def models(state: ServerDep) -> dict:
+    card_created = R.now()
     card = {
         "id": state.model_name,
         "object": "model",
-        "created": R.now(),
+        "created": card_created,
         "owned_by": "ctxpar",
         "root": state.engine.loaded.name,
+        "parent": None,
         "max_model_len": state.engine.max_model_len,
+        "permission": [_permission(card_created)],  # vLLM's card has one; clients written for it may read it
     }
     return {"object": "list", "data": [card]}
+
+
+def _permission(created: int) -> dict:
+    """vLLM's ModelPermission of a served model: sampling and logprobs allowed, nothing else."""
+    return {
+        "id": f"modelperm-{created}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }

@@ -208,3 +208,19 @@ def test_vllm_bench_serve_bodies(server, llm):
     }
     chunks = events(server, "/v1/chat/completions", body, headers)
     assert {c["id"] for c in chunks} == {"chatcmpl-bench-7"} and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_open_webui_style_models_and_streamed_chat(server, llm):
+    """What an Open WebUI-style client reads: the model card (vLLM's fields) and a streamed
+    chat through the openai client, the role first and the usage last."""
+    [card] = server.openai().models.list().data
+    assert (card.id, card.object, card.owned_by, card.root) == (NAME, "model", "ctxpar", NAME)
+    assert card.max_model_len > 0 and card.parent is None and card.permission[0]["allow_sampling"]
+    stream = server.openai().chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    [ref] = llm.chat(CHAT, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
