@@ -30,11 +30,11 @@ from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers.activation import silu_and_mul
-from ctxpar.layers.attention_math import causal_attention
+from ctxpar.layers.attention.backend import AttentionSpec, causal_attention
+from ctxpar.layers.attention.paged import gqa_paged_attention
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.paged_attention import gqa_paged_attention
 from ctxpar.layers.rotary import apply_rotary_
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -95,7 +95,7 @@ def _decode_step(rows: int, keys: int, g: torch.Generator, dtype: torch.dtype) -
             write_slots=torch.empty(0, dtype=torch.int64),
             kv_caches=[cache],
         )
-        return gqa_paged_attention(q, cache, ctx, DIM**-0.5)
+        return gqa_paged_attention(q, cache, ctx, AttentionSpec(DIM**-0.5))
 
     return step
 

@@ -54,7 +54,7 @@ from ctxpar.costmodel.projection_weights import (
 from ctxpar.costmodel.rates import Rate, RateKind, Rates
 from ctxpar.costmodel.shapes import shape_from_hf_config
 from ctxpar.kernels.huge_pages import huge_zeros
-from ctxpar.layers.attention_math import causal_attention
+from ctxpar.layers.attention.backend import causal_attention
 from ctxpar.layers.linear import MLP_ROWS
 from ctxpar.layers.weight_arena import release_freed_memory
 from ctxpar.machine import cpu_info
@@ -200,7 +200,7 @@ def attention_flops(dtype: torch.dtype, device: torch.device = CPU, shape: tuple
 def attention_path(dtype: torch.dtype, device: torch.device = CPU, shape: tuple[int, int, int] | None = None) -> str:
     """Which kernel ``causal_attention`` runs on inputs of ``dtype`` at ``shape`` (ATTN_SHAPE's
     widths): the engine's choice, which ``attention_flops`` times."""
-    from ctxpar.layers.attention_math import kernel_inputs
+    from ctxpar.layers.attention.backend import kernel_inputs
 
     _, h, d = shape or (GPU_ATTN_SHAPE if device.type == "cuda" else ATTN_SHAPE)
     q, k = torch.zeros(1, h, d, dtype=dtype, device=device), torch.zeros(1, h // 4, d, dtype=dtype, device=device)

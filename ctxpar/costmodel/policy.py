@@ -110,7 +110,7 @@ class PCPPolicy:
         travel with it and the partials' all-to-all.
 
         Under DCP every rank attends every query of the step over its own 1/P of the
-        keys (ctxpar/layers/sharded_attention.py), whatever the groups: the attention
+        keys (ctxpar/layers/attention/sharded.py), whatever the groups: the attention
         work is even, and only the linear layers follow the groups."""
         m, h, P = self.model, self.hardware, self.pcp_size
         layout = plan_pcp_layout(q, c, np.ones(len(q), dtype=bool), P, split_ranks=groups)

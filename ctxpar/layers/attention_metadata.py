@@ -2,18 +2,25 @@
 vLLM's AttentionMetadataBuilder): from the runner's ``StepDescription``, the
 ``ForwardContext`` of forward_context.py (and under DCP its ``DCPStep``,
 dcp_metadata.py). The runner says what the step is; which KV entries each
-layer writes and where, and which keys each local row reads, are decided here.
+layer writes and where, and which keys each local row reads, are decided here;
+where attention runs (ctxpar's kernels or PyTorch) is decided once, when the
+builder is made at load, and carried in every step's context.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
+from ctxpar.layers.attention.backend import default_backend
 from ctxpar.layers.dcp_metadata import dcp_step
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.step_description import StepDescription, slots_of, token_slots
+
+log = logging.getLogger(__name__)
 
 
 class AttentionMetadataBuilder:
@@ -24,6 +31,8 @@ class AttentionMetadataBuilder:
         self.kv_caches = kv_caches
         self.kv_quant = kv_quant
         self.device = device
+        self.backend = default_backend(device)  # the rank's, for every step (ctxpar/layers/attention/backend.py)
+        log.debug("attention backend on %s: %s", device, self.backend.name)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """An int64 array as a tensor on the rank's device."""
@@ -42,7 +51,7 @@ class AttentionMetadataBuilder:
             dcp = None
         else:
             # Each token sits at its index among the tokens its owner stores, and only
-            # the owner writes it; the layers attend through sharded_attention.py.
+            # the owner writes it; the layers attend through attention/sharded.py.
             row, pos = step.tokens
             slots = token_slots(step.block_tables, row, step.shard.local_position(pos), step.block_size)
             writes = writes & (step.shard.owner(pos) == step.rank)[token_of]
@@ -61,6 +70,7 @@ class AttentionMetadataBuilder:
             gather=step.all_gather if step.gathers else None,
             dcp=dcp,
             prompt_lens=step.prompt_lens[rows.req_idx].tolist(),
+            backend=self.backend,
         )
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""What one step's sharded attention needs on this rank (sharded_attention.py).
+"""What one step's sharded attention needs on this rank (attention/sharded.py).
 
 Under DCP every query of the step is attended over every shard. On rank d a
 query at position p sees its row's keys that rank d stores at positions up to
@@ -18,7 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ctxpar.layers.forward_context import DCPStep, DecodeGroup, ShardQueries
+from ctxpar.layers.attention.backend import DecodeGroup
+from ctxpar.layers.forward_context import DCPStep, ShardQueries
 from ctxpar.layers.step_description import StepDescription, slots_of
 
 ToDevice = Callable[[np.ndarray], torch.Tensor]  # an int64 array as a tensor on the rank's device

@@ -14,28 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
-from ctxpar.layers.attention_ops import padded_slot_table
+from ctxpar.layers.attention.backend import AttentionBackend, DecodeGroup, default_backend
 from ctxpar.layers.kv_quant import KVQuant
-
-
-@dataclass
-class DecodeGroup:
-    """One-query rows attended in one call."""
-
-    tokens: torch.Tensor  # (B,) int64 local token index of each row's query
-    slots: torch.Tensor  # (N,) int64 the rows' cache slots back to back
-    starts: torch.Tensor  # (B + 1,) int64 row b's slots are slots[starts[b]:starts[b + 1]]
-
-    @cached_property
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, S_max) slot table, short rows padded with their last slot, and the
-        keys per row (None when every row has S_max): the PyTorch path's input."""
-        table, lengths = padded_slot_table(self.slots, self.starts)
-        return table, lengths if bool((lengths != table.shape[1]).any()) else None
 
 
 @dataclass
@@ -53,7 +36,7 @@ class DecodeBatch:
 class StepMemo:
     """Per-step values, the same in every layer: built by the first layer that needs them."""
 
-    # The one-query rows in groups (paged_attention.decode_batch), keyed by whether the
+    # The one-query rows in groups (ctxpar/layers/attention/paged.py's decode_batch), keyed by whether the
     # compiled kernel reads the cache (one group) or not (length groups).
     decode_batches: dict[bool, DecodeBatch | None] = field(default_factory=dict)
 
@@ -73,7 +56,7 @@ class ShardQueries:
 @dataclass
 class DCPStep:
     """What the sharded attention of one step needs, the same for every layer: every
-    query of the step over this rank's shard (ctxpar/layers/sharded_attention.py)."""
+    query of the step over this rank's shard (ctxpar/layers/attention/sharded.py)."""
 
     query_idx: torch.Tensor  # (T,) int64: row of each global token in the query space
     prompt: list[ShardQueries]  # prompt positions, row by row: the prefill kernel
@@ -99,13 +82,21 @@ class ForwardContext:
     # All-gather over the PCP group: (n, ...) -> (P*n, ...). None: KV stays local.
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Decode context parallelism: the cache holds this rank's shard only, and the layers
-    # attend through ctxpar.layers.sharded_attention (context_slots unused). None: a full cache.
+    # attend through ctxpar.layers.attention.sharded (context_slots unused). None: a full cache.
     dcp: DCPStep | None = None
     memo: StepMemo = field(default_factory=StepMemo)
     # Each local row's prompt length (None: every query is a prompt position). A query at
     # a prompt position attends in the prefill kernel, any other (a generated token, a
-    # draft) in the decode kernel, wherever the row is cut (ctxpar/layers/paged_attention.py).
+    # draft) in the decode kernel, wherever the row is cut (ctxpar/layers/attention/paged.py).
     prompt_lens: list[int] | None = None
+    # Where attention runs: the backend the rank chose at load (AttentionMetadataBuilder).
+    # None in a context built by hand (tests, calibration): the device's default, at each call.
+    backend: AttentionBackend | None = None
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The step's attention backend (ctxpar/layers/attention/backend.py)."""
+        return self.backend if self.backend is not None else default_backend(self.write_slots.device)
 
     @property
     def num_rows(self) -> int:

@@ -11,15 +11,15 @@ Two equivalent ways to attend a row over its cached context:
 - **expanded** (prefill): up-project the context latents through kv_b_proj to
   per-head k_nope and v, append the broadcast rope key, and run ordinary
   attention. ctxpar's compiled kernel takes v narrower than q/k; PyTorch's
-  CPU kernel needs equal head sizes, so for it v (or q/k, whichever is
-  narrower) is zero-padded and the output sliced.
+  CPU kernel needs equal head sizes, so its backend zero-pads v (or q/k,
+  whichever is narrower) and slices the output (ctxpar/layers/attention/backend.py).
 - **absorbed** (decode): fold W_UK into the query (``q_lat = q_nope W_UK``) and
   attend in latent space with one shared KV head whose key *and* value are the
   cached entry itself; the first ``kv_lora_rank`` output values are then
   up-projected through W_UV. Per decode token this costs O(context · latent)
   instead of up-projecting the whole context.
 
-``MLAttention`` is an ``AttentionKind`` (ctxpar/layers/attention.py): its
+``MLAttention`` is an ``AttentionKind`` (ctxpar/layers/attention/attend.py): its
 queries are [q_nope | roped q_pe] per head and its cache entries the latents;
 ``attend`` chooses between the full cache and DCP's shards, where every shard
 is attended in latent space.
@@ -35,17 +35,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.layers.attention import attend
-from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs, paged_kernel
+from ctxpar.layers.attention.attend import attend
+from ctxpar.layers.attention.backend import AttentionBackend, AttentionSpec, DecodeGroup, Partials
+from ctxpar.layers.attention.paged import decode_batch, prompt_spans
 from ctxpar.layers.forward_context import ForwardContext, from_cache
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import Linear, Weight, can_pack, linear, pack_linears, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.paged_attention import decode_batch, latent_decode_attention, prompt_spans
 from ctxpar.layers.rotary import apply_rotary
 
 ATTENTION_PATH = "auto"  # "auto" | "absorbed" | "expanded"
@@ -91,7 +89,7 @@ class MLAttention(nn.Module):
         self.qk_head_dim = self.nope_dim + self.rope_dim
         self.v_head_dim = config.v_head_dim
         self.rope_interleaved = rope_interleaved
-        self.scale = mla_softmax_scale(config)
+        self.spec = AttentionSpec(mla_softmax_scale(config))
         bias = bool(getattr(config, "attention_bias", False))
         H, h = config.hidden_size, self.num_heads
         if self.q_lora_rank is None:
@@ -151,6 +149,10 @@ class MLAttention(nn.Module):
         return self.v_head_dim
 
     @property
+    def paged_widths(self) -> tuple[int, ...]:
+        return (self.kv_lora_rank + self.rope_dim, self.kv_lora_rank)  # the latent key, and its value part
+
+    @property
     def turns_quantized_heads(self) -> bool:
         return False  # one latent shared by every head, whose up-projections are absorbed into the queries
 
@@ -159,38 +161,37 @@ class MLAttention(nn.Module):
         n, h = q.shape[0], self.num_heads
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         out = q.new_zeros(n, h, self.v_head_dim)
-        kernel = paged_kernel(cache, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank)
-        dec = decode_batch(ctx, kernel) if ATTENTION_PATH != "expanded" else None
+        backend = ctx.attention
+        in_place = backend.reads_paged(cache, *self.paged_widths)
+        dec = decode_batch(ctx, in_place) if ATTENTION_PATH != "expanded" else None
         for grp in dec.groups if dec is not None else []:  # one-query rows in batches, in latent space
             q_lat = self._absorb_query(q_nope.index_select(0, grp.tokens), q_pe.index_select(0, grp.tokens))
-            o = latent_decode_attention(q_lat, cache, grp, self.kv_lora_rank, self.scale, kernel, ctx.kv_quant)
-            out.index_copy_(0, grp.tokens, self._unabsorb(o))
+            o, _ = backend.latent_decode(q_lat, cache, grp, self.kv_lora_rank, self.spec, ctx.kv_quant)
+            out.index_copy_(0, grp.tokens, self._unabsorb(o.to(q_lat.dtype)))
         # "auto" up-projects every prompt query (a prompt position takes one path however
         # its prompt is chunked); decodes attend in latent space above.
         attend_row = self._absorbed if ATTENTION_PATH == "absorbed" else self._expanded
         for a, b, slots in prompt_spans(ctx, dec):
             # Up-projecting (expanded) needs float latents: a quantized row's are dequantized.
             context = from_cache(cache.index_select(0, slots), ctx, q.dtype)
-            out[a:b] = attend_row(q_nope[a:b], q_pe[a:b], context)
+            out[a:b] = attend_row(backend, q_nope[a:b], q_pe[a:b], context)
         return out
 
     def shard_query(self, q: torch.Tensor) -> torch.Tensor:
         """Every shard is attended in latent space (the absorbed path)."""
         return self._absorb_query(*q.split([self.nope_dim, self.rope_dim], dim=-1))
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q_nope (L, h, nope), q_pe (L, h, rope), kv (S, r + rope) -> (L, h, v)."""
+    def _expanded(
+        self, backend: AttentionBackend, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """q_nope (L, h, nope), q_pe (L, h, rope), kv (S, r + rope) -> (L, h, v): V narrower
+        than Q and K, which the backend takes as it is (ctxpar's kernel) or pads (PyTorch's)."""
         S, h = kv.shape[0], self.num_heads
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_up = self.kv_b_proj(c_kv).view(S, h, self.nope_dim + self.v_head_dim)
         k_nope, v = kv_up.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(S, h, self.rope_dim)], dim=-1)
-        q, v = torch.cat([q_nope, q_pe], dim=-1), v.contiguous()
-        if kernel_inputs(q, k, v) is None:  # PyTorch's CPU kernel needs Q, K and V of one width
-            d = max(self.qk_head_dim, self.v_head_dim)  # zero dims add nothing to q·k; the scale is explicit
-            q, k = F.pad(q, (0, d - self.qk_head_dim)), F.pad(k, (0, d - self.qk_head_dim))
-            v = F.pad(v, (0, d - self.v_head_dim))
-        return causal_attention(q, k, v, self.scale)[..., : self.v_head_dim]
+        return backend.prefill(torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous(), self.spec)
 
     def _absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """(L, h, nope), (L, h, rope) -> latent-space query (L, h, r + rope): q_nope through W_UK."""
@@ -202,8 +203,8 @@ class MLAttention(nn.Module):
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def attend_lse(
-        self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+    ) -> Partials:
         """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope), query i over the
         first counts[i] latents of (m, r + rope), or of their quantized rows
         (``AttentionKind.attend_lse``). W_UV is linear, so applying it before the cross-rank
@@ -211,17 +212,15 @@ class MLAttention(nn.Module):
         if quant is not None:  # the latents are dequantized for the product
             kv = quant.dequantize(kv).to(q.dtype)
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
-        o, lse = attention_lse(q, k, k, self.scale, counts)
+        o, lse = backend.partial(q, k, k, self.spec, counts)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One-query latent rows over their shards in the compiled kernel, then W_UV, as
-        ``attend_lse`` (``AttentionKind.decode_lse``)."""
-        if not paged_kernel(cache, self.kv_lora_rank + self.rope_dim, self.kv_lora_rank):
-            return None
-        o, lse = attn_kernels.latent_paged_decode(q, cache, slots, starts, self.kv_lora_rank, self.scale, quant)
+        self, backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, quant: KVQuant | None
+    ) -> Partials:
+        """One-query latent rows over their shards in one call, then W_UV, as ``attend_lse``
+        (``AttentionKind.decode_lse``)."""
+        o, lse = backend.latent_decode(q, cache, group, self.kv_lora_rank, self.spec, quant)
         return self._unabsorb(o.to(q.dtype)), lse
 
     def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
@@ -231,11 +230,13 @@ class MLAttention(nn.Module):
         _, w_uv = self._w_uk_uv()
         return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def _absorbed(
+        self, backend: AttentionBackend, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
         """Attention in latent space: same result as _expanded, without up-projecting the context."""
         L, S, h = q_nope.shape[0], kv.shape[0], self.num_heads
         q = self._absorb_query(q_nope, q_pe)  # (L, h, r + rope)
         k = kv.unsqueeze(1)  # (S, 1, r + rope): one KV head, key doubles as value
         if 1 < L < S:  # continued-prefill kernels on CPU take no GQA: expand the single head
             k = k.expand(S, h, k.shape[-1])
-        return self._unabsorb(causal_attention(q, k, k, self.scale)[..., : self.kv_lora_rank])  # (L, h, v)
+        return self._unabsorb(backend.prefill(q, k, k, self.spec)[..., : self.kv_lora_rank])  # (L, h, v)

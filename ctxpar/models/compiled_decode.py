@@ -26,10 +26,10 @@ import torch
 from ctxpar import kernels
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers import kv_rotation
+from ctxpar.layers.attention.paged import decode_batch
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
-from ctxpar.layers.paged_attention import decode_batch
 from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 

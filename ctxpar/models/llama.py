@@ -22,7 +22,7 @@ from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.activation import silu_and_mul
-from ctxpar.layers.attention import GQA, attend
+from ctxpar.layers.attention.attend import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import default_runs
 from ctxpar.layers.linear import MLP_ROWS, Weight, can_pack, embedding, linear, pack_weight, packed, row_invariant

@@ -5,7 +5,7 @@ At start-up a rank captures, for every (batch size, key bucket) of its
 ``CapturePlan`` (cuda_graphs.py), the model's forward over the static buffers:
 the slot table from the buffers' block tables and lengths, then the layers,
 whose attention reads that table (the step's decode group, handed to
-paged_attention.py through the step's memo as it would have built it), writes
+attention/paged.py through the step's memo as it would have built it), writes
 each row's new KV entry at the buffers' slot, and attends every row over its
 padded keys with the mask the lengths give. A step of decodes on one rank then
 costs a copy of its inputs into the buffers and one replay.
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ctxpar.layers.forward_context import DecodeBatch, DecodeGroup, ForwardContext
+from ctxpar.layers.attention.backend import DecodeGroup
+from ctxpar.layers.forward_context import DecodeBatch, ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.models.llama import LlamaForCausalLM
 from ctxpar.worker.cuda_graphs import CapturePlan, DecodeShape, StaticBuffers, capture_sizes, key_buckets, slot_table

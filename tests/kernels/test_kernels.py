@@ -130,7 +130,7 @@ def test_causal_attention_takes_the_kernel_for_any_rows(monkeypatch: pytest.Monk
     """causal_attention runs every CPU call in the kernel, one query or many, fp32 or bf16
     (AMX-BF16's tiles, or widened): equal to PyTorch's path (CTXPAR_KERNELS=0) within
     float rounding."""
-    from ctxpar.layers.attention_math import causal_attention
+    from ctxpar.layers.attention.backend import causal_attention
 
     calls = []
     real = attn_kernels.prefill_attention
@@ -242,7 +242,7 @@ def test_dcp_attention_lse_takes_the_kernel(monkeypatch: pytest.MonkeyPatch) -> 
     """DCP's attention_lse (each query over its own prefix of a shard's keys) runs rows
     in the prefill kernel: out and lse equal PyTorch's path (CTXPAR_KERNELS=0) for
     GQA K/V and for MLA-like latents."""
-    from ctxpar.layers.attention_math import attention_lse
+    from ctxpar.layers.attention.backend import attention_lse
 
     g = torch.Generator().manual_seed(11)
     L, m = 94, 300

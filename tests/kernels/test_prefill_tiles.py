@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ctxpar import kernels
 from ctxpar.kernels import attention_kernels as attn_kernels
-from ctxpar.layers.attention_math import attention_lse, causal_attention, kernel_inputs
+from ctxpar.layers.attention.backend import attention_lse, causal_attention, kernel_inputs
 from helpers.attention_reference import reference
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The attention kernels of ctxpar/layers/attention_ops.py against the
+"""The attention kernels of ctxpar/layers/attention/torch_ops.py against the
 straightforward path: explicit scores, an explicit bottom-right causal mask
 and a softmax, one row at a time (fp32, 1e-5), over random shapes, context
 lengths, GQA ratios and paged slot layouts."""
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.layers.attention_math import causal_attention
-from ctxpar.layers.attention_ops import (
+from ctxpar.layers.attention.backend import causal_attention
+from ctxpar.layers.attention.torch_ops import (
     decode_attention,
     gather_paged_kv,
     padded_slot_table,
@@ -88,8 +88,9 @@ def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch:
     queries attend in the prefill kernel. The PyTorch path batches the short
     decodes in length groups and attends the rest one by one."""
     monkeypatch.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
+    from ctxpar.layers.attention.backend import AttentionSpec
+    from ctxpar.layers.attention.paged import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
     from ctxpar.layers.forward_context import ForwardContext
-    from ctxpar.layers.paged_attention import DECODE_BATCH_MAX_KEYS, decode_batch, gqa_paged_attention
 
     g = torch.Generator().manual_seed(7)
     Hk, H, D = 2, 6, 16
@@ -117,7 +118,7 @@ def test_step_of_mixed_rows_matches_per_row_attention(kernel: bool, monkeypatch:
     )
     n = qsl[-1] + 1  # one padding token
     q = torch.randn(n, H, D, generator=g)
-    out = gqa_paged_attention(q, cache, ctx, 0.3)
+    out = gqa_paged_attention(q, cache, ctx, AttentionSpec(0.3))
     dec = decode_batch(ctx, kernel)
     if kernel:  # by position: prompt queries to the prefill kernel, the rest in one decode call
         assert dec.prompt_queries == [0, 0, 0, 0, 0, 0, 20, 35] and len(dec.groups) == 1
@@ -157,8 +158,9 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
     token, on block tables from a pool that is contiguous, fragmented or in
     between, with the compiled kernel and on the PyTorch path: every row as if
     it attended alone."""
+    from ctxpar.layers.attention.backend import AttentionSpec
+    from ctxpar.layers.attention.paged import gqa_paged_attention
     from ctxpar.layers.forward_context import ForwardContext
-    from ctxpar.layers.paged_attention import gqa_paged_attention
 
     g = torch.Generator().manual_seed(shape["seed"])
     Hk, H, D = shape["kv_heads"], shape["kv_heads"] * shape["group"], shape["head_dim"]
@@ -183,7 +185,7 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
     q = torch.randn(qsl[-1] + 1, H, D, generator=g)
     with pytest.MonkeyPatch.context() as mp:  # hypothesis reruns the body: no function-scoped fixture
         mp.setenv("CTXPAR_KERNELS", "1" if kernel else "0")
-        out = gqa_paged_attention(q, cache, ctx, D**-0.5)
+        out = gqa_paged_attention(q, cache, ctx, AttentionSpec(D**-0.5))
     for r, sl in enumerate(slots):
         kv = cache[sl]
         want, _ = reference(q[qsl[r] : qsl[r + 1]], kv[:, 0], kv[:, 1], D**-0.5)
@@ -196,7 +198,7 @@ def test_step_over_fragmented_or_contiguous_pool_matches_reference(
 def test_lower_right_sdpa_the_gpu_path_of_causal_attention(shape, new, context) -> None:
     """causal_attention off the CPU (``lower_right_sdpa``: PyTorch's bottom-right causal
     mask, GQA), here on the CPU: continued prefills, single queries and whole prompts."""
-    from ctxpar.layers.attention_math import lower_right_sdpa
+    from ctxpar.layers.attention.torch_ops import lower_right_sdpa
 
     g = torch.Generator().manual_seed(shape["seed"])
     Hk, H, D = shape["kv_heads"], shape["kv_heads"] * shape["group"], shape["head_dim"]

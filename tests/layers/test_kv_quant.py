@@ -106,7 +106,8 @@ def test_attending_cache_rows_equals_attending_their_entries(name) -> None:
     them in place), each query over its own prefix of them, gives what it gives over the
     same rows dequantized first."""
     from ctxpar.kernels import attention_kernels
-    from ctxpar.layers.attention import GQA
+    from ctxpar.layers.attention.attend import GQA
+    from ctxpar.layers.attention.backend import KERNELS
 
     shape = (2, 2, 64)
     quant = KVQuant.of(name, shape, default_runs(shape))
@@ -115,7 +116,7 @@ def test_attending_cache_rows_equals_attending_their_entries(name) -> None:
     counts = torch.tensor([1, 4, 4, 9, 13])
     assert attention_kernels.prefill_quant_usable(q, quant)
     gqa = GQA(0, 64, 0.125)
-    out, lse = gqa.attend_lse(q, rows, counts, quant)
-    want_out, want_lse = gqa.attend_lse(q, quant.dequantize(rows), counts, None)
+    out, lse = gqa.attend_lse(KERNELS, q, rows, counts, quant)
+    want_out, want_lse = gqa.attend_lse(KERNELS, q, quant.dequantize(rows), counts, None)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ import torch
 
 from ctxpar.kernels import elementwise
 from ctxpar.layers import kv_rotation
-from ctxpar.layers.attention import GQA, _attend, attend
+from ctxpar.layers.attention.attend import GQA, _attend, attend
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 from helpers.attention_reference import reference

@@ -1,4 +1,4 @@
-"""merge_attention (ctxpar/layers/attention_math.py) on its own, against attention
+"""merge_attention (ctxpar/layers/attention/torch_ops.py) on its own, against attention
 over all keys at once.
 
 The keys are split into parts (some empty, some with every key masked, so
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxpar.layers.attention_math import merge_attention
+from ctxpar.layers.attention.torch_ops import merge_attention
 
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ctxpar.layers.attention_ops import concat_slots, padded_slot_table
+from ctxpar.layers.attention.torch_ops import concat_slots, padded_slot_table
 from ctxpar.worker.cuda_graphs import (
     MAX_CAPTURE_BATCH,
     CapturePlan,
@@ -79,7 +79,7 @@ def test_buffers_pad_with_row_zero_and_hold_each_rows_write_slot() -> None:
 
 def test_slot_table_matches_the_eager_paths_padded_table() -> None:
     """The graph's table, from block tables and lengths, against the eager path's
-    (layers/attention_ops.py), built from each row's slots: equal where the eager
+    (layers/attention/torch_ops.py), built from each row's slots: equal where the eager
     one has columns, and the last slot repeated up to the bucket."""
     block, keys = 4, 16
     tables = torch.tensor([[7, 2, 9, 0], [3, 0, 0, 0], [5, 1, 6, 8]])

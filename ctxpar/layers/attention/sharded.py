@@ -11,7 +11,7 @@ stored the step's entries it owns:
    the query's own: a prefix of the shard's slots of the query's row, one key
    count per query. A prompt position attends in the prefill kernel, a
    generated token or a draft in the decode kernel (as at D = 1,
-   ctxpar/layers/paged_attention.py) -> a partial (out_d, lse_d);
+   ctxpar/layers/attention/paged.py) -> a partial (out_d, lse_d);
 3. one all-to-all brings each rank its own tokens' partials from every rank,
    merged in rank order by ``merge_attention``: ``L = logsumexp_d lse_d``,
    ``out = Σ_d exp(lse_d − L) · out_d``. A shard holding none of a query's
@@ -32,21 +32,19 @@ from collections.abc import Callable
 
 import torch
 
-from ctxpar.layers.attention_math import merge_attention
+from ctxpar.layers.attention.backend import AttentionBackend, DecodeGroup, Partials
+from ctxpar.layers.attention.torch_ops import merge_attention
 from ctxpar.layers.forward_context import ForwardContext, store_kv, to_cache
 from ctxpar.layers.kv_quant import KVQuant
 
-# attend(q (L, H, Dq), kv, counts, quant) -> (out (L, H, Do), lse (L, H)) float32, kv the
-# entries (m, *E), or with `quant` their cache rows (m, row_bytes) in that format (read in
+# attend(backend, q (L, H, Dq), kv, counts, quant) -> (out (L, H, Do), lse (L, H)) float32, kv
+# the entries (m, *E), or with `quant` their cache rows (m, row_bytes) in that format (read in
 # place where a kernel can); counts (L,) int64: query i sees kv[:counts[i]], 1 <= counts[i] <= m.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None], tuple[torch.Tensor, torch.Tensor]]
-# decode(q (B, H, Dq), cache, slots (N,), starts (B + 1,), quant) -> (out (B, H, Do), lse (B, H))
-# float32: one query per row over the cache slots slots[starts[b]:starts[b + 1]], all rows
-# in one call of the compiled kernel; or None where the kernel cannot serve this cache
-# (then they go through `attend`).
-Decode = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None], tuple[torch.Tensor, torch.Tensor] | None
-]
+Attend = Callable[[AttentionBackend, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None], Partials]
+# decode(backend, q (B, H, Dq), cache, group, quant) -> (out (B, H, Do), lse (B, H)) float32:
+# one query per row over the cache slots of its row in ``group``, all rows in one call that
+# reads the cache in place (given only where the backend ``reads_paged`` the cache).
+Decode = Callable[[AttentionBackend, torch.Tensor, torch.Tensor, DecodeGroup, KVQuant | None], Partials]
 
 
 def sharded_attention(
@@ -56,14 +54,15 @@ def sharded_attention(
     layer_idx: int,
     attend: Attend,
     out_dim: int,
-    decode: Decode,
+    decode: Decode | None,
 ) -> torch.Tensor:
     """Write this rank's share of the layer's KV entries, attend every query of the
     step over this rank's shard, and merge each local token's partials across ranks.
 
     q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
     attend, decode: the model's attention over a prefix of keys per query, and
-    of one-query rows over the paged cache; returns (n, H, out_dim) attention
+    of one-query rows over the paged cache (None: the backend does not read this
+    cache in place, and those rows go through ``attend``); returns (n, H, out_dim) attention
     outputs of the local tokens (0 on padding).
     """
     step = ctx.dcp
@@ -81,22 +80,21 @@ def sharded_attention(
         q_rest = both[:, e_width:].contiguous()
         q_space = (q_rest.view(q.dtype) if as_bytes else q_rest).reshape(-1, *q.shape[1:]).to(q.dtype)
     cache = store_kv(entries, ctx, layer_idx)  # every key of the step is in its shard before anyone attends
-    quant = ctx.kv_quant
+    backend, quant = ctx.attention, ctx.kv_quant
     # Row T stays empty (out 0, lse -inf): the partial sent for padding tokens, and for
     # queries this shard holds no key of.
     T = len(step.query_idx)
     partial = torch.zeros(T + 1, heads, out_dim + 1, dtype=torch.float32, device=q.device)
     partial[:, :, out_dim] = float("-inf")
     spans = step.prompt + step.generated
-    if step.decodes is not None:
+    if step.decodes is not None and decode is not None:
         dec = step.decodes
-        res = decode(q_space.index_select(0, step.query_idx[dec.tokens]), cache, dec.slots, dec.starts, quant)
-        if res is not None:
-            partial[dec.tokens, :, :out_dim], partial[dec.tokens, :, out_dim] = res
-            spans = step.prompt
+        res = decode(backend, q_space.index_select(0, step.query_idx[dec.tokens]), cache, dec, quant)
+        partial[dec.tokens, :, :out_dim], partial[dec.tokens, :, out_dim] = res
+        spans = step.prompt
     for sp in spans:
         q_rows = q_space.index_select(0, step.query_idx[sp.start : sp.end])
-        out, lse = attend(q_rows, cache.index_select(0, sp.slots), sp.counts, quant)
+        out, lse = attend(backend, q_rows, cache.index_select(0, sp.slots), sp.counts, quant)
         partial[sp.start : sp.end, :, :out_dim], partial[sp.start : sp.end, :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank, in rank order

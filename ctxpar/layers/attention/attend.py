@@ -8,28 +8,27 @@ KV-cache entries, hands both here, and projects the output:
 ``attend`` owns everything about where the keys live: with a full KV cache on
 every rank it all-gathers the step's entries over the PCP ranks (a split
 step), writes them into the paged cache and attends each local row over its
-context there; with the cache sharded by DCP it goes through
-``sharded_attention``. What differs between attention kinds (GQA's K/V heads,
-MLA's latents) is an ``AttentionKind``: ``GQA`` below, ``MLAttention`` in
-ctxpar/layers/mla.py.
+context there (paged.py); with the cache sharded by DCP it goes through
+``sharded_attention`` (sharded.py). What differs between attention kinds (GQA's
+K/V heads, MLA's latents) is an ``AttentionKind``: ``GQA`` below, ``MLAttention``
+in ctxpar/layers/mla.py. How the keys are attended is the step's backend's
+(``ctx.attention``, backend.py), the same for every kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
 
-from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers import kv_rotation
-from ctxpar.layers.attention_math import attention_lse, paged_kernel
+from ctxpar.layers.attention.backend import AttentionBackend, AttentionSpec, DecodeGroup, Partials
+from ctxpar.layers.attention.paged import gqa_paged_attention
+from ctxpar.layers.attention.sharded import sharded_attention
 from ctxpar.layers.forward_context import ForwardContext, gather_and_store_kv
 from ctxpar.layers.kv_quant import KVQuant
-from ctxpar.layers.paged_attention import gqa_paged_attention
-from ctxpar.layers.sharded_attention import sharded_attention
-
-Partials = tuple[torch.Tensor, torch.Tensor]  # out (L, H, out_dim), lse (L, H), float32
 
 
 class AttentionKind(Protocol):
@@ -50,6 +49,11 @@ class AttentionKind(Protocol):
         """Output width per query head."""
         ...
 
+    @property
+    def paged_widths(self) -> tuple[int, ...]:
+        """The head widths one-query rows read of the paged cache (``AttentionBackend.reads_paged``)."""
+        ...
+
     def attend_cache(self, q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Local rows' queries (n, H, Dq) over a full cache that holds this
         step's entries -> (n, H, out_dim); padding tokens get zeros."""
@@ -59,16 +63,18 @@ class AttentionKind(Protocol):
         """The queries as the sharded path attends them (MLA: in latent space)."""
         ...
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None) -> Partials:
+    def attend_lse(
+        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+    ) -> Partials:
         """Queries (L, H, Dq), query i over the first counts[i] KV entries of (m, *E), or
-        of cache rows of the quantized format ``quant``: ctxpar.layers.sharded_attention.Attend."""
+        of cache rows of the quantized format ``quant``: ctxpar.layers.attention.sharded.Attend."""
         ...
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
-    ) -> Partials | None:
-        """One-query rows over their shards in one kernel call, or None where the
-        kernel cannot read this cache: ctxpar.layers.sharded_attention.Decode."""
+        self, backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, quant: KVQuant | None
+    ) -> Partials:
+        """One-query rows over their shards in one call, where the backend ``reads_paged``
+        this cache: ctxpar.layers.attention.sharded.Decode."""
         ...
 
 
@@ -86,43 +92,52 @@ def attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: At
 def _attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: AttentionKind) -> torch.Tensor:
     if ctx.dcp is not None:  # KV sharded over the ranks
         q = kind.shard_query(q)
-        return sharded_attention(q, entries, ctx, kind.layer_idx, kind.attend_lse, kind.out_dim, kind.decode_lse)
+        in_place = ctx.attention.reads_paged(ctx.kv_caches[kind.layer_idx], *kind.paged_widths)
+        decode = kind.decode_lse if in_place else None
+        return sharded_attention(q, entries, ctx, kind.layer_idx, kind.attend_lse, kind.out_dim, decode)
     cache = gather_and_store_kv(entries, ctx, kind.layer_idx)  # (num_slots, *E)
     return kind.attend_cache(q, cache, ctx)
 
 
 @dataclass(frozen=True)
 class GQA:
-    """Grouped-query attention: entries (n, 2, kv_heads, head_dim), K then V."""
+    """Grouped-query attention: entries (n, 2, kv_heads, head_dim), K then V. window and
+    soft_cap: the layer's variant (``AttentionSpec``); None in every model served today."""
 
     layer_idx: int
     head_dim: int
     scale: float
+    window: int | None = None
+    soft_cap: float | None = None
+
+    @cached_property
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(self.scale, self.window, self.soft_cap)
 
     @property
     def out_dim(self) -> int:
         return self.head_dim
 
     @property
+    def paged_widths(self) -> tuple[int, ...]:
+        return (self.head_dim,)
+
+    @property
     def turns_quantized_heads(self) -> bool:
         return kv_rotation.turns(self.head_dim)
 
     def attend_cache(self, q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return gqa_paged_attention(q, cache, ctx, self.scale)
+        return gqa_paged_attention(q, cache, ctx, self.spec)
 
     def shard_query(self, q: torch.Tensor) -> torch.Tensor:
         return q
 
-    def attend_lse(self, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None) -> Partials:
-        if quant is not None:
-            if attn_kernels.prefill_quant_usable(q, quant):  # the rows read in place
-                return attn_kernels.prefill_attention_quant(q, kv, quant, self.scale, counts=counts)
-            kv = quant.dequantize(kv).to(q.dtype)
-        return attention_lse(q, kv[:, 0], kv[:, 1], self.scale, counts)
+    def attend_lse(
+        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+    ) -> Partials:
+        return backend.gqa_partial_rows(q, kv, quant, self.spec, counts)
 
     def decode_lse(
-        self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, quant: KVQuant | None
-    ) -> Partials | None:
-        if not paged_kernel(cache, self.head_dim):
-            return None
-        return attn_kernels.gqa_paged_decode(q, cache, slots, starts, self.scale, quant)
+        self, backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, quant: KVQuant | None
+    ) -> Partials:
+        return backend.gqa_decode(q, cache, group, self.spec, quant)
