@@ -20,7 +20,14 @@ from typing import Any
 
 from ctxpar.checks import check_float, check_int
 from ctxpar.errors import CtxparError
-from ctxpar.sampling_checks import check_logit_bias, check_structured_outputs, strings, token_ids
+from ctxpar.sampling_checks import (
+    MAX_BAD_WORDS,
+    MAX_STOP,
+    check_logit_bias,
+    check_structured_outputs,
+    strings,
+    token_ids,
+)
 from ctxpar.structured_params import StructuredOutputsParams
 
 __all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
@@ -59,7 +66,8 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability reaches top_p; 1 disables.
     min_p: drop tokens whose probability is below min_p times the most likely one's; 0 disables.
     seed: per-request random seed. The same seed gives the same tokens whatever
-        else is in the batch; None draws a seed from the engine's own seed.
+        else is in the batch; None draws a seed from the engine's own seed (on a
+        server, from the OS's randomness: no client can predict another's draws).
         With n > 1, sample i uses seed + i.
     stop: strings that end generation; the text is cut before the stop string
         (after it with include_stop_str_in_output).
@@ -172,11 +180,11 @@ class SamplingParams:
                 raise CtxparError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise CtxparError(f"cache_salt must be a non-empty string, got {type(self.cache_salt).__name__}")
-        self.stop_strings = strings("stop", self.stop)
+        self.stop_strings = strings("stop", self.stop, MAX_STOP)
         if self.stop_strings and not self.detokenize:
             raise CtxparError("stop strings need detokenize=True (they are matched in the text); drop one of them")
         self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids, empty_ok=True)
-        for word in strings("bad_words", self.bad_words):
+        for word in strings("bad_words", self.bad_words, MAX_BAD_WORDS):
             if not word.strip():
                 raise CtxparError(f"bad_words must hold words, not only spaces: got {word!r}")
         if self.allowed_token_ids is not None:

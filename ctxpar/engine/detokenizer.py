@@ -13,12 +13,15 @@ characters: they could be the start of a stop string, which must not appear
 in the output. Shown text therefore only ever grows. With
 ``include_stop_str_in_output`` the stop string stays in the text (cut just
 after it) and nothing is held back, as in vLLM. Stop strings count only once
-more than ``min_tokens`` tokens were generated.
+more than ``min_tokens`` tokens were generated. They are found by one automaton
+over the new characters (stop_strings.py), whatever their number.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ctxpar.engine.stop_strings import StopStrings
 
 _PROMPT_CONTEXT = 6  # prompt tokens that seed the window
 _INCOMPLETE = "\ufffd"
@@ -31,7 +34,7 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Any,
         prompt_token_ids: list[int],
-        stop: list[str],
+        stop: StopStrings,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
@@ -47,10 +50,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""  # decoded output so far (cut at a stop string once one is seen)
         self.stop = stop
+        self.stop_state = 0  # the text's place in the stop strings' automaton
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_tokens = 0  # generated tokens added
-        self.hold_back = 0 if include_stop_str_in_output else max((len(s) for s in stop), default=1) - 1
+        self.hold_back = 0 if include_stop_str_in_output else max(stop.longest - 1, 0)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.decode_kwargs)
@@ -83,18 +87,15 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str | None:
         start = len(self.text)
         self.text += delta
-        if self.num_tokens <= self.min_tokens:
+        if not self.stop.stops:
             return None
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            # Only a match that touches the new text can be new.
-            i = self.text.find(s, max(0, start - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        # Every character goes through the automaton, so that a stop string begun before
+        # min_tokens and ended after is found; only a match that ends in the new text is new.
+        self.stop_state, match = self.stop.scan(self.stop_state, delta, start)
+        if match is None or self.num_tokens <= self.min_tokens:
             return None
-        self.text = self.text[: best[0] + (len(best[1]) if self.include_stop else 0)]
-        return best[1]
+        self.text = self.text[: match.start + (len(match.stop) if self.include_stop else 0)]
+        return match.stop
 
     def visible_text(self, finished: bool) -> str:
         """Text that is final: all of it once finished, else minus the hold-back."""

@@ -63,7 +63,12 @@ class Engine:
         self.num_steps = 0
         tokenizer = self.loaded.tokenizer
         self.processor = InputProcessor(
-            tokenizer, self.vocab_size, config.max_logprobs, config.seed, lambda: self.max_model_len
+            tokenizer,
+            self.vocab_size,
+            config.max_logprobs,
+            config.seed,
+            lambda: self.max_model_len,
+            lambda spec: self.structured.compile(spec),
         )
         # Detokenizing, logprobs' text, stop conditions and outputs (it holds the EOS ids).
         self.output_processor = OutputProcessor(tokenizer, set(self.loaded.eos_token_ids))
@@ -142,10 +147,7 @@ class Engine:
         arrival_time: when it arrived (``time.perf_counter()``; default now)."""
         if not isinstance(request, EngineRequest):
             request = self.processor.process_tokens(request, params, prompt)
-        so = request.params.structured_outputs
-        # Parsed now, before the request takes an arrival index (a bad schema fails here, alone);
-        # compiled beside the step loop.
-        grammar = self.structured.compile(so) if so is not None else None
+        grammar = request.grammar  # compiled by the processor, off this thread
         index = next(self._arrivals)
         request_id = request_id if request_id is not None else str(index)
         arrival = arrival_time if arrival_time is not None else time.perf_counter()

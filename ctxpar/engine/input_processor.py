@@ -7,18 +7,22 @@ here, once, before anything is queued: so a bad request raises a CtxparError
 and leaves the requests in flight untouched, and a batch is checked whole
 before any of it is queued. The EngineRequest holds the engine's own copy of
 the params: changing the caller's object (or its lists) later cannot reach a
-request in flight.
+request in flight. It holds too what its params cost to prepare: its bad words
+as token ids, its stop strings' automaton and its compiled grammar, made here, on
+the caller's thread (the server's: a worker thread), never on the engine thread,
+where a request's thousand bad words or a slow schema would stall every step.
 
 When the engine queues a request, ``make_group`` makes its samples: each with
-its bad words as token ids, its own generator (seeded: its draws never
-depend on the rest of the batch) and its detokenizer.
+its own generator (seeded: its draws never depend on the rest of the batch)
+and its detokenizer.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,11 +31,12 @@ import torch
 from ctxpar.engine.detokenizer import IncrementalDetokenizer
 from ctxpar.engine.request import Request, RequestGroup
 from ctxpar.engine.sample.grammar import RequestGrammar
+from ctxpar.engine.stop_strings import StopStrings
 from ctxpar.engine.validation import check_request
 from ctxpar.errors import CtxparError
 from ctxpar.inputs import PromptType, parse_prompt
 from ctxpar.outputs import RequestMetrics
-from ctxpar.sampling_params import SEED_MAX, SamplingParams
+from ctxpar.sampling_params import SEED_MAX, SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -42,22 +47,36 @@ class EngineRequest:
     prompt_token_ids: list[int]  # the last ``truncate_prompt_tokens`` of them, where set
     params: SamplingParams
     prompt: str | None = None  # the prompt's text, where it had one
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # of params.bad_words
+    stop: StopStrings = field(default_factory=lambda: StopStrings([]))  # of params.stop_strings
+    grammar: Future | None = None  # params.structured_outputs compiled (done)
 
 
 class InputProcessor:
     """Checks prompts against the model and the engine, and makes a request's samples."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, max_logprobs: int, seed: int, max_model_len: Callable[[], int]
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_logprobs: int,
+        seed: int,
+        max_model_len: Callable[[], int],
+        compile_grammar: Callable[[StructuredOutputsParams], Future],
     ) -> None:
         """tokenizer: None without one (prompts must be token ids); seed: the engine's, from
         which unseeded requests draw theirs; max_model_len: the engine's limit now (a lost
-        DCP rank can lower it)."""
+        DCP rank can lower it); compile_grammar: the engine's grammar compile (a Future)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.seed = seed
         self.max_model_len = max_model_len
+        self.compile_grammar = compile_grammar
+        # Unseeded requests draw from the OS's randomness instead of (seed, arrival index):
+        # the server sets it, where the n-th request after a restart must not be predictable
+        # to a client; offline, reproducible runs are the point of the engine seed.
+        self.os_random_seeds = False
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams | None) -> EngineRequest:
         """Tokenize (a string or TextPrompt) and check one prompt of any of vLLM's forms."""
@@ -87,7 +106,12 @@ class InputProcessor:
         params = params.clone()  # checked: its copy is too (a deep copy keeps every derived field)
         if cache_salt is not None:
             params.cache_salt = cache_salt  # this prompt's: the caller's params may serve others
-        return EngineRequest(ids, params, prompt)
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.compile_grammar(params.structured_outputs)
+            grammar.result()  # a bad spec fails here, alone (its compile is bounded in time)
+        return EngineRequest(ids, params, prompt, bad_words, StopStrings(params.stop_strings), grammar)
 
     def make_group(
         self,
@@ -105,7 +129,6 @@ class InputProcessor:
         ids, params = request.prompt_token_ids, request.params
         k = params.num_samples
         sample_ids = [request_id] if k == 1 else [f"{i}_{request_id}" for i in range(k)]
-        bad_words = self._bad_words_token_ids(params.bad_words or [])
         assert params.stop_token_ids is not None  # validate() made it a list
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         max_model_len = self.max_model_len()
@@ -123,7 +146,7 @@ class InputProcessor:
                 generator=self._generator(params, arrival_index, i),
                 prompt=request.prompt,
                 max_total_tokens=min(len(ids) + (params.max_tokens or max_model_len), max_model_len),
-                bad_words_token_ids=bad_words,
+                bad_words_token_ids=request.bad_words_token_ids,
                 min_tokens_banned=banned,
                 group=group,
                 index=i,
@@ -134,7 +157,7 @@ class InputProcessor:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer if params.detokenize else None,
                 ids,
-                params.stop_strings,
+                request.stop,
                 params.skip_special_tokens,
                 params.spaces_between_special_tokens,
                 params.include_stop_str_in_output,
@@ -153,6 +176,8 @@ class InputProcessor:
             seed += sample  # vLLM's seed of sample i; wrapped into the 64 bits manual_seed takes
             if seed > SEED_MAX:
                 seed -= 1 << 64
+        elif self.os_random_seeds:
+            seed = secrets.randbits(64)
         else:
             # Unseeded: seeded from the engine seed and the arrival index, so runs are reproducible.
             entropy = (self.seed, index) if sample == 0 else (self.seed, index, sample)

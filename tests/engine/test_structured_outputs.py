@@ -295,20 +295,19 @@ def test_structural_tags(llm):
 
 
 def test_a_compile_slower_than_a_step_wait_is_waited_for(llm):
-    """A step waits for a grammar only briefly (the engine loop must stay responsive):
-    LLM.generate keeps stepping while a compile takes longer than that (a loaded
-    machine), instead of taking the empty steps for a stuck scheduler."""
+    """A compile that takes longer than a step's wait for grammars (a loaded machine) is
+    waited for: the request is queued once its grammar is compiled, and served."""
     import time
 
     backend = llm.engine.structured.backend
-    compiler = backend.compiler
+    worker = backend.worker
 
     class Slow:
-        def compile_grammar(self, grammar):
+        def compile(self, spec, timeout):
             time.sleep(0.5)  # ten times the step's wait
-            return compiler.compile_grammar(grammar)
+            return worker.compile(spec, timeout)
 
-    backend.compiler, backend.cache = Slow(), GrammarCache()
+    backend.worker, backend.cache = Slow(), GrammarCache()
     try:
         [out] = llm.generate(
             ["Pick one:"],
@@ -316,5 +315,5 @@ def test_a_compile_slower_than_a_step_wait_is_waited_for(llm):
             use_tqdm=False,
         )
     finally:
-        backend.compiler = compiler
+        backend.worker = worker
     assert out.outputs[0].text in ("slow", "fast")

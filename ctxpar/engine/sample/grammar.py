@@ -1,17 +1,21 @@
 """Constrained decoding on xgrammar: grammars compiled once, one matcher per request, a bitmask per step.
 
-    add_request ──► GrammarBackend.grammar(spec)   parse now: a bad schema fails the request alone
-                └─► GrammarBackend.compile(spec)   a Future, on a worker thread, cached by spec.key()
-                                                   in a bounded LRU (grammar_cache.py)
-    Engine.step: a request joins the scheduler once its grammar is compiled, or
-                 fails alone once the compile has taken longer than ``compile_timeout``
+    InputProcessor ──► GrammarBackend.compile(spec)   a Future, cached by spec.key() in a bounded
+                                                      LRU (grammar_cache.py); a spec over the size
+                                                      cap fails at once
+      compile thread ──► GrammarWorker: parse and compile in a process of its own, bounded in
+                         time (killed past ``compile_timeout``) and memory (grammar_worker.py);
+                         the compiled grammar comes back as xgrammar's JSON
+    Engine.step: a request joins the scheduler once its grammar is compiled, or fails alone
       logits (S, V) ──► apply_bitmasks: each constrained row's matcher fills its row
                         of an (S, ceil(V/32)) int32 bitmask; one in-place masking of
                         all those rows sets disallowed logits to -inf
       sampler (logprobs, penalties, sampling all see the masked logits, as in vLLM)
       after the step commits: matcher.accept_token(token)
 
-A step that fails advances no matcher (tokens are accepted only after the
+Nothing of a client's spec is parsed or compiled on the engine thread, nor on the
+threads that tokenize and render requests: the engine thread only looks the compile
+up. A step that fails advances no matcher (tokens are accepted only after the
 commit), and preemption keeps a request's output tokens, so its matcher stays
 valid: nothing has to be rolled back. xgrammar is imported only when the first
 constrained request arrives.
@@ -19,34 +23,40 @@ constrained request arrives.
 
 from __future__ import annotations
 
-import json
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S, GrammarCache
+from ctxpar.engine.sample.grammar_cache import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_SPEC_BYTES,
+    DEFAULT_WORKER_MEMORY,
+    GrammarCache,
+    key_bytes,
+)
+from ctxpar.engine.sample.grammar_worker import GrammarWorker
 from ctxpar.errors import CtxparError
 from ctxpar.structured_params import StructuredOutputsParams
 
 
-def _message(e: Exception) -> str:
-    """xgrammar's error text without its '[time] /path/file.cc:line: ' prefix."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).strip()
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one client's spec may cost (the server's --grammar-* flags)."""
+
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # compiled grammars kept, least recently used out first
+    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S  # s of one parse and compile
+    max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES  # characters of one spec
+    memory_bytes: int = DEFAULT_WORKER_MEMORY  # the compiler process's address space
 
 
 class GrammarBackend:
-    """xgrammar over the engine's tokenizer: parses, compiles (cached) and hands out matchers."""
+    """xgrammar over the engine's tokenizer: compiles (in its worker process, cached) and hands out matchers."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: list[int],
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GrammarLimits = GrammarLimits()
     ) -> None:
         if tokenizer is None:
             raise CtxparError("structured outputs need a tokenizer: this model has none")
@@ -59,46 +69,32 @@ class GrammarBackend:
 
         self.xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self.cache = GrammarCache(cache_bytes)
-        self.compile_timeout = compile_timeout
-        # One thread: compiles run beside the step loop (xgrammar releases the GIL), in order.
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.limits = limits
+        self.compile_timeout = limits.compile_timeout
+        self.cache = GrammarCache(limits.cache_bytes)
+        self.worker = GrammarWorker(self.info.serialize_json(), limits.memory_bytes)
+        self.worker.replace()  # started now: it imports xgrammar while the first spec is on its way
+        # One thread: it talks to the worker process, one compile at a time, in order.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxpar-grammar")
 
-    def grammar(self, spec: StructuredOutputsParams) -> Any:
-        """The xgrammar Grammar of a constraint; CtxparError naming the problem if it is invalid."""
-        xgr = self.xgr
-        try:
-            if spec.json is not None:
-                schema = json.loads(cast(str, spec.json))  # validate() made it a JSON string
-                if spec.disable_additional_properties:
-                    schema = _closed(schema)
-                return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not spec.disable_any_whitespace)
-            if spec.json_object:
-                return xgr.Grammar.builtin_json_grammar()
-            if spec.regex is not None:
-                return xgr.Grammar.from_regex(spec.regex)
-            if spec.choice is not None:
-                # JSON string literals are valid EBNF literals (same escapes).
-                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-            if spec.grammar is not None:
-                return xgr.Grammar.from_ebnf(spec.grammar)
-            return xgr.Grammar.from_structural_tag(_structural_tag(xgr, spec.structural_tag))
-        except CtxparError:
-            raise
-        except Exception as e:  # xgrammar's RuntimeError / ValueError / its own error types
-            raise CtxparError(f"invalid structured_outputs.{spec.kind}: {_message(e)}") from None
-
     def compile(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of ``spec``, as a Future; the first request of a
-        spec compiles it on the worker thread, the others share the result."""
+        """The compiled grammar of ``spec``, as a Future; the first request of a spec compiles
+        it in the worker process, the others share the result. A spec over the size cap
+        raises CtxparError at once; an invalid one fails its Future with one."""
         key = spec.key()
-        fut = self.cache.get(key)
-        if fut is None:
-            grammar = self.grammar(spec)  # outside the cache's lock: a large schema takes a while
-            fut = self.cache.get_or_compile(key, lambda: self.pool.submit(self.compiler.compile_grammar, grammar))
-        return fut
+        size = key_bytes(key)
+        if size > self.limits.max_spec_bytes:
+            raise CtxparError(
+                f"structured_outputs.{spec.kind} is {size} characters long: the server compiles at most "
+                f"{self.limits.max_spec_bytes} (--max-grammar-bytes); simplify it"
+            )
+        return self.cache.get_or_compile(key, lambda: self.pool.submit(self._compile, spec))
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        # On the compile thread: deserializing costs a fraction of compiling, and is bounded by the spec's cap.
+        text = self.worker.compile(spec, self.compile_timeout)
+        return self.xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def timeout_error(self) -> CtxparError:
         """What a request whose grammar took longer than ``compile_timeout`` is told."""
@@ -112,6 +108,7 @@ class GrammarBackend:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.worker.stop()
 
 
 @dataclass
@@ -150,32 +147,3 @@ def apply_bitmasks(backend: GrammarBackend, logits: torch.Tensor, grammars: list
     for i in rows:
         grammars[i].matcher.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=backend.vocab_size, indices=rows)
-
-
-def _closed(schema: Any) -> Any:
-    """The schema with ``additionalProperties: false`` on every object schema in it."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
-            out[k] = {name: _closed(s) for name, s in v.items()}  # names -> schemas
-        elif k in ("const", "enum", "default", "examples"):
-            out[k] = v  # values, not schemas
-        else:
-            out[k] = _closed(v)
-    if out.get("type") == "object" or "properties" in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _structural_tag(xgr: Any, text: str | dict | None) -> str:
-    """vLLM's legacy {"structures": [{begin, schema, end}], "triggers": [...]} as
-    xgrammar's current format; the current format ({"format": ...}) as it is."""
-    tag = json.loads(text) if isinstance(text, str) else text
-    if not isinstance(tag, dict) or "structures" not in tag:
-        return json.dumps(tag)
-    items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in tag["structures"]]
-    return xgr.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers", [])).model_dump_json(indent=None)

@@ -24,9 +24,15 @@ from typing import Any
 # tens of KB to a few MB with a 50K-150K token vocabulary.
 DEFAULT_CACHE_BYTES = 512 << 20
 # Seconds a request waits for its grammar. A client's schema can take a compile
-# arbitrarily long; past this its request fails (xgrammar cannot interrupt the
-# compile itself, which runs to its end on the worker thread, its request gone).
+# arbitrarily long; past this its request fails and the compiler's process is
+# killed (grammar_worker.py: xgrammar cannot interrupt a compile otherwise).
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# Characters of one spec (its key's text). Real schemas are a few KB; a 7.6 MB
+# nested allOf took 20 s and 800 MB to parse.
+DEFAULT_MAX_SPEC_BYTES = 256 << 10
+# The compiler process's address space: xgrammar and torch mapped (~1 GiB of it
+# untouched), a parse or compile that wants more fails in that process alone.
+DEFAULT_WORKER_MEMORY = 4 << 30
 
 
 def key_bytes(key: tuple) -> int:

@@ -1,7 +1,7 @@
 """The engine's side of constrained decoding (the grammars themselves: ctxpar/engine/sample/grammar.py).
 
-A constrained request is held until its grammar is compiled (on the backend's
-worker thread, so a new schema does not stall the requests already running),
+A constrained request is held until its grammar is compiled (in the backend's
+worker process, so a new schema does not stall the requests already running),
 then scheduled like any other; each step masks its logits row before
 sampling (StepSampler), and the scheduler advances its matcher by the token
 sampled, after the commit (Scheduler.update_from_output).
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ctxpar.engine.request import Request, RequestGroup
-from ctxpar.engine.sample.grammar import GrammarBackend, apply_bitmasks
-from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
+from ctxpar.engine.sample.grammar import GrammarBackend, GrammarLimits, apply_bitmasks
+from ctxpar.engine.sample.grammar_cache import DEFAULT_MAX_SPEC_BYTES, DEFAULT_WORKER_MEMORY
 from ctxpar.structured_params import StructuredOutputsParams
 
 
@@ -30,28 +30,38 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._args = (tokenizer, vocab_size, stop_token_ids)
-        self.cache_bytes, self.compile_timeout = DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
+        self.limits = GrammarLimits()
         self._backend: GrammarBackend | None = None  # made (and xgrammar imported) on first use
         self._lock = threading.Lock()  # the server's event loop may make it first
         self.compiling: list[RequestGroup] = []  # added, waiting for their grammar
         self._since: dict[int, float] = {}  # id of a compiling group -> when it was first seen waiting
 
-    def configure(self, cache_bytes: int, compile_timeout: float) -> None:
-        """The grammar cache's bound in bytes and the seconds a request waits for its
-        grammar (the server's flags); before the first constrained request."""
+    def configure(
+        self,
+        cache_bytes: int,
+        compile_timeout: float,
+        max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+        memory_bytes: int = DEFAULT_WORKER_MEMORY,
+    ) -> None:
+        """The grammar cache's bound in bytes, the seconds a compile may take, the longest spec
+        and the compiler's memory (the server's flags); before the first constrained request."""
         if self._backend is not None:
             raise RuntimeError("configure the grammar backend before its first use")
-        self.cache_bytes, self.compile_timeout = cache_bytes, compile_timeout
+        self.limits = GrammarLimits(cache_bytes, compile_timeout, max_spec_bytes, memory_bytes)
+
+    @property
+    def compile_timeout(self) -> float:
+        return self.limits.compile_timeout
 
     @property
     def backend(self) -> GrammarBackend:
         with self._lock:
             if self._backend is None:
-                self._backend = GrammarBackend(*self._args, self.cache_bytes, self.compile_timeout)
+                self._backend = GrammarBackend(*self._args, self.limits)
             return self._backend
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
-        """Check ``spec`` now (CtxparError if invalid) and compile it on the worker thread."""
+        """Its compile (CtxparError at once for a spec over the size cap), in the worker process."""
         return self.backend.compile(spec)
 
     def take_ready(self, block: bool) -> list[tuple[RequestGroup, BaseException | None]]:

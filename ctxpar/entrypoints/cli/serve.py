@@ -13,8 +13,11 @@ degraded (at those limits) or dead (503).
 With an API key (CTXPAR_API_KEY in the environment: a command line, and so
 --api-key, is readable by every user of the machine in /proc), every path
 but /health needs it, /metrics too unless --public-metrics; a request without
-it is refused before its body is read. /docs, /redoc and /openapi.json are
-off unless --enable-docs.
+it is refused before its body is read, and gets /health's status alone and
+/metrics without the prefix cache's counts. /docs, /redoc and /openapi.json
+are off unless --enable-docs. Without a key (warned about), only requests
+addressed to an IP address, localhost or --host are served. Every POST body
+must be JSON (Content-Type: application/json).
 
 examples:
   ctxpar serve
@@ -161,8 +164,46 @@ def _add_limits(g: argparse._ArgumentGroup) -> None:
         type=_seconds,
         default=d.grammar_compile_timeout,
         metavar="S",
-        help=f"seconds a request waits for its schema, regex or grammar to compile (default: "
-        f"{d.grammar_compile_timeout:g}); longer: 408. A compile already running still ends on the compile thread",
+        help=f"seconds a schema, regex or grammar may take to compile (default: {d.grammar_compile_timeout:g}); "
+        "longer: 408, and the compiler's process is killed",
+    )
+    g.add_argument(
+        "--max-grammar-bytes",
+        type=positive_int,
+        default=d.max_grammar_bytes,
+        metavar="N",
+        help=f"characters of one schema, regex, grammar or choice list (default: {d.max_grammar_bytes}); more: 400",
+    )
+    g.add_argument(
+        "--grammar-memory-bytes",
+        type=positive_int,
+        default=d.grammar_memory_bytes,
+        metavar="BYTES",
+        help=f"address space of the process that compiles grammars (default: {d.grammar_memory_bytes >> 30} GiB); "
+        "a spec that needs more: 400",
+    )
+    g.add_argument(
+        "--timeout-header",
+        type=_seconds,
+        default=d.timeout_header,
+        metavar="S",
+        help=f"seconds a connection has to send a request's line and headers (default: {d.timeout_header:g}); "
+        "later: 408 and the connection is closed",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=d.max_connections,
+        metavar="N",
+        help=f"connections open at once (default: {d.max_connections}); more are closed as they come",
+    )
+    g.add_argument(
+        "--max-logprob-entries",
+        type=positive_int,
+        default=d.max_logprob_entries,
+        metavar="N",
+        help=f"logprobs one answer may carry: prompt tokens x (prompt_logprobs + 1) + sequences x max_tokens x "
+        f"(logprobs + 1) (default: {d.max_logprob_entries}); more: 400",
     )
 
 
@@ -181,7 +222,9 @@ def _limits(args: argparse.Namespace) -> ServerLimits:
 
 
 def _access(args: argparse.Namespace) -> Access:
-    return Access(args.api_key or None, enable_docs=args.enable_docs, public_metrics=args.public_metrics)
+    return Access(
+        args.api_key or None, enable_docs=args.enable_docs, public_metrics=args.public_metrics, host=args.host
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -189,6 +232,7 @@ def run(args: argparse.Namespace) -> None:
 
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
+    from ctxpar.entrypoints.openai.connections import bounded_h11
     from ctxpar.entrypoints.openai.shutdown import UVICORN_MARGIN_S, Shutdown
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -206,6 +250,7 @@ def run(args: argparse.Namespace) -> None:
             host=args.host,
             port=args.port,
             log_level="warning",
+            http=bounded_h11(limits.timeout_header, limits.max_connections),
             # Past our own deadline, at which the engine ends what is left with an error (shutdown.py).
             timeout_graceful_shutdown=limits.timeout_graceful_shutdown + UVICORN_MARGIN_S,
         )

@@ -14,9 +14,11 @@ the event loop) before it reaches the engine (a bad one gets a 400 with the
 engine's own message and disturbs no other), submit it to the AsyncLLM
 (ctxpar/engine/async_llm.py), and turn its outputs into OpenAI bodies or
 server-sent events (streaming.py). A client that disconnects aborts its
-requests. In front of the routes, ClientGuard (guard.py) checks the API key
-(access.py), reads bodies within the limits and admits generation and
-tokenizer requests within the concurrency limits (limits.py). The exception
+requests. Before a request exists, uvicorn's protocol bounds its connection
+(connections.py: a deadline for its head, a cap on connections). In front of
+the routes, ClientGuard (guard.py) checks the API key or, without one, the Host
+(access.py), takes JSON bodies only, reads them within the limits and admits
+generation and tokenizer requests within the concurrency limits (limits.py). The exception
 handlers below turn the errors a route raises into OpenAI error bodies.
 """
 

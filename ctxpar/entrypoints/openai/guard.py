@@ -3,7 +3,10 @@ hostile or broken client cost the server a bounded amount and nobody else anythi
 
 - The API key is checked first (access.py), on the headers alone: a client
   without it gets a 401 before a byte of its body is read, and its connection
-  is closed.
+  is closed. Without a key, the Host header is checked instead (access.py).
+- A POST's body must be declared JSON (Content-Type: application/json), else a
+  415 before it is read: every body the API takes is JSON, and a web page can
+  send a text/plain or form body to a local server without asking, never JSON.
 - The body is read here, once, before any route runs: a declared or actual size
   over ``max_body_size`` is a 413, a body that has not arrived within
   ``timeout_client`` (a slow sender) a 408, and a client that leaves half-way
@@ -78,7 +81,7 @@ class ClientGuard:
                 await _answer(send, _before_body(ApiError(503, "the server is shutting down")))
 
     async def _handle(self, scope: MutableMapping[str, Any], receive: Receive, send: _Sender) -> None:
-        refused = self.access.refuse(scope)
+        refused = self.access.refuse(scope) or _not_json(scope)
         if refused is not None:
             await _answer(send, _before_body(refused))
             return
@@ -167,6 +170,19 @@ class _Held:
     def release(self) -> None:
         self.budget.give_back(self.nbytes)
         self.nbytes = 0
+
+
+def _not_json(scope: MutableMapping[str, Any]) -> ApiError | None:
+    """A 415 for a POST whose body is not declared JSON."""
+    if scope["method"] != "POST":
+        return None
+    declared = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+    if declared.split(";", 1)[0].strip().lower() == "application/json":
+        return None
+    return ApiError(
+        415,
+        f"the body must be JSON, sent with 'Content-Type: application/json' (got {declared[:100]!r})",
+    )
 
 
 def _too_large(limit: int) -> ApiError:

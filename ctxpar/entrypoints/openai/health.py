@@ -14,6 +14,10 @@
   or one that cannot be respawned). The body carries the reason in OpenAI's
   error shape (a lost rank's own account; of any other failure only its
   kind, the server's log has the exception); restart the server.
+
+A request without the API key (a load balancer's probe) gets the status
+alone: the counts and the reason say how busy and how broken the server is,
+which is the key holders' business.
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ from ctxpar.entrypoints.openai.limits import Admission
 from ctxpar.entrypoints.openai.protocol import ApiError
 
 
-def report(engine: AsyncLLM, admission: Admission) -> tuple[int, dict]:
-    """(HTTP status, body) of /health."""
+def report(engine: AsyncLLM, admission: Admission, full: bool) -> tuple[int, dict]:
+    """(HTTP status, body) of /health; ``full``: with the counts and the reason (the key was given)."""
+    status, body = _report(engine, admission)
+    return status, body if full else {"status": body["status"]}
+
+
+def _report(engine: AsyncLLM, admission: Admission) -> tuple[int, dict]:
     recovery = engine.rank_recovery
     counts = {
         "requests_running": admission.running,

@@ -3,7 +3,7 @@ GET /metrics (Prometheus, server_metrics.py) and GET /v1/models (the one model s
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -15,14 +15,15 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(state: ServerDep) -> Response:
-    status, body = H.report(state.engine_client, state.admission)
+async def health(request: Request, state: ServerDep) -> Response:
+    status, body = H.report(state.engine_client, state.admission, state.access.authorized(request.scope))
     return JSONResponse(body, status_code=status)
 
 
 @router.get("/metrics")
-async def metrics(state: ServerDep) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request, state: ServerDep) -> Response:
+    private = state.access.authorized(request.scope)  # with --public-metrics, a scraper may have no key
+    return Response(state.metrics.render(private), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

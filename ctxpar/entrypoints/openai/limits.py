@@ -13,7 +13,13 @@ all bodies being received or served at once stay within
 with a 503 before more of its body is read. One request is bounded in what
 it asks of the engine: prompts (``max_prompts_per_request``) and sequences,
 prompts x n (``max_sequences_per_request``): otherwise a single admission
-slot could carry thousands of generations.
+slot could carry thousands of generations. And in what its answer may hold:
+logprobs, of the prompt's tokens and of the tokens generated, at most
+``max_logprob_entries`` (a 128K-token prompt with prompt_logprobs=20 would be
+2.7 M entries, hundreds of MB of JSON).
+
+Connections are bounded before they carry a request (connections.py): a
+request's head within ``timeout_header`` s, at most ``max_connections`` open.
 """
 
 from __future__ import annotations
@@ -22,10 +28,20 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ctxpar.engine.sample.grammar_cache import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_TIMEOUT_S
+from ctxpar.engine.sample.grammar_cache import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_SPEC_BYTES,
+    DEFAULT_WORKER_MEMORY,
+)
 from ctxpar.entrypoints.openai.protocol import ApiError
 from ctxpar.errors import CtxparError
+from ctxpar.sampling_params import ALL_LOGPROBS
+
+if TYPE_CHECKING:  # torch's import is not worth `ctxpar serve --help`
+    from ctxpar.engine.input_processor import EngineRequest
 
 # What a refused client is told to wait: slots free as requests finish, which
 # at the server's usual pace is well within a second or two.
@@ -46,6 +62,11 @@ class ServerLimits:
     max_sequences_per_request: int = 1024  # prompts x max(n, best_of) in one request
     grammar_cache_bytes: int = DEFAULT_CACHE_BYTES  # compiled grammars kept (least recently used go first)
     grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S  # s a request waits for its grammar
+    max_grammar_bytes: int = DEFAULT_MAX_SPEC_BYTES  # characters of one schema, regex, grammar or choice list
+    grammar_memory_bytes: int = DEFAULT_WORKER_MEMORY  # address space of the grammar compiler's process
+    timeout_header: float = 10.0  # s a connection has to send a request's line and headers
+    max_connections: int = 1024  # connections open at once; more are closed as they come
+    max_logprob_entries: int = 1 << 22  # logprobs one response may carry, prompt's and generated
 
     def __post_init__(self) -> None:
         if self.max_body_bytes_in_flight < self.max_body_size:
@@ -116,6 +137,29 @@ def check_fanout(limits: ServerLimits, prompts: int, n: int, best_of: int | None
             f"{prompts} prompt(s) x {field}={samples} = {prompts * samples} sequences in one request: the server "
             f"takes at most {limits.max_sequences_per_request} (--max-sequences-per-request)",
             param=field,
+        )
+
+
+def check_logprobs(limits: ServerLimits, requests: list[EngineRequest], vocab_size: int) -> None:
+    """A 400 naming the limit and its flag if the logprobs the requests' answer would carry,
+    (prompt_logprobs + 1) per prompt token and (logprobs + 1) per generated token of each
+    sequence up to max_tokens, pass ``max_logprob_entries``."""
+    entries = 0
+    for r in requests:
+        p = r.params
+        per_prompt = vocab_size if p.prompt_logprobs == ALL_LOGPROBS else p.prompt_logprobs
+        per_token = vocab_size if p.logprobs == ALL_LOGPROBS else p.logprobs
+        if per_prompt is not None:
+            entries += len(r.prompt_token_ids) * (per_prompt + 1)
+        if per_token is not None:
+            entries += p.num_samples * (p.max_tokens or 0) * (per_token + 1)
+    if entries > limits.max_logprob_entries:
+        raise ApiError(
+            400,
+            f"this request's answer would carry {entries} logprobs (prompt tokens x (prompt_logprobs + 1) + sequences "
+            f"x max_tokens x (logprobs + 1)): the server sends at most {limits.max_logprob_entries} in one answer "
+            "(--max-logprob-entries); ask for fewer, or for a shorter prompt's",
+            param="prompt_logprobs",
         )
 
 

@@ -9,6 +9,8 @@ These run on a worker thread (asyncio.to_thread): tokenizing or templating a
 from __future__ import annotations
 
 from ctxpar.engine.input_processor import EngineRequest
+from ctxpar.entrypoints.openai.failures import template_error
+from ctxpar.entrypoints.openai.limits import check_logprobs
 from ctxpar.entrypoints.openai.protocol import ApiError, SamplingRequest
 from ctxpar.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatMessage
 from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
@@ -44,7 +46,7 @@ def render_chat(
     except (CtxparError, ApiError):
         raise
     except Exception as e:  # the template's own refusal (jinja), e.g. roles out of order
-        raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        raise template_error(e) from None  # no exception text but a template's own refusal
     return rendered
 
 
@@ -74,6 +76,7 @@ def completion_requests(
     for p in prompts:
         text, ids = (p, encode(state, p, req.add_special_tokens)) if isinstance(p, str) else (None, p)
         out.append(_engine_request(state, req, ids, text, req.logprobs, constraint))
+    check_logprobs(state.limits, out, state.engine.processor.vocab_size)
     return out
 
 
@@ -92,4 +95,6 @@ def chat_request(
     ids = rendered["prompt_token_ids"]
     if req.add_special_tokens:  # the template's text, with the tokenizer's own specials on top (vLLM's option)
         ids = encode(state, rendered["prompt"], add_special_tokens=True)
-    return _engine_request(state, req, ids, rendered["prompt"], req.num_logprobs, constraint)
+    request = _engine_request(state, req, ids, rendered["prompt"], req.num_logprobs, constraint)
+    check_logprobs(state.limits, [request], state.engine.processor.vocab_size)
+    return request

@@ -3,6 +3,11 @@
 Only the engine thread writes them (after each step or abort), so the
 gauges are read from the engine's own bookkeeping without racing it; GET
 /metrics renders the registry on the event loop.
+
+The prefix cache's counters are rendered only for a request with the API key
+(on a server with one): exact hit counts, read before and after a request of
+one's own, say whether another client's prompt began the same way, an oracle
+that needs no timing. A public scrape (--public-metrics) gets the rest.
 """
 
 from __future__ import annotations
@@ -156,7 +161,8 @@ class ServerMetrics:
         self.rank_recovery = _RankRecovery(label)
         r.register(self.rank_recovery)
         self.prefix_cache = _PrefixCache(label)
-        r.register(self.prefix_cache)
+        self.private = CollectorRegistry()  # rendered for key holders only
+        self.private.register(self.prefix_cache)
         self._label = label
 
     def record(self, event: OutputEvent) -> None:
@@ -179,5 +185,7 @@ class ServerMetrics:
             self.collectives.seconds = snapshot.collective_seconds
         self.spec_decode.counts = snapshot.spec_decode
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, private: bool) -> bytes:
+        """The exposition text; ``private``: with the prefix cache's counters (the key was given)."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.private) if private else text

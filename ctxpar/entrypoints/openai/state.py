@@ -38,7 +38,13 @@ class ServerState:
         self.engine = llm.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
-        self.engine.structured.configure(limits.grammar_cache_bytes, limits.grammar_compile_timeout)
+        self.engine.structured.configure(
+            limits.grammar_cache_bytes,
+            limits.grammar_compile_timeout,
+            limits.max_grammar_bytes,
+            limits.grammar_memory_bytes,
+        )
+        self.engine.processor.os_random_seeds = True  # the n-th unseeded request is nobody's guess
         self.metrics = ServerMetrics(model_name)
         self.engine_client = AsyncLLM(llm.llm_engine, start_engine_loop=False, stat_loggers=[self.metrics])
         self.metrics.rank_recovery.source = lambda: self.engine_client.rank_recovery

@@ -314,7 +314,12 @@ def test_bad_request_gets_its_status_and_the_server_keeps_serving(server, path, 
 
 
 def test_invalid_json_is_400(server):
-    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=server.headers(), timeout=300)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b"{not json",
+        headers=server.headers() | {"Content-Type": "application/json"},
+        timeout=300,
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
 
 

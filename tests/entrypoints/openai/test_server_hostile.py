@@ -73,7 +73,9 @@ BAD_BODIES = {
 @pytest.mark.parametrize("kind", list(BAD_BODIES))
 def test_bad_json_is_a_400(server, kind):
     raw, words = BAD_BODIES[kind]
-    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert_error(r, 400, words)
     assert_serves(server)
 
@@ -103,7 +105,9 @@ def test_oversized_body_is_a_413_declared_or_not(server):
     assert_error(completion(server, big), 413, "65536 bytes")
     # Sent chunked, without a Content-Length: refused once 64 KiB have arrived.
     chunks = (json.dumps(big)[i : i + 8192].encode() for i in range(0, 70020, 8192))
-    r = httpx.post(server.url + "/v1/completions", content=chunks, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions", content=chunks, headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert_error(r, 413, "65536 bytes")
     assert_serves(server)
 

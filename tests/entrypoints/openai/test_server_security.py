@@ -8,7 +8,7 @@ what the attacker would and asserts that it fails, fast and with a clear answer.
   (tests/engine/test_grammar_cache.py: 10,000 schemas), a slow one a 408;
 - /openapi.json, /docs: 404 unless --enable-docs; /metrics: 401 without the key;
 - a 500 says where it failed and a request id, not the exception's text;
-- a server on a non-loopback --host without a key warns.
+- a server without a key warns (on a non-loopback --host: open to the network).
 
 The server is the tiny test model with a byte tokenizer; a sitecustomize on its
 PYTHONPATH makes the model name "boom" raise inside a route (a bug on demand).
@@ -236,7 +236,9 @@ def test_a_server_open_to_the_network_without_a_key_warns(tmp_path):
     err = serve("--host", "0.0.0.0")
     assert "warning: serving on 0.0.0.0 without an API key" in err and "CTXPAR_API_KEY" in err
     assert "warning" not in serve("--host", "0.0.0.0", key=KEY)
-    assert "warning" not in serve("--host", "127.0.0.1")
-    assert "warning" not in serve("--host", "::1")
+    for loopback in ("127.0.0.1", "::1"):  # this machine's users and web pages (issue 52)
+        err = serve("--host", loopback)
+        assert "warning: serving on" in err and "every user and process of this machine" in err
+    assert "warning" not in serve("--host", "127.0.0.1", key=KEY)
     err = serve("--host", "0.0.0.0", "--api-key", KEY)  # a key all the same, but in /proc for all to read
     assert "without an API key" not in err and "--api-key on the command line is readable" in err
