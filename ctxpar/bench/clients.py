@@ -194,7 +194,20 @@ def run_guidellm(venv: Path, url: str, work: Path, args: argparse.Namespace) -> 
         cmd += ["--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}"]
         cmd += ["--disable-console-interactive"]
         seconds = run_client(cmd, work / f"guidellm_{streams}.log", timeout=1800)
-        print(f"guidellm, {streams} stream(s): ran to completion in {seconds:.0f} s; report {out}")
+        print(f"guidellm, {streams} stream(s): ran to completion in {seconds:.0f} s; {guidellm_summary(out)}")
+
+
+def guidellm_summary(report: Path) -> str:
+    """Requests served and failed, output tokens/s, median TTFT and ITL, from guidellm's JSON report."""
+    [bench] = json.loads(report.read_text())["benchmarks"]
+    m = bench["metrics"]
+    totals = m["request_totals"]
+    ok = m["output_tokens_per_second"]["successful"]["mean"]
+    ttft, itl = (m[k]["successful"]["median"] for k in ("time_to_first_token_ms", "inter_token_latency_ms"))
+    return (
+        f"{totals['successful']} requests served, {totals['errored']} errored, {totals['incomplete']} incomplete; "
+        f"{ok:.1f} output tok/s, TTFT p50 {ttft:.0f} ms, ITL p50 {itl:.0f} ms"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
