@@ -91,3 +91,42 @@ def test_penalties_bias_and_vllm_extensions_reach_sampling_params():
         parse(CompletionRequest, b'{"prompt": "x", "presence_penalty": 3.0}').sampling_params(10, 100, None)
     with pytest.raises(ApiError, match="logit_bias key 'x'"):
         parse(CompletionRequest, b'{"prompt": "x", "logit_bias": {"x": 1.0}}').sampling_params(10, 100, None)
+
+
+# The fields of vLLM's request models (vllm/entrypoints/openai/completion/protocol.py and
+# chat_completion/protocol.py, two versions read for issue 51, and StreamOptions): each is declared
+# here, honoured or refused by name (docs/vllm.md, "The server's request fields").
+VLLM_SHARED = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty response_format seed
+stop stream stream_options temperature top_p user use_beam_search top_k min_p repetition_penalty length_penalty
+stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens spaces_between_special_tokens
+truncate_prompt_tokens prompt_logprobs allowed_token_ids bad_words add_special_tokens structured_outputs priority
+request_id logits_processors return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs
+max_repetition_pattern_size min_repetition_pattern_size repetition_min_count echo""".split()
+VLLM_COMPLETION = """prompt suffix watermarking truncation_side logprob_token_ids prompt_embeds session_id
+return_token_offsets return_mm_kwargs ec_transfer_params repetition_detection thinking_token_budget stream_interval
+routed_experts_prompt_start""".split()
+VLLM_CHAT = """messages top_logprobs max_completion_tokens tools tool_choice reasoning_effort include_reasoning
+parallel_tool_calls add_generation_prompt continue_final_message documents chat_template chat_template_kwargs
+mm_processor_kwargs""".split()
+
+
+@pytest.mark.parametrize(
+    "model, fields",
+    [(CompletionRequest, VLLM_SHARED + VLLM_COMPLETION), (ChatCompletionRequest, VLLM_SHARED + VLLM_CHAT)],
+    ids=["completions", "chat"],
+)
+def test_every_vllm_field_is_declared(model, fields):
+    assert sorted(set(fields) - set(model.model_fields)) == []
+    from ctxpar.entrypoints.openai.protocol import StreamOptions
+
+    assert set(StreamOptions.model_fields) == {"include_usage", "continuous_usage_stats"}
+
+
+def test_echo_asks_for_prompt_logprobs_and_max_tokens_zero_for_one_token():
+    req = parse(CompletionRequest, b'{"prompt": "x", "echo": true, "logprobs": 3, "max_tokens": 0}')
+    p = req.sampling_params(10, 100, req.logprobs)
+    assert (p.prompt_logprobs, p.logprobs, p.max_tokens) == (3, 3, 1) and req.echo_only
+    plain = parse(CompletionRequest, b'{"prompt": "x", "logprobs": 3}').sampling_params(10, 100, 3)
+    assert plain.prompt_logprobs is None  # without echo nothing of the prompt is scored
+    with pytest.raises(ApiError, match="max_tokens=0"):
+        parse(CompletionRequest, b'{"prompt": "x", "max_tokens": 0}')
