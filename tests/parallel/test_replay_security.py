@@ -44,6 +44,8 @@ from helpers.replay_ranks import BOOTSTRAP, PREFIX, SECRET, agreeing_rank, raw_w
 
 pytestmark = pytest.mark.multiprocess
 
+_HEX_RUN = re.compile(r"[0-9a-f]{16,}")  # a hash or a nonce in a key name
+
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shared-pages", "gloo"])
 def test_a_plan_of_generation_0_is_refused_by_a_generation_1_worker(tmp_path, shm):
@@ -110,6 +112,7 @@ def test_a_value_of_an_earlier_launch_is_refused():
     assert agreed[0][0] == "agreed" and agreed[0] == agreed[1], agreed
     recorded = _record(first)
     assert {f"{BOOTSTRAP}/{k}" for k in ("hello", "ready/1", "launch")} <= set(recorded), recorded  # PrefixStore's /
+    assert not any(_HEX_RUN.search(k) for k in recorded)  # fixed names: nothing of the secret in them
 
     second = host_store("127.0.0.1", 0)
     _replay(second.port, recorded)
@@ -148,9 +151,6 @@ def test_generated_secrets_pass_the_entropy_check():
     for _ in range(200):
         for secret in (secrets.token_hex(32), secrets.token_urlsafe(32)):
             assert estimated_bits(secret) >= MIN_BITS, secret
-
-
-_HEX_RUN = re.compile(r"[0-9a-f]{16,}")
 
 
 def test_the_store_keys_of_a_launch_reveal_nothing_of_its_secret(tiny_model_dirs):
