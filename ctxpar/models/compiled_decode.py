@@ -1,37 +1,43 @@
-"""A Llama decode step's layers in one compiled call (kernels/decode_loop.cpp).
+"""A Llama-style decode step's layers in one compiled call (kernels/decode_loop.cpp).
 
 The CPU's counterpart of CUDA graphs: a decode step of a small model is a few
 hundred kernel calls, and from Python each costs ~10 us beyond its kernel
-(a third of SmolLM2's step). ``CompiledDecode`` is built once per rank from a
-loaded ``LlamaForCausalLM`` and its KV caches: it records every layer's weight
-and cache pointers, and runs a step whose rows are all decodes as one call
-that makes the same kernel calls with the same arguments, in the same order,
-as ``LlamaForCausalLM.forward`` does. The outputs are therefore the same
-bits (tests/models/test_compiled_decode.py compares the two).
+(a third of SmolLM2's step). A model describes its decode step once, as a
+``DecoderStep`` (ctxpar/models/llama.py's ``fast_decode``): its widths, which
+also bound its CUDA graphs' memory, and each layer's weights in the order the
+step runs them. ``CompiledDecode`` is built once per rank from that description
+and the KV caches: it records every layer's weight and cache pointers, and runs
+a step whose rows are all decodes as one call that makes the same kernel calls
+with the same arguments, in the same order, as the model's forward does. The
+outputs are therefore the same bits (tests/models/test_compiled_decode.py
+compares the two).
 
-Everything else (prefill, split or gathered steps, DCP, other models, weights
-or caches the kernels do not read, ``enforce_eager=True``) runs the model's own
-forward; ``build`` returns None where the loop does not apply at all, and
-``serves`` says whether it applies to a step.
+Everything else (prefill, split or gathered steps, DCP, weights or caches the
+kernels do not read, ``enforce_eager=True``) runs the model's own forward;
+``build`` returns None where the loop does not apply at all, and ``serves``
+says whether it applies to a step.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from ctxpar import kernels
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers import kv_rotation
+from ctxpar.layers.attention.backend import AttentionSpec
 from ctxpar.layers.attention.paged import decode_batch
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
+from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import QuantParts, QuantWeight
-from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from ctxpar.models.base import DecodeShape
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -102,69 +108,65 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
 
 
 @dataclass(frozen=True)
-class _Shapes:
-    """What the loop takes besides pointers: the model's sizes and constants."""
+class DecoderLayer:
+    """One Llama-style decoder layer as its decode step runs it: h += O(attend(rope(QKV(
+    RMSNorm(h))))), then h += down(SiLU·up(gate_up(RMSNorm(h)))); each projection a
+    weight and its bias (None: none)."""
 
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    eps: float
-    scale: float
+    input_norm: torch.Tensor  # (hidden,)
+    qkv: tuple[Weight, torch.Tensor | None]  # rows [q | k | v]
+    o: tuple[Weight, torch.Tensor | None]
+    post_norm: torch.Tensor  # (hidden,)
+    gate_up: tuple[Weight, torch.Tensor | None]  # rows [gate | up]
+    down: tuple[Weight, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class DecoderStep:
+    """A Llama-style model's decode step, described once: what its fast paths derive from."""
+
+    shape: DecodeShape
+    eps: float  # the RMSNorms'
+    spec: AttentionSpec
+    turns_quantized_heads: bool  # a quantized cache holds its heads turned (kv_rotation.py)
+    qk_norm: bool  # per-head RMSNorm of Q and K (Qwen3), which the loop does not run
+    embed: torch.Tensor | QuantWeight  # (vocab, hidden)
+    norm: RMSNorm  # the final one
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
+    layers: list[DecoderLayer]
 
 
 @dataclass
 class CompiledDecode:
-    """The decode loop of one ``LlamaForCausalLM`` over its KV caches (see the module)."""
+    """The decode loop of one model's ``DecoderStep`` over its KV caches (see the module)."""
 
-    model: LlamaForCausalLM
-    shapes: _Shapes
+    step: DecoderStep
     layers: Any  # ctypes array of _Layer, one per decoder layer
     cache: _Cache
     runs: torch.Tensor | None  # the quantized cache's runs (kept alive: the loop reads them)
 
     @classmethod
-    def build(cls, model: object, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
-        """The loop for ``model`` (as loaded, weights in place for good) and its caches, or None."""
-        if type(model) is not LlamaForCausalLM or not kernels.available():
+    def build(cls, step: DecoderStep, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
+        """The loop of ``step`` (a loaded model's, weights in place for good) over its caches, or None."""
+        if not kernels.available() or step.norm.weight.dtype != torch.float32 or step.qk_norm:
             return None
-        layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        if model.norm.weight.dtype != torch.float32 or attn.q_norm is not None:
+        if not all(attn_kernels.usable(c, step.shape.head_dim) for c in kv_caches):  # read in place
             return None
-        if not all(attn_kernels.usable(c, attn.head_dim) for c in kv_caches):  # the decode kernel reads them in place
-            return None
-        shapes = _Shapes(
-            int(model.config.hidden_size),
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            mlp.inter,
-            layers[0].input_layernorm.eps,
-            attn.attn.scale,
-        )
         records = []
-        for layer, cache in zip(layers, kv_caches):
-            a, m = layer.self_attn, layer.mlp
-            projections = (
-                _projection(a.qkv_weight, a.qkv_bias),
-                _projection(a.o_weight, a.o_bias),
-                _projection(m.gate_up_weight, m.gate_up_bias),
-                _projection(m.down_weight, m.down_bias),
-            )
+        for layer, cache in zip(step.layers, kv_caches):
+            projections = tuple(_projection(*p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
             if any(p is None for p in projections):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            norms = (layer.input_norm, layer.post_norm)
             records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache)))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
             runs = torch.tensor(kv_quant.runs, dtype=torch.int64)
             code = attn_kernels.CODES[kv_quant.codes]
-            q_turn, kv_turn = kv_rotation.scales(shapes.head_dim) if attn.attn.turns_quantized_heads else (0.0, 0.0)
+            q_turn, kv_turn = kv_rotation.scales(step.shape.head_dim) if step.turns_quantized_heads else (0.0, 0.0)
             fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr(), q_turn, kv_turn)
-        return cls(model, shapes, (_Layer * len(records))(*records), fmt, runs)
+        return cls(step, (_Layer * len(records))(*records), fmt, runs)
 
     def serves(self, ctx: ForwardContext, num_tokens: int) -> bool:
         """Whether this step is one the loop computes as the model's forward would: every
@@ -175,17 +177,15 @@ class CompiledDecode:
         return batch is not None and batch.whole and num_tokens == ctx.query_start_loc[-1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``LlamaForCausalLM.forward`` for a step ``serves`` accepts: (n,) ids and positions -> (n, hidden)."""
-        m, s = self.model, self.shapes
-        h = embedding(input_ids, m.embed_tokens, m.norm.weight.dtype).contiguous()  # (n, hidden)
+        """The model's forward for a step ``serves`` accepts: (n,) ids and positions -> (n, hidden)."""
+        m, s = self.step, self.step.shape
+        h = embedding(input_ids, m.embed, m.norm.weight.dtype).contiguous()  # (n, hidden)
         cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, head_dim / 2) each
         batch = decode_batch(ctx, True)
         assert batch is not None
         group = batch.groups[0]
         write_slots = ctx.write_slots.contiguous()
-        library = kernels._library()
-        assert library is not None  # build checked it
-        library.llama_decode_layers(
+        kernels.loaded().llama_decode_layers(
             ctypes.addressof(self.layers),
             len(self.layers),
             ctypes.addressof(self.cache),
@@ -195,13 +195,13 @@ class CompiledDecode:
             s.heads,
             s.kv_heads,
             s.head_dim,
-            s.inter,
-            s.eps,
+            s.intermediate,
+            m.eps,
             cos.data_ptr(),
             sin.data_ptr(),
             write_slots.data_ptr(),
             group.slots.data_ptr(),
             group.starts.data_ptr(),
-            s.scale,
+            m.spec.scale,
         )
         return m.norm(h)

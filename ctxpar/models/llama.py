@@ -9,12 +9,15 @@ of the local tokens and deals with the ranks and the paged cache. Rope turns
 Q and K in place inside the QKV projection, whose K|V half is then the cache
 entry as is; on the CPU in fp32 the elementwise steps (RMSNorm with the
 residual add before it, rope, SiLU·up) are one compiled pass each
-(ctxpar/kernels/elementwise.py).
+(ctxpar/kernels/elementwise.py). Its decode step, described once (``decode_step``),
+gives both fast paths (``fast_decode``): the CPU's compiled loop and the bound of
+a GPU's CUDA graphs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -30,6 +33,8 @@ from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 from ctxpar.model_args import ModelArgs
+from ctxpar.models.base import DecodeShape, FastDecodeStep
+from ctxpar.models.compiled_decode import CompiledDecode, DecoderLayer, DecoderStep
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -156,6 +161,46 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, ctx)
         return self.norm(h)
+
+    def decode_step(self) -> DecoderStep:
+        """This model's decode step as its fast paths run it: the same weights, norms and
+        constants, in the order ``forward`` uses them (after loading and packing)."""
+        attn, mlp = self.decoder_layers[0].self_attn, self.decoder_layers[0].mlp
+        shape = DecodeShape(
+            hidden=self.config.hidden_size,
+            intermediate=mlp.inter,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            act_bytes=self.norm.weight.element_size(),
+        )
+        layers = [
+            DecoderLayer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=(layer.self_attn.qkv_weight, layer.self_attn.qkv_bias),
+                o=(layer.self_attn.o_weight, layer.self_attn.o_bias),
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=(layer.mlp.gate_up_weight, layer.mlp.gate_up_bias),
+                down=(layer.mlp.down_weight, layer.mlp.down_bias),
+            )
+            for layer in self.decoder_layers
+        ]
+        return DecoderStep(
+            shape=shape,
+            eps=self.decoder_layers[0].input_layernorm.eps,
+            spec=attn.attn.spec,
+            turns_quantized_heads=attn.attn.turns_quantized_heads,
+            qk_norm=attn.q_norm is not None,
+            embed=self.embed_tokens,
+            norm=self.norm,
+            rotary=self.rotary,
+            layers=layers,
+        )
+
+    def fast_decode(self) -> FastDecodeStep:
+        """``CausalLM.fast_decode``: both fast paths from ``decode_step``."""
+        step = self.decode_step()
+        return FastDecodeStep(step.shape, partial(CompiledDecode.build, step))
 
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
         """(m, hidden) -> (m, vocab) float32 (of weight's rows, a range of the vocabulary, if given)."""

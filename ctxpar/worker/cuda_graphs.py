@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ctxpar.models.base import DecodeShape
+
 MAX_CAPTURE_BATCH = 256  # beyond this, a decode step is long enough to run eagerly
 MIN_KEYS = 256  # the smallest key bucket
 
@@ -59,31 +61,9 @@ def bucket(value: int, sizes: list[int]) -> int | None:
 
 
 @dataclass(frozen=True)
-class DecodeShape:
-    """What a decode step's temporaries scale with: the model's widths and the activations' bytes."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    act_bytes: int
-
-    def graph_bytes(self, batch: int, keys: int) -> int:
-        """An upper bound of the memory one layer of a captured step holds at once (a
-        graph pool keeps what its kernels wrote): the residual and normed states, QKV,
-        gate-up and its product, the slot table, K and V gathered to (batch, keys), the
-        scores and their exponentials, and the attention's output."""
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        states = batch * (3 * self.hidden + qkv + 3 * self.intermediate + self.heads * self.head_dim)
-        gathered = 2 * batch * self.kv_heads * keys * self.head_dim
-        scores = 2 * batch * self.heads * keys
-        return (states + gathered + scores) * self.act_bytes + 8 * batch * keys  # int64 slot table
-
-
-@dataclass(frozen=True)
 class CapturePlan:
-    """The graphs to capture: every (batch size, key bucket) pair."""
+    """The graphs to capture: every (batch size, key bucket) pair; ``shape``: the model's
+    decode step (its ``fast_decode``), which bounds their memory."""
 
     sizes: list[int]
     buckets: list[int]

@@ -10,9 +10,10 @@ each row's new KV entry at the buffers' slot, and attends every row over its
 padded keys with the mask the lengths give. A step of decodes on one rank then
 costs a copy of its inputs into the buffers and one replay.
 
-Served: Llama-family models (``LlamaForCausalLM``), one rank (no PCP, no DCP:
-their collectives inside graphs are not written), steps whose rows are all
-decodes, fitting a captured graph. Everything else runs eagerly, as with
+Served: models that offer a fast decode step (``CausalLM.fast_decode``, whose
+``DecodeShape`` bounds the graphs' memory), one rank (no PCP, no DCP: their
+collectives inside graphs are not written), steps whose rows are all decodes,
+fitting a captured graph. Everything else runs eagerly, as with
 ``enforce_eager=True``. This file was written without a GPU to run it on:
 ``python -m ctxpar.bench.cuda_graph_check`` checks it on one.
 """
@@ -20,7 +21,6 @@ decodes, fitting a captured graph. Everything else runs eagerly, as with
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,8 +28,8 @@ import torch
 from ctxpar.layers.attention.backend import DecodeGroup
 from ctxpar.layers.forward_context import DecodeBatch, ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
-from ctxpar.models.llama import LlamaForCausalLM
-from ctxpar.worker.cuda_graphs import CapturePlan, DecodeShape, StaticBuffers, capture_sizes, key_buckets, slot_table
+from ctxpar.models.base import CausalLM, DecodeShape
+from ctxpar.worker.cuda_graphs import CapturePlan, StaticBuffers, capture_sizes, key_buckets, slot_table
 from ctxpar.worker.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         kv_quant: KVQuant | None,
         plan: CapturePlan,
@@ -71,7 +71,8 @@ class DecodeGraphs:
     @classmethod
     def build(
         cls,
-        model: Any,
+        model: CausalLM,
+        shape: DecodeShape,
         kv_caches: list[torch.Tensor],
         kv_quant: KVQuant | None,
         max_num_seqs: int,
@@ -79,20 +80,10 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
     ) -> DecodeGraphs | None:
-        """The graphs of ``model``, or None where they do not apply (not a GPU, not a
-        Llama-family model): its steps then run eagerly."""
-        if device.type != "cuda" or not isinstance(model, LlamaForCausalLM):
+        """The graphs of ``model``, whose decode step has this ``shape`` (its
+        ``fast_decode``), or None off a GPU: its steps then run eagerly."""
+        if device.type != "cuda":
             return None
-        cfg = model.config
-        kv_heads, head_dim = model.kv_entry_shape[1:]  # (2, kv_heads, head_dim): K and V
-        shape = DecodeShape(
-            hidden=cfg.hidden_size,
-            intermediate=cfg.intermediate_size,
-            heads=cfg.num_attention_heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            act_bytes=model.norm.weight.element_size(),
-        )
         plan = CapturePlan(capture_sizes(max_num_seqs), key_buckets(max_model_len, block_size), shape)
         return cls(model, kv_caches, kv_quant, plan, block_size, device)
 
@@ -129,7 +120,7 @@ class DecodeGraphs:
 
 
 def static_decode_forward(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kv_caches: list[torch.Tensor],
     kv_quant: KVQuant | None,
     buffers: StaticBuffers,

@@ -19,6 +19,7 @@ collectives with the same shapes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -29,8 +30,7 @@ from ctxpar.layers.attention_metadata import AttentionMetadataBuilder
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.step_description import StepDescription
-from ctxpar.models.base import CausalLM
-from ctxpar.models.compiled_decode import CompiledDecode
+from ctxpar.models.base import CausalLM, FastDecode, FastDecodeStep
 from ctxpar.parallel.comm import PCPGroup
 from ctxpar.parallel.dcp_shard import DCPShard
 from ctxpar.parallel.pcp import plan_pcp_layout, split_mask
@@ -42,6 +42,22 @@ from ctxpar.worker.step_outputs import outputs_on_rank0
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 COPY_SLOTS = 1024  # cache slots per piece of a KV copy (copy_blocks): what a led step of 1K tokens holds
+
+log = logging.getLogger(__name__)
+_SAID_LACKING: set[str] = set()  # model classes this process has said have no fast decode step
+
+
+def fast_decode_of(model: CausalLM) -> FastDecodeStep | None:
+    """The model's fast decode paths (``CausalLM.fast_decode``), or None for a model
+    without the hook, which is said once per class: its decodes run its forward."""
+    hook = getattr(model, "fast_decode", None)
+    if hook is not None:
+        return hook()
+    name = type(model).__name__
+    if name not in _SAID_LACKING:
+        _SAID_LACKING.add(name)
+        log.info("%s has no fast decode step (CausalLM.fast_decode): its decode steps run its forward", name)
+    return None
 
 
 class ModelRunner:
@@ -70,15 +86,24 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_stack.unbind(0))  # per layer (slots, *entry): views of the stack
         self.metadata = AttentionMetadataBuilder(self.kv_caches, self.kv_quant, device)
-        # Steps of decodes as one compiled call where the model allows it (enforce_eager: never).
-        self.compiled = None if options.enforce_eager else CompiledDecode.build(model, self.kv_caches, self.kv_quant)
-        # On a GPU, as replays of CUDA graphs (None on the CPU: build touches no GPU there).
-        capacity = options.num_blocks * options.block_size
-        self.graphs = None
-        if not options.enforce_eager:
+        # Steps of decodes through the model's fast decode step, where it has one (enforce_eager:
+        # never): one compiled call on the CPU, replays of CUDA graphs on a GPU.
+        self.compiled: FastDecode | None = None
+        self.graphs: DecodeGraphs | None = None
+        fast = None if options.enforce_eager else fast_decode_of(model)
+        if fast is not None:
+            self.compiled = fast.compile(self.kv_caches, self.kv_quant)  # None off the CPU: it reads CPU caches
+            capacity = options.num_blocks * options.block_size
             context = min(options.max_model_len or capacity, capacity)
-            self.graphs = DecodeGraphs.build(
-                model, self.kv_caches, self.kv_quant, options.max_num_seqs, context, options.block_size, device
+            self.graphs = DecodeGraphs.build(  # None on the CPU: build touches no GPU there
+                model,
+                fast.shape,
+                self.kv_caches,
+                self.kv_quant,
+                options.max_num_seqs,
+                context,
+                options.block_size,
+                device,
             )
 
     def rejoin(self, group: PCPGroup | None) -> None:
