@@ -224,3 +224,12 @@ def test_open_webui_style_models_and_streamed_chat(server, llm):
     [ref] = llm.chat(CHAT, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # Open WebUI's own body (backend/open_webui/routers/openai.py, generate_chat_completion): usage asked for
+    # when streaming, and an ephemeral cache_control marker on the last message's last content part.
+    part = {"type": "text", "text": CHAT[0]["content"], "cache_control": {"type": "ephemeral"}}
+    body = {"model": NAME, "messages": [{"role": "user", "content": [part]}], "stream": True, "max_tokens": 8}
+    body |= {"temperature": 0, "stream_options": {"include_usage": True}}
+    streamed = events(server, "/v1/chat/completions", body)
+    assert (
+        "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"]) == ref.outputs[0].text
+    )
