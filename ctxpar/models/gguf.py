@@ -7,7 +7,7 @@ the map, which the model places (layers/quant_linear.py's ``join``): Q4_0,
 Q4_1 and Q8_0 blocks stay in the map and the kernels read them there, so
 every process that maps the file (PCP ranks on one host) reads the same
 pages and a load copies nothing; Q and K, whose rows llama.cpp permutes for
-its rope, are copied out un-permuted (one strided copy into huge pages); the
+its rope in a ``llama`` file, are copied out un-permuted (one strided copy into huge pages); the
 other formats are decoded once, the rest dequantized. The file is read ahead,
 in order (models/gguf_file.py's ``read_ahead``), so a load of a file not in
 the page cache reads the disk at its speed. Nothing the size of the weights is
@@ -45,13 +45,16 @@ from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import MappedBlocks
-from ctxpar.model_args import ModelArgs, RopeScaling
+from ctxpar.model_args import ModelArgs
+from ctxpar.models.gguf_config import PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
 FORMAT_VERSION = 2  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
 
+# Read into the model's description (models/gguf_config.py), not a weight.
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -59,6 +62,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -168,52 +173,6 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from e
 
 
-def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
-    """The model's description from the GGUF metadata."""
-    meta = reader.metadata
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CtxparError(f"GGUF file {path} has architecture {arch!r}; ctxpar reads only 'llama' GGUF files")
-    names = {t.name for t in reader.tensors}
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
-        raise CtxparError(f"GGUF file {path} uses rope scaling, which ctxpar reads only from HF directories")
-
-    def get(key: str):
-        if f"llama.{key}" not in meta:
-            raise CtxparError(f"GGUF file {path} lacks metadata llama.{key}")
-        return meta[f"llama.{key}"]
-
-    heads, hidden = get("attention.head_count"), get("embedding_length")
-    vocab = meta.get("llama.vocab_size") or reader.array_lengths.get("tokenizer.ggml.tokens")
-    if not vocab:
-        raise CtxparError(f"GGUF file {path} states no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    try:
-        return ModelArgs(
-            model_type="llama",
-            architectures=("LlamaForCausalLM",),
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"),
-            num_hidden_layers=get("block_count"),
-            num_attention_heads=heads,
-            num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
-            head_dim=meta.get("llama.attention.key_length")
-            or meta.get("llama.rope.dimension_count")
-            or hidden // heads,
-            max_position_embeddings=get("context_length"),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope=RopeScaling(rope_theta=float(meta.get("llama.rope.freq_base", 10000.0))),
-            tie_word_embeddings="output.weight" not in names,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=() if eos is None else (eos,),
-            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        )
-    except CtxparError as e:
-        raise CtxparError(f"GGUF file {path}: {e}") from None
-
-
 def hf_name(gguf_name: str) -> str | None:
     """llama.cpp tensor name -> Hugging Face name (None if unknown)."""
     base, _, kind = gguf_name.rpartition(".")
@@ -239,7 +198,8 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def gguf_weights(
     reader: GGUFFile, config: ModelArgs, path: Path, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
-    """Every tensor of the GGUF under its HF name, Q and K rows un-permuted, read
+    """Every tensor of the GGUF under its HF name, Q and K rows un-permuted (a ``llama``
+    file's: models/gguf_config.py's PERMUTED_QK), the rope_freqs left out, read
     from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors
     in a block format of layers/quant_blocks.py as their blocks in the map
     (``MappedBlocks``, a row permutation a view that moves whole rows of blocks),
@@ -249,7 +209,11 @@ def gguf_weights(
     from gguf.quants import dequantize
 
     arena = HugeArena()
+    permuted = reader.metadata.get("general.architecture") in PERMUTED_QK
+    heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
     for t in reader.tensors:
+        if t.name in _CONFIG_TENSORS:
+            continue
         if keep_quantized:
             # Mapped now, in order: faults on the map (advised huge) read the file in 2 MB
             # folios, which the map then takes as huge pages; read_ahead's small reads would
@@ -261,8 +225,7 @@ def gguf_weights(
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
         kind = t.kind.name
-        heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
-        n_head = next((n for key, n in heads.items() if key in name), None)
+        n_head = next((n for key, n in heads.items() if key in name), None) if permuted else None
         if keep_quantized and kind in FORMATS and len(t.shape) == 2:
             raw = t.data if n_head is None else unpermuted_rows(t.data, n_head)
             yield name, MappedBlocks(raw, kind, int(t.shape[0]), arena.empty, partial(reader.release, t))

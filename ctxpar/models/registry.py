@@ -47,6 +47,7 @@ def _deepseek_v3() -> type:
 ARCHITECTURES: dict[str, Callable[[], type]] = {
     # Llama family: one implementation (ctxpar/models/llama.py).
     "LlamaForCausalLM": _llama,  # incl. SmolLM2, llama3 rope
+    "MistralForCausalLM": _llama,  # Mistral v0.3 (v0.1's sliding window: refused by the model)
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     # MLA models (ctxpar/models/deepseek.py).

@@ -1,0 +1,158 @@
+"""A GGUF file's model description (ctxpar/model_args.py) from its metadata, as
+llama.cpp's converter (convert_hf_to_gguf.py) writes it: the architecture, the
+shapes, the rope (base, and Llama 3's scaling from the ``rope_freqs`` tensor),
+the token ids; and the check that every tensor is of a type ctxpar reads."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ctxpar.errors import CtxparError
+from ctxpar.layers.quant_blocks import FORMATS
+from ctxpar.model_args import ModelArgs, RopeScaling
+from ctxpar.models.gguf_file import GGUFFile
+
+# general.architecture -> (model_type, Hugging Face architecture): the families ctxpar runs from GGUF.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),  # Llama 1-3.x, Mistral v0.3, SmolLM2
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),  # Qwen2, Qwen2.5 (QKV bias)
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),  # Qwen3 dense (q/k norm)
+}
+# The architectures whose Q and K rows llama.cpp's converter permutes for its rope (LlamaModel's
+# permute); the others (Qwen) keep Hugging Face's row order.
+PERMUTED_QK = ("llama",)
+# Tensor types read: the block formats kept quantized (layers/quant_blocks.py), and those
+# dequantized to float when loading (gguf-py's reference decoders).
+DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+TENSOR_TYPES = (*FORMATS, *DEQUANTIZED)
+# Llama 3.x's llama3 rope: its low and high frequency factors, and the context it was trained at.
+LLAMA3_FREQ_FACTORS = (1.0, 4.0)
+LLAMA3_CONTEXT = 8192
+
+
+def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
+    """The model's description from the GGUF metadata; CtxparError naming what ctxpar does not read."""
+    meta = reader.metadata
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CtxparError(
+            f"GGUF file {path} has architecture {arch!r}, which ctxpar does not run; "
+            f"it runs GGUF architectures {', '.join(ARCHITECTURES)}"
+        )
+    check_tensor_types(reader, path)
+    model_type, hf_arch = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CtxparError(f"GGUF file {path} lacks metadata {arch}.{key}")
+        return value
+
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    vocab = meta.get(f"{arch}.vocab_size") or reader.array_lengths.get("tokenizer.ggml.tokens")
+    if not vocab:
+        raise CtxparError(f"GGUF file {path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+    head_dim = get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads
+    layers = get("block_count")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    names = {t.name for t in reader.tensors}
+    try:
+        return ModelArgs(
+            model_type=model_type,
+            architectures=(hf_arch,),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=get("attention.head_count_kv", heads),
+            head_dim=head_dim,
+            max_position_embeddings=get("context_length"),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope=_rope(reader, arch, head_dim, path),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=model_type == "llama" and "blk.0.attn_q.bias" in names,
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            layer_types=("sliding_attention",) * layers if window else (),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=() if eos is None else (eos,),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        )
+    except CtxparError as e:
+        raise CtxparError(f"GGUF file {path}: {e}") from None
+
+
+def check_tensor_types(reader: GGUFFile, path: Path) -> None:
+    """CtxparError naming the tensor types of the file that ctxpar does not read, and those it does."""
+    unread = sorted({t.kind.name for t in reader.tensors} - set(TENSOR_TYPES))
+    if unread:
+        raise CtxparError(
+            f"GGUF file {path} holds tensors of type {', '.join(unread)}, which ctxpar does not read; "
+            f"it reads {', '.join(TENSOR_TYPES)}"
+        )
+
+
+def _rope(reader: GGUFFile, arch: str, head_dim: int, path: Path) -> RopeScaling:
+    meta = reader.metadata
+    theta = float(meta.get(f"{arch}.rope.freq_base", RopeScaling.rope_theta))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise CtxparError(
+            f"GGUF file {path} scales its rope by {scaling!r}, which ctxpar reads only from Hugging Face "
+            "directories (config.json's rope_parameters); GGUF files of Llama 3.x's llama3 rope (rope_freqs) load"
+        )
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return RopeScaling(rope_theta=theta)
+    factors = np.asarray(freqs.data).view(np.float32).reshape(-1)
+    return llama3_rope(torch.from_numpy(factors.copy()), theta, head_dim, path)
+
+
+def llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, context: int) -> torch.Tensor:
+    """The (dim / 2,) rope_freqs llama.cpp's converter writes for a llama3 rope: 1 where a
+    frequency's wavelength is under context / high, ``factor`` over context / low, and
+    smoothed between, computed in float32 as the converter does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return torch.where(wavelen < context / high, 1.0, torch.where(wavelen > context / low, factor, mid))
+
+
+def llama3_rope(factors: torch.Tensor, theta: float, dim: int, path: Path) -> RopeScaling:
+    """The llama3 rope whose factors are ``factors`` (a GGUF's rope_freqs.weight), so the model
+    applies it as transformers does (layers/rotary.py). The file keeps only the factors: the
+    frequency factors are Llama 3.x's (LLAMA3_FREQ_FACTORS), ``factor`` the largest, and the
+    trained context the one the smoothed factors solve for (or Llama 3.x's), each kept only
+    if it gives the file's factors exactly."""
+    factor = float(factors.max())
+    if factor == 1.0:  # no frequency scaled
+        return RopeScaling(rope_theta=theta)
+    low, high = LLAMA3_FREQ_FACTORS
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    contexts = {LLAMA3_CONTEXT}
+    for i in torch.nonzero((factors != 1.0) & (factors != factor)).flatten().tolist():
+        smooth = (1 / float(factors[i]) - 1 / factor) / (1 - 1 / factor)
+        contexts.add(round(2 * math.pi / float(inv_freq[i]) * (smooth * (high - low) + low)))
+    for context in sorted(contexts):
+        if torch.equal(llama3_factors(theta, dim, factor, low, high, context), factors):
+            return RopeScaling(
+                rope_type="llama3",
+                rope_theta=theta,
+                factor=factor,
+                low_freq_factor=low,
+                high_freq_factor=high,
+                original_max_position_embeddings=context,
+            )
+    raise CtxparError(
+        f"GGUF file {path}: its rope_freqs.weight is not a llama3 rope's (low and high frequency factors "
+        f"{low} and {high}, factor {factor}); ctxpar reads rope_freqs only as Llama 3.x writes it"
+    )

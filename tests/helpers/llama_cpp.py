@@ -1,0 +1,105 @@
+"""llama.cpp's own converter (convert_hf_to_gguf.py) run on tiny transformers checkpoints:
+GGUF files as llama.cpp writes them, metadata and all, which nobody here wrote.
+
+The converter comes from the llama-cpp-python sdist (its vendor/llama.cpp, with the
+gguf-py and conversion package beside it), downloaded once by pip into
+``$CTXPAR_TEST_CACHE`` (default ~/.cache/ctxpar-tests) and run from there, never copied
+into the project. Its tokenizer step needs sentencepiece (the test extra) and refuses BPE
+tokenizers it does not know, so the checkpoints carry a small SentencePiece model
+trained here (``sentencepiece_model``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp holds the converter
+_VENDOR = "vendor/llama.cpp/"
+_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("CTXPAR_TEST_CACHE", Path.home() / ".cache" / "ctxpar-tests"))
+
+
+@functools.cache
+def converter() -> Path:
+    """convert_hf_to_gguf.py, downloaded once; the test skips, saying why, where it cannot be."""
+    root = _cache() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    script = root / _VENDOR / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    _cache().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=_cache()) as tmp:
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+            + [f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp],
+            capture_output=True,
+            text=True,
+        )
+        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if got.returncode or not sdists:
+            pytest.skip(f"cannot download the llama-cpp-python sdist (llama.cpp's converter): {got.stderr[-500:]}")
+        unpacked = Path(tmp) / "unpacked"
+        with tarfile.open(sdists[0]) as tar:
+            top = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/"
+            members = [m for m in tar.getmembers() if m.name.removeprefix(top + _VENDOR).startswith(_PARTS)]
+            tar.extractall(unpacked, members=members, filter="data")
+        try:
+            os.rename(unpacked / top, root)
+        except OSError:  # another process put it there first
+            if not script.is_file():
+                raise
+    return script
+
+
+def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
+    """``hf_dir`` converted by llama.cpp's converter into ``out`` at ``outtype`` (f32, q8_0, ...)."""
+    done = subprocess.run(
+        [sys.executable, str(converter()), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and out.is_file(), done.stderr[-3000:]
+    return out
+
+
+@functools.cache
+def sentencepiece_model() -> bytes:
+    """A small SentencePiece BPE model (320 pieces, bytes as fallback) trained on made-up text:
+    the tokenizer.model the converter reads where the checkpoint's tokenizer is SentencePiece."""
+    spm = pytest.importorskip("sentencepiece", reason="the converter reads SentencePiece: pip install -e '.[test]'")
+    words = "the model reads its weights from a file and every rank computes its share of the context".split()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return out.getvalue()
+
+
+def gguf_of(hf_dir: Path, out_dir: Path, outtypes: tuple[str, ...]) -> dict[str, Path]:
+    """{outtype: GGUF file} of the checkpoint ``hf_dir`` (weights and config.json; no tokenizer),
+    converted with ``sentencepiece_model`` as its tokenizer."""
+    source = out_dir / f"{hf_dir.name}-with-tokenizer"
+    shutil.copytree(hf_dir, source)
+    (source / "tokenizer.model").write_bytes(sentencepiece_model())
+    return {t: convert(source, out_dir / f"{hf_dir.name}-{t}.gguf", t) for t in outtypes}
