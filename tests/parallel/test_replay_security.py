@@ -14,14 +14,18 @@ guesser nothing: each test performs the attack with real rank processes
   format, and the file is never created;
 - a weak cluster secret is refused, naming the fix;
 - the key names of a live launch's store hold nothing derived from the secret;
-- an unsigned ``ready/r`` or ``alive/g/r`` is not counted.
+- an unsigned ``ready/r`` or ``alive/g/r`` is not counted;
+- a live engine whose rank 1 was respawned refuses plans tagged by its
+  group's previous generation.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import textwrap
@@ -31,10 +35,10 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ctxpar import LLM
+from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor import regroup, startup
-from ctxpar.parallel.auth import derive_key
+from ctxpar.parallel.auth import PlanSeal, context, derive_key
 from ctxpar.parallel.cluster_secret import MIN_BITS, cluster_secret, estimated_bits
 from ctxpar.parallel.rendezvous_store import host_store
 from ctxpar.parallel.signed_store import SignedStore
@@ -203,3 +207,27 @@ def test_an_unsigned_presence_key_is_not_counted():
         rank1.join(timeout=30)
         if rank1.is_alive():
             rank1.kill()
+
+
+def test_a_recovered_engine_refuses_its_previous_generations_plans(tiny_model_dirs, capfd):
+    """The attack on a live engine: rank 1 is killed and respawned (generation 1 of the
+    group, its message count at 0 again), then rank 0's channel carries plans tagged
+    as generation 0 tagged them (as anything replaying recorded generation-0 messages
+    at their numbers would). The respawned worker refuses the first and leaves."""
+    prompt = [{"prompt_token_ids": list(range(20))}]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_model_dirs["llama"]), pcp_size=2, num_threads=1, max_rank_recoveries=1) as llm:
+        want = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        executor = llm.engine.executor
+        [worker] = executor.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == want  # respawned: gen 1
+        group = executor.group
+        replayed = PlanSeal(executor.launch.secret, context(executor.launch.nonce, b"g0/"))
+        replayed.seq = group.seal.seq
+        group.seal = replayed
+        with pytest.raises(RankFailure, match="after refusing a forged message") as e:
+            llm.generate(prompt, greedy, use_tqdm=False)
+        assert "failed authentication" in str(e.value)
+    assert "ctxpar: PCP rank 1: PCP message" in capfd.readouterr().err
