@@ -10,10 +10,11 @@ dies or fails; either way the request gets an error and the next spec a fresh pr
     parent (GrammarWorker, on the backend's compile thread)      child (``main``)
       start: tokenizer info (xgrammar's JSON)        ──►  GrammarCompiler over it; "ready"
       compile(spec): the spec's fields as JSON       ──►  parse, compile
-                     compiled grammar's JSON or error ◄──
-      past the timeout: kill; the next compile starts a new child
+                     {"compiled": n}, then its n bytes
+                     (xgrammar's JSON), or {"error"} ◄──
+      past the timeout, or the child dead: kill it, start another at once
 
-Messages are length-prefixed JSON (no pickle: the child's answers are data).
+Messages are length-prefixed frames of JSON (no pickle: the child's answers are data).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def _message(e: BaseException) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).strip()
 
 
-def _write(stream: IO[bytes], message: dict) -> None:
-    data = json.dumps(message).encode()
+def _write(stream: IO[bytes], message: dict | bytes) -> None:
+    """One frame: a JSON message, or bytes as they are (a compiled grammar's JSON: not escaped again)."""
+    data = message if isinstance(message, bytes) else json.dumps(message).encode()
     stream.write(_LENGTH.pack(len(data)) + data)
     stream.flush()
 
@@ -56,9 +58,13 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes:
     return data
 
 
-def _read(stream: IO[bytes]) -> dict:
+def _read_frame(stream: IO[bytes]) -> bytes:
     (n,) = _LENGTH.unpack(_read_exact(stream, _LENGTH.size))
-    return json.loads(_read_exact(stream, n))
+    return _read_exact(stream, n)
+
+
+def _read(stream: IO[bytes]) -> dict:
+    return json.loads(_read_frame(stream))
 
 
 class GrammarWorker:
@@ -84,7 +90,8 @@ class GrammarWorker:
                     f"the grammar did not compile within {timeout:g} s (the server's --grammar-compile-timeout): "
                     "simplify the schema, regex or grammar"
                 )
-            answer = _read(proc.stdout)
+            status = _read(proc.stdout)
+            compiled = _read_frame(proc.stdout) if "error" not in status else b""
         except (EOFError, OSError):
             self.replace()
             raise CtxparError(
@@ -92,9 +99,9 @@ class GrammarWorker:
                 f"{self.memory_bytes >> 20} MiB, the server's --grammar-memory-bytes, or a crash of xgrammar): "
                 "simplify the schema, regex or grammar"
             ) from None
-        if "error" in answer:
-            raise CtxparError(answer["error"])
-        return answer["compiled"]
+        if "error" in status:
+            raise CtxparError(status["error"])
+        return compiled.decode()
 
     def started(self) -> subprocess.Popen[bytes]:
         """The child, started (and its "ready" read) if it was not."""
@@ -215,13 +222,14 @@ def main() -> None:
         except EOFError:
             return
         try:
-            compiled = compiler.compile_grammar(build_grammar(xgr, spec))
-            answer = {"compiled": compiled.serialize_json()}
+            compiled = compiler.compile_grammar(build_grammar(xgr, spec)).serialize_json().encode()
         except MemoryError:
             os._exit(1)  # the parent reports the memory limit
         except Exception as e:  # xgrammar's RuntimeError / ValueError / its own error types
-            answer = {"error": f"invalid structured_outputs.{spec['kind']}: {_message(e)}"}
-        _write(stdout, answer)
+            _write(stdout, {"error": f"invalid structured_outputs.{spec['kind']}: {_message(e)}"})
+            continue
+        _write(stdout, {"compiled": len(compiled)})
+        _write(stdout, compiled)
 
 
 if __name__ == "__main__":

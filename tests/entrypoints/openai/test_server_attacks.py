@@ -10,6 +10,8 @@ attacker would and asserts that it is refused or bounded, fast.
 - a spec over --max-grammar-bytes: 400; one that compiles for seconds: 408 at the
   timeout, its compiler process killed, while a normal request is served meanwhile;
 - prompt_logprobs past --max-logprob-entries: 400;
+- a chat template that fails: a 400 with a request id, never the exception's text
+  (a template's own raise_exception message is passed on);
 - /health and /metrics without the key: the status alone, no prefix-cache counts;
 - unseeded requests: the first request of two fresh servers differ (OS randomness);
   seeded ones are identical.
@@ -34,6 +36,14 @@ KEY = "s3cret-test-key"
 HEADER_S = 1.0
 CONNECTIONS = 12
 PROBE = {"prompt": "The", "max_tokens": 12, "temperature": 1.0}
+# The byte tokenizer's template, but a "refuse" message is refused on purpose (raise_exception, a
+# message for the client) and a "crash" one fails inside jinja (a TypeError: internals).
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'refuse' %}{{ raise_exception('roles must alternate') }}"
+    "{% elif m['role'] == 'crash' %}{{ m['content'] / 2 }}"
+    "{% else %}<{{ m['role'] }}>{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +52,13 @@ def model_dir(tiny_model_dirs, tmp_path_factory):
     config = json.loads((out / "config.json").read_text())
     config["eos_token_id"] = 0  # structured outputs need one to end a structure
     (out / "config.json").write_text(json.dumps(config))
+    jinja = out / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(TEMPLATE)
+    else:
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        tokenizer_config["chat_template"] = TEMPLATE
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return out
 
 
@@ -252,3 +269,17 @@ def test_unseeded_requests_are_not_predictable_seeded_ones_are_the_same(open_ser
     assert open_server.first_text != keyed_server.first_text
     seeded = [post(s, {**PROBE, "seed": 11}).json()["choices"][0]["text"] for s in (open_server, keyed_server)]
     assert seeded[0] == seeded[1]
+
+
+def test_a_failing_chat_template_answers_no_exception_text(open_server):
+    def chat(role: str) -> httpx.Response:
+        body = {"messages": [{"role": role, "content": "SECRET-CONTENT"}], "max_tokens": 2}
+        return post(open_server, body, "/v1/chat/completions")
+
+    r = chat("crash")
+    assert_error(r, 400, "could not render the messages (TypeError)", r.headers["x-request-id"])
+    assert "unsupported operand" not in r.text and "SECRET" not in r.text
+    time.sleep(0.2)
+    assert "unsupported operand" in open_server.log()  # the log has it, under the request id
+    assert_error(chat("refuse"), 400, "the chat template refused the messages: roles must alternate")
+    assert chat("user").status_code == 200
