@@ -18,6 +18,9 @@ The bodies are derived from each client's source:
   ``async_request_openai_completions`` (``repetition_penalty`` 1.0, ``logprobs`` null,
   ``x-request-id`` header) and ``async_request_openai_chat_completions``
   (``max_completion_tokens``, content parts).
+- Open WebUI, ``backend/open_webui/routers/openai.py``: ``generate_chat_completion``
+  (``stream_options.include_usage`` when streaming, a ``cache_control`` marker on
+  the last content part); it lists models from /v1/models.
 
 Scores are compared with the offline API's ``prompt_logprobs`` with ``==``: the
 same model in another process gives the same bits (docs/architecture.md).
