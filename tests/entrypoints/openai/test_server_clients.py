@@ -91,6 +91,7 @@ def lm_eval_score(choice: dict, ctxlen: int) -> tuple[float, bool]:
 
 def test_lm_eval_loglikelihood_equals_offline_prompt_logprobs(server, llm):
     ctx = encode(llm, CONTEXT)
+    scores = []
     for cont in CHOICES:
         ids = ctx + encode(llm, CONTEXT + cont)[len(ctx) :]
         body = {"model": NAME, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
@@ -109,6 +110,12 @@ def test_lm_eval_loglikelihood_equals_offline_prompt_logprobs(server, llm):
         text = llm.get_tokenizer().decode(ids)
         assert choice["text"].startswith(text) and lp["text_offset"][0] == 0
         assert lp["text_offset"] == sorted(lp["text_offset"])
+        scores.append((score, greedy))
+    # lm-eval with batch_size > 1 sends the batch's prompts in one request: the same scores, by index.
+    batch = [ctx + encode(llm, CONTEXT + cont)[len(ctx) :] for cont in CHOICES]
+    body = {"model": NAME, "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
+    choices = sorted(post(server, "/v1/completions", body)["choices"], key=lambda c: c["index"])
+    assert [lm_eval_score(c, len(ctx)) for c in choices] == scores
 
 
 def test_echo_max_tokens_zero_and_streamed(server, llm):
