@@ -5,7 +5,9 @@ its default, type, help text and spelling on the command line. EngineArgs and
 the engine flags of `ctxpar generate` and `ctxpar serve` are derived from those
 fields (ctxpar/engine/arg_utils.py), so a new field appears everywhere at once
 and the help cannot drift from the default. A knob's allowed values (its ``Range`` or
-its ``choices``) sit on it too, and ``check_knobs`` checks them all at once.
+its ``choices``) sit on it too, and ``check_knobs`` checks them all at once. The
+server's client limits are knobs the same way (ServerLimits,
+ctxpar/entrypoints/openai/server_limits.py: `ctxpar serve`'s "client limits" flags).
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ import os
 import sys
 import threading
 
-from ctxpar.checks import int_arg, positive_int
+from ctxpar.checks import int_arg
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.entrypoints.openai.access import Access, startup_warnings
-from ctxpar.entrypoints.openai.limits import ServerLimits
+from ctxpar.entrypoints.openai.server_limits import ServerLimits
 from ctxpar.entrypoints.openai.tools import TOOL_PARSERS
 from ctxpar.errors import CtxparError
+from ctxpar.knobs import add_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model name clients send (default: --model as given, or the default model's name)",
     )
-    _add_limits(p.add_argument_group("client limits"))
+    add_flags(p.add_argument_group("client limits"), ServerLimits)
     t = p.add_argument_group("tool calling")
     t.add_argument(
         "--enable-auto-tool-choice",
@@ -88,133 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(hermes: <tool_call>{...}</tool_call>, as Qwen and SmolLM templates write them)",
     )
     EngineArgs.add_cli_args(p)
-
-
-def _add_limits(g: argparse._ArgumentGroup) -> None:
-    d = ServerLimits()
-    g.add_argument(
-        "--limit-concurrency",
-        type=positive_int,
-        default=d.limit_concurrency,
-        metavar="N",
-        help=f"generation requests in the engine at once (default: {d.limit_concurrency}); more wait in the queue",
-    )
-    g.add_argument(
-        "--max-queued-requests",
-        type=int_arg(0),
-        default=d.max_queued_requests,
-        metavar="N",
-        help=f"generation requests waiting for a slot (default: {d.max_queued_requests}); beyond, 503 with Retry-After",
-    )
-    g.add_argument(
-        "--max-body-size",
-        type=positive_int,
-        default=d.max_body_size,
-        metavar="BYTES",
-        help=f"largest request body (default: {d.max_body_size}, 16 MiB); larger: 413",
-    )
-    g.add_argument(
-        "--timeout-client",
-        type=positive_int,
-        default=d.timeout_client,
-        metavar="S",
-        help=f"seconds a client has to send its whole body (else 408), and a response waits for a client "
-        f"that reads none of it before the request is dropped (default: {d.timeout_client})",
-    )
-    g.add_argument(
-        "--timeout-graceful-shutdown",
-        type=int_arg(0),
-        default=d.timeout_graceful_shutdown,
-        metavar="S",
-        help=f"after SIGINT/SIGTERM, seconds requests in flight get to finish (default: {d.timeout_graceful_shutdown})",
-    )
-    g.add_argument(
-        "--max-body-bytes-in-flight",
-        type=positive_int,
-        default=d.max_body_bytes_in_flight,
-        metavar="BYTES",
-        help=f"bytes of all request bodies being received or served at once (default: {d.max_body_bytes_in_flight}, "
-        f"{d.max_body_bytes_in_flight >> 20} MiB; at least --max-body-size); beyond, 503 with Retry-After",
-    )
-    g.add_argument(
-        "--max-prompts-per-request",
-        type=positive_int,
-        default=d.max_prompts_per_request,
-        metavar="N",
-        help=f"prompts in one /v1/completions request (default: {d.max_prompts_per_request}); more: 400",
-    )
-    g.add_argument(
-        "--max-sequences-per-request",
-        type=positive_int,
-        default=d.max_sequences_per_request,
-        metavar="N",
-        help=f"prompts x max(n, best_of) of one request (default: {d.max_sequences_per_request}); more: 400. One "
-        "request holds one --limit-concurrency slot however many sequences it asks for",
-    )
-    g.add_argument(
-        "--grammar-cache-bytes",
-        type=positive_int,
-        default=d.grammar_cache_bytes,
-        metavar="BYTES",
-        help=f"compiled grammars of structured outputs kept for reuse, by xgrammar's size of each plus its schema "
-        f"(default: {d.grammar_cache_bytes}, {d.grammar_cache_bytes >> 20} MiB); the least recently used go first",
-    )
-    g.add_argument(
-        "--grammar-compile-timeout",
-        type=_seconds,
-        default=d.grammar_compile_timeout,
-        metavar="S",
-        help=f"seconds a schema, regex or grammar may take to compile (default: {d.grammar_compile_timeout:g}); "
-        "longer: 408, and the compiler's process is killed",
-    )
-    g.add_argument(
-        "--max-grammar-bytes",
-        type=positive_int,
-        default=d.max_grammar_bytes,
-        metavar="N",
-        help=f"characters of one schema, regex, grammar or choice list (default: {d.max_grammar_bytes}); more: 400",
-    )
-    g.add_argument(
-        "--grammar-memory-bytes",
-        type=positive_int,
-        default=d.grammar_memory_bytes,
-        metavar="BYTES",
-        help=f"address space of the process that compiles grammars (default: {d.grammar_memory_bytes >> 30} GiB); "
-        "a spec that needs more: 400",
-    )
-    g.add_argument(
-        "--timeout-header",
-        type=_seconds,
-        default=d.timeout_header,
-        metavar="S",
-        help=f"seconds a connection has to send a request's line and headers (default: {d.timeout_header:g}); "
-        "later: 408 and the connection is closed",
-    )
-    g.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=d.max_connections,
-        metavar="N",
-        help=f"connections open at once (default: {d.max_connections}); more are closed as they come",
-    )
-    g.add_argument(
-        "--max-logprob-entries",
-        type=positive_int,
-        default=d.max_logprob_entries,
-        metavar="N",
-        help=f"logprobs one answer may carry: prompt tokens x (prompt_logprobs + 1) + sequences x max_tokens x "
-        f"(logprobs + 1) (default: {d.max_logprob_entries}); more: 400",
-    )
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:

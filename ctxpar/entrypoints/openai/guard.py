@@ -38,8 +38,9 @@ from typing import Any
 
 from ctxpar.entrypoints.openai.access import Access
 from ctxpar.entrypoints.openai.failures import internal_error
-from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits, overloaded
+from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, overloaded
 from ctxpar.entrypoints.openai.protocol import ApiError
+from ctxpar.entrypoints.openai.server_limits import ServerLimits
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

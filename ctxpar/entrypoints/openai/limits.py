@@ -1,5 +1,6 @@
-"""The server's limits on what clients may ask of it, and the admission gate
-that enforces the concurrency and queue limits.
+"""How the server's limits on what clients may ask of it (server_limits.py) are
+enforced: the admission gate of the concurrency and queue limits, the budget of
+body bytes, the checks of one request's fan-out and logprobs.
 
 A generation request holds one of ``limit_concurrency`` slots from the moment
 it is handed to the engine until its response is sent; beyond those, up to
@@ -27,17 +28,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ctxpar.engine.sample.grammar_cache import (
-    DEFAULT_CACHE_BYTES,
-    DEFAULT_COMPILE_TIMEOUT_S,
-    DEFAULT_MAX_SPEC_BYTES,
-    DEFAULT_WORKER_MEMORY,
-)
 from ctxpar.entrypoints.openai.protocol import ApiError
-from ctxpar.errors import CtxparError
+from ctxpar.entrypoints.openai.server_limits import ServerLimits
 from ctxpar.sampling_params import ALL_LOGPROBS
 
 if TYPE_CHECKING:  # torch's import is not worth `ctxpar serve --help`
@@ -46,39 +40,6 @@ if TYPE_CHECKING:  # torch's import is not worth `ctxpar serve --help`
 # What a refused client is told to wait: slots free as requests finish, which
 # at the server's usual pace is well within a second or two.
 RETRY_AFTER_S = 1
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """``ctxpar serve``'s client limits (its flags of the same names)."""
-
-    limit_concurrency: int = 256  # generation requests in the engine at once
-    max_queued_requests: int = 256  # generation requests waiting for one of those slots
-    max_body_size: int = 16 << 20  # bytes of one request body
-    timeout_client: int = 30  # s to send a whole body; s a response may wait for its reader
-    timeout_graceful_shutdown: int = 10  # s requests in flight get after SIGTERM
-    max_body_bytes_in_flight: int = 256 << 20  # bytes of all bodies being received or served at once
-    max_prompts_per_request: int = 256  # prompts in one /v1/completions request
-    max_sequences_per_request: int = 1024  # prompts x max(n, best_of) in one request
-    grammar_cache_bytes: int = DEFAULT_CACHE_BYTES  # compiled grammars kept (least recently used go first)
-    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S  # s a request waits for its grammar
-    max_grammar_bytes: int = DEFAULT_MAX_SPEC_BYTES  # characters of one schema, regex, grammar or choice list
-    grammar_memory_bytes: int = DEFAULT_WORKER_MEMORY  # address space of the grammar compiler's process
-    timeout_header: float = 10.0  # s a connection has to send a request's line and headers
-    max_connections: int = 1024  # connections open at once; more are closed as they come
-    max_logprob_entries: int = 1 << 22  # logprobs one response may carry, prompt's and generated
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes_in_flight < self.max_body_size:
-            raise CtxparError(
-                f"--max-body-bytes-in-flight ({self.max_body_bytes_in_flight}) must be at least "
-                f"--max-body-size ({self.max_body_size}): a body of the largest size could never be received"
-            )
-        if self.max_sequences_per_request < self.max_prompts_per_request:
-            raise CtxparError(
-                f"--max-sequences-per-request ({self.max_sequences_per_request}) must be at least "
-                f"--max-prompts-per-request ({self.max_prompts_per_request}): each prompt is one sequence or more"
-            )
 
 
 def overloaded(limits: ServerLimits) -> ApiError:

@@ -10,8 +10,9 @@ from fastapi import Depends, Request
 
 from ctxpar.engine.async_llm import AsyncLLM
 from ctxpar.entrypoints.openai.access import Access
-from ctxpar.entrypoints.openai.limits import Admission, BodyBudget, ServerLimits
+from ctxpar.entrypoints.openai.limits import Admission, BodyBudget
 from ctxpar.entrypoints.openai.protocol import ApiError
+from ctxpar.entrypoints.openai.server_limits import ServerLimits
 from ctxpar.entrypoints.openai.server_metrics import ServerMetrics
 
 
