@@ -86,27 +86,26 @@ def plan_attacker(port: int, shm: bool, how: str, path: str) -> None:
     "forged": a plan whose unpickling creates ``path``, without the secret (tagged with a guess);
     "tampered": that pickle under a genuine header and tag (as if recorded on the wire),
     its payload swapped in flight;
-    "generation 0", "generation 1": a genuine plan sealed by generation 0 (or 1) of the
-    victim's launch, at message number 0 (as recorded from a group before a recovery);
+    "generation 0", "generation 1": a genuine plan, sent by rank 0 of generation 0 (or 1)
+    of the victim's launch as its message 0 (as recorded from a group before a recovery);
     "insecure": that pickle, sealed with the key everyone has under CTXPAR_INSECURE_CLUSTER=1."""
     os.environ["CTXPAR_SHM"] = "1" if shm else "0"
     os.environ["CTXPAR_COLLECTIVE_TIMEOUT_S"] = "10"  # the victim leaves mid-message
     store = open_store("127.0.0.1", port, is_master=False)
     secret = {"forged": b"a guess at the secret", "insecure": b""}.get(how, SECRET)
-    group = PCPGroup(0, 2, torch.device("cpu"), store, Launch(secret, spawned=bool(secret), nonce=NONCE))
+    generation = "g1/" if how == "generation 1" else "g0/"  # the group's own, which keys its seal
+    launch = Launch(secret, spawned=bool(secret), nonce=NONCE)
+    group = PCPGroup(0, 2, torch.device("cpu"), store, launch, generation)
     evil = pickle.dumps(CreatesFile(path))
     try:
-        if how == "forged":
+        if how in ("forged", "insecure"):
             group.broadcast_message(evil)
         elif how == "tampered":
             header, genuine = PlanSeal(SECRET, context(NONCE, b"g0/")).seal(bytes(len(evil)))  # as long as evil
             _send_raw(group, header)
             _send_raw(group, genuine[:TAG_BYTES] + evil)
-        else:
-            generation = {"generation 0": b"g0/", "generation 1": b"g1/", "insecure": b"g0/"}[how]
-            body = evil if how == "insecure" else plan_wire.encode(a_plan())
-            for part in PlanSeal(secret, context(NONCE, generation)).seal(body):
-                _send_raw(group, part)
+        else:  # rank 0 of that generation, sending its first plan as rank 0 does
+            group.broadcast_message(plan_wire.encode(a_plan()))
     except Exception:
         pass  # the victim left: what it did is its report
     os._exit(0)

@@ -1,8 +1,7 @@
 """The processes of the replay and presence tests (parallel/test_replay_security.py):
-torchrun-like ranks agreeing on their launch's nonce, a rank answering the
-start-up handshake, and a forger writing unsigned presence keys. They are
-targets of multiprocessing spawn, so they live in a module a spawned process
-can import by name; each reports through ``results``."""
+torchrun-like ranks agreeing on their launch's nonce, and a rank answering the
+start-up handshake. They are targets of multiprocessing spawn, so they live in
+a module a spawned process can import by name; each reports through ``results``."""
 
 from __future__ import annotations
 
@@ -35,18 +34,9 @@ def agreeing_rank(port: int, rank: int, size: int, timeout_s: float, results: An
     """A torchrun rank agreeing on its launch's nonce, as MultiRankExecutor does first."""
     try:
         nonce = launch_nonce.agree(signed(port, BOOTSTRAP), rank, size, timeout_s)
-        results.put((rank, "agreed", nonce.hex()))
+        results.put((port, rank, "agreed", nonce.hex()))
     except RankFailure as e:
-        results.put((rank, "failed", str(e)))
-
-
-def raw_writer(port: int, values: dict[str, bytes], done: Any) -> None:
-    """Someone who reaches the store without the secret: writes ``values`` as they are
-    (recorded tags and all, or none at all)."""
-    store = dist.TCPStore("127.0.0.1", port, None, False)
-    for key, value in values.items():
-        store.set(key, value)  # type: ignore[arg-type]  # the store takes bytes
-    done.set()
+        results.put((port, rank, "failed", str(e)))
 
 
 def ready_rank(port: int, go: Any, results: Any) -> None:

@@ -38,13 +38,13 @@ import torch.multiprocessing as mp
 from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor import regroup, startup
-from ctxpar.parallel.auth import PlanSeal, context, derive_key
+from ctxpar.parallel.auth import derive_key
 from ctxpar.parallel.cluster_secret import MIN_BITS, cluster_secret, estimated_bits
 from ctxpar.parallel.rendezvous_store import host_store
 from ctxpar.parallel.signed_store import SignedStore
 from helpers.attack_ranks import SECRET as PLAN_SECRET
 from helpers.attack_ranks import run_plan_attack
-from helpers.replay_ranks import BOOTSTRAP, PREFIX, SECRET, agreeing_rank, raw_writer, ready_rank
+from helpers.replay_ranks import BOOTSTRAP, PREFIX, SECRET, agreeing_rank, ready_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,11 +75,12 @@ def test_a_pickle_under_insecure_cluster_runs_nothing(tmp_path):
     assert not target.exists()
 
 
-def _agree(port: int, ranks: list[int], timeout_s: float) -> dict[int, tuple[str, str]]:
-    """Ranks ``ranks`` of a torchrun launch of two agreeing on its nonce, as processes."""
+def _agree(ranks: list[tuple[int, int]], timeout_s: float) -> dict[tuple[int, int], tuple[str, str]]:
+    """Ranks of torchrun launches of two agreeing on their nonces, each a process given
+    (its store's port, its rank), all at once; their reports by (port, rank)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=agreeing_rank, args=(port, r, 2, timeout_s, results)) for r in ranks]
+    procs = [ctx.Process(target=agreeing_rank, args=(port, r, 2, timeout_s, results)) for port, r in ranks]
     for p in procs:
         p.start()
     try:
@@ -87,7 +88,7 @@ def _agree(port: int, ranks: list[int], timeout_s: float) -> dict[int, tuple[str
     finally:
         for p in procs:
             p.join(timeout=30)
-    return {rank: (outcome, what) for rank, outcome, what in reports}
+    return {(port, rank): (outcome, what) for port, rank, outcome, what in reports}
 
 
 def _record(store: dist.TCPStore) -> dict[str, bytes]:
@@ -96,12 +97,10 @@ def _record(store: dist.TCPStore) -> dict[str, bytes]:
 
 
 def _replay(port: int, values: dict[str, bytes]) -> None:
-    ctx = mp.get_context("spawn")
-    done = ctx.Event()
-    writer = ctx.Process(target=raw_writer, args=(port, values, done))
-    writer.start()
-    assert done.wait(120)
-    writer.join(timeout=30)
+    """Write ``values`` as they are (recorded tags and all, or none), as anyone who reaches the store can."""
+    client = dist.TCPStore("127.0.0.1", port, None, False)
+    for key, value in values.items():
+        client.set(key, value)  # type: ignore[arg-type]  # the store takes bytes
 
 
 def test_a_value_of_an_earlier_launch_is_refused():
@@ -112,24 +111,24 @@ def test_a_value_of_an_earlier_launch_is_refused():
     which does not name rank 0's fresh nonce: not counted. Both ranks together agree
     on a new nonce, which the recorded values cannot fake."""
     first = host_store("127.0.0.1", 0)
-    agreed = _agree(first.port, [0, 1], 60)
-    assert agreed[0][0] == "agreed" and agreed[0] == agreed[1], agreed
+    agreed = _agree([(first.port, 0), (first.port, 1)], 60)
+    assert agreed[first.port, 0][0] == "agreed" and agreed[first.port, 0] == agreed[first.port, 1], agreed
     recorded = _record(first)
     assert {f"{BOOTSTRAP}/{k}" for k in ("hello", "ready/1", "launch")} <= set(recorded), recorded  # PrefixStore's /
     assert not any(_HEX_RUN.search(k) for k in recorded)  # fixed names: nothing of the secret in them
 
-    second = host_store("127.0.0.1", 0)
-    _replay(second.port, recorded)
-    outcome, text = _agree(second.port, [1], 3)[1]
+    worker_alone, rank0_alone, both = (host_store("127.0.0.1", 0) for _ in range(3))
+    for store in (worker_alone, rank0_alone, both):
+        _replay(store.port, recorded)
+    runs = [(worker_alone.port, 1), (rank0_alone.port, 0), (both.port, 0), (both.port, 1)]
+    reports = _agree(runs, 3)
+    outcome, text = reports[worker_alone.port, 1]
     assert outcome == "failed" and "launch: a value of another launch" in text, text
-    outcome, text = _agree(second.port, [0], 3)[0]
+    outcome, text = reports[rank0_alone.port, 0]
     assert outcome == "failed" and "ready/1: a value of another launch" in text, text
-
-    third = host_store("127.0.0.1", 0)
-    _replay(third.port, recorded)
-    fresh = _agree(third.port, [0, 1], 60)
-    assert fresh[0][0] == "agreed" and fresh[0] == fresh[1], fresh
-    assert fresh[0][1] != agreed[0][1]  # a new launch's nonce: every later key and tag is bound to it
+    fresh = reports[both.port, 0]
+    assert fresh[0] == "agreed" and fresh == reports[both.port, 1], reports
+    assert fresh[1] != agreed[first.port, 0][1]  # a new launch's nonce: every later key and tag is bound to it
 
 
 @pytest.mark.parametrize(
@@ -219,14 +218,14 @@ def test_a_recovered_engine_refuses_its_previous_generations_plans(tiny_model_di
     with LLM(str(tiny_model_dirs["llama"]), pcp_size=2, num_threads=1, max_rank_recoveries=1) as llm:
         want = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
         executor = llm.engine.executor
+        first = executor.group.seal  # generation 0's, as it tagged its plans
         [worker] = executor.procs
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=30)
         assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == want  # respawned: gen 1
         group = executor.group
-        replayed = PlanSeal(executor.launch.secret, context(executor.launch.nonce, b"g0/"))
-        replayed.seq = group.seal.seq
-        group.seal = replayed
+        first.seq = group.seal.seq  # the number the worker expects next: only the generation differs
+        group.seal = first
         with pytest.raises(RankFailure, match="after refusing a forged message") as e:
             llm.generate(prompt, greedy, use_tqdm=False)
         assert "failed authentication" in str(e.value)
