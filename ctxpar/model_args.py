@@ -1,5 +1,5 @@
 """ctxpar's description of a model: what its config.json (or a GGUF file's metadata,
-models/gguf.py) says, read into one typed record, as gpt-fast's ``ModelArgs``.
+models/gguf_config.py) says, read into one typed record, as gpt-fast's ``ModelArgs``.
 
 The models are built from it (models/llama.py, models/deepseek.py), the cost model
 derives its shapes from it (costmodel/shapes.py), and the engine reads it as vLLM's
@@ -36,6 +36,14 @@ READ_HERE = ("llama", "mistral", "qwen2", "qwen3")
 # The token ids a config.json of the family means where it states none (its transformers class's defaults).
 _TOKEN_DEFAULTS = {"llama": (1, 2), "mistral": (1, 2)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Keys every config.json states: the model's shape.
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+# DeepSeek's keys, read as config.json (or its transformers class) has them.
+_MLA_MOE_KEYS = (
+    "q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim rope_interleave num_nextn_predict_layers "
+    "n_routed_experts n_shared_experts moe_intermediate_size num_experts_per_tok first_k_dense_replace "
+    "moe_layer_freq n_group topk_group topk_method scoring_func norm_topk_prob routed_scaling_factor"
+).split()
 
 
 @dataclass(frozen=True)
@@ -131,9 +139,7 @@ class ModelArgs:
     routed_scaling_factor: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            _positive(self, name)
-        for name in ("num_key_value_heads", "head_dim"):
+        for name in _SHAPE_KEYS + ("num_key_value_heads", "head_dim"):
             _positive(self, name)
         if self.num_attention_heads % self.num_key_value_heads:
             raise CtxparError(
@@ -227,7 +233,8 @@ def _positive_value(name: str, value: Any) -> None:
         raise CtxparError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+def _given(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    """cfg[key], or ``default`` where the key is absent or null."""
     value = cfg.get(key)
     return default if value is None else value
 
@@ -259,7 +266,7 @@ def _rope(cfg: Mapping[str, Any], max_len: int | None) -> RopeScaling:
             params[key] = tuple(float(x) for x in params[key])
     try:
         return RopeScaling(rope_type=rope_type, rope_theta=float(theta), **params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CtxparError(f"bad rope parameters {params}: {e}") from None
 
 
@@ -279,7 +286,7 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, layers: int, window: i
         return tuple(stated)
     if window is None:
         return ()
-    first = _int(cfg, "max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
+    first = _given(cfg, "max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
 
 
@@ -290,7 +297,7 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
     if not isinstance(cfg, Mapping):
         raise CtxparError(f"a model config is a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type") or ""
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+    for key in _SHAPE_KEYS:
         if cfg.get(key) is None:
             raise CtxparError(f"the model config lacks {key!r}")
         _positive_value(key, cfg[key])
@@ -315,12 +322,6 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         window, layer_types = None, ()
     eps = cfg.get("rms_norm_eps", 1e-6)
     bos, eos = _TOKEN_DEFAULTS.get(model_type, (None, None))
-    names = (
-        "q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim rope_interleave "
-        "num_nextn_predict_layers n_routed_experts n_shared_experts moe_intermediate_size num_experts_per_tok "
-        "first_k_dense_replace moe_layer_freq n_group topk_group topk_method scoring_func norm_topk_prob "
-        "routed_scaling_factor"
-    ).split()
     return ModelArgs(
         model_type=model_type,
         architectures=tuple(cfg.get("architectures") or ()),
@@ -329,7 +330,7 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=_int(cfg, "num_key_value_heads", heads),
+        num_key_value_heads=_given(cfg, "num_key_value_heads", heads),
         head_dim=head_dim,
         max_position_embeddings=max_len,
         rms_norm_eps=float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else eps,
@@ -345,5 +346,5 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         bos_token_id=cfg.get("bos_token_id", bos),
         eos_token_id=_eos(cfg.get("eos_token_id", eos)),
         pad_token_id=cfg.get("pad_token_id"),
-        **{k: cfg.get(k) for k in names},
+        **{k: cfg.get(k) for k in _MLA_MOE_KEYS},
     )

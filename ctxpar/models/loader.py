@@ -257,8 +257,11 @@ def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = Non
         raise CtxparError(f"cannot read {cfg_file}: {e}") from None
     if not isinstance(raw, dict):
         raise CtxparError(f"cannot read {cfg_file}: a config.json holds a JSON object")
+    archs = raw.get("architectures") or []
+    if archs and archs[0] not in ARCHITECTURES:  # named before its config is read: its keys may be unknown here
+        get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
     if raw.get("model_type") not in READ_HERE or "auto_map" in raw:
-        raw = _read_by_transformers(d, raw)
+        raw = _read_by_transformers(d)
     try:
         config = from_config_json(raw)
     except CtxparError as e:
@@ -274,17 +277,13 @@ def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = Non
         raise CtxparError(f"hf_overrides {hf_overrides} do not make a valid config of {shown}: {e}") from None
 
 
-def _read_by_transformers(d: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    """config.json as transformers' class for its model type completes it (its keys'
-    defaults), as a dict; an unknown architecture named."""
+def _read_by_transformers(d: Path) -> dict[str, Any]:
+    """config.json as transformers' class for its model type completes it (its keys' defaults), as a dict."""
     from transformers import AutoConfig
 
     try:
-        return {**AutoConfig.from_pretrained(str(d)).to_dict(), "architectures": raw.get("architectures")}
+        return AutoConfig.from_pretrained(str(d)).to_dict()
     except Exception as e:
-        archs = raw.get("architectures") or []
-        if archs and archs[0] not in ARCHITECTURES:  # an unknown model_type: name the architecture instead
-            get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
         raise CtxparError(f"cannot read {d / 'config.json'}: {e}") from e
 
 

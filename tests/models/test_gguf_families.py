@@ -18,6 +18,7 @@ architectures or tensor types ctxpar does not read are refused naming them.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,12 @@ def write_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
 
 
 def test_unread_architectures_and_tensor_types_are_named(tmp_path: Path) -> None:
+    (tmp_path / "phi3").mkdir()
+    (tmp_path / "phi3" / "config.json").write_text(
+        json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_scaling": {"type": "longrope"}})
+    )
+    with pytest.raises(CtxparError, match=r"architecture 'Phi3ForCausalLM'; supported: .*MistralForCausalLM"):
+        load_model(str(tmp_path / "phi3"), torch.float32, torch.device("cpu"))
     phi3 = write_gguf(tmp_path / "phi3.gguf", "phi3", np.zeros((4, 32), np.float32))
     with pytest.raises(CtxparError, match=r"architecture 'phi3', which ctxpar does not run; .* llama, qwen2, qwen3"):
         load_model(str(phi3), torch.float32, torch.device("cpu"))
