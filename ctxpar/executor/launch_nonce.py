@@ -19,12 +19,13 @@ nothing about the secret)::
     nonce = SHA-256(launch)[:16], once rank r finds its own nr in launch
 
 Rank 0 counts a ready/r only if it names this launch's n0, a rank takes
-``launch`` only if it names its own nr: a replayed one (or one forged without
-the secret, or one whose tag fails) is ignored, not obeyed, and the rank waits
-on for the genuine one, which overwrites it. A rank that reads an old hello
-answers it, and answers again when rank 0's own replaces it. Ignored values
-are named in the error if the agreement times out (ranks given different
-secrets see each other's values fail their tags).
+``launch`` only if it names its own nr: a replayed one is ignored, not
+obeyed, and the rank waits on for the genuine one, which overwrites it (the
+ignored values are named if the agreement times out). A rank that reads an
+old hello answers it, and answers again when rank 0's own replaces it. A
+value whose tag fails is refused at once (auth.Unauthenticated): written
+without the secret, or by a rank given another one, which is the usual
+mistake and is named as such.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ AGREE_TIMEOUT_S = 120  # the ranks start together (torchrun starts them): this i
 
 
 class _Reader:
-    """Reads signed values, noting those ignored (their tag failed, or they are of another launch)."""
+    """Reads signed values, noting those ignored (of another launch)."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
@@ -53,9 +54,10 @@ class _Reader:
         """The bytes whose hex ``key`` holds; None while it is absent, forged or not hex."""
         try:
             value = self.store.get(key) if self.store.check([key]) else None
-        except Unauthenticated:
-            self.ignored[key] = "its tag failed: written without this secret"
-            return None
+        except Unauthenticated as e:
+            raise Unauthenticated(
+                f"{e}; or the ranks were given different secrets: every host needs the same CTXPAR_CLUSTER_SECRET"
+            ) from None
         try:
             return bytes.fromhex(value.decode()) if value is not None else None
         except ValueError:
@@ -67,18 +69,14 @@ class _Reader:
 
     def timeout(self, what: str) -> RankFailure:
         seen = "; ".join(f"{k}: {why}" for k, why in self.ignored.items())
-        hint = (
-            f" (values ignored: {seen}: replayed or forged values, or ranks given different secrets; every "
-            "host needs the same CTXPAR_CLUSTER_SECRET)"
-            if seen
-            else ""
-        )
+        hint = f" (values ignored: {seen}: recorded in an earlier launch and written again)" if seen else ""
         return RankFailure(f"{what} within {AGREE_TIMEOUT_S} s{hint}")
 
 
 def agree(store: dist.Store, rank: int, size: int, timeout_s: float = AGREE_TIMEOUT_S) -> bytes:
     """The launch's nonce (NONCE_BYTES), agreed by ranks 0..size-1 under ``store``'s
-    keys (a store built on a SignedStore of the cluster secret). RankFailure at the deadline."""
+    keys (a store built on a SignedStore of the cluster secret). RankFailure at the
+    deadline; Unauthenticated for a value whose tag fails."""
     reader = _Reader(store)
     deadline = time.monotonic() + timeout_s
     own = secrets.token_bytes(NONCE_BYTES)

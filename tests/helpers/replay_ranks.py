@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ctxpar.errors import RankFailure
 from ctxpar.executor import launch_nonce, startup
+from ctxpar.parallel.auth import Unauthenticated
 from ctxpar.parallel.rendezvous_store import open_store
 from ctxpar.parallel.signed_store import SignedStore
 
@@ -23,19 +24,19 @@ PREFIX = "victim/"
 _KEEP: list[SignedStore] = []  # a Python store lives only as long as its object (signed_store.py)
 
 
-def signed(port: int, prefix: str) -> dist.Store:
-    """A rank's view of the store: its keys under ``prefix``, every value tagged with SECRET."""
-    store = SignedStore(open_store("127.0.0.1", port, is_master=False), SECRET)
+def signed(port: int, prefix: str, secret: bytes = SECRET) -> dist.Store:
+    """A rank's view of the store: its keys under ``prefix``, every value tagged with ``secret``."""
+    store = SignedStore(open_store("127.0.0.1", port, is_master=False), secret)
     _KEEP.append(store)
     return dist.PrefixStore(prefix, store)
 
 
-def agreeing_rank(port: int, rank: int, size: int, timeout_s: float, results: Any) -> None:
+def agreeing_rank(port: int, rank: int, size: int, timeout_s: float, results: Any, secret: bytes = SECRET) -> None:
     """A torchrun rank agreeing on its launch's nonce, as MultiRankExecutor does first."""
     try:
-        nonce = launch_nonce.agree(signed(port, BOOTSTRAP), rank, size, timeout_s)
+        nonce = launch_nonce.agree(signed(port, BOOTSTRAP, secret), rank, size, timeout_s)
         results.put((port, rank, "agreed", nonce.hex()))
-    except RankFailure as e:
+    except (RankFailure, Unauthenticated) as e:
         results.put((port, rank, "failed", str(e)))
 
 

@@ -75,12 +75,12 @@ def test_a_pickle_under_insecure_cluster_runs_nothing(tmp_path):
     assert not target.exists()
 
 
-def _agree(ranks: list[tuple[int, int]], timeout_s: float) -> dict[tuple[int, int], tuple[str, str]]:
+def _agree(ranks: list[tuple], timeout_s: float) -> dict[tuple[int, int], tuple[str, str]]:
     """Ranks of torchrun launches of two agreeing on their nonces, each a process given
-    (its store's port, its rank), all at once; their reports by (port, rank)."""
+    (its store's port, its rank[, its secret]), all at once; their reports by (port, rank)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=agreeing_rank, args=(port, r, 2, timeout_s, results)) for port, r in ranks]
+    procs = [ctx.Process(target=agreeing_rank, args=(a[0], a[1], 2, timeout_s, results, *a[2:])) for a in ranks]
     for p in procs:
         p.start()
     try:
@@ -129,6 +129,18 @@ def test_a_value_of_an_earlier_launch_is_refused():
     fresh = reports[both.port, 0]
     assert fresh[0] == "agreed" and fresh == reports[both.port, 1], reports
     assert fresh[1] != agreed[first.port, 0][1]  # a new launch's nonce: every later key and tag is bound to it
+
+
+def test_ranks_given_different_secrets_fail_at_once():
+    """The usual mistake, not an attack: each host exported its own secret. The first
+    value a rank reads from the other fails its tag, and it says so at once (not at
+    the agreement's deadline), naming the likely cause."""
+    store = host_store("127.0.0.1", 0)
+    reports = _agree([(store.port, 0), (store.port, 1, b"another host's secret")], 10)
+    outcome, text = reports[store.port, 1]
+    assert outcome == "failed" and "failed authentication" in text and "different secrets" in text, text
+    assert "did not agree" not in text  # refused on reading, not at the deadline
+    assert reports[store.port, 0][0] == "failed"  # rank 0 heard nothing from it: its deadline
 
 
 @pytest.mark.parametrize(
