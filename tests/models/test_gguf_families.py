@@ -11,8 +11,8 @@ at F32 and Q8_0, against transformers on the checkpoint itself:
   rounding tests/models/test_quantized_gguf.py bounds;
 - two ranks (PCP) give the bits of one.
 
-Mistral v0.3 runs from its Hugging Face directory as Llama does; v0.1's sliding window and GGUF
-architectures or tensor types ctxpar does not read are refused naming them.
+Mistral v0.3 (a llama file to llama.cpp) runs from either as Llama does; v0.1's sliding window,
+and architectures or GGUF tensor types ctxpar does not read, are refused naming them.
 """
 
 from __future__ import annotations
@@ -58,13 +58,17 @@ TIE = 1e-4  # fp32: a reference top-2 gap below this is a tie either engine may 
 QUANT_TOL, QUANT_GAP = 0.5, 1.0  # int8 activations (tests/models/test_quantized_gguf.py's bounds)
 
 
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral"]
+
+
 def configs() -> dict:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
         "llama3": LlamaConfig(**COMMON, rope_parameters=LLAMA3),
         "qwen2": Qwen2Config(**COMMON),
         "qwen3": Qwen3Config(**COMMON, head_dim=32),
+        "mistral": MistralConfig(**COMMON, sliding_window=None),  # v0.3: llama.cpp writes it as a llama file
     }
 
 
@@ -77,7 +81,7 @@ def families(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
     out = {}
     for name, config in configs().items():
         hf = peaked(save_tiny_model(config, root / name))
-        out[name] = (hf, gguf_of(hf, root, ("f32", "q8_0")))
+        out[name] = (hf, gguf_of(hf, root, ("f32",) if name == "mistral" else ("f32", "q8_0")))
     return out
 
 
@@ -131,12 +135,14 @@ def test_the_files_describe_the_checkpoints(families) -> None:
         for path in files.values():
             ours = config_from_gguf(open_gguf(path), path)
             assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)  # the file's is a float32
+            if name == "mistral":  # written as Llama, which it is with no window
+                theirs = dataclasses.replace(theirs, model_type="llama", architectures=("LlamaForCausalLM",))
             assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs, name
     read = {name: _read_config(hf, hf) for name, (hf, _) in families.items()}
     assert read["llama3"].rope == RopeScaling(**LLAMA3) and read["qwen2"].qkv_bias and read["qwen3"].qk_norm
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_f32_files_match_transformers_on_the_checkpoint(families, name: str) -> None:
     hf, files = families[name]
     want = transformers_logprobs(hf)
@@ -144,7 +150,7 @@ def test_f32_files_match_transformers_on_the_checkpoint(families, name: str) -> 
     assert_close_at_the_top(ctxpar_logprobs(hf), want, TOL, TIE)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # transformers reads no mistral GGUF
 def test_q8_0_files_match_transformers_on_their_weights(families, name: str) -> None:
     hf, files = families[name]
     want = transformers_logprobs(hf, files["q8_0"])
@@ -153,7 +159,7 @@ def test_q8_0_files_match_transformers_on_their_weights(families, name: str) -> 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # mistral's file is a llama one
 def test_two_ranks_give_the_bits_of_one(families, name: str) -> None:
     path = str(families[name][1]["q8_0"])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -166,14 +172,13 @@ def test_two_ranks_give_the_bits_of_one(families, name: str) -> None:
     assert two.outputs[0].logprobs == one.outputs[0].logprobs and two.prompt_logprobs == one.prompt_logprobs
 
 
-def test_mistral_v0_3_matches_transformers_and_v0_1s_window_is_refused(tmp_path: Path) -> None:
+def test_mistral_v0_1s_window_is_refused(families, tmp_path: Path) -> None:
     from transformers import MistralConfig
 
     from helpers.models import save_tiny_model
 
-    hf = peaked(save_tiny_model(MistralConfig(**COMMON, sliding_window=None), tmp_path / "mistral"))
-    assert _read_config(hf, hf).architectures == ("MistralForCausalLM",)
-    assert_close_at_the_top(ctxpar_logprobs(hf), transformers_logprobs(hf), TOL, TIE)
+    v03 = families["mistral"][0]
+    assert _read_config(v03, v03).architectures == ("MistralForCausalLM",)  # run by the Llama model (above)
     v01 = save_tiny_model(MistralConfig(**COMMON, sliding_window=4096), tmp_path / "mistral-v0.1")
     with pytest.raises(CtxparError, match=r"mistral model with sliding-window attention \(sliding_window=4096"):
         load_model(str(v01), torch.float32, torch.device("cpu"))
