@@ -56,6 +56,7 @@ IDS = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(0))  
 TOL = 1e-3  # fp32: the top token's logprob against transformers'
 TIE = 1e-4  # fp32: a reference top-2 gap below this is a tie either engine may break
 QUANT_TOL, QUANT_GAP = 0.5, 1.0  # int8 activations (tests/models/test_quantized_gguf.py's bounds)
+DCP_TOL = 2e-4  # nats: a logprob under DCP against one rank's (tests/engine/test_same_bits.py's bound)
 
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral"]
@@ -160,16 +161,23 @@ def test_q8_0_files_match_transformers_on_their_weights(families, name: str) -> 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # mistral's file is a llama one
-def test_two_ranks_give_the_bits_of_one(families, name: str) -> None:
-    path = str(families[name][1]["q8_0"])
+def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) -> None:
+    """P = 2: the bits of P = 1. P = D = 2: a query's attention merged from its two shards,
+    another summation order (README, "The same bits whatever else runs"): the same tokens,
+    logprobs within DCP_TOL (tests/engine/test_same_bits.py's bound)."""
+    path = str(families[name][1]["f32"])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = {}
-    for p in (1, 2):
-        with LLM(path, pcp_size=p, pcp_min_tokens=0, max_model_len=128, kv_cache_bytes=1 << 22) as llm:
-            outs[p] = llm.generate([{"prompt_token_ids": IDS.tolist()}], params, use_tqdm=False)[0]
-    one, two = outs[1], outs[2]
-    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for layout in ((1, 1), (2, 1), (2, 2)):
+        kwargs = dict(pcp_size=layout[0], dcp_size=layout[1], pcp_min_tokens=0, max_model_len=128)
+        with LLM(path, kv_cache_bytes=1 << 22, **kwargs) as llm:
+            outs[layout] = llm.generate([{"prompt_token_ids": IDS.tolist()}], params, use_tqdm=False)[0]
+    one, two, dcp = outs[1, 1], outs[2, 1], outs[2, 2]
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids == dcp.outputs[0].token_ids
     assert two.outputs[0].logprobs == one.outputs[0].logprobs and two.prompt_logprobs == one.prompt_logprobs
+    pairs = [*zip(dcp.outputs[0].logprobs, one.outputs[0].logprobs), *zip(dcp.prompt_logprobs, one.prompt_logprobs)]
+    worst = max(abs(a[t].logprob - b[t].logprob) for a, b in pairs if a and b for t in a.keys() & b.keys())
+    assert worst < DCP_TOL, worst
 
 
 def test_mistral_v0_1s_window_is_refused(families, tmp_path: Path) -> None:
