@@ -9,7 +9,7 @@ at F32 and Q8_0, against transformers on the checkpoint itself:
 - Q8_0: the same against transformers with the weights transformers' own GGUF loader dequantizes
   from the file; with the blocks kept (quantization="gguf", int8 activations) within the
   rounding tests/models/test_quantized_gguf.py bounds;
-- two ranks (PCP) give the bits of one.
+- two ranks (PCP) give the bits of one; P = D = 2 (DCP) its tokens, logprobs within DCP's bound.
 
 Mistral v0.3 (a llama file to llama.cpp) runs from either as Llama does; v0.1's sliding window,
 and architectures or GGUF tensor types ctxpar does not read, are refused naming them.
