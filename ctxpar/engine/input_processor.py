@@ -50,6 +50,7 @@ class EngineRequest:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # of params.bad_words
     stop: StopStrings = field(default_factory=lambda: StopStrings([]))  # of params.stop_strings
     grammar: Future | None = None  # params.structured_outputs compiled (done)
+    priority: int = 0  # vLLM's request priority: lower is scheduled earlier (the server's field)
 
 
 class InputProcessor:
@@ -153,6 +154,7 @@ class InputProcessor:
                 # Prompt logprobs need every prompt token's hidden state: no prefix-cache reads.
                 skip_prefix_cache=i == 0 and params.prompt_logprobs is not None,
                 grammar=RequestGrammar(grammar) if grammar is not None else None,
+                priority=request.priority,
             )
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer if params.detokenize else None,

@@ -52,6 +52,7 @@ class Request:
     index: int = 0  # which sample of its group
     skip_prefix_cache: bool = False  # compute every prompt token (prompt logprobs need their hidden states)
     grammar: RequestGrammar | None = None  # structured outputs: where this sample is in its grammar
+    priority: int = 0  # vLLM's: lower is scheduled earlier (scheduler.py)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -8,6 +8,13 @@ Each step the scheduler picks, under a token budget (``max_num_batched_tokens``)
    requests in arrival order (a prompt longer than what is left of the budget
    gets a chunk of it), while fewer than ``max_num_seqs`` requests run.
 
+A request's ``priority`` (vLLM's: lower is served earlier; 0 by default) orders
+the queue: a request waits behind those of its priority or a lower value, in
+arrival order, and a preempted one returns in front of its priority. Among
+running requests the one preempted is the newest of the highest value. With
+every priority equal this is arrival order throughout. Outputs never depend on
+it: a token's arithmetic depends only on its own request.
+
 When the KV cache is full, the NEWEST running request is preempted: its blocks
 are freed, its computed count is reset, and it goes back to the front of the
 queue; later it recomputes its prompt and the tokens generated so far. The
@@ -56,14 +63,15 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by arrival_index: running[-1] is the newest
+        self.running: list[Request] = []  # sorted by (priority, arrival_index): running[-1] is preempted first
         self.num_preemptions = 0  # total so far, for tests and metrics
         self.prefix_cache_stats = PrefixCacheStats()
 
     def add(self, request: Request) -> None:
         """Queue a request; it is admitted at the next step that has room."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        # Behind every request of its priority or a lower value (all equal: at the end).
+        self.waiting.insert(bisect.bisect_right(self.waiting, request.priority, key=_priority), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -161,7 +169,7 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_cached_tokens
         req.status = RequestStatus.RUNNING
-        bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+        bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_index))
 
     # -- after the step -------------------------------------------------------
 
@@ -281,8 +289,13 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        # Front of the queue; preempting newest-first leaves the oldest in front.
-        self.waiting.appendleft(req)
+        # Front of its priority in the queue (all equal: the front); preempting newest-first
+        # leaves the oldest in front.
+        self.waiting.insert(bisect.bisect_left(self.waiting, req.priority, key=_priority), req)
+
+
+def _priority(req: Request) -> int:
+    return req.priority
 
 
 def _group(req: Request) -> RequestGroup:

@@ -8,6 +8,8 @@ These run on a worker thread (asyncio.to_thread): tokenizing or templating a
 
 from __future__ import annotations
 
+import dataclasses
+
 from ctxpar.engine.input_processor import EngineRequest
 from ctxpar.entrypoints.openai.failures import template_error
 from ctxpar.entrypoints.openai.limits import check_logprobs
@@ -58,11 +60,13 @@ def _engine_request(
     logprobs: int | None,
     constraint: StructuredOutputsParams | None,
 ) -> EngineRequest:
-    """One prompt's engine request; truncated, it keeps no text (echo then decodes what is left)."""
+    """One prompt's engine request, queued by its priority; truncated, it keeps no text (echo then
+    decodes what is left)."""
     max_model_len = state.engine.max_model_len
     kept = req.truncate(ids, max_model_len)
     params = req.sampling_params(len(kept), max_model_len, logprobs, constraint)
-    return state.engine.processor.process_tokens(kept, params, text if len(kept) == len(ids) else None)
+    checked = state.engine.processor.process_tokens(kept, params, text if len(kept) == len(ids) else None)
+    return dataclasses.replace(checked, priority=req.priority)
 
 
 def completion_requests(

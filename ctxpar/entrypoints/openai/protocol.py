@@ -133,7 +133,7 @@ class SamplingRequest(StrictBody):
     truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts (default: the start)
     # vLLM extensions: the request's handling and its answer.
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # accepted; every priority is served first come, first served
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # lower is scheduled earlier (engine/scheduler.py)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
     session_id: str | None = None  # routing hint across requests: one server, nothing to route
     return_token_offsets: bool | None = None  # vLLM reads it only on its /render endpoints
