@@ -156,3 +156,18 @@ def test_chat_template_options_and_echo(server, llm):
     assert e["error"]["param"] == "chat_template"
     e = post(server, "/v1/chat/completions", {**body, "continue_final_message": True}, status=400)
     assert "add_generation_prompt" in e["error"]["message"]
+
+
+def test_priority_reaches_the_engine_request(model_dir):
+    """The body's priority is the engine request's, which the scheduler orders by
+    (tests/engine/test_scheduler_priority.py)."""
+    from ctxpar.entrypoints.openai import prompts
+    from ctxpar.entrypoints.openai.access import Access
+    from ctxpar.entrypoints.openai.protocol import parse
+    from ctxpar.entrypoints.openai.protocol_completions import CompletionRequest
+    from ctxpar.entrypoints.openai.state import ServerState
+
+    with LLM(str(model_dir), num_threads=1) as llm:
+        state = ServerState(llm, NAME, Access())
+        req = parse(CompletionRequest, json.dumps({"prompt": ["a", "b"], "priority": -3}).encode())
+        assert [r.priority for r in prompts.completion_requests(state, req, req.prompts(), None)] == [-3, -3]
