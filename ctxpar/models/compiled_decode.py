@@ -107,7 +107,7 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # its tensors are weights: no repr of their values
 class DecoderLayer:
     """One Llama-style decoder layer as its decode step runs it: h += O(attend(rope(QKV(
     RMSNorm(h))))), then h += down(SiLU·up(gate_up(RMSNorm(h)))); each projection a
@@ -121,7 +121,7 @@ class DecoderLayer:
     down: tuple[Weight, torch.Tensor | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class DecoderStep:
     """A Llama-style model's decode step, described once: what its fast paths derive from."""
 
