@@ -19,6 +19,10 @@ configuration does exactly the same work.
    >= 0.9), and offline TTFT p50 over served TTFT p50 at C = 1 (goal: within
    10%, i.e. >= 0.9).
 
+With --peer-python (a venv's Python with vLLM's CPU build) the run is ctxpar serve
+against vLLM's server under the same load instead (serve_peer.py; --guidellm-venv
+runs guidellm beside each level).
+
 Traffic goes to loopback only, bounded by N requests per level and --timeout.
 Offline runs first, then the server, so the two never share the CPU.
 """
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 
 from ctxpar.bench.llm_readings import first_token_seconds
 from ctxpar.checks import int_arg, max_threads, nonnegative_int, positive_int
+from ctxpar.config import QUANTIZATIONS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=positive_int, default=32, metavar="N", help="tokens per request (default: 32)")
     p.add_argument("--threads", type=int_arg(1, max_threads()), metavar="N", help="torch threads per rank")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the prompts (default: 0)")
+    p.add_argument(
+        "--peer-python",
+        metavar="PY",
+        help="Python of a venv with vLLM's CPU build: ctxpar serve against vLLM's server instead of offline",
+    )
+    p.add_argument("--peer-dtype", default="bfloat16", metavar="T", help="vLLM's --dtype (default: bfloat16)")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="ctxpar's weights (default: none against offline, ctxpar's default against --peer-python)",
+    )
+    p.add_argument("--guidellm-venv", metavar="DIR", help="with --peer-python: guidellm at each level too")
     p.add_argument(
         "--timeout",
         type=positive_int,
@@ -151,21 +168,31 @@ def free_port() -> int:
 
 
 def start_server(
-    args: argparse.Namespace, port: int, extra: tuple[str, ...] = ("--no-prefix-caching",)
+    args: argparse.Namespace,
+    port: int,
+    extra: tuple[str, ...] = ("--no-prefix-caching",),
+    quantization: str | None = "none",
 ) -> subprocess.Popen:
     """`ctxpar serve` on loopback with a benchmark's engine flags (args.model, .pcp, .threads)
     and ``extra``; returns once /health answers 200. Here prefix caching is off, as
-    offline: each level resends the same prompts."""
+    offline: each level resends the same prompts. ``quantization`` None: ctxpar's default;
+    "none" (a GGUF dequantized) is what the offline figures of docs/benchmarks.md load."""
     cmd = [sys.executable, "-m", "ctxpar.cli", "serve", "--port", str(port), "--pcp", str(args.pcp), *extra]
     cmd += ["--model", args.model] if args.model else []
-    cmd += ["--quantization", "none"]  # a GGUF dequantized, as the figures of docs/benchmarks.md
+    cmd += ["--quantization", quantization] if quantization else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
+    return wait_healthy(proc, port, "the server", timeout=300)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, name: str, timeout: float) -> subprocess.Popen:
+    """``proc`` once its /health on loopback answers 200; killed, with its stderr's tail, if it exits or
+    does not answer within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             stderr = proc.stderr.read() if proc.stderr is not None else ""
-            raise RuntimeError(f"the server exited with status {proc.returncode}: {stderr[-500:]}")
+            raise RuntimeError(f"{name} exited with status {proc.returncode}: {stderr[-500:]}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -175,7 +202,7 @@ def start_server(
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the server did not answer /health within 300 s")
+    raise RuntimeError(f"{name} did not answer /health within {timeout:.0f} s")
 
 
 def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], float, list[float]]:
@@ -183,8 +210,9 @@ def offline(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]],
     from ctxpar import LLM, SamplingParams
     from ctxpar.bench.throughput import llm_prompts
 
+    quantization = args.quantization or "none"
     with LLM(
-        args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False, quantization="none"
+        args.model, pcp_size=args.pcp, num_threads=args.threads, enable_prefix_caching=False, quantization=quantization
     ) as llm:
         prompts = llm_prompts(llm, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -209,6 +237,15 @@ def run(args: argparse.Namespace) -> None:
     url = urllib.parse.urlsplit(args.url or "http://127.0.0.1")
     if url.scheme != "http" or url.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise CtxparError(f"--url must be an http:// loopback address (this benchmark sends load), got {args.url!r}")
+    if args.guidellm_venv and not args.peer_python:
+        raise CtxparError("--guidellm-venv runs beside --peer-python; pass both")
+    if args.peer_python:
+        from ctxpar.bench import serve_peer
+
+        if args.url or args.pcp != 1:
+            raise CtxparError("--peer-python starts both servers itself on one rank; drop --url and --pcp")
+        serve_peer.run(args)
+        return
     print(describe_machine())
     prompts, want, off_tps, off_ttft = offline(args)
     print(
@@ -218,7 +255,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"offline LLM.generate: {off_tps:8.1f} output tok/s; TTFT alone p50 {percentile(off_ttft, 50) * 1e3:.0f} ms")
 
     port = (url.port or 8000) if args.url else free_port()
-    server = None if args.url else start_server(args, port)
+    server = None if args.url else start_server(args, port, quantization=args.quantization or "none")
     served: dict[int, tuple[float, float]] = {}  # concurrency -> (output tok/s, TTFT p50)
     try:
         deadline = time.monotonic() + args.timeout

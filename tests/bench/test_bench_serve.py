@@ -48,3 +48,44 @@ def test_only_loopback_urls(capsys):
     assert cli.main(["bench", "serve", "--url", "http://example.com:8000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --url must be an http:// loopback address") and "example.com" in err
+
+
+def test_guidellm_needs_a_peer(capsys):
+    from ctxpar import cli
+
+    assert cli.main(["bench", "serve", "--guidellm-venv", "/nowhere"]) == 2
+    assert "--guidellm-venv runs beside --peer-python" in capsys.readouterr().err
+
+
+def test_level_figures_from_stream_timings():
+    """Four requests over a 2 s level: TTFTs 0.1-0.4 s; request i's gaps 10 and 10 (2i + 1) ms,
+    its ITL their mean, 10 (i + 1) ms (the p50 of every gap would be 10 ms)."""
+    from ctxpar.bench.serve_peer import summarize
+    from ctxpar.bench.server_load import Timing
+
+    timings = []
+    for i in range(4):
+        first = 0.1 * (i + 1)
+        timings.append(Timing(sent=0.0, arrivals=[first, first + 0.01, first + 0.01 + 0.01 * (2 * i + 1)]))
+    f = summarize(timings, elapsed=2.0)
+    assert f.requests == 4 and f.req_s == 2.0
+    # numpy's linear percentile of 100, 200, 300, 400 ms: p50 midway between 200 and 300, p90 at 370
+    assert abs(f.ttft_p50_ms - 250) < 1e-6 and abs(f.ttft_p90_ms - 370) < 1e-6
+    assert abs(f.itl_p50_ms - 25) < 1e-6  # the requests' 10, 20, 30, 40 ms
+
+
+def test_level_figures_from_a_guidellm_report():
+    """guidellm's report layout (guidellm 0.8.1's JSON output, trimmed to the fields read):
+    requests/s is its successful requests over the benchmark's duration."""
+    from ctxpar.bench.serve_peer import guidellm_figures, ratio_line
+
+    dist = lambda p50, p90: {"successful": {"median": p50, "percentiles": {"p50": p50, "p90": p90}}}
+    metrics = {
+        "request_totals": {"successful": 32, "errored": 0, "incomplete": 0},
+        "time_to_first_token_ms": dist(400.0, 900.0),
+        "inter_token_latency_ms": dist(20.0, 35.0),
+    }
+    f = guidellm_figures({"benchmarks": [{"duration": 64.0, "metrics": metrics}]})
+    assert (f.requests, f.req_s, f.ttft_p50_ms, f.ttft_p90_ms, f.itl_p50_ms) == (32, 0.5, 400.0, 900.0, 20.0)
+    half = type(f)(32, 0.25, 800.0, 1800.0, 40.0)
+    assert ratio_line(f, half) == "req/s 2.00x, TTFT p50 0.50x, p90 0.50x, ITL p50 0.50x"

@@ -1,0 +1,158 @@
+"""`ctxpar bench serve --peer-python PY`: `ctxpar serve` against vLLM's OpenAI server
+under the same load, in one run.
+
+Both servers run at once on loopback (vLLM's from ``--peer-python``, its CPU build,
+with ``--peer-dtype``; ctxpar's with ``--quantization``, ctxpar's default when not
+given), neither with a prefix cache. Each level of the sweep runs on ctxpar, then on
+the peer, so the ratios compare runs made under the same load: C client threads send
+the same seeded prompts of random token ids as streamed /v1/completions with
+``ignore_eos``. Printed per level and server: requests/s, TTFT p50 / p90, ITL p50 and
+the 1-minute load average; then ctxpar / peer. With ``--guidellm-venv`` guidellm runs
+the same level after each of them (its synthetic 512-token text prompts, the same
+lengths, C streams, as many requests) and its figures are printed beneath ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ctxpar.bench.compare import PEER_ENV, _model_dir
+from ctxpar.bench.server_load import (
+    Timing,
+    free_port,
+    percentile,
+    start_server,
+    stream_completion,
+    sweep_level,
+    wait_healthy,
+)
+
+NAME = "ctxpar"  # the model name both servers answer to
+
+
+@dataclass(frozen=True)
+class LevelFigures:
+    """One server at one concurrency."""
+
+    requests: int
+    req_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    itl_p50_ms: float
+
+    def row(self, label: str, load: float | None) -> str:
+        tail = f" {load:5.1f}" if load is not None else ""
+        return (
+            f"{label:<18} {self.requests:4d} {self.req_s:6.2f} "
+            f"{self.ttft_p50_ms:8.0f}/{self.ttft_p90_ms:<8.0f} {self.itl_p50_ms:7.1f}{tail}"
+        )
+
+
+def summarize(timings: list[Timing], elapsed: float) -> LevelFigures:
+    """Requests/s over the level's wall time; TTFT and ITL over requests, a request's ITL
+    its mean gap between tokens, (last - first) / (tokens - 1), as guidellm defines it."""
+    itl = [(t.arrivals[-1] - t.arrivals[0]) / (len(t.arrivals) - 1) for t in timings if len(t.arrivals) > 1]
+    ttft = [t.ttft for t in timings]
+    return LevelFigures(
+        len(timings), len(timings) / elapsed, percentile(ttft, 50) * 1e3, percentile(ttft, 90) * 1e3,
+        percentile(itl, 50) * 1e3,
+    )  # fmt: skip
+
+
+def guidellm_figures(report: dict) -> LevelFigures:
+    """The same figures from guidellm's JSON report of one benchmark: requests/s as its
+    successful requests over its duration, its TTFT and ITL distributions' p50 / p90."""
+    [bench] = report["benchmarks"]
+    m = bench["metrics"]
+    ok = m["request_totals"]["successful"]
+    ttft = m["time_to_first_token_ms"]["successful"]["percentiles"]
+    itl = m["inter_token_latency_ms"]["successful"]["percentiles"]
+    return LevelFigures(ok, ok / bench["duration"], ttft["p50"], ttft["p90"], itl["p50"])
+
+
+def ratio_line(ours: LevelFigures, peer: LevelFigures) -> str:
+    return (
+        f"req/s {ours.req_s / peer.req_s:.2f}x, TTFT p50 {ours.ttft_p50_ms / peer.ttft_p50_ms:.2f}x, "
+        f"p90 {ours.ttft_p90_ms / peer.ttft_p90_ms:.2f}x, ITL p50 {ours.itl_p50_ms / peer.itl_p50_ms:.2f}x"
+    )
+
+
+def start_vllm(python: str, hf_dir: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """vLLM's OpenAI server on loopback, as ``bench compare`` runs its CPU build here; its
+    output goes to ``log`` (a pipe nobody reads would fill and stall it)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model", hf_dir, "--served-model-name", NAME, "--dtype", args.peer_dtype]
+    cmd += ["--max-model-len", str(args.max_prompt_len + args.output_len + 16), "--no-enable-prefix-caching"]
+    env = {**os.environ, **PEER_ENV}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return wait_healthy(proc, port, f"vLLM's server (its log: {log})", timeout=600)
+
+
+def run_guidellm(venv: str, url: str, tokenizer: Path, streams: int, args: argparse.Namespace, out: Path) -> dict:
+    """guidellm at ``streams`` concurrent streams, streamed /v1/completions; its JSON report."""
+    from ctxpar.bench.clients import run_client
+
+    backend = f"kind=openai_http,target={url},model={NAME},request_format=/v1/completions"
+    data = f"kind=synthetic_text,prompt_tokens={args.max_prompt_len},output_tokens={args.output_len}"
+    cmd = [str(Path(venv) / "bin" / "guidellm"), "run", "--backend", backend, "--data", data]
+    cmd += ["--profile", f"kind=concurrent,streams={streams}"]
+    cmd += ["--constraint", f"kind=max_requests,count={args.num_prompts}"]
+    cmd += ["--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}"]
+    cmd += ["--disable-console-interactive"]
+    run_client(cmd, out.with_suffix(".log"), timeout=args.timeout)
+    return json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from ctxpar.bench.machine_line import describe_machine
+    from ctxpar.bench.throughput import make_prompts
+
+    print(describe_machine())
+    hf_dir, vocab = _model_dir(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    prompts = make_prompts(tokenizer, vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
+    work = Path(tempfile.mkdtemp(prefix="ctxpar_bench_serve_"))
+    tokenizer.save_pretrained(work / "tokenizer")  # guidellm sizes its prompts with it
+    body = {"model": NAME, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+    bodies = [{**body, "prompt": p, "return_token_ids": True} for p in prompts]
+    quant = args.quantization or "ctxpar's default"
+    print(
+        f"{len(prompts)} prompts a level of {args.min_prompt_len}-{args.max_prompt_len} tokens x {args.output_len}; "
+        f"ctxpar: quantization {quant}; vLLM: {args.peer_dtype}"
+    )
+    ports = {"ctxpar": free_port(), "vLLM": free_port()}
+    extra = ("--no-prefix-caching", "--served-model-name", NAME)
+    procs = [start_server(args, ports["ctxpar"], extra, quantization=args.quantization)]
+    try:
+        procs.append(start_vllm(args.peer_python, hf_dir, ports["vLLM"], args, work / "vllm.log"))
+        for port in ports.values():
+            stream_completion("127.0.0.1", port, {**bodies[0], "max_tokens": 2}, timeout=300)  # warm-up
+        print(f"{'C  server':<18} reqs  req/s  TTFT p50/p90 ms    ITL p50  load")
+        deadline = time.monotonic() + args.timeout
+        for c in args.concurrency:
+            figures = {}
+            for name, port in ports.items():
+                timings, elapsed = sweep_level("127.0.0.1", port, bodies, c, deadline)
+                figures[name] = summarize(timings, elapsed)
+                print(figures[name].row(f"{c:<2d} {name}", os.getloadavg()[0]), flush=True)
+                if args.guidellm_venv:
+                    url = f"http://127.0.0.1:{port}"
+                    report = run_guidellm(
+                        args.guidellm_venv, url, work / "tokenizer", c, args, work / f"{name}_{c}.json"
+                    )
+                    print(guidellm_figures(report).row(f"{c:<2d}   guidellm", os.getloadavg()[0]), flush=True)
+            print(f"{c:<2d} ctxpar/vLLM: {ratio_line(figures['ctxpar'], figures['vLLM'])}", flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
