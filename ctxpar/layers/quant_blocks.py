@@ -1,17 +1,20 @@
 """GGUF quantized blocks decoded into one form: integers, a scale per group, an offset per 32.
 
-Every block format ctxpar keeps quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
-the K-quants Q4_K, Q5_K, Q6_K) stores a weight as ``scale * q + offset`` for
-a small integer q, with one scale per group of 16 or 32 weights and one
-offset (or none) per 32. ``decode`` turns a tensor's raw bytes into exactly
-that: q (int8), the scales and the offsets as float32, computed the way
-llama.cpp's (and the gguf package's) dequantizers compute them, so
+Every block format ctxpar keeps quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the
+K-quants Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS) stores a weight as
+``scale * q + offset`` for a small integer q, with one scale per group of 16
+or 32 weights and one offset (or none) per 32. IQ4_NL and IQ4_XS store a
+4-bit index into a 16-entry codebook of integers in -127..113 (``IQ4_VALUES``):
+q is the codebook's integer, an int8, exact. Q2_K is not among them: its
+minimum is one per 16 weights, an offset the kernels (one per 32) cannot hold.
+``decode`` turns a tensor's raw bytes into exactly that: q (int8), the scales
+and the offsets as float32, computed the way llama.cpp's (and the gguf package's) dequantizers compute them, so
 ``dequantize`` (``scale * q`` then ``+ offset``, rounded once each, as they do)
 gives their floats bit for bit. The kernel's layouts (layers/quant_linear.py)
 are built from this form.
 
 The formats (ggml-common.h): blocks of 32 for the legacy types, super-blocks
-of 256 for the K-quants, fp16 scales; element i of a 4-bit block of 32 is
+of 256 for the K-quants and IQ4_XS, fp16 scales; element i of a 4-bit block of 32 is
 the low nibble of byte i (i < 16) or the high nibble of byte i - 16.
 """
 
@@ -46,7 +49,13 @@ FORMATS: dict[str, Format] = {
     "Q4_K": Format("Q4_K", QK_K, 144, 4, 0, 32, True),
     "Q5_K": Format("Q5_K", QK_K, 176, 5, 0, 32, True),
     "Q6_K": Format("Q6_K", QK_K, 210, 6, 32, 16, False),
+    "Q3_K": Format("Q3_K", QK_K, 110, 3, 4, 16, False),
+    "IQ4_NL": Format("IQ4_NL", 32, 18, 8, 128, 32, False),  # q a codebook integer, -127..113
+    "IQ4_XS": Format("IQ4_XS", QK_K, 136, 8, 128, 32, False),
 }
+
+# IQ4_NL's and IQ4_XS's codebook (ggml-common.h's kvalues_iq4nl): a 4-bit index's integer.
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 @dataclass
@@ -92,6 +101,20 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _shifts_2(count: int) -> np.ndarray:
+    """Shifts 0, 2, 4, ... of `count` 2-bit fields of a byte, shaped to spread runs of bytes."""
+    return (2 * np.arange(count, dtype=np.uint8)).reshape(1, 1, count, 1)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> 16 six-bit scales minus 32 (n, 16): bytes 0-7's low nibbles are
+    scales 0-7's low 4 bits, their high nibbles 8-15's; bytes 8-11 hold the top 2 bits,
+    bits 2k..2k+1 of byte 8 + j scale 4k + j's."""
+    low = np.concatenate([s[:, :8] & 0x0F, s[:, :8] >> 4], axis=-1)
+    high = ((s[:, 8:12].reshape(-1, 1, 4) >> _shifts_2(4)[0]) & np.uint8(3)).reshape(-1, 16)
+    return (low | (high << np.uint8(4))).astype(np.int16) - 32
+
+
 def _decode_blocks(fmt: Format, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(n, nbytes) blocks -> q (n, block) int, scales (n, block/group), offsets (n, block/32) or None."""
     n = b.shape[0]
@@ -120,11 +143,22 @@ def _decode_blocks(fmt: Format, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
         return q, scales, offsets
     if fmt.name == "Q6_K":
         low = _nibbles(b[:, :128], 128)  # 2 halves of 64 bytes -> 128 weights each
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        high = ((b[:, 128:192].reshape(n, -1, 1, 32) >> shifts) & np.uint8(3)).reshape(n, -1)
+        high = ((b[:, 128:192].reshape(n, -1, 1, 32) >> _shifts_2(4)) & np.uint8(3)).reshape(n, -1)
         q = (low | (high << np.uint8(4))).astype(np.int16) - 32
         scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
         return q, scales, None
+    if fmt.name == "Q3_K":  # hmask 32, qs 64, scales 12, d: q = low 2 bits - 4 where the hmask bit is 0
+        low = ((b[:, 32:96].reshape(n, -1, 1, 32) >> _shifts_2(4)) & np.uint8(3)).reshape(n, -1)
+        high = _high_bits(b[:, :32], 8, 32)
+        q = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
+        return q, _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108]).astype(np.float32), None
+    if fmt.name == "IQ4_NL":  # d, then 16 bytes of indices as Q4_0's nibbles
+        return IQ4_VALUES[_nibbles(b[:, 2:], 32)], _f16(b[:, :2]), None
+    if fmt.name == "IQ4_XS":  # d, scales_h (2 bits a sub-block), scales_l (a nibble a sub-block), 8 x 16 bytes
+        high = (b[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)
+        low = _nibbles(b[:, 4:8], 2)  # byte j: sub-block 2j in its low nibble, 2j + 1 in its high
+        ls = (low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int16) - 32
+        return IQ4_VALUES[_nibbles(b[:, 8:], 32)], _f16(b[:, :2]) * ls.astype(np.float32), None
     raise ValueError(f"no decoder for {fmt.name}")
 
 

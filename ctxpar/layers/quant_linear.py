@@ -1,15 +1,16 @@
-"""Weights kept block-quantized (GGUF's Q4_0 ... Q6_K), and their projections.
+"""Weights kept block-quantized (GGUF's Q4_0 ... Q6_K, IQ4_NL, IQ4_XS), and their projections.
 
 A ``QuantWeight`` is the kernel's layout (kernels/quant_gemv.cpp) of a
 ``Decoded`` tensor (layers/quant_blocks.py): per output row, blocks of 32
 weights as 4-bit nibbles (Q4_0, Q4_1, Q4_K: q in 0..15, a scale per 32) or
-int8 (Q8_0, Q5_*, Q6_K), a scale per group of 16 or 32 and an optional
-offset per 32. The repacking is done once, at load. Scales and offsets stay
-float16 where every one of the weight's is a half (the legacy formats' own
-fp16 fields: Q4_1 reads its 5 bits a weight, 20 bytes a block), and become
-float32 where not (the K-quants' products of two scales, int8 weights
-quantized at load), which holds them exactly; the 5- and 6-bit formats widen
-to 8 bits. Q4_0 read from a file keeps its own form, scale * (q - 8) with q a
+int8 (Q8_0, Q5_*, Q3_K, Q6_K, IQ4_*), a scale per group of 16 or 32 and an
+optional offset per 32. The repacking is done once, at load. Scales and
+offsets stay float16 where every one of the weight's is a half (the legacy
+formats' own fp16 fields: Q4_1 reads its 5 bits a weight, 20 bytes a block),
+and become float32 where not (the K-quants' and IQ4_XS's products of two
+scales, int8 weights quantized at load), which holds them exactly; the 3-, 5-
+and 6-bit formats widen to 8 bits, and so do IQ4_NL's and IQ4_XS's codebook
+integers (-127..113). Q4_0 read from a file keeps its own form, scale * (q - 8) with q a
 nibble (``zero`` 8): its scales are the file's halves, and no offsets are stored.
 
 A GGUF file's Q4_0, Q4_1 and Q8_0 blocks are that form already, fields

@@ -166,11 +166,11 @@ def test_strided_rows() -> None:
 
 @pytest.mark.parametrize("name", ALL)
 def test_scales_kept_as_halves_where_exact(name: str) -> None:
-    """The legacy formats' scales and offsets are the file's fp16 fields: they stay halves
-    (Q4_1: 16 + 2 + 2 bytes a block of 32, as in the file); the K-quants' are products of
-    two scales, which need float32 to stay exact."""
+    """The blocks of 32's scales and offsets are the file's fp16 fields: they stay halves
+    (Q4_1: 16 + 2 + 2 bytes a block of 32, as in the file); the super-blocks' (K-quants,
+    IQ4_XS) are products of two scales, which need float32 to stay exact."""
     w = QuantWeight.from_decoded(decode(random_blocks(name, 4, 256, np.random.default_rng(3)), name, 256))
-    legacy = not name.endswith("_K")
+    legacy = FORMATS[name].block == 32
     assert w.scales.dtype == (torch.float16 if legacy else torch.float32)
     assert w.offsets is None or w.offsets.dtype == w.scales.dtype
     if name == "Q4_1":
