@@ -190,7 +190,7 @@ class EngineConfig:
     # model is one) on the CPU, else "none" (``weight_quantization``).
     quantization: str | None = knob(
         None,
-        "gguf (the default for a .gguf file on the CPU): keep its quantized weights (Q4_0 ... Q6_K) and "
+        "gguf (the default for a .gguf file on the CPU): keep its quantized weights (Q3_K ... Q8_0, IQ4_*) and "
         "compute with them, reading 4-8 bits a weight per decode step (activations rounded to int8 per 32); "
         "int8: quantize any model's projection weights to int8 at load (a scale per 32 weights), same kernels; "
         "none (the default otherwise): compute in --dtype (a .gguf file dequantized when loading: the exact path)",
