@@ -3,13 +3,14 @@ under the same load, in one run.
 
 Both servers run at once on loopback (vLLM's from ``--peer-python``, its CPU build,
 with ``--peer-dtype``; ctxpar's with ``--quantization``, ctxpar's default when not
-given), neither with a prefix cache. Each level of the sweep runs on ctxpar, then on
-the peer, so the ratios compare runs made under the same load: C client threads send
-the same seeded prompts of random token ids as streamed /v1/completions with
-``ignore_eos``. Printed per level and server: requests/s, TTFT p50 / p90, ITL p50 and
-the 1-minute load average; then ctxpar / peer. With ``--guidellm-venv`` guidellm runs
-the same level after each of them (its synthetic 512-token text prompts, the same
-lengths, C streams, as many requests) and its figures are printed beneath ours.
+given; ``--threads N``: each on N cores), neither with a prefix cache. Each level of
+the sweep runs on ctxpar, then on the peer, so the ratios compare runs made under
+the same load: C client threads send the same seeded prompts of random token ids as
+streamed /v1/completions with ``ignore_eos``. Printed per level and server:
+requests/s, TTFT p50 / p90, ITL p50 and the 1-minute load average; then ctxpar /
+peer. With ``--guidellm-venv`` guidellm runs the same level after each of them (its
+synthetic text prompts of the same lengths, C streams, as many requests) and its
+figures are printed beneath ours.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def start_vllm(python: str, hf_dir: str, port: int, args: argparse.Namespace, lo
     cmd += ["--model", hf_dir, "--served-model-name", NAME, "--dtype", args.peer_dtype]
     cmd += ["--max-model-len", str(args.max_prompt_len + args.output_len + 16), "--no-enable-prefix-caching"]
     env = {**os.environ, **PEER_ENV}
+    if args.threads:  # as many cores as ctxpar's threads
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     return wait_healthy(proc, port, f"vLLM's server (its log: {log})", timeout=600)
