@@ -6,7 +6,7 @@ derives its shapes from it (costmodel/shapes.py), and the engine reads it as vLL
 ``hf_config``. Its fields carry Hugging Face's config.json names, so a model
 built from a transformers config (the tests' references) reads the same
 attributes. Reading it imports nothing of transformers: a config.json of the
-Llama family (llama, mistral, qwen2, qwen3) is read here; another model type's
+Llama family (llama, mistral, qwen2, qwen3, and Qwen's MoE models) is read here; another model type's
 (DeepSeek), whose keys its transformers class fills in when config.json omits
 them, is read by ``AutoConfig`` and then described here (``ModelArgs.of``).
 """
@@ -32,7 +32,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
 # The rope types whose scaling refers to the context length the model was trained at.
 _ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 # Families whose config.json is read here; another model type is read by AutoConfig.
-READ_HERE = ("llama", "mistral", "qwen2", "qwen3")
+READ_HERE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# The Qwen families: a sliding window only where use_sliding_window says so.
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # The token ids a config.json of the family means where it states none (its transformers class's defaults).
 _TOKEN_DEFAULTS = {"llama": (1, 2), "mistral": (1, 2)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -44,6 +46,8 @@ _MLA_MOE_KEYS = (
     "n_routed_experts n_shared_experts moe_intermediate_size num_experts_per_tok first_k_dense_replace "
     "moe_layer_freq n_group topk_group topk_method scoring_func norm_topk_prob routed_scaling_factor"
 ).split()
+# Qwen-MoE's keys (Qwen2MoeConfig's, Qwen3MoeConfig's) beside DeepSeek's that it shares.
+_QWEN_MOE_KEYS = ("shared_expert_intermediate_size", "decoder_sparse_step")
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,12 @@ class ModelArgs:
     scoring_func: str | None = None
     norm_topk_prob: bool | None = None
     routed_scaling_factor: float | None = None
+    # MoE (Qwen2-MoE, Qwen3-MoE): num_experts routed experts in every decoder_sparse_step-th layer
+    # but mlp_only_layers (those have the dense MLP), and Qwen2-MoE's gated shared expert.
+    num_experts: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in _SHAPE_KEYS + ("num_key_value_heads", "head_dim"):
@@ -165,14 +175,16 @@ class ModelArgs:
         if any(getattr(self, k) is not None for k in mla):
             for name in mla:
                 _positive(self, name)
-        if self.n_routed_experts:
+        for experts in ("n_routed_experts", "num_experts"):
+            count = getattr(self, experts)
+            if not count:
+                continue
             for name in ("moe_intermediate_size", "num_experts_per_tok"):
                 _positive(self, name)
-            if self.num_experts_per_tok is not None and self.num_experts_per_tok > self.n_routed_experts:
-                raise CtxparError(
-                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-                    f"({self.n_routed_experts})"
-                )
+            if self.num_experts_per_tok is not None and self.num_experts_per_tok > count:
+                raise CtxparError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds {experts} ({count})")
+        if self.decoder_sparse_step is not None:
+            _positive(self, "decoder_sparse_step")
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -195,6 +207,11 @@ class ModelArgs:
             raise CtxparError(f"the {self.model_type} model is not an MLA model")
         return dims  # type: ignore[return-value]  # checked above
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether a Qwen-MoE layer's feed-forward is its experts (transformers' rule)."""
+        step = self.decoder_sparse_step or 1
+        return bool(self.num_experts) and layer not in self.mlp_only_layers and (layer + 1) % step == 0
+
     @property
     def sliding_layers(self) -> list[int]:
         """The layers whose attention is windowed (``sliding_window`` keys)."""
@@ -211,16 +228,20 @@ class ModelArgs:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("rope", "qkv_bias", "qk_norm", "layer_types") and value is not None:
+            if f.name not in ("rope", "qkv_bias", "qk_norm", "layer_types", "mlp_only_layers") and value is not None:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         out["rope_parameters"] = self.rope_parameters
         # Stated where None: the families' classes default them (Mistral to a window, Llama to ids 1 and 2).
         out["sliding_window"] = self.sliding_window
         out["bos_token_id"], out["pad_token_id"] = self.bos_token_id, self.pad_token_id
         out["eos_token_id"] = list(self.eos_token_id) if self.eos_token_id else None
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in _QWEN:
             out["use_sliding_window"] = self.sliding_window is not None
             out["layer_types"] = list(self.layer_types) or None
+        if self.mlp_only_layers:
+            out["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.model_type == "qwen2_moe":  # its config states it (its class defaults it to True)
+            out["qkv_bias"] = self.qkv_bias
         return out
 
 
@@ -286,7 +307,7 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, layers: int, window: i
         return tuple(stated)
     if window is None:
         return ()
-    first = _given(cfg, "max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
+    first = _given(cfg, "max_window_layers", 0) if model_type in _QWEN else 0
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
 
 
@@ -313,7 +334,7 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
     else:
         head_dim = hidden // heads
     window: int | None = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in _QWEN and not cfg.get("use_sliding_window", False):
         window = None
     if model_type == "mistral" and "sliding_window" not in cfg:
         window = 4096  # MistralConfig's default: a config.json without the key means Mistral v0.1's window
@@ -338,13 +359,16 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         attention_bias=bool(cfg.get("attention_bias", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=window,
         layer_types=layer_types,
         bos_token_id=cfg.get("bos_token_id", bos),
         eos_token_id=_eos(cfg.get("eos_token_id", eos)),
         pad_token_id=cfg.get("pad_token_id"),
-        **{k: cfg.get(k) for k in _MLA_MOE_KEYS},
+        **{k: cfg.get(k) for k in (*_MLA_MOE_KEYS, *_QWEN_MOE_KEYS)},
+        # transformers 5 saves Qwen3-MoE's as num_local_experts, the hub's config.json files as num_experts
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
     )

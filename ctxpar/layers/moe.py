@@ -1,12 +1,15 @@
-"""Feed-forward blocks of DeepSeek-V2/V3: a gated dense MLP and a mixture of experts.
+"""Feed-forward blocks of DeepSeek-V2/V3 and Qwen-MoE: a gated dense MLP and a mixture of experts.
 
 The MoE routes each token to ``num_experts_per_tok`` of ``n_routed_experts``
 small gated MLPs and adds ``n_shared_experts`` always-on experts (fused into
-one MLP of ``n_shared_experts * moe_intermediate_size``). Two routers:
+one MLP of ``n_shared_experts * moe_intermediate_size``; Qwen2-MoE's one shared
+expert has a width of its own and a sigmoid gate, ``shared_expert_gate``, scaling
+its output per token). Two routers:
 
 - ``"softmax"`` (DeepSeek-V2): softmax scores; ``greedy`` takes the top-k of
   all experts, ``group_limited_greedy`` first keeps the ``topk_group`` groups
   with the highest single expert score.
+  Qwen2-MoE and Qwen3-MoE route as ``greedy`` does.
 - ``"noaux_tc"`` (DeepSeek-V3): sigmoid scores; experts are *chosen* by
   score + ``e_score_correction_bias`` within the ``topk_group`` groups whose
   best two biased scores sum highest, but *weighted* by the unbiased score.
@@ -142,17 +145,21 @@ class MoE(nn.Module):
         router: TopkRouter,
         hidden_act: str = "silu",
         shared_bias: bool = False,
+        shared_intermediate_size: int | None = None,
+        shared_gate: bool = False,
     ) -> None:
+        """shared_intermediate_size: the shared experts' width (default n_shared_experts *
+        moe_intermediate_size); shared_gate: their output scaled by sigmoid(shared_expert_gate(x))."""
         super().__init__()
         self.gate = router
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, moe_intermediate_size, hidden_act) for _ in range(n_routed_experts)
         )
+        shared_width = shared_intermediate_size or moe_intermediate_size * n_shared_experts
         self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, hidden_act, bias=shared_bias)
-            if n_shared_experts
-            else None
+            GatedMLP(hidden_size, shared_width, hidden_act, bias=shared_bias) if n_shared_experts else None
         )
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)  # (n, k)
@@ -171,5 +178,8 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y)
             start += c
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = sigmoid(self.shared_expert_gate(x)) * shared  # (n, 1) * (n, H)
+            out = out + shared
         return out

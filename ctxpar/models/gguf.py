@@ -47,7 +47,7 @@ from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import MappedBlocks
 from ctxpar.model_args import ModelArgs
 from ctxpar.models.gguf_config import PERMUTED_QK, config_from_gguf
-from ctxpar.models.gguf_file import GGUFFile
+from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
 FORMAT_VERSION = 2  # bump when the cached layout changes
@@ -68,7 +68,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# An MoE layer's experts, one 3-D tensor (experts, rows, columns) for each projection.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -184,6 +191,15 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def expert_names(gguf_name: str) -> str | None:
+    """llama.cpp's name of a layer's experts -> the Hugging Face name of each, a template of
+    the expert's index (None for another tensor)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
 def unpermuted_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rope permutation of a Q/K weight's rows (or a bias) undone, as a view:
     (n_head, 2, hd / 2, ...) whose first three axes, flattened in order, are the HF rows."""
@@ -221,6 +237,10 @@ def gguf_weights(
             reader.populate(t)
         else:
             reader.read_ahead(t)
+        experts = expert_names(t.name)
+        if experts is not None:
+            yield from _each_expert(reader, t, experts, keep_quantized, arena)
+            continue
         name = hf_name(t.name)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
@@ -237,3 +257,25 @@ def gguf_weights(
         copy = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
         reader.release(t)
         yield name, copy
+
+
+def _each_expert(
+    reader: GGUFFile, t: GGUFTensor, names: str, keep_quantized: bool, arena: HugeArena
+) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
+    """A 3-D expert tensor as each expert's 2-D weight, under ``names.format(expert)``: with
+    ``keep_quantized`` its rows of blocks in the map (contiguous: placed where they lie), else
+    float32 tensors."""
+    from gguf.quants import dequantize
+
+    count, kind = int(t.shape[2]), t.kind.name
+    rows = t.data.shape[0] // count  # t.data: (experts * rows, bytes a row)
+    if keep_quantized and kind in FORMATS:
+        for e in range(count):
+            blocks = t.data[e * rows : (e + 1) * rows]
+            yield names.format(e), MappedBlocks(blocks, kind, int(t.shape[0]), arena.empty, partial(reader.release, t))
+        return
+    shape = tuple(int(d) for d in reversed(t.shape))  # (experts, rows, columns)
+    w = np.asarray(dequantize(t.data, t.kind), dtype=np.float32).reshape(shape)
+    for e in range(count):
+        yield names.format(e), torch.from_numpy(np.array(w[e], dtype=np.float32, order="C"))
+    reader.release(t)

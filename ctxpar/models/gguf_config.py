@@ -1,7 +1,7 @@
 """A GGUF file's model description (ctxpar/model_args.py) from its metadata, as
 llama.cpp's converter (convert_hf_to_gguf.py) writes it: the architecture, the
 shapes, the rope (base, and Llama 3's scaling from the ``rope_freqs`` tensor),
-the token ids; and the check that every tensor is of a type ctxpar reads."""
+the experts (Qwen-MoE), the token ids; and the check that every tensor is of a type ctxpar reads."""
 
 from __future__ import annotations
 
@@ -22,13 +22,19 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),  # Llama 1-3.x, Mistral v0.3, SmolLM2
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),  # Qwen2, Qwen2.5 (QKV bias)
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),  # Qwen3 dense (q/k norm)
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),  # Qwen1.5-MoE, Qwen2-57B-A14B (QKV bias, gated shared expert)
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),  # Qwen3-30B-A3B, Qwen3-235B-A22B (q/k norm)
 }
+# The MoE architectures, each with whether its chosen experts' weights are renormalised to sum
+# to 1 where the file does not say ({arch}.expert_weights_norm): llama.cpp's choice for each
+# (the converter writes no norm_topk_prob; Qwen3-MoE's checkpoints set it, Qwen2-MoE's do not).
+MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # The architectures whose Q and K rows llama.cpp's converter permutes for its rope (LlamaModel's
 # permute); the others (Qwen) keep Hugging Face's row order.
 PERMUTED_QK = ("llama",)
 # Tensor types read: the block formats kept quantized (layers/quant_blocks.py), and those
 # dequantized to float when loading (gguf-py's reference decoders).
-DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K")
 TENSOR_TYPES = (*FORMATS, *DEQUANTIZED)
 # Llama 3.x's llama3 rope: its low and high frequency factors, and the context it was trained at.
 LLAMA3_FREQ_FACTORS = (1.0, 4.0)
@@ -62,6 +68,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     window = meta.get(f"{arch}.attention.sliding_window")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in reader.tensors}
+    moe = _experts(meta, arch, get, names, layers) if arch in MOE_NORM_TOPK else {}
     try:
         return ModelArgs(
             model_type=model_type,
@@ -78,16 +85,31 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             rope=_rope(reader, arch, head_dim, path),
             tie_word_embeddings="output.weight" not in names,
             attention_bias=model_type == "llama" and "blk.0.attn_q.bias" in names,
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and "blk.0.attn_q.bias" in names),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             layer_types=("sliding_attention",) * layers if window else (),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=() if eos is None else (eos,),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            **moe,
         )
     except CtxparError as e:
         raise CtxparError(f"GGUF file {path}: {e}") from None
+
+
+def _experts(meta: dict[str, Any], arch: str, get: Any, names: set[str], layers: int) -> dict[str, Any]:
+    """A Qwen-MoE file's experts as its config.json states them: the layers without a router
+    (``ffn_gate_inp``) keep the dense MLP."""
+    return dict(
+        num_experts=get("expert_count"),
+        num_experts_per_tok=get("expert_used_count"),
+        moe_intermediate_size=get("expert_feed_forward_length"),
+        shared_expert_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length"),
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", MOE_NORM_TOPK[arch])),
+        decoder_sparse_step=1,
+        mlp_only_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names),
+    )
 
 
 def check_tensor_types(reader: GGUFFile, path: Path) -> None:

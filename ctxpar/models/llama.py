@@ -28,7 +28,18 @@ from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention.attend import GQA, attend
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import default_runs
-from ctxpar.layers.linear import MLP_ROWS, Weight, can_pack, embedding, linear, pack_weight, packed, row_invariant
+from ctxpar.layers.linear import (
+    MLP_ROWS,
+    Weight,
+    can_pack,
+    embedding,
+    linear,
+    pack_linears,
+    pack_weight,
+    packed,
+    row_invariant,
+)
+from ctxpar.layers.moe import MoE
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
@@ -105,13 +116,21 @@ class LlamaMLP(nn.Module):
         return linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)  # (n, hidden)
 
 
+def _dense(mlp: LlamaMLP | MoE) -> LlamaMLP:
+    """A layer's MLP as the fast decode paths run it: dense (a mixture of experts has none)."""
+    if not isinstance(mlp, LlamaMLP):
+        raise CtxparError("the fast decode paths run dense MLPs; a mixture of experts runs its forward")
+    return mlp
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, config: ModelArgs, layer_idx: int, mlp: LlamaMLP | MoE | None = None) -> None:
+        """mlp: the layer's feed-forward (default: the dense SwiGLU; Qwen-MoE's experts: models/qwen_moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp: LlamaMLP | MoE = LlamaMLP(config) if mlp is None else mlp
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), cos, sin, ctx)
@@ -139,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = config.tie_word_embeddings
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.feed_forward(config, i)) for i in range(config.num_hidden_layers)
+        )
         attn = self.decoder_layers[0].self_attn
         self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
         self.kv_scale_runs = default_runs(self.kv_entry_shape)  # one scale per K or V head
@@ -148,6 +169,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
         self.lm_head_packed: Weight | None = None  # packed copy of lm_head, see pack_for_cpu
         self.rotary = RotaryEmbedding(config, attn.head_dim)
+
+    def feed_forward(self, config: ModelArgs, layer_idx: int) -> LlamaMLP | MoE:
+        """Layer ``layer_idx``'s feed-forward: the dense SwiGLU (a subclass's may be experts)."""
+        return LlamaMLP(config)
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
@@ -165,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
     def decode_step(self) -> DecoderStep:
         """This model's decode step as its fast paths run it: the same weights, norms and
         constants, in the order ``forward`` uses them (after loading and packing)."""
-        attn, mlp = self.decoder_layers[0].self_attn, self.decoder_layers[0].mlp
+        attn, mlp = self.decoder_layers[0].self_attn, _dense(self.decoder_layers[0].mlp)
         shape = DecodeShape(
             hidden=self.config.hidden_size,
             intermediate=mlp.inter,
@@ -180,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
                 qkv=(layer.self_attn.qkv_weight, layer.self_attn.qkv_bias),
                 o=(layer.self_attn.o_weight, layer.self_attn.o_bias),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=(layer.mlp.gate_up_weight, layer.mlp.gate_up_bias),
-                down=(layer.mlp.down_weight, layer.mlp.down_bias),
+                gate_up=(_dense(layer.mlp).gate_up_weight, _dense(layer.mlp).gate_up_bias),
+                down=(_dense(layer.mlp).down_weight, _dense(layer.mlp).down_bias),
             )
             for layer in self.decoder_layers
         ]
@@ -226,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.decoder_layers:
             for name in ("qkv_weight", "o_weight"):
                 pack_weight(layer.self_attn, name)
+            if isinstance(layer.mlp, MoE):  # each expert's projections, and the router's
+                pack_linears(layer.mlp)
+                pack_weight(layer.mlp.gate, "weight")
+                continue
             for name in ("gate_up_weight", "down_weight"):
                 pack_weight(layer.mlp, name)
 
@@ -254,6 +283,10 @@ class LlamaForCausalLM(nn.Module):
             if a.q_norm is not None and a.k_norm is not None:
                 add(pre + "self_attn.q_norm.weight", a.q_norm.weight)
                 add(pre + "self_attn.k_norm.weight", a.k_norm.weight)
+            if isinstance(m, MoE):  # its parameters carry the checkpoint's names
+                for name, p in m.named_parameters():
+                    add(pre + f"mlp.{name}", p)
+                continue
             for kind, p in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
                 add(pre + f"mlp.gate_proj.{kind}", p, 0, m.inter)
                 add(pre + f"mlp.up_proj.{kind}", p, m.inter, m.inter)

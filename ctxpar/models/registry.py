@@ -32,6 +32,12 @@ def _qwen3() -> type:
     return Qwen3ForCausalLM
 
 
+def _qwen_moe() -> type:
+    from ctxpar.models.qwen_moe import QwenMoeForCausalLM
+
+    return QwenMoeForCausalLM
+
+
 def _deepseek_v2() -> type:
     from ctxpar.models.deepseek import DeepseekV2ForCausalLM
 
@@ -50,6 +56,9 @@ ARCHITECTURES: dict[str, Callable[[], type]] = {
     "MistralForCausalLM": _llama,  # Mistral v0.3 (v0.1's sliding window: refused by the model)
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    # Llama's attention with a mixture of experts (ctxpar/models/qwen_moe.py).
+    "Qwen2MoeForCausalLM": _qwen_moe,
+    "Qwen3MoeForCausalLM": _qwen_moe,
     # MLA models (ctxpar/models/deepseek.py).
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,
