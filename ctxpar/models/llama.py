@@ -308,6 +308,12 @@ class LlamaForCausalLM(nn.Module):
         missing = set(targets)
         unexpected: list[str] = []
         quantized: dict[int, list[tuple[int, QuantWeight | MappedBlocks]]] = {}  # id(param) -> (first row, part)
+        # id(param) -> every (module, name) it goes by (tied embeddings: embed_tokens and lm_head),
+        # found once: a mixture of experts has thousands of parameters to place.
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for m in self.modules():
+            for n, p in m._parameters.items():
+                owners.setdefault(id(p), []).append((m, n))
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -322,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
                 parts = quantized.setdefault(id(param), [])
                 parts.append((start, tensor))
                 if sum(w.out_features for _, w in parts) == param.shape[0]:  # whole: joined now, parts freed
-                    self._place_quantized(param, quantized.pop(id(param)))
+                    self._place_quantized(owners[id(param)], quantized.pop(id(param)))
             else:
                 param[start : start + rows].copy_(tensor)
             missing.discard(name)
@@ -339,18 +345,19 @@ class LlamaForCausalLM(nn.Module):
             for start, w in parts:
                 params[key][start : start + w.out_features].copy_(w.dequantize())
 
-    def _place_quantized(self, param: torch.nn.Parameter, parts: list[tuple[int, QuantWeight | MappedBlocks]]) -> None:
+    def _place_quantized(
+        self, owners: list[tuple[nn.Module, str]], parts: list[tuple[int, QuantWeight | MappedBlocks]]
+    ) -> None:
         """A parameter whose rows all came quantized becomes one QuantWeight (the parts
         of a fused one joined, layers/quant_linear.py's ``join``), a plain attribute
-        in the parameter's place, as soon as its last part arrives: the parts are freed
-        then, not after the whole model (which would hold two copies of it at once)."""
+        in the parameter's place under each of its ``owners`` (module, name), as soon as
+        its last part arrives: the parts are freed then, not after the whole model (which
+        would hold two copies of it at once)."""
         parts.sort(key=lambda part: part[0])
         joined = join([w for _, w in parts])
-        for m in self.modules():  # every name it goes by (tied embeddings: embed_tokens and lm_head)
-            for n, p in list(m._parameters.items()):
-                if p is param:
-                    delattr(m, n)
-                    setattr(m, n, joined)
+        for m, n in owners:  # every name the parameter goes by
+            delattr(m, n)
+            setattr(m, n, joined)
 
 
 # Qwen2/Qwen3 are the same code; the description's qkv_bias and qk_norm (ctxpar/model_args.py) select them.
