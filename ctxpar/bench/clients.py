@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from ctxpar.bench.machine_line import describe_machine
-from ctxpar.bench.server_load import free_port, start_server
+from ctxpar.bench.server_process import free_port, start_server
 from ctxpar.checks import int_arg, max_threads, positive_int
 
 NAME = "ctxpar"  # the served model name the clients are given

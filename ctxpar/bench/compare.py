@@ -145,7 +145,7 @@ def _perplexity_texts(hf_dir: str, n: int) -> dict[str, list[int]]:
     return perplexity_texts(AutoTokenizer.from_pretrained(hf_dir), n)
 
 
-def _model_dir(model: str | None) -> tuple[str, int]:
+def model_dir(model: str | None) -> tuple[str, int]:
     """An HF directory both engines load (a GGUF file is converted once, cached), and its vocab size."""
     from transformers import AutoConfig
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
         raise CtxparError(f"--peer-python {args.peer_python} does not exist; point it at the {args.peer} venv's python")
     if args.peer == "llama.cpp" and args.dtype != "float32":
         raise CtxparError("--dtype applies to --peer vllm; against llama.cpp both engines keep the GGUF's blocks")
-    hf_dir, vocab = _model_dir(args.model)
+    hf_dir, vocab = model_dir(args.model)
     model = str(_gguf_path(args.model)) if args.peer == "llama.cpp" else hf_dir  # llama.cpp: the very GGUF file
     print(describe_machine())
     print(f"dtype: {args.dtype}" if args.peer == "vllm" else "weights: the GGUF's blocks, in both engines")

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ctxpar.bench.compare import PEER_ENV, _model_dir
-from ctxpar.bench.server_load import (
+from ctxpar.bench.compare import PEER_ENV, model_dir
+from ctxpar.bench.server_process import (
     Timing,
     free_port,
     percentile,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.throughput import make_prompts
 
     print(describe_machine())
-    hf_dir, vocab = _model_dir(args.model)
+    hf_dir, vocab = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     prompts = make_prompts(tokenizer, vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
     work = Path(tempfile.mkdtemp(prefix="ctxpar_bench_serve_"))

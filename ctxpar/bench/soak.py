@@ -147,7 +147,7 @@ class Tally:
 
 def run(args: argparse.Namespace) -> None:
     from ctxpar.bench.machine_line import describe_machine
-    from ctxpar.bench.server_load import free_port, percentile, start_server
+    from ctxpar.bench.server_process import free_port, percentile, start_server
     from ctxpar.errors import CtxparError
 
     url = urllib.parse.urlsplit(args.url or "http://127.0.0.1")

@@ -61,7 +61,7 @@ def test_level_figures_from_stream_timings():
     """Four requests over a 2 s level: TTFTs 0.1-0.4 s; request i's gaps 10 and 10 (2i + 1) ms,
     its ITL their mean, 10 (i + 1) ms (the p50 of every gap would be 10 ms)."""
     from ctxpar.bench.serve_peer import summarize
-    from ctxpar.bench.server_load import Timing
+    from ctxpar.bench.server_process import Timing
 
     timings = []
     for i in range(4):
