@@ -170,7 +170,7 @@ BENCHMARKS = CommandTable(
         "links": Command("P = 2 on two namespaces over tbf-shaped links (1-100 Gbit/s, RDMA) vs one core", _links),
         "recovery": Command("a SIGKILLed rank: time to recover vs the prefill a restart redoes", _recovery_time),
         "prefix": Command("prefix caching: repeated-prefix TTFT and throughput, on vs off", _prefix),
-        "serve": Command("the HTTP server under a concurrency sweep vs offline LLM.generate", _server_load),
+        "serve": Command("the HTTP server under a concurrency sweep vs offline generate or vLLM serving", _server_load),
         "soak": Command("the HTTP server under random request mixes and client aborts for a long time", _soak),
         "structured": Command("a batch of JSON-schema requests vs the same batch unconstrained", _structured),
         "spec": Command("speculative decoding (n-gram): decode tokens/s on vs off, copy and free text", _spec),
