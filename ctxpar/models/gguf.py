@@ -46,7 +46,7 @@ from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import MappedBlocks
 from ctxpar.model_args import ModelArgs
-from ctxpar.models.gguf_config import PERMUTED_QK, config_from_gguf
+from ctxpar.models.gguf_config import FUSED_GATE_UP, PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
@@ -59,6 +59,7 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # fused (Phi-3)
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -226,6 +227,7 @@ def gguf_weights(
 
     arena = HugeArena()
     permuted = reader.metadata.get("general.architecture") in PERMUTED_QK
+    fused_gate_up = reader.metadata.get("general.architecture") in FUSED_GATE_UP
     heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
@@ -244,6 +246,8 @@ def gguf_weights(
         name = hf_name(t.name)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
+        if fused_gate_up:
+            name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         kind = t.kind.name
         n_head = next((n for key, n in heads.items() if key in name), None) if permuted else None
         if keep_quantized and kind in FORMATS and len(t.shape) == 2:

@@ -24,7 +24,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),  # Qwen3 dense (q/k norm)
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),  # Qwen1.5-MoE, Qwen2-57B-A14B (QKV bias, gated shared expert)
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),  # Qwen3-30B-A3B, Qwen3-235B-A22B (q/k norm)
+    "phi3": ("phi3", "Phi3ForCausalLM"),  # Phi-3 (fused QKV and gate|up; longrope refused)
 }
+# The architectures whose ffn_up tensor is gate|up fused (Hugging Face's gate_up_proj).
+FUSED_GATE_UP = ("phi3",)
 # The MoE architectures, each with whether its chosen experts' weights are renormalised to sum
 # to 1 where the file does not say ({arch}.expert_weights_norm): llama.cpp's choice for each
 # (the converter writes no norm_topk_prob; Qwen3-MoE's checkpoints set it, Qwen2-MoE's do not).
@@ -51,6 +54,11 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             f"it runs GGUF architectures {', '.join(ARCHITECTURES)}"
         )
     check_tensor_types(reader, path)
+    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+        raise CtxparError(
+            f"GGUF file {path} scales its rope by longrope (rope_factors_long and rope_factors_short: Phi-3-mini-128k, "
+            "Phi-3.5-mini, Phi-4-mini), which ctxpar does not run yet; Phi-3 files without it load"
+        )
     model_type, hf_arch = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
@@ -65,7 +73,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
         raise CtxparError(f"GGUF file {path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
     head_dim = get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads
     layers = get("block_count")
-    window = meta.get(f"{arch}.attention.sliding_window")
+    window = meta.get(f"{arch}.attention.sliding_window") or None  # Phi-3's files write 0 for none
     eos = meta.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in reader.tensors}
     moe = _experts(meta, arch, get, names, layers) if arch in MOE_NORM_TOPK else {}

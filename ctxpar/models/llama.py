@@ -1,6 +1,7 @@
 """The Llama family in one implementation: Llama (any rope scaling, e.g. llama3),
-Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and SmolLM2
-(Llama with tied embeddings).
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim), Phi-3 (its
+checkpoints' Q|K|V and gate|up fused) and SmolLM2 (Llama with tied embeddings);
+Qwen-MoE's layers with experts in the MLP's place (models/qwen_moe.py).
 
 RMSNorm, SwiGLU MLP, grouped-query attention. Projections are fused: one
 matmul for Q, K and V, one for gate and up. Attention is project -> norm -> rope -> attend -> project:
@@ -155,6 +156,11 @@ class LlamaForCausalLM(nn.Module):
                 f"in layers {config.sliding_layers}): ctxpar has no sliding-window attention kernel yet; "
                 "use a config without it (Mistral v0.3 rather than v0.1, Qwen's use_sliding_window=false)"
             )
+        if config.rope.rope_type == "longrope":
+            raise CtxparError(
+                f"{config.model_type} model with the longrope rope (short and long factors, which transformers "
+                "switches between by the sequence's length): not supported yet; Phi-3 configs without it load"
+            )
         self.config = config
         self.tie_word_embeddings = config.tie_word_embeddings
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
@@ -274,7 +280,11 @@ class LlamaForCausalLM(nn.Module):
             pre, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
             add(pre + "input_layernorm.weight", layer.input_layernorm.weight)
             add(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-            for kind, p in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
+            fused = self.config.model_type == "phi3"  # Phi-3's checkpoints fuse Q|K|V and gate|up, as ctxpar does
+            if fused:
+                add(pre + "self_attn.qkv_proj.weight", a.qkv_weight)
+                add(pre + "mlp.gate_up_proj.weight", _dense(m).gate_up_weight)
+            for kind, p in () if fused else (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
                 add(pre + f"self_attn.q_proj.{kind}", p, 0, a.q_size)
                 add(pre + f"self_attn.k_proj.{kind}", p, a.q_size, a.kv_size)
                 add(pre + f"self_attn.v_proj.{kind}", p, a.q_size + a.kv_size, a.kv_size)
@@ -287,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
                 for name, p in m.named_parameters():
                     add(pre + f"mlp.{name}", p)
                 continue
-            for kind, p in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
+            for kind, p in () if fused else (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
                 add(pre + f"mlp.gate_proj.{kind}", p, 0, m.inter)
                 add(pre + f"mlp.up_proj.{kind}", p, m.inter, m.inter)
             add(pre + "mlp.down_proj.weight", m.down_weight)

@@ -56,6 +56,7 @@ ARCHITECTURES: dict[str, Callable[[], type]] = {
     "MistralForCausalLM": _llama,  # Mistral v0.3 (v0.1's sliding window: refused by the model)
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "Phi3ForCausalLM": _llama,  # Phi-3 (fused QKV and gate|up; longrope, a window: refused by the model)
     # Llama's attention with a mixture of experts (ctxpar/models/qwen_moe.py).
     "Qwen2MoeForCausalLM": _qwen_moe,
     "Qwen3MoeForCausalLM": _qwen_moe,
