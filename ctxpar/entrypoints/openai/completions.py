@@ -64,11 +64,15 @@ def _choice(req: CompletionRequest, tokenizer, i: int, out, d: R.Delta, sample: 
     elif req.echo:
         prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
         d = dataclasses.replace(d, text_offset=d.text_offset + len(prompt))
+    finish = R.finish_fields(out, sample)
+    if req.echo_only and finish["finish_reason"] is not None:
+        # The answer ends at max_tokens=0 whatever its hidden token was (an EOS would say "stop").
+        finish = {"finish_reason": "length", "stop_reason": None}
     c = {
         "index": i,
         "text": d.text,
         "logprobs": R.completion_logprobs(tokenizer, d, bool(req.return_tokens_as_token_ids)),
-        **R.finish_fields(out, sample),
+        **finish,
     }
     if req.prompt_logprobs is not None:
         c["prompt_logprobs"] = R.prompt_logprobs(out)

@@ -131,6 +131,10 @@ def test_echo_max_tokens_zero_and_streamed(server, llm):
     streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed[: len(ids)] == choice["logprobs"]["token_logprobs"] and len(streamed) == len(ids) + 3
     assert "".join(c["choices"][0]["text"] for c in chunks).startswith(choice["text"])
+    # The hidden token is an EOS: the answer still ends at max_tokens 0, as vLLM's does.
+    eos = {str(llm.get_tokenizer().eos_token_id): 100}
+    [choice] = post(server, "/v1/completions", {**body, "logit_bias": eos})["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"] == llm.get_tokenizer().decode(ids)
     bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}, timeout=60)
     assert bad.status_code == 400 and "echo" in bad.json()["error"]["message"]
 
