@@ -159,13 +159,8 @@ def test_q8_0_files_match_transformers_on_their_weights(families, name: str) -> 
     assert_close_at_the_top(ctxpar_logprobs(files["q8_0"], "gguf"), want, QUANT_TOL, QUANT_GAP)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # mistral's file is a llama one
-def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) -> None:
-    """P = 2: the bits of P = 1. P = D = 2: a query's attention merged from its two shards,
-    another summation order (README, "The same bits whatever else runs"): the same tokens,
-    logprobs within DCP_TOL (tests/engine/test_same_bits.py's bound)."""
-    path = str(families[name][1]["f32"])
+def assert_ranks_give_the_bits_of_one(path: str) -> None:
+    """P = 2 gives P = 1's bits; P = D = 2 its tokens, logprobs within DCP_TOL."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = {}
     for layout in ((1, 1), (2, 1), (2, 2)):
@@ -178,6 +173,15 @@ def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) 
     pairs = [*zip(dcp.outputs[0].logprobs, one.outputs[0].logprobs), *zip(dcp.prompt_logprobs, one.prompt_logprobs)]
     worst = max(abs(a[t].logprob - b[t].logprob) for a, b in pairs if a and b for t in a.keys() & b.keys())
     assert worst < DCP_TOL, worst
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # mistral's file is a llama one
+def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) -> None:
+    """P = 2: the bits of P = 1. P = D = 2: a query's attention merged from its two shards,
+    another summation order (README, "The same bits whatever else runs"): the same tokens,
+    logprobs within DCP_TOL (tests/engine/test_same_bits.py's bound)."""
+    assert_ranks_give_the_bits_of_one(str(families[name][1]["f32"]))
 
 
 def test_mistral_v0_1s_window_is_refused(families, tmp_path: Path) -> None:

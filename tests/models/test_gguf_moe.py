@@ -25,19 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctxpar import LLM, SamplingParams
 from ctxpar.models.loader import _read_config, load_model
 from helpers.llama_cpp import convert
 from helpers.reference import SingleSequence
 from tests.models.test_gguf_families import (
     COMMON,
-    DCP_TOL,
     IDS,
     QUANT_GAP,
     QUANT_TOL,
     TIE,
     TOL,
     assert_close_at_the_top,
+    assert_ranks_give_the_bits_of_one,
     peaked,
     transformers_logprobs,
 )
@@ -156,16 +155,4 @@ def test_layers_without_experts_keep_the_dense_mlp(tmp_path: Path) -> None:
 def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) -> None:
     """P = 2: the bits of P = 1, though each rank routes other tokens to the experts beside a
     token's. P = D = 2: the same tokens, logprobs within DCP_TOL (tests/engine/test_same_bits.py)."""
-    path = str(families[name][1]["f32"])
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    outs = {}
-    for layout in ((1, 1), (2, 1), (2, 2)):
-        kwargs = dict(pcp_size=layout[0], dcp_size=layout[1], pcp_min_tokens=0, max_model_len=128)
-        with LLM(path, kv_cache_bytes=1 << 22, **kwargs) as llm:
-            outs[layout] = llm.generate([{"prompt_token_ids": IDS.tolist()}], params, use_tqdm=False)[0]
-    one, two, dcp = outs[1, 1], outs[2, 1], outs[2, 2]
-    assert two.outputs[0].token_ids == one.outputs[0].token_ids == dcp.outputs[0].token_ids
-    assert two.outputs[0].logprobs == one.outputs[0].logprobs and two.prompt_logprobs == one.prompt_logprobs
-    pairs = [*zip(dcp.outputs[0].logprobs, one.outputs[0].logprobs), *zip(dcp.prompt_logprobs, one.prompt_logprobs)]
-    worst = max(abs(a[t].logprob - b[t].logprob) for a, b in pairs if a and b for t in a.keys() & b.keys())
-    assert worst < DCP_TOL, worst
+    assert_ranks_give_the_bits_of_one(str(families[name][1]["f32"]))
