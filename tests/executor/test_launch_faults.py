@@ -226,7 +226,8 @@ def test_cli_dead_rank_exits_1_with_one_error_line(model):
     assert proc.returncode == 1, err
     assert "Traceback" not in err
     [line] = err.strip().splitlines()
-    assert line.startswith("error: a PCP rank failed during a step: rank 1 was killed by SIGKILL")
+    # Found inside a step's collectives or by the check before the next step: either way one line saying so.
+    assert line.startswith("error: ") and "rank 1 was killed by SIGKILL" in line, line
 
 
 @pytest.mark.multiprocess
