@@ -20,7 +20,7 @@ from ctxpar.outputs import RequestMetrics
 from ctxpar.sampling_params import SamplingParams
 
 
-def make_req(i: int, prompt_len: int, max_tokens: int = 4) -> Request:
+def make_req(i: int, prompt_len: int, max_tokens: int = 4, priority: int = 0) -> Request:
     return Request(
         request_id=f"r{i}",
         prompt_token_ids=[(i * 31 + k) % 97 for k in range(prompt_len)],
@@ -28,6 +28,7 @@ def make_req(i: int, prompt_len: int, max_tokens: int = 4) -> Request:
         arrival_index=i,
         metrics=RequestMetrics(arrival_time=0.0),
         generator=None,
+        priority=priority,
     )
 
 

@@ -6,29 +6,15 @@ that through the server)."""
 from __future__ import annotations
 
 from ctxpar.engine.block_manager import BlockManager
-from ctxpar.engine.request import Request
 from ctxpar.engine.scheduler import Scheduler
-from ctxpar.outputs import RequestMetrics
-from ctxpar.sampling_params import SamplingParams
-
-
-def make_req(i: int, priority: int, prompt_len: int = 8, max_tokens: int = 2) -> Request:
-    return Request(
-        request_id=f"r{i}",
-        prompt_token_ids=[(i * 31 + k) % 97 for k in range(prompt_len)],
-        params=SamplingParams(max_tokens=max_tokens, temperature=0),
-        arrival_index=i,
-        metrics=RequestMetrics(arrival_time=0.0),
-        generator=None,
-        priority=priority,
-    )
+from tests.engine.test_scheduler import make_req
 
 
 def admission_order(priorities: list[int]) -> list[str]:
     """Which request runs first, second, ... with one at a time."""
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64)
     for i, p in enumerate(priorities):
-        sched.add(make_req(i, p))
+        sched.add(make_req(i, 8, max_tokens=2, priority=p))
     order = []
     while sched.has_unfinished():
         batch = sched.schedule()
@@ -50,8 +36,8 @@ def test_queue_order():
 def test_the_highest_value_is_preempted_and_returns_in_front_of_its_priority():
     # Room for two prompts' blocks and little more: growing both needs a preemption.
     sched = Scheduler(BlockManager(5, 4), max_num_seqs=4, max_num_batched_tokens=64)
-    old_low, new_high = make_req(0, 3, prompt_len=8, max_tokens=8), make_req(1, 0, prompt_len=8, max_tokens=8)
-    later = make_req(2, 3, prompt_len=4)
+    old_low, new_high = make_req(0, 8, max_tokens=8, priority=3), make_req(1, 8, max_tokens=8, priority=0)
+    later = make_req(2, 4, max_tokens=2, priority=3)
     for r in (old_low, new_high):
         sched.add(r)
     batch = sched.schedule()
