@@ -106,12 +106,13 @@ def run(args: argparse.Namespace) -> None:
 
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
-    from ctxpar.entrypoints.openai.connections import bounded_h11
+    from ctxpar.entrypoints.openai.connections import bounded_h11, reserve_descriptors
     from ctxpar.entrypoints.openai.shutdown import UVICORN_MARGIN_S, Shutdown
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CtxparError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     limits, access = _limits(args), _access(args)  # refused here, before the model loads, if inconsistent
+    reserve_descriptors(limits.max_connections)
     for warning in startup_warnings(args.host, access, args.api_key == os.environ.get("CTXPAR_API_KEY")):
         print(f"ctxpar: {warning}", file=sys.stderr, flush=True)
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks

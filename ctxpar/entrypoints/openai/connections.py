@@ -9,14 +9,24 @@ previous response); past it, a 408 and the connection is closed. Past
 ``max_connections`` open at once, a new connection is closed as soon as it is
 accepted, so descriptors cannot run out. What comes after the head is ClientGuard's
 (guard.py): the body within ``timeout_client`` s, the response read within as much.
+That cap holds only if the process may open that many descriptors besides its own
+(``reserve_descriptors``): else accept() fails with EMFILE first, and uvicorn logs
+and retries while every new client hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ctxpar.errors import CtxparError
+
+# Descriptors the server holds besides its clients' connections: the listening socket,
+# the ranks' sockets and pipes, the grammar compiler's, the model's and the log's files.
+OWN_DESCRIPTORS = 256
 
 _TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -64,3 +74,21 @@ def bounded_h11(timeout_header: float, max_connections: int) -> type[H11Protocol
                 self.transport.close()
 
     return BoundedH11
+
+
+def reserve_descriptors(max_connections: int) -> int:
+    """Raise this process's soft descriptor limit to fit ``max_connections`` connections
+    beside its own descriptors (up to the hard limit, as an unprivileged process may);
+    CtxparError naming both fixes when even the hard limit is too low. Returns the soft limit."""
+    needed = max_connections + OWN_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise CtxparError(
+                f"--max-connections {max_connections} needs {needed} file descriptors ({OWN_DESCRIPTORS} are the "
+                f"server's own), but this process may open at most {hard} (`ulimit -Hn`); lower --max-connections "
+                f"to {max(hard - OWN_DESCRIPTORS, 1)} or raise the hard limit (e.g. LimitNOFILE= in a systemd unit)"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        soft = needed
+    return soft
