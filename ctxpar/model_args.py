@@ -7,7 +7,7 @@ derives its shapes from it (costmodel/shapes.py), and the engine reads it as vLL
 built from a transformers config (the tests' references) reads the same
 attributes. Reading it imports nothing of transformers: a config.json of the
 Llama family (llama, mistral, qwen2, qwen3, and Qwen's MoE models) is read here; another model type's
-(DeepSeek), whose keys its transformers class fills in when config.json omits
+(DeepSeek, Gemma), whose keys its transformers class fills in when config.json omits
 them, is read by ``AutoConfig`` and then described here (``ModelArgs.of``).
 """
 
@@ -35,6 +35,8 @@ _ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 READ_HERE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # The Qwen families: a sliding window only where use_sliding_window says so.
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Gemma 2 and 3 (text): their config.json is read by AutoConfig, whose classes default the soft-caps.
+GEMMA = ("gemma2", "gemma3_text")
 # The token ids a config.json of the family means where it states none (its transformers class's defaults).
 _TOKEN_DEFAULTS = {"llama": (1, 2), "mistral": (1, 2)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -112,7 +114,7 @@ class ModelArgs:
     hidden_act: str = "silu"
     attention_bias: bool = False  # biases on the q, k, v and o projections (Llama's, DeepSeek's key)
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
-    qk_norm: bool = False  # an RMSNorm on each query and key head before rope (Qwen3)
+    qk_norm: bool = False  # an RMSNorm on each query and key head before rope (Qwen3, Gemma 3)
     mlp_bias: bool = False
     sliding_window: int | None = None  # keys a sliding-attention layer's query sees
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES (all full attention when empty)
@@ -147,6 +149,13 @@ class ModelArgs:
     shared_expert_intermediate_size: int | None = None
     decoder_sparse_step: int | None = None
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma: the attention's scale is query_pre_attn_scalar**-0.5 (None: head_dim**-0.5); logits
+    # pass through cap * tanh(logit / cap), the attention's and the final ones; Gemma 3's sliding
+    # layers turn by a rope of their own (None: ``rope``, every layer's).
+    query_pre_attn_scalar: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_rope: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in _SHAPE_KEYS + ("num_key_value_heads", "head_dim"):
@@ -185,6 +194,12 @@ class ModelArgs:
                 raise CtxparError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds {experts} ({count})")
         if self.decoder_sparse_step is not None:
             _positive(self, "decoder_sparse_step")
+        if self.query_pre_attn_scalar is not None:
+            _positive(self, "query_pre_attn_scalar")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, float) and value > 0):
+                raise CtxparError(f"{name} must be a positive number, got {value!r}")
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -228,7 +243,9 @@ class ModelArgs:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name not in ("rope", "qkv_bias", "qk_norm", "layer_types", "mlp_only_layers") and value is not None:
+            if f.name not in ("rope", "sliding_rope", "qkv_bias", "qk_norm", "layer_types", "mlp_only_layers") and (
+                value is not None
+            ):
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         out["rope_parameters"] = self.rope_parameters
         # Stated where None: the families' classes default them (Mistral to a window, Llama to ids 1 and 2).
@@ -240,6 +257,16 @@ class ModelArgs:
             out["layer_types"] = list(self.layer_types) or None
         if self.mlp_only_layers:
             out["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.model_type in GEMMA:  # stated where None: Gemma 2's class defaults the soft-caps
+            out["layer_types"] = list(self.layer_types) or None
+            out["hidden_activation"] = self.hidden_act
+            out["attn_logit_softcapping"] = self.attn_logit_softcapping
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.sliding_rope is not None:  # per layer type, as Gemma 3's config holds it
+            out["rope_parameters"] = {
+                "full_attention": self.rope_parameters,
+                "sliding_attention": self.sliding_rope.parameters,
+            }
         if self.model_type == "qwen2_moe":  # its config states it (its class defaults it to True)
             out["qkv_bias"] = self.qkv_bias
         return out
@@ -289,6 +316,21 @@ def _rope(cfg: Mapping[str, Any], max_len: int | None) -> RopeScaling:
         return RopeScaling(rope_type=rope_type, rope_theta=float(theta), **params)
     except (TypeError, ValueError) as e:
         raise CtxparError(f"bad rope parameters {params}: {e}") from None
+
+
+def _ropes(cfg: Mapping[str, Any], max_len: int | None) -> tuple[RopeScaling, RopeScaling | None]:
+    """The rope of every layer, and the sliding layers' own where the config gives one rope per
+    layer type (Gemma 3's ``rope_parameters``: full_attention's and sliding_attention's)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not (isinstance(params, Mapping) and params and set(params) <= set(LAYER_TYPES)):
+        return _rope(cfg, max_len), None
+    each = [{**cfg, "rope_scaling": None, "rope_parameters": params.get(kind)} for kind in LAYER_TYPES]
+    return _rope(each[0], max_len), _rope(each[1], max_len)
+
+
+def _float(value: Any) -> Any:
+    """A config's number as a float (JSON may spell it as an integer), anything else as it is."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _eos(value: Any) -> tuple[int, ...]:
@@ -343,6 +385,7 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         window, layer_types = None, ()
     eps = cfg.get("rms_norm_eps", 1e-6)
     bos, eos = _TOKEN_DEFAULTS.get(model_type, (None, None))
+    rope, sliding_rope = _ropes(cfg, max_len)
     return ModelArgs(
         model_type=model_type,
         architectures=tuple(cfg.get("architectures") or ()),
@@ -355,12 +398,12 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         head_dim=head_dim,
         max_position_embeddings=max_len,
         rms_norm_eps=float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else eps,
-        rope=_rope(cfg, max_len),
+        rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
         attention_bias=bool(cfg.get("attention_bias", False)),
         qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=window,
         layer_types=layer_types,
@@ -371,4 +414,8 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
         # transformers 5 saves Qwen3-MoE's as num_local_experts, the hub's config.json files as num_experts
         num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=_float(cfg.get("attn_logit_softcapping")),
+        final_logit_softcapping=_float(cfg.get("final_logit_softcapping")),
+        sliding_rope=sliding_rope,
     )

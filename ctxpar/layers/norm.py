@@ -35,3 +35,10 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def unit_offset(w: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm's checkpoint weight w as the factor RMSNorm multiplies by: 1 + w, computed
+    in float32 as transformers' Gemma2RMSNorm/Gemma3RMSNorm compute it on every call, so that an
+    fp32 model's norm multiplies by the very factor transformers' does."""
+    return 1.0 + w.float()

@@ -46,7 +46,7 @@ from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import MappedBlocks
 from ctxpar.model_args import ModelArgs
-from ctxpar.models.gguf_config import FUSED_GATE_UP, PERMUTED_QK, config_from_gguf
+from ctxpar.models.gguf_config import FUSED_GATE_UP, GEMMA, PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
@@ -74,6 +74,13 @@ _LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# Gemma's norms on each side of attention and MLP (its ffn_norm the one before the MLP).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # An MoE layer's experts, one 3-D tensor (experts, rows, columns) for each projection.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -181,14 +188,14 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from e
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> Hugging Face name (None if unknown)."""
+def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+    """llama.cpp tensor name -> Hugging Face name (None if unknown); ``gemma``: a Gemma file's."""
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
-    parts = base.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    parts, names = base.split(".", 2), _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     return None
 
 
@@ -228,6 +235,7 @@ def gguf_weights(
     arena = HugeArena()
     permuted = reader.metadata.get("general.architecture") in PERMUTED_QK
     fused_gate_up = reader.metadata.get("general.architecture") in FUSED_GATE_UP
+    gemma = reader.metadata.get("general.architecture") in GEMMA
     heads = {".self_attn.q_proj.": config.num_attention_heads, ".self_attn.k_proj.": config.num_key_value_heads}
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
@@ -243,7 +251,7 @@ def gguf_weights(
         if experts is not None:
             yield from _each_expert(reader, t, experts, keep_quantized, arena)
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, gemma)
         if name is None:
             raise CtxparError(f"GGUF file {path} has tensor {t.name!r} that ctxpar does not know")
         if fused_gate_up:
@@ -258,6 +266,8 @@ def gguf_weights(
         w = np.asarray(dequantize(t.data, t.kind), dtype=np.float32).reshape(shape)
         if n_head is not None:
             w = unpermute(w, n_head)
+        if gemma and name.endswith("norm.weight"):  # the file's 1 + w: the checkpoint's w (the model adds 1)
+            w = w - np.float32(1.0)
         copy = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
         reader.release(t)
         yield name, copy

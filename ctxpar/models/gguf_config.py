@@ -25,7 +25,19 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),  # Qwen1.5-MoE, Qwen2-57B-A14B (QKV bias, gated shared expert)
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),  # Qwen3-30B-A3B, Qwen3-235B-A22B (q/k norm)
     "phi3": ("phi3", "Phi3ForCausalLM"),  # Phi-3 (fused QKV and gate|up; longrope refused)
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),  # Gemma 2 (soft-caps, every other layer windowed)
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # Gemma 3's text model (q/k norm, two rope bases)
 }
+# Gemma: a norm on each side of attention and MLP (ffn_norm the one before the MLP), each norm's
+# factor 1 + w in the file (the converter adds 1 to the checkpoint's w), and llama.cpp's settings
+# the files do not state: every n-th layer attends in full, the others in the window (Gemma 3's
+# with a rope of base 10000, unscaled); the attention's scale 1/sqrt(head_dim) but for the 27B
+# models (by their layer count), whose is 1/sqrt(hidden / heads); Gemma 2's soft-caps 50 and 30.
+GEMMA = ("gemma2", "gemma3")
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}
+GEMMA_SLIDING_THETA = 10000.0
 # The architectures whose ffn_up tensor is gate|up fused (Hugging Face's gate_up_proj).
 FUSED_GATE_UP = ("phi3",)
 # The MoE architectures, each with whether its chosen experts' weights are renormalised to sum
@@ -77,6 +89,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in reader.tensors}
     moe = _experts(meta, arch, get, names, layers) if arch in MOE_NORM_TOPK else {}
+    gemma = _gemma(meta, arch, hidden // heads if layers == GEMMA_27B_LAYERS.get(arch) else head_dim)
     try:
         return ModelArgs(
             model_type=model_type,
@@ -94,13 +107,14 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             tie_word_embeddings="output.weight" not in names,
             attention_bias=model_type == "llama" and "blk.0.attn_q.bias" in names,
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and "blk.0.attn_q.bias" in names),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=window,
-            layer_types=("sliding_attention",) * layers if window else (),
+            layer_types=_layer_types(arch, layers) if window else (),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=() if eos is None else (eos,),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
             **moe,
+            **gemma,
         )
     except CtxparError as e:
         raise CtxparError(f"GGUF file {path}: {e}") from None
@@ -120,6 +134,28 @@ def _experts(meta: dict[str, Any], arch: str, get: Any, names: set[str], layers:
     )
 
 
+def _layer_types(arch: str, layers: int) -> tuple[str, ...]:
+    """A windowed file's layers: Gemma's every n-th in full (GEMMA_FULL_EVERY), the others' all windowed."""
+    every = GEMMA_FULL_EVERY.get(arch)
+    return tuple("full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(layers))
+
+
+def _gemma(meta: dict[str, Any], arch: str, query_scalar: int) -> dict[str, Any]:
+    """A Gemma file's settings beyond Llama's (see GEMMA), the soft-caps the file's where it states them."""
+    if arch not in GEMMA:
+        return {}
+    attn_cap, final_cap = GEMMA_SOFTCAPS[arch]
+    attn_cap = meta.get(f"{arch}.attn_logit_softcapping", attn_cap)
+    final_cap = meta.get(f"{arch}.final_logit_softcapping", final_cap)
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=query_scalar,
+        attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
+        final_logit_softcapping=None if final_cap is None else float(final_cap),
+        sliding_rope=RopeScaling(rope_theta=GEMMA_SLIDING_THETA) if arch == "gemma3" else None,
+    )
+
+
 def check_tensor_types(reader: GGUFFile, path: Path) -> None:
     """CtxparError naming the tensor types of the file that ctxpar does not read, and those it does."""
     unread = sorted({t.kind.name for t in reader.tensors} - set(TENSOR_TYPES))
@@ -134,6 +170,8 @@ def _rope(reader: GGUFFile, arch: str, head_dim: int, path: Path) -> RopeScaling
     meta = reader.metadata
     theta = float(meta.get(f"{arch}.rope.freq_base", RopeScaling.rope_theta))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":  # Gemma 3 4B-27B's global layers
+        return RopeScaling(rope_type="linear", rope_theta=theta, factor=float(meta[f"{arch}.rope.scaling.factor"]))
     if scaling != "none":
         raise CtxparError(
             f"GGUF file {path} scales its rope by {scaling!r}, which ctxpar reads only from Hugging Face "

@@ -38,6 +38,12 @@ def _qwen_moe() -> type:
     return QwenMoeForCausalLM
 
 
+def _gemma() -> type:
+    from ctxpar.models.gemma import GemmaForCausalLM
+
+    return GemmaForCausalLM
+
+
 def _deepseek_v2() -> type:
     from ctxpar.models.deepseek import DeepseekV2ForCausalLM
 
@@ -60,6 +66,9 @@ ARCHITECTURES: dict[str, Callable[[], type]] = {
     # Llama's attention with a mixture of experts (ctxpar/models/qwen_moe.py).
     "Qwen2MoeForCausalLM": _qwen_moe,
     "Qwen3MoeForCausalLM": _qwen_moe,
+    # Llama's projections in Gemma's decoder layer (ctxpar/models/gemma.py).
+    "Gemma2ForCausalLM": _gemma,
+    "Gemma3ForCausalLM": _gemma,  # Gemma 3's text models (1B; gemma3_text)
     # MLA models (ctxpar/models/deepseek.py).
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,

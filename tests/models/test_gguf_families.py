@@ -210,15 +210,15 @@ def write_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
 
 
 def test_unread_architectures_and_tensor_types_are_named(tmp_path: Path) -> None:
-    (tmp_path / "gemma2").mkdir()
-    (tmp_path / "gemma2" / "config.json").write_text(
-        json.dumps({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "query_pre_attn_scalar": 256})
+    (tmp_path / "falcon").mkdir()
+    (tmp_path / "falcon" / "config.json").write_text(
+        json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon", "parallel_attn": True})
     )
-    with pytest.raises(CtxparError, match=r"architecture 'Gemma2ForCausalLM'; supported: .*MistralForCausalLM"):
-        load_model(str(tmp_path / "gemma2"), torch.float32, torch.device("cpu"))
-    gemma2 = write_gguf(tmp_path / "gemma2.gguf", "gemma2", np.zeros((4, 32), np.float32))
-    with pytest.raises(CtxparError, match=r"architecture 'gemma2', which ctxpar does not run; .* llama, qwen2, qwen3"):
-        load_model(str(gemma2), torch.float32, torch.device("cpu"))
+    with pytest.raises(CtxparError, match=r"architecture 'FalconForCausalLM'; supported: .*MistralForCausalLM"):
+        load_model(str(tmp_path / "falcon"), torch.float32, torch.device("cpu"))
+    falcon = write_gguf(tmp_path / "falcon.gguf", "falcon", np.zeros((4, 32), np.float32))
+    with pytest.raises(CtxparError, match=r"architecture 'falcon', which ctxpar does not run; .* llama, qwen2, qwen3"):
+        load_model(str(falcon), torch.float32, torch.device("cpu"))
     f64 = write_gguf(tmp_path / "f64.gguf", "llama", np.zeros((4, 32), np.float64))
     with pytest.raises(CtxparError, match=r"tensors of type F64, which ctxpar does not read; it reads Q8_0, .*BF16"):
         load_model(str(f64), torch.float32, torch.device("cpu"))
