@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,9 +113,15 @@ def flag_type(cls: type, name: str) -> type:
     return str
 
 
-def add_flags(group: argparse._ArgumentGroup, cls: type, exclude: frozenset[str] = frozenset()) -> list[str]:
+def add_flags(
+    group: argparse._ArgumentGroup,
+    cls: type,
+    exclude: frozenset[str] = frozenset(),
+    defaults: Mapping[str, Any] | None = None,
+) -> list[str]:
     """One flag per knob of ``cls`` not in ``exclude``, with its default, into ``group``;
-    returns the knobs' names (each flag's dest)."""
+    returns the knobs' names (each flag's dest). ``defaults``: a command's own default for
+    some knobs, in place of the class's (its help then states the command's)."""
     names = []
     for f in knobs(cls):
         if f.name in exclude:
@@ -123,7 +129,8 @@ def add_flags(group: argparse._ArgumentGroup, cls: type, exclude: frozenset[str]
         names.append(f.name)
         flag: Flag = f.metadata[FLAG]
         option = f"--{f.name.replace('_', '-')}"
-        kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=flag.help)
+        default = (defaults or {}).get(f.name, f.default)
+        kwargs: dict[str, Any] = dict(dest=f.name, default=default, help=flag.help)
         if isinstance(f.default, bool):
             # --x and --no-x; an alias is another spelling of the --no- form.
             group.add_argument(option, action=argparse.BooleanOptionalAction, **kwargs)
@@ -135,7 +142,7 @@ def add_flags(group: argparse._ArgumentGroup, cls: type, exclude: frozenset[str]
         else:
             kwargs["metavar"] = flag.metavar
             kwargs["type"] = flag_type(cls, f.name)
-        if f.default is not None and "(default:" not in flag.help:
-            kwargs["help"] = f"{flag.help} (default: {f.default})"
+        if default is not None and "(default:" not in flag.help:
+            kwargs["help"] = f"{flag.help} (default: {default})"
         group.add_argument(option, *flag.aliases, **kwargs)
     return names

@@ -19,6 +19,10 @@ configuration does exactly the same work.
    >= 0.9), and offline TTFT p50 over served TTFT p50 at C = 1 (goal: within
    10%, i.e. >= 0.9).
 
+With --max-num-batched-tokens A B ... a server runs per token budget, each level
+sent to each in turn (the same load around both): the serving default against
+another budget in one run.
+
 With --peer-python (a venv's Python with vLLM's CPU build) the run is ctxpar serve
 against vLLM's server under the same load instead (serve_peer.py; --guidellm-venv
 runs guidellm beside each level).
@@ -30,6 +34,7 @@ Offline runs first, then the server, so the two never share the CPU.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 import urllib.parse
 
@@ -74,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--guidellm-venv", metavar="DIR", help="with --peer-python: guidellm at each level too")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        nargs="+",
+        metavar="N",
+        help="a server per token budget, each level run on each in turn (default: one, serve's default budget)",
+    )
+    p.add_argument(
         "--timeout",
         type=positive_int,
         default=900,
@@ -114,6 +126,8 @@ def run(args: argparse.Namespace) -> None:
     url = urllib.parse.urlsplit(args.url or "http://127.0.0.1")
     if url.scheme != "http" or url.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise CtxparError(f"--url must be an http:// loopback address (this benchmark sends load), got {args.url!r}")
+    if args.url and len(args.max_num_batched_tokens or ()) > 1:
+        raise CtxparError("several --max-num-batched-tokens start a server each; drop --url")
     if args.guidellm_venv and not args.peer_python:
         raise CtxparError("--guidellm-venv runs beside --peer-python; pass both")
     if args.peer_python:
@@ -131,10 +145,14 @@ def run(args: argparse.Namespace) -> None:
     )
     print(f"offline LLM.generate: {off_tps:8.1f} output tok/s; TTFT alone p50 {percentile(off_ttft, 50) * 1e3:.0f} ms")
 
-    port = (url.port or 8000) if args.url else free_port()
-    server = None if args.url else start_server(args, port, quantization=args.quantization or "none")
-    served: dict[int, tuple[float, float]] = {}  # concurrency -> (output tok/s, TTFT p50)
+    budgets: list[int | None] = list(args.max_num_batched_tokens or [None])
+    servers: dict[int | None, tuple[int, subprocess.Popen | None]] = {}  # budget -> (port, server started here)
+    served: dict[tuple[int, int | None], tuple[float, float]] = {}  # (concurrency, budget) -> (out tok/s, TTFT p50)
     try:
+        for b in budgets:
+            port = (url.port or 8000) if args.url else free_port()
+            extra = ("--no-prefix-caching",) + (("--max-num-batched-tokens", str(b)) if b else ())
+            servers[b] = port, None if args.url else start_server(args, port, extra, args.quantization or "none")
         deadline = time.monotonic() + args.timeout
         bodies = [
             {
@@ -147,26 +165,33 @@ def run(args: argparse.Namespace) -> None:
             }
             for p in prompts
         ]
-        stream_completion(url.hostname, port, {**bodies[0], "max_tokens": 2}, timeout=120)  # warm-up
-        print(" C  req/s  out tok/s  TTFT p50/p99 ms  ITL p50/p99 ms  identical")
+        for port, _ in servers.values():
+            stream_completion(url.hostname, port, {**bodies[0], "max_tokens": 2}, timeout=120)  # warm-up
+        print(" C  budget  req/s  out tok/s  TTFT p50/p99 ms  ITL p50/p99 ms  identical")
         for c in args.concurrency:
-            timings, elapsed = sweep_level(url.hostname, port, bodies, c, deadline)
-            n_out = sum(len(t.token_ids) for t in timings)
-            ttft = [t.ttft for t in timings]
-            itl = [x for t in timings for x in t.itls()]
-            same = sum(t.token_ids == w for t, w in zip(timings, want))
-            served[c] = (n_out / elapsed, percentile(ttft, 50))
-            print(
-                f"{c:2d} {len(timings) / elapsed:6.2f} {n_out / elapsed:10.1f} "
-                f"{percentile(ttft, 50) * 1e3:7.0f}/{percentile(ttft, 99) * 1e3:<7.0f} "
-                f"{percentile(itl, 50) * 1e3:7.1f}/{percentile(itl, 99) * 1e3:<7.1f} {same:4d}/{len(timings)}"
-            )
+            for b, (port, _) in servers.items():  # interleaved: each budget sees the same load from the others
+                timings, elapsed = sweep_level(url.hostname, port, bodies, c, deadline)
+                n_out = sum(len(t.token_ids) for t in timings)
+                ttft = [t.ttft for t in timings]
+                itl = [x for t in timings for x in t.itls()]
+                same = sum(t.token_ids == w for t, w in zip(timings, want))
+                served[c, b] = (n_out / elapsed, percentile(ttft, 50))
+                print(
+                    f"{c:2d} {b or 'serve':>7} {len(timings) / elapsed:6.2f} {n_out / elapsed:10.1f} "
+                    f"{percentile(ttft, 50) * 1e3:7.0f}/{percentile(ttft, 99) * 1e3:<7.0f} "
+                    f"{percentile(itl, 50) * 1e3:7.1f}/{percentile(itl, 99) * 1e3:<7.1f} {same:4d}/{len(timings)}",
+                    flush=True,
+                )
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
-    best = max(served, key=lambda c: served[c][0])
-    print(
-        f"ratios (above 1: served better): throughput served(C={best})/offline {served[best][0] / off_tps:.2f}x"
-        + (f", TTFT p50 offline/served(C=1) {percentile(off_ttft, 50) / served[1][1]:.2f}x" if 1 in served else "")
-    )
+        for _, server in servers.values():
+            if server is not None:
+                server.terminate()
+                server.wait(60)
+    for b in budgets:
+        mine = {c: served[c, b] for c in args.concurrency}
+        best = max(mine, key=lambda c: mine[c][0])
+        print(
+            f"ratios, budget {b or 'serve'} (above 1: served better): throughput served(C={best})/offline "
+            f"{mine[best][0] / off_tps:.2f}x"
+            + (f", TTFT p50 offline/served(C=1) {percentile(off_ttft, 50) / mine[1][1]:.2f}x" if 1 in mine else "")
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,12 +95,17 @@ class EngineArgs(_ConfigFields):
         return EngineConfig(**{name: getattr(self, name) for name in CONFIG_FIELDS})
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> argparse.ArgumentParser:
+    def add_cli_args(
+        parser: argparse.ArgumentParser,
+        exclude: frozenset[str] = frozenset(),
+        defaults: Mapping[str, Any] | None = None,
+    ) -> argparse.ArgumentParser:
         """One flag per EngineConfig field, named after it (num_threads: --num-threads), with
         EngineConfig's default and the help, metavar, aliases and choices of its ``knob``
         (ctxpar/config.py). ``exclude``: fields whose flag name the command uses for something
-        else (generate's --seed is the request's); they keep their default."""
-        fields = add_flags(parser.add_argument_group("engine"), EngineConfig, exclude)
+        else (generate's --seed is the request's); they keep their default. ``defaults``: the
+        command's own defaults of some fields (serve's token budget), in place of EngineConfig's."""
+        fields = add_flags(parser.add_argument_group("engine"), EngineConfig, exclude, defaults)
         parser.set_defaults(engine_fields=tuple(fields))
         return parser
 

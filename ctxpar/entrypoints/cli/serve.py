@@ -42,6 +42,14 @@ from ctxpar.entrypoints.openai.tools import TOOL_PARSERS
 from ctxpar.errors import CtxparError
 from ctxpar.knobs import add_flags
 
+# The token budget of a served engine's step (--max-num-batched-tokens), in place of the
+# offline 2048: a step's decodes go first and prefill chunks fill the rest, so the budget
+# bounds how long every stream's next token waits behind other users' prompts (a
+# stall-free budget, as Sarathi-Serve's and vLLM's), and a new prompt's first chunk is
+# scheduled without waiting for a long one ahead of it to finish. Offline throughput
+# loses little to the extra steps (docs/benchmarks.md, "Serving token budget").
+SERVE_MAX_NUM_BATCHED_TOKENS = 512
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -88,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='how tool calls are found in the model\'s text with tool_choice "auto" '
         "(hermes: <tool_call>{...}</tool_call>, as Qwen and SmolLM templates write them)",
     )
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, defaults={"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS})
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
