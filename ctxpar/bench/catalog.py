@@ -30,6 +30,12 @@ def _clients() -> ModuleType:
     return clients
 
 
+def _cold_start() -> ModuleType:
+    from ctxpar.bench import cold_start
+
+    return cold_start
+
+
 def _compare() -> ModuleType:
     from ctxpar.bench import compare
 
@@ -152,6 +158,9 @@ BENCHMARKS = CommandTable(
         ),
         "clients": Command(
             "lm-eval and guidellm, unmodified, against the server; lm-eval's scores vs offline", _clients
+        ),
+        "cold": Command(
+            "process start to first token of a GGUF out of the page cache: ctxpar generate vs llama.cpp", _cold_start
         ),
         "compare": Command("the same workload through ctxpar and vLLM's CPU build, side by side", _compare),
         "cuda": Command("one rank on a GPU: logits and tokens vs transformers, TTFT and decode vs estimate", _cuda),

@@ -28,6 +28,7 @@ import importlib.util
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,15 @@ def load_model(
     max_model_len: int | None = None,
     hf_overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
+    detected: bool = False,
 ) -> LoadedModel:
     """Load the model at `path` (HF directory, .gguf file, or None for the default model),
     its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py). quantization:
     None dequantizes a GGUF to the dtype; "gguf" keeps its blocks quantized;
     "int8" quantizes the projection weights at load (both CPU only: the kernels
-    are ctxpar/kernels/quant_gemv.cpp)."""
+    are ctxpar/kernels/quant_gemv.cpp). ``detected``: "gguf" is the default a .gguf file
+    gets, not asked for, so a model that computes on float weights only (DeepSeek's MLA)
+    dequantizes the file instead of refusing it."""
     if quantization is not None and torch.device(device).type != "cpu":
         raise CtxparError(
             f"quantization={quantization!r} computes with CPU kernels; device {device} cannot: leave "
@@ -133,6 +137,7 @@ def load_model(
             gguf_file=gguf_path,
             keep_quantized=quantization == "gguf",
             int8=quantization == "int8",
+            blocks_optional=detected,
         )
     finally:
         if temporary:
@@ -191,31 +196,40 @@ def _load_hf_dir(
     gguf_file: Path | None = None,
     keep_quantized: bool = False,
     int8: bool = False,
+    blocks_optional: bool = False,
 ) -> LoadedModel:
     """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from);
     `gguf_file`: the GGUF the weights are read from (mapped), `d` holding only its config and
     tokenizer; `keep_quantized`: its block-quantized tensors kept as blocks;
-    int8: quantize the projection weights as they are read (``int8_weights``)."""
+    int8: quantize the projection weights as they are read (``int8_weights``); ``blocks_optional``:
+    a model that cannot keep blocks loads the floats instead (``load_model``'s ``detected``)."""
     shown = shown or d
     config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
+    if keep_quantized and blocks_optional and not hasattr(cls, "_place_quantized"):
+        keep_quantized = False
     if (keep_quantized or int8) and not hasattr(cls, "_place_quantized"):
         raise CtxparError(
             f"quantized weights run in Llama-style models (Llama, Qwen, SmolLM2); {shown} is a {cls.__name__}: "
             "leave quantization=None"
         )
-    if gguf_file is not None:
-        weights = gguf.gguf_weights(gguf.open_gguf(gguf_file), config, gguf_file, keep_quantized)
-    else:
-        weights = _iter_safetensors(_safetensors_files(d, shown))
-    with _default_dtype(dtype), torch.device(device):
-        model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
-    model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
-    model.load_weights(int8_weights(weights) if int8 else weights)
-    model.eval()
-    if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
-        model.pack_for_cpu()
-    tokenizer = _load_tokenizer(d, shown, config, converted_gguf=gguf_file is not None)
+    # The tokenizer is built on a thread of its own while the weights load: its import of
+    # transformers (~1 s of Python) runs while this thread waits on the disk for the
+    # weights' pages (a cold start) and on the copies, which release the interpreter.
+    with ThreadPoolExecutor(1, thread_name_prefix="ctxpar-tokenizer") as pool:
+        tokenizer_built = pool.submit(_load_tokenizer, d, shown, config, gguf_file is not None)
+        if gguf_file is not None:
+            weights = gguf.gguf_weights(gguf.open_gguf(gguf_file), config, gguf_file, keep_quantized)
+        else:
+            weights = _iter_safetensors(_safetensors_files(d, shown))
+        with _default_dtype(dtype), torch.device(device):
+            model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
+        model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
+        model.load_weights(int8_weights(weights) if int8 else weights)
+        model.eval()
+        if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
+            model.pack_for_cpu()
+        tokenizer = tokenizer_built.result()
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

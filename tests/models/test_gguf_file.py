@@ -187,3 +187,19 @@ def test_kept_blocks_are_read_in_the_files_map_or_laid_out_on_huge_pages(fmt: st
     tensors = [getattr(h, a) for h, a in shared_tensors(model)]
     assert all(on_huge_pages(t) for t in tensors)
     assert ([t.data_ptr() for t in tensors] == where) == (fmt == "Q4_0")
+
+
+def test_populate_reads_a_cold_tensor_before_it_returns(tiny: str, tmp_path: Path) -> None:
+    """populate (libc's madvise, the interpreter free meanwhile) has every page of the
+    tensors it is given read and mapped when it returns: the first step faults nothing."""
+    path = write_gguf(tiny, "Q4_0", tmp_path / "tiny.gguf", default_model_path())
+    reader = GGUFFile(path)
+    start = reader.tensors[0].offset
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if cached_fraction(path, start) > 0.1:
+        pytest.skip("this file system keeps the file's pages (tmpfs)")
+    for t in reader.tensors:
+        reader.populate(t)
+    assert cached_fraction(path, start) == 1
