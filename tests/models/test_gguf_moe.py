@@ -156,3 +156,18 @@ def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) 
     """P = 2: the bits of P = 1, though each rank routes other tokens to the experts beside a
     token's. P = D = 2: the same tokens, logprobs within DCP_TOL (tests/engine/test_same_bits.py)."""
     assert_ranks_give_the_bits_of_one(str(families[name][1]["f32"]))
+
+
+@pytest.mark.parametrize("arch, renormalised", [("qwen2moe", False), ("qwen3moe", True)])
+def test_the_renormalisation_is_llama_cpps_whatever_the_file_says(arch: str, renormalised: bool) -> None:
+    """llama.cpp's graph fixes it per architecture (src/models/qwen2moe.cpp: no, qwen3moe.cpp: yes)
+    and reads no expert_weights_norm for them: a file stating the other is run as llama.cpp runs it."""
+    from ctxpar.models.gguf_config import _experts
+
+    meta = {f"{arch}.{k}": v for k, v in (("expert_count", 8), ("expert_used_count", 2))}
+    meta |= {f"{arch}.expert_feed_forward_length": 32, f"{arch}.expert_weights_norm": not renormalised}
+
+    def get(key: str):
+        return meta[f"{arch}.{key}"]
+
+    assert _experts(meta, arch, get, {"blk.0.ffn_gate_inp.weight"}, 1)["norm_topk_prob"] is renormalised
