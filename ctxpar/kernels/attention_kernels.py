@@ -52,6 +52,8 @@ def paged_decode(
     strides: tuple[int, int, int],
     scale: float,
     scales: tuple[QuantRows, int, int, int] | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over that row's cache slots, read in place.
 
@@ -60,8 +62,10 @@ def paged_decode(
     strides: in cache elements, (per slot, per KV head, from a key to its
     value). Query head i uses KV head i // (H / kv_heads). scales, for a
     quantized cache: its format and kv_codes.h's (head, value, split) scale
-    indices. Returns out (B, H, value_dim) and lse (B, H), float32; a row
-    without keys gets out 0 and lse -inf.
+    indices. window: a row sees only its last ``window`` slots (its keys in
+    position order, its own last: a sliding window); soft_cap: logits x become
+    soft_cap · tanh(x / soft_cap). Returns out (B, H, value_dim) and lse (B, H),
+    float32; a row without keys gets out 0 and lse -inf.
     """
     rows, heads, dim = q.shape
     # The kernel reads slots and starts as int64 arrays of these lengths; the slots'
@@ -77,15 +81,16 @@ def paged_decode(
     lse = torch.empty(rows, heads, dtype=torch.float32)
     pointers = (q.data_ptr(), cache.data_ptr(), slots.data_ptr(), starts.data_ptr())
     sizes = (rows, heads, kv_heads, dim, value_dim, *strides)
+    variant = (scale, window or 0, soft_cap or 0.0)
     if scales is not None:
         fmt, *indices = scales
         quant_args = (CODES[fmt.codes], fmt.scale_offset, *indices)
-        kernels.loaded().paged_decode_quant(*pointers, *sizes, *quant_args, scale, out.data_ptr(), lse.data_ptr())
+        kernels.loaded().paged_decode_quant(*pointers, *sizes, *quant_args, *variant, out.data_ptr(), lse.data_ptr())
     else:
         kernel = (
             kernels.loaded().paged_decode_f32 if cache.dtype == torch.float32 else kernels.loaded().paged_decode_bf16
         )
-        kernel(*pointers, *sizes, scale, out.data_ptr(), lse.data_ptr())
+        kernel(*pointers, *sizes, *variant, out.data_ptr(), lse.data_ptr())
     return out, lse
 
 
@@ -96,14 +101,17 @@ def gqa_paged_decode(
     starts: torch.Tensor,
     scale: float,
     quant: QuantRows | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` over a GQA cache (num_slots, 2, Hk, D): K and V of slot s
     at s*2*Hk*D + h*D and Hk*D further on; or over its quantized rows
     (num_slots, row_bytes) in the same order, one scale per K or V head (K heads'
-    first). Returns out (B, H, D), lse (B, H)."""
+    first); window and soft_cap as there. Returns out (B, H, D), lse (B, H)."""
     _, Hk, D = quant.entry_shape if quant is not None else cache.shape[1:]
     scales = (quant, 1, Hk, D) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, Hk, D, (cache.stride(0), D, Hk * D), scale, scales)
+    strides = (cache.stride(0), D, Hk * D)
+    return paged_decode(q, cache, slots, starts, Hk, D, strides, scale, scales, window, soft_cap)
 
 
 def latent_paged_decode(
@@ -114,13 +122,16 @@ def latent_paged_decode(
     value_dim: int,
     scale: float,
     quant: QuantRows | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` over MLA latents (num_slots, E): one key per slot shared
     by every head, whose first value_dim entries are the value; or over their
     quantized rows, the latent (the first value_dim) with one scale, the rope
-    key with another. Returns out (B, H, value_dim), lse (B, H)."""
+    key with another; window and soft_cap as there. Returns out (B, H, value_dim), lse (B, H)."""
     scales = (quant, 0, 0, value_dim) if quant is not None else None
-    return paged_decode(q, cache, slots, starts, 1, value_dim, (cache.stride(0), 0, 0), scale, scales)
+    strides = (cache.stride(0), 0, 0)
+    return paged_decode(q, cache, slots, starts, 1, value_dim, strides, scale, scales, window, soft_cap)
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -149,15 +160,19 @@ def prefill_attention(
     causal: bool = True,
     out: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    firsts: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of L queries over S keys, grouped-query heads: q (L, H, D),
     k (S, Hk, D), v (S, Hk, Dv), all ``prefill_usable`` (views with strided
     tokens are fine). counts (L,) int64, if given: query i sees keys
     [0, counts[i]), 1 <= counts[i] <= S; else causal: the queries are the last
     L of the S keys (bottom-right aligned, L <= S), or every query sees every
-    key. Returns out (L, H, Dv), written into `out` if given (contiguous
-    float32), and lse (L, H), float32. bf16 inputs take AMX's tiles
-    (prefill_tiles.cpp: softmax weights rounded to bf16 for P · V)."""
+    key. firsts (L,) int64, if given: query i sees no key before firsts[i] (a
+    sliding window; a query left no key gets out 0, lse -inf); soft_cap: logits x
+    become soft_cap · tanh(x / soft_cap). Returns out (L, H, Dv), written into
+    `out` if given (contiguous float32), and lse (L, H), float32. bf16 inputs take
+    AMX's tiles (prefill_tiles.cpp: softmax weights rounded to bf16 for P · V)."""
     (L, H, D), (S, Hk, _), Dv = q.shape, k.shape, v.shape[-1]
     if k.shape[-1] != D or v.shape[:2] != (S, Hk) or H % Hk or (causal and counts is None and L > S):
         raise ValueError(
@@ -183,7 +198,9 @@ def prefill_attention(
         v.stride(0),
         int(causal),
         key_counts(counts, L, S),
+        key_counts(firsts, L, S, 0),
         scale,
+        soft_cap or 0.0,
         out.data_ptr(),
         lse.data_ptr(),
     )
@@ -211,10 +228,12 @@ def prefill_attention_quant(
     causal: bool = True,
     out: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    firsts: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``prefill_attention`` over S quantized rows (S, row_bytes) of a GQA cache
     (K and V of each head with its own scale), dequantized block by block in the
-    kernel: q (L, H, D) ``prefill_quant_usable``; causal and counts as there.
+    kernel: q (L, H, D) ``prefill_quant_usable``; causal, counts, firsts and soft_cap as there.
     Returns out (L, H, D), written into `out` if given, and lse (L, H), float32."""
     (L, H, D), (S, row_bytes), (_, Hk, _) = q.shape, rows.shape, quant.entry_shape
     rows = rows.contiguous()
@@ -224,8 +243,9 @@ def prefill_attention_quant(
     scales = (CODES[quant.codes], quant.scale_offset, 1, Hk)  # one scale per K head, then per V head
     pointers = (q.data_ptr(), rows.data_ptr())
     lib = kernels.loaded()
+    ranges = (key_counts(counts, L, S), key_counts(firsts, L, S, 0))
     lib.prefill_attention_quant(
-        *pointers, *sizes, key_counts(counts, L, S), *scales, scale, out.data_ptr(), lse.data_ptr()
+        *pointers, *sizes, *ranges, *scales, scale, soft_cap or 0.0, out.data_ptr(), lse.data_ptr()
     )
     return out, lse
 
@@ -239,14 +259,14 @@ def attention_out(out: torch.Tensor | None, shape: tuple[int, int, int], name: s
     return out
 
 
-def key_counts(counts: torch.Tensor | None, L: int, S: int) -> int | None:
-    """The address of the per-query key counts the prefill kernels read (None: no counts),
-    checked: (L,) contiguous int64 on the CPU, each in [1, S]."""
+def key_counts(counts: torch.Tensor | None, L: int, S: int, least: int = 1) -> int | None:
+    """The address of the per-query key counts (or first keys, ``least`` 0) the prefill
+    kernels read (None: none), checked: (L,) contiguous int64 on the CPU, each in [least, S]."""
     if counts is None:
         return None
     if counts.shape != (L,) or counts.dtype != torch.int64 or not counts.is_contiguous() or counts.device.type != "cpu":
         got = f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
         raise ValueError(f"key counts must be a contiguous int64 ({L},) CPU tensor, got {got}")
-    if L and (int(counts.min()) < 1 or int(counts.max()) > S):
-        raise ValueError(f"key counts must lie in [1, {S}], got [{int(counts.min())}, {int(counts.max())}]")
+    if L and (int(counts.min()) < least or int(counts.max()) > S):
+        raise ValueError(f"key counts must lie in [{least}, {S}], got [{int(counts.min())}, {int(counts.max())}]")
     return counts.data_ptr()

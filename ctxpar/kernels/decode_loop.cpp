@@ -36,12 +36,13 @@ void kv_quantize(const float* x, int64_t n, int64_t x_stride, const int64_t* run
                  int64_t scale_offset, int64_t row_bytes, uint8_t* out);
 void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
-                      int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse);
+                      int64_t head_stride, int64_t v_offset, float scale, int64_t window, float soft_cap, float* out,
+                      float* lse);
 void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slots, const int64_t* starts,
                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
                         int64_t slot_stride, int64_t head_stride, int64_t v_offset, int64_t code,
                         int64_t scale_offset, int64_t scale_head, int64_t scale_value, int64_t split, float scale,
-                        float* out, float* lse);
+                        int64_t window, float soft_cap, float* out, float* lse);
 }
 
 namespace {
@@ -59,7 +60,8 @@ struct Layer {
   const float* input_norm;  // (hidden,)
   const float* post_norm;   // (hidden,)
   Projection qkv, o, gate_up, down;
-  void* cache;  // (num_slots, 2, Hk, D) float32 or (num_slots, row_bytes) quantized rows
+  void* cache;     // (num_slots, 2, Hk, D) float32 or (num_slots, row_bytes) quantized rows
+  int64_t window;  // a sliding-window layer's keys per query (paged_decode's); 0: every key
 };
 
 // The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows;
@@ -85,11 +87,12 @@ extern "C" {
 
 // h (n, hidden) float32, updated in place through every layer (the residual stream
 // before the final norm); cos, sin (n, D/2) the rows' rope tables; write_slots (n,)
-// each token's cache slot; slots/starts the rows' context slots (paged_decode's).
+// each token's cache slot; slots/starts the rows' context slots (paged_decode's);
+// soft_cap the attention logits' (0: none).
 void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* cache, float* h, int64_t n,
                          int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
                          const float* cos, const float* sin, const int64_t* write_slots, const int64_t* slots,
-                         const int64_t* starts, float scale) {
+                         const int64_t* starts, float scale, float soft_cap) {
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
   // Scratch kept between steps (a decode step is one call): sizes grow with the batch only.
   static thread_local std::vector<float> x, qkv, q, attn, lse, proj, gate_up, act;
@@ -125,11 +128,11 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
       std::memcpy(q.data() + t * q_size, qkv.data() + t * qkv_size, q_size * sizeof(float));
     if (cache->code < 0)
       paged_decode_f32(q.data(), static_cast<const float*>(L.cache), slots, starts, n, heads, kv_heads, dim, dim,
-                       2 * kv_size, dim, kv_size, scale, attn.data(), lse.data());
+                       2 * kv_size, dim, kv_size, scale, L.window, soft_cap, attn.data(), lse.data());
     else
       paged_decode_quant(q.data(), static_cast<const uint8_t*>(L.cache), slots, starts, n, heads, kv_heads, dim, dim,
                          cache->row_bytes, dim, kv_size, cache->code, cache->scale_offset, 1, kv_heads, dim, scale,
-                         attn.data(), lse.data());
+                         L.window, soft_cap, attn.data(), lse.data());
     if (cache->kv_turn != 0) hadamard_f32(attn.data(), q_size, n, heads, dim, cache->q_turn);  // turned back
     project(L.o, attn.data(), q_size, n, proj.data());
     rms_norm_f32(proj.data(), hidden, h, L.post_norm, n, hidden, eps, x.data());  // h += o, x = norm(h)

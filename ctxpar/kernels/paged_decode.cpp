@@ -6,6 +6,10 @@
 // context out of the cache and then calling a kernel: here each key and value
 // is read once, straight from its cache slot.
 //
+// A sliding window (a row sees its last `window` slots: its keys in position order,
+// its own last) leaves the earlier slots out before the cut below, so no task reads
+// a key outside it; a soft cap passes each scaled logit x through cap · tanh(x / cap).
+//
 // Work is cut into tasks of (row, run of at most CHUNK keys), every KV head of
 // the run in one task, so one long row still keeps every thread busy and a
 // task reads its keys' cache rows whole and in order (prefetched ahead); each
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "kv_codes.h"
+#include "online_softmax.h"
 #include "vec.h"
 
 namespace {
@@ -159,12 +164,13 @@ void dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t n8
 // One KV head's g query heads over n keys (n8: n rounded up to 8, the padding
 // pointing at key n - 1): q (g x dim, scaled to log2 units), keys/values pointers
 // to T. sk/sk2/sv: per key, the scales of the key's values [0, split) and
-// [split, dim) and of its value (null: unscaled). Leaves out (g x value_dim) and
-// lse (g) for the run; scores and weights are g x CHUNK scratch, tops g.
+// [split, dim) and of its value (null: unscaled). cap > 0: scores soft-capped at cap
+// (log2 units). Leaves out (g x value_dim) and lse (g) for the run; scores and weights
+// are g x CHUNK scratch, tops g.
 template <typename T>
 void heads_over(const float* q, int64_t g, int64_t dim, int64_t value_dim, int64_t split, const T* const* keys,
                 const T* const* values, const float* sk, const float* sk2, const float* sv, int64_t n, int64_t n8,
-                float* scores, float* weights, float* tops, float* out, float* lse) {
+                float cap, float* scores, float* weights, float* tops, float* out, float* lse) {
   for (int64_t j0 = 0; j0 < g; j0 += G_MAX) {
     const int64_t G = std::min<int64_t>(G_MAX, g - j0);
     for (int64_t s = 0; s < n8; s += 8) {
@@ -183,6 +189,8 @@ void heads_over(const float* q, int64_t g, int64_t dim, int64_t value_dim, int64
   }
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * CHUNK;
+    if (cap > 0.0f)
+      for (int64_t s = 0; s < n8; s += 8) storev(sj + s, online_softmax::soft_capped<v8, v8i>(load8(sj + s), cap));
     for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
     v8 top8 = load8(sj);
     for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
@@ -211,11 +219,12 @@ void heads_over(const float* q, int64_t g, int64_t dim, int64_t value_dim, int64
 }
 
 // T: float, bfloat16 (uint16_t) or a quantized cache's codes, whose scales `sc` says
-// where to find (null otherwise).
+// where to find (null otherwise). window > 0: a row sees its last `window` slots only.
 template <typename T>
 void attend(const float* q, const T* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
-            int64_t head_stride, int64_t v_offset, const Scales* sc, float scale, float* out, float* lse) {
+            int64_t head_stride, int64_t v_offset, const Scales* sc, float scale, int64_t window, float soft_cap,
+            float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
   const int64_t g = heads / kv_heads;  // query heads per KV head
   // A large group converts each code g / G_MAX times in place: dequantize the run once instead.
@@ -225,9 +234,11 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   std::vector<int64_t> first_task(rows + 1);
   for (int64_t b = 0; b < rows; ++b) {
     first_task[b] = int64_t(tasks.size());
-    const int64_t run = run_keys(starts[b + 1] - starts[b]);
-    for (int64_t s = starts[b]; s < starts[b + 1]; s += run) tasks.push_back({b, s, std::min(s + run, starts[b + 1])});
+    const int64_t first = window > 0 ? std::max(starts[b], starts[b + 1] - window) : starts[b];
+    const int64_t run = run_keys(starts[b + 1] - first);  // the cut: the keys the row sees, only
+    for (int64_t s = first; s < starts[b + 1]; s += run) tasks.push_back({b, s, std::min(s + run, starts[b + 1])});
   }
+  const float cap = soft_cap * LOG2E;  // the scores' units
   first_task[rows] = int64_t(tasks.size());
   const int64_t n_tasks = int64_t(tasks.size());
   std::vector<float> part_out(n_tasks * heads * value_dim), part_lse(n_tasks * heads);
@@ -269,7 +280,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
         if (dequantize) {
           dequantize_task(cache, ts, n, n8, h, dim, value_dim, slot_stride, head_stride, v_offset, *sc, kd.data(),
                           vd.data(), fkeys.data(), fvalues.data());
-          heads_over(qh, g, dim, value_dim, dim, fkeys.data(), fvalues.data(), nullptr, nullptr, nullptr, n, n8,
+          heads_over(qh, g, dim, value_dim, dim, fkeys.data(), fvalues.data(), nullptr, nullptr, nullptr, n, n8, cap,
                      scores.data(), weights.data(), tops.data(), o, l);
           continue;
         }
@@ -288,7 +299,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
           }
         }
         heads_over(qh, g, dim, value_dim, split, keys.data(), values.data(), quantized ? sk.data() : nullptr,
-                   quantized ? sk2.data() : nullptr, quantized ? sv.data() : nullptr, n, n8, scores.data(),
+                   quantized ? sk2.data() : nullptr, quantized ? sv.data() : nullptr, n, n8, cap, scores.data(),
                    weights.data(), tops.data(), o, l);
       }
     }
@@ -322,22 +333,25 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
 extern "C" {
 
 // q (rows, heads, dim) float32; slots: the rows' cache slots back to back,
-// row b's at [starts[b], starts[b+1]); out (rows, heads, value_dim) and lse
-// (rows, heads) float32. Query head i uses KV head i / (heads / kv_heads).
+// row b's at [starts[b], starts[b+1]); window > 0: row b sees only the last `window`
+// of them (0: all); soft_cap > 0: each scaled logit x becomes soft_cap · tanh(x /
+// soft_cap) (0: none); out (rows, heads, value_dim) and lse (rows, heads) float32.
+// Query head i uses KV head i / (heads / kv_heads).
 void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t slot_stride,
-                      int64_t head_stride, int64_t v_offset, float scale, float* out, float* lse) {
+                      int64_t head_stride, int64_t v_offset, float scale, int64_t window, float soft_cap, float* out,
+                      float* lse) {
   attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
-         scale, out, lse);
+         scale, window, soft_cap, out, lse);
 }
 
 // The same over a bfloat16 cache (q, out and lse stay float32).
 void paged_decode_bf16(const float* q, const uint16_t* cache, const int64_t* slots, const int64_t* starts,
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
-                       int64_t slot_stride, int64_t head_stride, int64_t v_offset, float scale, float* out,
-                       float* lse) {
+                       int64_t slot_stride, int64_t head_stride, int64_t v_offset, float scale, int64_t window,
+                       float soft_cap, float* out, float* lse) {
   attend(q, cache, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, nullptr,
-         scale, out, lse);
+         scale, window, soft_cap, out, lse);
 }
 
 // The same over a quantized cache of byte rows (strides in bytes): code 0 int8, 1
@@ -346,11 +360,11 @@ void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slo
                         int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim,
                         int64_t slot_stride, int64_t head_stride, int64_t v_offset, int64_t code,
                         int64_t scale_offset, int64_t scale_head, int64_t scale_value, int64_t split, float scale,
-                        float* out, float* lse) {
+                        int64_t window, float soft_cap, float* out, float* lse) {
   const Scales sc{scale_offset, scale_head, scale_value, split};
   auto run = [&](auto* codes) {
     attend(q, codes, slots, starts, rows, heads, kv_heads, dim, value_dim, slot_stride, head_stride, v_offset, &sc,
-           scale, out, lse);
+           scale, window, soft_cap, out, lse);
   };
   if (code == 0) run(reinterpret_cast<const int8_t*>(cache));
   if (code == 1) run(reinterpret_cast<const E4M3*>(cache));

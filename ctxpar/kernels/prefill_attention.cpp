@@ -2,13 +2,18 @@
 // keys (query i at position S - L + i sees keys 0 .. S - L + i), unmasked
 // (every query sees every key), or with a key count per query (query i sees
 // keys 0 .. counts[i] - 1: DCP's shards, whose keys up to a query's position
-// are a prefix of the shard), grouped-query heads, fp32. Flash attention's blocking, with register-tiled inner products:
+// are a prefix of the shard), grouped-query heads, fp32. A sliding window gives
+// each query its first key too (firsts[i]: it sees keys firsts[i] .., never fewer
+// than none), and a soft cap passes each scaled logit through cap · tanh(x / cap)
+// (online_softmax.h). Flash attention's blocking, with register-tiled inner products:
 //
 //   for each (KV head h, block of BQ queries)            <- one task
 //     Q block: BQ queries x g heads = M rows, scaled      (packed, M x D)
-//     for each block of BK keys that any query sees:
+//     for each block of BK keys that any query sees (from the block of the task's
+//     first key: blocks wholly before every query's window are skipped):
 //       scores = Q · K^T        M x BK  (K^T packed once per call, D x S)
-//       mask the block's future keys (diagonal blocks only)
+//       [soft cap]; mask the block's future keys (diagonal blocks only) and the
+//       window's past ones
 //       online softmax: row max, rescale, p = 2^(score - max), scores in log2 units
 //       O += P · V              M x Dv  (V rows read in place)
 //     out = O / row sums,  lse = (max + log2(row sums)) ln 2
@@ -94,20 +99,26 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
 
 // T float, or a quantized cache's codes with its scales `sc` (null for float):
 // prefill_attention_f32 / prefill_attention_quant below.
-// with_counts a template argument: the causal path's loops compile as they did before counts
-// existed (a run-time test of them there changed how the compiler contracted its float steps,
-// and so a quantized cache's bits).
-template <bool with_counts, typename T>
+// with_counts and variant (a window or a soft cap) template arguments: the causal path's loops
+// compile as they did before counts and variants existed (a run-time test of them there changed
+// how the compiler contracted its float steps, and so a quantized cache's bits).
+template <bool with_counts, bool variant, typename T>
 void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
                   int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
-                  const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
+                  const int64_t* counts, const int64_t* firsts, const Scales* sc, float scale, float soft_cap,
+                  float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
-  // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key).
-  // A task's padding rows (i >= L) read the last query's count; they are never written out.
+  // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key);
+  // from its first (a window's), or key 0. A task's padding rows (i >= L) read the last
+  // query's; they are never written out.
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
   auto seen_by = [&](int64_t i) {
     if constexpr (with_counts) return counts[std::min(i, L - 1)];
     return offset + i + 1;
+  };
+  auto first_of = [&](int64_t i) -> int64_t {
+    if constexpr (variant) return firsts ? firsts[std::min(i, L - 1)] : 0;
+    return 0;
   };
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
   const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
@@ -145,9 +156,12 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
 
-        int64_t last_pos = -1;  // the task's queries see keys up to here
-        for (int64_t i = 0; i < n; ++i) last_pos = std::max(last_pos, seen_by(i0 + i) - 1);
-        for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
+        int64_t last_pos = -1, first_pos = S;  // the task's queries see keys from, up to here
+        for (int64_t i = 0; i < n; ++i) {
+          last_pos = std::max(last_pos, seen_by(i0 + i) - 1);
+          first_pos = std::min(first_pos, first_of(i0 + i));
+        }
+        for (int64_t s0 = first_pos / BK * BK; s0 <= std::min(last_pos, S - 1); s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
           const float* kt_s0 = kt.data() + h * dim * S_pad + s0;  // row d of K^T at kt_s0 + d * kt_ld
           int64_t kt_ld = S_pad;
@@ -163,7 +177,13 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
               tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
                            nullptr, scores.data() + m * BK + c, BK);
           auto seen = [&](int64_t m) { return std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0)); };
-          online_softmax::block<with_counts, false>(scores.data(), M, M_vec, BK, 1.0f, seen, rows,
+          auto first = [&](int64_t m) -> int64_t {
+            if constexpr (variant) return std::min(BK, std::max<int64_t>(0, first_of(i0 + m / g) - s0));
+            return 0;
+          };
+          if constexpr (variant)
+            if (soft_cap > 0.0f) online_softmax::cap_scores(scores.data(), M, BK, 1.0f, soft_cap * LOG2E);
+          online_softmax::block<with_counts || variant, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
                                              [&](int64_t m, int64_t s, vec p) {
                                                storev(scores.data() + m * BK + s, p);
                                                return p;
@@ -188,13 +208,13 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
 template <typename T>
 void prefill(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
              int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
-             const int64_t* counts, const Scales* sc, float scale, float* out, float* lse) {
-  if (counts)
-    prefill_impl<true>(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts,
-                       sc, scale, out, lse);
-  else
-    prefill_impl<false>(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts,
-                        sc, scale, out, lse);
+             const int64_t* counts, const int64_t* firsts, const Scales* sc, float scale, float soft_cap, float* out,
+             float* lse) {
+  const bool variant = firsts || soft_cap > 0.0f;
+  auto run = counts ? (variant ? prefill_impl<true, true, T> : prefill_impl<true, false, T>)
+                    : (variant ? prefill_impl<false, true, T> : prefill_impl<false, false, T>);
+  run(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, firsts, sc, scale,
+      soft_cap, out, lse);
 }
 
 extern "C" {
@@ -202,15 +222,17 @@ extern "C" {
 // q (L, H, D) with q_stride floats between tokens; k, v: key/value s of KV
 // head h at k + s * k_stride + h * D and v + s * v_stride + h * Dv; counts
 // (L,), if not null: query i sees keys [0, counts[i]) (1 <= counts[i] <= S);
-// else causal: query i sees keys up to S - L + i (L <= S), or every key; out
-// (L, H, Dv) contiguous; lse (L, H) or null. D and Dv multiples of the vector
-// width W (Dv of 4W).
+// else causal: query i sees keys up to S - L + i (L <= S), or every key; firsts
+// (L,), if not null: query i sees no key before firsts[i] (0 <= firsts[i] <= S; a
+// query left no key gets out 0, lse -inf); soft_cap > 0: each scaled logit x becomes
+// soft_cap · tanh(x / soft_cap) (0: none); out (L, H, Dv) contiguous; lse (L, H) or
+// null. D and Dv multiples of the vector width W (Dv of 4W).
 void prefill_attention_f32(const float* q, const float* k, const float* v, int64_t L, int64_t S, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
-                           int64_t v_stride, int64_t causal, const int64_t* counts, float scale, float* out,
-                           float* lse) {
-  prefill(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, nullptr,
-          scale, out, lse);
+                           int64_t v_stride, int64_t causal, const int64_t* counts, const int64_t* firsts,
+                           float scale, float soft_cap, float* out, float* lse) {
+  prefill(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, firsts,
+          nullptr, scale, soft_cap, out, lse);
 }
 
 // The same over S rows of a quantized cache (row_bytes apart; K of head h at byte
@@ -218,13 +240,13 @@ void prefill_attention_f32(const float* q, const float* k, const float* v, int64
 // scales as kv_codes.h's Scales, one per K or V head).
 void prefill_attention_quant(const float* q, const uint8_t* rows, int64_t L, int64_t S, int64_t heads,
                              int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t row_bytes,
-                             int64_t v_offset, int64_t causal, const int64_t* counts, int64_t code,
-                             int64_t scale_offset, int64_t scale_head, int64_t scale_value, float scale, float* out,
-                             float* lse) {
+                             int64_t v_offset, int64_t causal, const int64_t* counts, const int64_t* firsts,
+                             int64_t code, int64_t scale_offset, int64_t scale_head, int64_t scale_value, float scale,
+                             float soft_cap, float* out, float* lse) {
   const Scales sc{scale_offset, scale_head, scale_value, dim};
   auto run = [&](auto* codes) {
     prefill(q, codes, codes + v_offset, L, S, heads, kv_heads, dim, value_dim, q_stride, row_bytes, row_bytes, causal,
-            counts, &sc, scale, out, lse);
+            counts, firsts, &sc, scale, soft_cap, out, lse);
   };
   if (code == 0) run(reinterpret_cast<const int8_t*>(rows));
   if (code == 1) run(reinterpret_cast<const E4M3*>(rows));

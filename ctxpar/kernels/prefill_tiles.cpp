@@ -4,9 +4,9 @@
 //
 //   for each (KV head h, block of BQ queries)                 <- one task
 //     Q block: BQ queries x g heads = M rows, bf16 as given    (M x D, 16-row groups)
-//     for each block of BK keys that any query sees:
+//     for each block of BK keys that any query sees (none wholly before the windows):
 //       S = Q · K^T            (TDPBF16PS over D in 32s)       M x BK float32
-//       scores = S * scale * log2(e), masked; online softmax
+//       scores = S * scale * log2(e) [soft-capped], masked (future, window's past); online softmax
 //       P = 2^(score - max) rounded to bf16; row sums of those P
 //       O = O * rescale + P · V  (TDPBF16PS over BK in 32s)    M x Dv float32
 //     out = O / row sums,  lse = (max + log2(row sums)) ln 2
@@ -129,12 +129,14 @@ inline vec weights_bf16(vec p, uint16_t* pb) {
 template <bool with_counts>
 void prefill_impl(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t L, int64_t S, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride,
-                  int64_t v_stride, int64_t causal, const int64_t* counts, float scale, float* out, float* lse) {
+                  int64_t v_stride, int64_t causal, const int64_t* counts, const int64_t* firsts, float scale,
+                  float soft_cap, float* out, float* lse) {
   const int64_t g = heads / kv_heads, offset = causal ? S - L : S - 1;
   auto seen_by = [&](int64_t i) {  // keys query i sees (padding rows: the last query's)
     if constexpr (with_counts) return counts[std::min(i, L - 1)];
     return offset + i + 1;
   };
+  auto first_of = [&](int64_t i) { return firsts ? firsts[std::min(i, L - 1)] : int64_t(0); };  // a window's
   const float scale_log2 = scale * LOG2E;
   const int64_t S_pad = round_up(S, BK), M = BQ * g, M_vec = round_up(M, W), pairs = dim / 2;
   // (kv_heads, S_pad/32, D/2, 32, 2) and (kv_heads, S_pad/2, Dv, 2), zero past S.
@@ -175,11 +177,14 @@ void prefill_impl(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
 
-        int64_t last_pos = -1;  // the task's queries see keys up to here
-        for (int64_t i = 0; i < n; ++i) last_pos = std::max(last_pos, seen_by(i0 + i) - 1);
+        int64_t last_pos = -1, first_pos = S;  // the task's queries see keys from, up to here
+        for (int64_t i = 0; i < n; ++i) {
+          last_pos = std::max(last_pos, seen_by(i0 + i) - 1);
+          first_pos = std::min(first_pos, first_of(i0 + i));
+        }
         const uint16_t* kh = kp.data() + h * pairs * S_pad * 2;
         const uint16_t* vh = vp.data() + h * S_pad * value_dim;
-        for (int64_t s0 = 0; s0 <= std::min(last_pos, S - 1); s0 += BK) {
+        for (int64_t s0 = first_pos / BK * BK; s0 <= std::min(last_pos, S - 1); s0 += BK) {
           const int64_t keys = std::min(BK, S - s0);
           for (int64_t m = 0; m < M; m += 2 * T)  // whole blocks: keys past S are zeros, masked below
             for (int64_t c = 0; c < BK; c += 2 * T)
@@ -187,9 +192,14 @@ void prefill_impl(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64
                                {kh + (s0 + c) * pairs * 2, T * 2, T * KG * 2, KG * 4}, pairs / T,
                                {scores.data() + m * BK + c, BK});
           auto seen = [&](int64_t m) { return std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0)); };
-          online_softmax::block<true, true>(
-              scores.data(), M, M_vec, BK, scale_log2, seen, rows,
-              [&](int64_t m, int64_t s, vec p) { return weights_bf16(p, pb.data() + m * BK + s); });
+          auto first = [&](int64_t m) { return std::min(BK, std::max<int64_t>(0, first_of(i0 + m / g) - s0)); };
+          auto emit = [&](int64_t m, int64_t s, vec p) { return weights_bf16(p, pb.data() + m * BK + s); };
+          if (soft_cap > 0.0f) {  // capped in log2 units, then unscaled
+            online_softmax::cap_scores(scores.data(), M, BK, scale_log2, soft_cap * LOG2E);
+            online_softmax::block<true, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows, emit);
+          } else {
+            online_softmax::block<true, true>(scores.data(), M, M_vec, BK, scale_log2, first, seen, rows, emit);
+          }
           for (int64_t m = 0; m < M; ++m)  // a rescale of exactly 1 (the maximum stands) changes no bit
             if (rescale[m] != 1.0f)
               for (int64_t d = 0; d < value_dim; d += W)
@@ -232,15 +242,17 @@ int prefill_attention_bf16_supports(int64_t dim, int64_t value_dim) {
 // bits as uint16); out and lse float32. Callers check prefill_attention_bf16_supports.
 void prefill_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t L, int64_t S,
                             int64_t heads, int64_t kv_heads, int64_t dim, int64_t value_dim, int64_t q_stride,
-                            int64_t k_stride, int64_t v_stride, int64_t causal, const int64_t* counts, float scale,
-                            float* out, float* lse) {
+                            int64_t k_stride, int64_t v_stride, int64_t causal, const int64_t* counts,
+                            const int64_t* firsts, float scale, float soft_cap, float* out, float* lse) {
 #ifdef CTXPAR_AMX_BF16
   if (!bf16_tiles::ready()) return;  // callers checked prefill_attention_bf16_supports: not reached
   auto run = counts ? prefill_impl<true> : prefill_impl<false>;
-  run(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, scale, out, lse);
+  run(q, k, v, L, S, heads, kv_heads, dim, value_dim, q_stride, k_stride, v_stride, causal, counts, firsts, scale,
+      soft_cap, out, lse);
 #else
   (void)q, (void)k, (void)v, (void)L, (void)S, (void)heads, (void)kv_heads, (void)dim, (void)value_dim;
-  (void)q_stride, (void)k_stride, (void)v_stride, (void)causal, (void)counts, (void)scale, (void)out, (void)lse;
+  (void)q_stride, (void)k_stride, (void)v_stride, (void)causal, (void)counts, (void)firsts, (void)scale;
+  (void)soft_cap, (void)out, (void)lse;
 #endif
 }
 }

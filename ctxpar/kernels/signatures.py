@@ -12,13 +12,13 @@ from collections.abc import Sequence
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # name: (argument types, result type; None: void)
 SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
-    "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
-    "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _ptr, _ptr], None),
-    "paged_decode_quant": ([_ptr] * 4 + [_i64] * 13 + [_f32, _ptr, _ptr], None),
-    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _f32, _ptr, _ptr], None),
-    "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 10 + [_ptr] + [_i64] * 4 + [_f32, _ptr, _ptr], None),
+    "paged_decode_f32": ([_ptr] * 4 + [_i64] * 8 + [_f32, _i64, _f32, _ptr, _ptr], None),
+    "paged_decode_bf16": ([_ptr] * 4 + [_i64] * 8 + [_f32, _i64, _f32, _ptr, _ptr], None),
+    "paged_decode_quant": ([_ptr] * 4 + [_i64] * 13 + [_f32, _i64, _f32, _ptr, _ptr], None),
+    "prefill_attention_f32": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _ptr, _f32, _f32, _ptr, _ptr], None),
+    "prefill_attention_quant": ([_ptr] * 2 + [_i64] * 10 + [_ptr, _ptr] + [_i64] * 4 + [_f32, _f32, _ptr, _ptr], None),
     "prefill_attention_supports": ([_i64, _i64], ctypes.c_int),
-    "prefill_attention_bf16": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _f32, _ptr, _ptr], None),
+    "prefill_attention_bf16": ([_ptr] * 3 + [_i64] * 10 + [_ptr, _ptr, _f32, _f32, _ptr, _ptr], None),
     "prefill_attention_bf16_supports": ([_i64, _i64], ctypes.c_int),
     "kv_quantize": ([_ptr, _i64, _i64, _ptr] + [_i64] * 4 + [_ptr], None),
     "rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
@@ -35,6 +35,7 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "linear_bf16_tiles": ([], _i64),
     "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _ptr] + [_i64] * 5 + [_ptr, _ptr], None),
     "quant_dequantize_f32": ([_ptr] + [_i64] * 7 + [_ptr], None),
-    "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 5 + [_f32], None),
+    "quant_peak_ops": ([_i64], _i64),
+    "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 5 + [_f32, _f32], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }

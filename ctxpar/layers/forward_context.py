@@ -45,12 +45,14 @@ class StepMemo:
 class ShardQueries:
     """One row's queries of one kind (prompt positions, or generated tokens) over this
     rank's shard of the row's keys: the step's tokens [start, end) in global order,
-    query i over the first counts[i] of ``slots`` (its shard's keys up to its position)."""
+    query i over the first counts[i] of ``slots`` (its shard's keys up to its position),
+    from firsts[i] on where a sliding window hides the earlier ones."""
 
     start: int
     end: int
     slots: torch.Tensor  # (m,) int64: my shard's cache slots of the row in position order, m = counts[-1]
     counts: torch.Tensor  # (end - start,) int64, each >= 1 (a query my shard holds no key of is left out)
+    firsts: torch.Tensor | None = None  # (end - start,) int64 in [0, counts[i]]; None: every key from the first
 
 
 @dataclass
@@ -64,6 +66,9 @@ class DCPStep:
     decodes: DecodeGroup | None  # the generated ones in one decode-kernel call (tokens: global)
     send_idx: torch.Tensor  # (D, n) int64: global token of each rank's local token; T on padding
     all_to_all: Callable[[torch.Tensor], torch.Tensor]  # (D, n, ...) -> (D, n, ...)
+    # The step as a layer with a sliding window of this many keys attends it (its spans'
+    # firsts, its decode rows cut to the window's keys), built once per window (dcp_metadata.py).
+    windowed: Callable[[int], DCPStep] | None = None
 
 
 @dataclass

@@ -203,16 +203,22 @@ class MLAttention(nn.Module):
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def attend_lse(
-        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+        self,
+        backend: AttentionBackend,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        counts: torch.Tensor,
+        quant: KVQuant | None,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
         """(out (L, h, v), lse (L, h)) of latent queries (L, h, r + rope), query i over the
-        first counts[i] latents of (m, r + rope), or of their quantized rows
+        first counts[i] latents of (m, r + rope) (from firsts[i], if given), or of their quantized rows
         (``AttentionKind.attend_lse``). W_UV is linear, so applying it before the cross-rank
         combine is exact, and partials travel at v_head_dim, not kv_lora_rank."""
         if quant is not None:  # the latents are dequantized for the product
             kv = quant.dequantize(kv).to(q.dtype)
         k = kv.unsqueeze(1)  # one KV head, key doubles as value
-        o, lse = backend.partial(q, k, k, self.spec, counts)
+        o, lse = backend.partial(q, k, k, self.spec, counts, firsts)
         return self._unabsorb(o[..., : self.kv_lora_rank].to(q.dtype)), lse
 
     def decode_lse(

@@ -65,6 +65,7 @@ class _Layer(ctypes.Structure):
         ("gate_up", _Projection),
         ("down", _Projection),
         ("cache", _ptr),
+        ("window", _i64),  # a sliding-window layer's keys per query; 0: every key
     ]
 
 
@@ -89,7 +90,7 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
     """The loop's record of one projection, or None for a weight it does not read."""
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if isinstance(weight, (QuantWeight, QuantParts)):
+    if isinstance(weight, (QuantWeight, QuantParts)) and not weight.spread:  # the loop does not spread x
         return _Projection(
             ctypes.addressof(weight.kernel_parts),
             len(weight.kernel_parts),
@@ -119,6 +120,7 @@ class DecoderLayer:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: tuple[Weight, torch.Tensor | None]  # rows [gate | up]
     down: tuple[Weight, torch.Tensor | None]
+    window: int | None = None  # a sliding-window layer's (AttentionSpec.window); None: every key
 
 
 @dataclass(frozen=True, repr=False)
@@ -127,7 +129,7 @@ class DecoderStep:
 
     shape: DecodeShape
     eps: float  # the RMSNorms'
-    spec: AttentionSpec
+    spec: AttentionSpec  # the layers' scale and soft cap (a layer's window is its DecoderLayer's)
     turns_quantized_heads: bool  # a quantized cache holds its heads turned (kv_rotation.py)
     qk_norm: bool  # per-head RMSNorm of Q and K (Qwen3), which the loop does not run
     embed: torch.Tensor | QuantWeight  # (vocab, hidden)
@@ -158,7 +160,7 @@ class CompiledDecode:
             if any(p is None for p in projections):
                 return None
             norms = (layer.input_norm, layer.post_norm)
-            records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache)))
+            records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache), layer.window or 0))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
@@ -203,5 +205,6 @@ class CompiledDecode:
             group.slots.data_ptr(),
             group.starts.data_ptr(),
             m.spec.scale,
+            m.spec.soft_cap or 0.0,
         )
         return m.norm(h)

@@ -66,7 +66,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.attn = GQA(layer_idx, self.head_dim, self.head_dim**-0.5)
+        # A sliding-window layer's queries see their last sliding_window keys (Mistral v0.1, Phi-3, Qwen's
+        # use_sliding_window): the kernels mask and skip by the keys' positions (layers/attention/backend.py).
+        window = config.sliding_window if layer_idx in config.sliding_layers else None
+        self.attn = GQA(layer_idx, self.head_dim, self.head_dim**-0.5, window)
         qkv_bias, o_bias = config.qkv_bias or config.attention_bias, config.attention_bias
         hidden = config.hidden_size
         self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, hidden)  # rows: [q | k | v]
@@ -150,12 +153,6 @@ class LlamaForCausalLM(nn.Module):
         """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""
         super().__init__()
         config = ModelArgs.of(config)
-        if config.sliding_layers:
-            raise CtxparError(
-                f"{config.model_type} model with sliding-window attention (sliding_window={config.sliding_window} "
-                f"in layers {config.sliding_layers}): ctxpar has no sliding-window attention kernel yet; "
-                "use a config without it (Mistral v0.3 rather than v0.1, Qwen's use_sliding_window=false)"
-            )
         if config.rope.rope_type == "longrope":
             raise CtxparError(
                 f"{config.model_type} model with the longrope rope (short and long factors, which transformers "
@@ -213,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=(_dense(layer.mlp).gate_up_weight, _dense(layer.mlp).gate_up_bias),
                 down=(_dense(layer.mlp).down_weight, _dense(layer.mlp).down_bias),
+                window=layer.self_attn.attn.window,
             )
             for layer in self.decoder_layers
         ]

@@ -180,11 +180,13 @@ def test_registry():
         model_class_for_config(NoArch())
 
 
-def test_sliding_window_rejected(tmp_path, tiny_model_dirs):
+def test_qwen_sliding_window_gives_its_layers_the_window(tmp_path, tiny_model_dirs):
+    """Qwen's use_sliding_window windows the layers from max_window_layers on (as transformers'
+    Qwen2Config; the window's arithmetic is checked in tests/models/test_sliding_window.py)."""
     d = tmp_path / "sw"
     shutil.copytree(tiny_model_dirs["qwen2"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=None)
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CtxparError, match="sliding-window"):
-        load_model(str(d), torch.float32, torch.device("cpu"))
+    model = load_model(str(d), torch.float32, torch.device("cpu")).model
+    assert [layer.self_attn.attn.spec.window for layer in model.decoder_layers] == [None, 8]

@@ -40,6 +40,11 @@ class AttentionKind(Protocol):
         ...
 
     @property
+    def spec(self) -> AttentionSpec:
+        """What the layer's attention computes (its scale, window, soft cap)."""
+        ...
+
+    @property
     def turns_quantized_heads(self) -> bool:
         """Whether a quantized cache holds this kind's heads turned (kv_rotation.py)."""
         ...
@@ -64,10 +69,17 @@ class AttentionKind(Protocol):
         ...
 
     def attend_lse(
-        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+        self,
+        backend: AttentionBackend,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        counts: torch.Tensor,
+        quant: KVQuant | None,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
-        """Queries (L, H, Dq), query i over the first counts[i] KV entries of (m, *E), or
-        of cache rows of the quantized format ``quant``: ctxpar.layers.attention.sharded.Attend."""
+        """Queries (L, H, Dq), query i over the first counts[i] KV entries of (m, *E) (from
+        firsts[i], if given), or of cache rows of the quantized format ``quant``:
+        ctxpar.layers.attention.sharded.Attend."""
         ...
 
     def decode_lse(
@@ -94,7 +106,8 @@ def _attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: A
         q = kind.shard_query(q)
         in_place = ctx.attention.reads_paged(ctx.kv_caches[kind.layer_idx], *kind.paged_widths)
         decode = kind.decode_lse if in_place else None
-        return sharded_attention(q, entries, ctx, kind.layer_idx, kind.attend_lse, kind.out_dim, decode)
+        args = (kind.layer_idx, kind.attend_lse, kind.out_dim, decode, kind.spec.window)
+        return sharded_attention(q, entries, ctx, *args)
     cache = gather_and_store_kv(entries, ctx, kind.layer_idx)  # (num_slots, *E)
     return kind.attend_cache(q, cache, ctx)
 
@@ -102,7 +115,7 @@ def _attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: A
 @dataclass(frozen=True)
 class GQA:
     """Grouped-query attention: entries (n, 2, kv_heads, head_dim), K then V. window and
-    soft_cap: the layer's variant (``AttentionSpec``); None in every model served today."""
+    soft_cap: the layer's variant (``AttentionSpec``); None: neither."""
 
     layer_idx: int
     head_dim: int
@@ -133,9 +146,15 @@ class GQA:
         return q
 
     def attend_lse(
-        self, backend: AttentionBackend, q: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, quant: KVQuant | None
+        self,
+        backend: AttentionBackend,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        counts: torch.Tensor,
+        quant: KVQuant | None,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
-        return backend.gqa_partial_rows(q, kv, quant, self.spec, counts)
+        return backend.gqa_partial_rows(q, kv, quant, self.spec, counts, firsts)
 
     def decode_lse(
         self, backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, quant: KVQuant | None

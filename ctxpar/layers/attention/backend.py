@@ -8,8 +8,9 @@ never ask which one they got:
 
 - ``prefill``: queries that are the last L of S keys, causal bottom-right
   (prompt positions, however the prompt was chunked);
-- ``partial``: each query over its own prefix of the keys, with the
-  log-sum-exp a merge needs (DCP's partials over a shard);
+- ``partial``: each query over its own range of the keys (a prefix, or with a
+  window the part of it from its first key), with the log-sum-exp a merge needs
+  (DCP's partials over a shard);
 - ``gqa_prefill_rows`` / ``gqa_partial_rows``: the same over a GQA cache's rows
   as stored, quantized ones read in place where a kernel can;
 - ``reads_paged``, ``gqa_decode``, ``latent_decode``: one-query rows over the
@@ -28,6 +29,7 @@ a branch here and in its kernel, not at each call site.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -48,20 +50,29 @@ Partials = tuple[torch.Tensor, torch.Tensor]  # out (L, H, out_dim), lse (L, H),
 class AttentionSpec:
     """What one layer's attention computes: softmax(scale · q·k) over the keys a query sees.
 
-    window: a query sees only the last ``window`` keys up to its own position (sliding
-    window); soft_cap: logits pass through ``soft_cap · tanh(logit / soft_cap)``. None:
-    neither, as every model ctxpar serves today; no backend computes them yet."""
+    window: a query at position p sees only the keys at positions (p - window, p], the
+    last ``window`` up to its own (a sliding window: transformers' sliding_window and
+    llama.cpp's n_swa); soft_cap: the scaled logits pass through
+    ``soft_cap · tanh(logit / soft_cap)`` before the softmax (Gemma 2). None: neither."""
 
     scale: float
     window: int | None = None
     soft_cap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.window is not None or self.soft_cap is not None:
-            raise CtxparError(
-                "sliding-window and soft-capped attention have no backend yet "
-                "(ctxpar/layers/attention/backend.py); use a model without them"
-            )
+        if self.window is not None and (
+            isinstance(self.window, bool) or int(self.window) != self.window or self.window < 1
+        ):
+            raise CtxparError(f"an attention window must be a whole number of keys, at least 1; got {self.window!r}")
+        if self.soft_cap is not None and not (self.soft_cap > 0 and math.isfinite(self.soft_cap)):
+            raise CtxparError(f"an attention soft cap must be a positive finite number; got {self.soft_cap!r}")
+
+    def firsts(self, L: int, S: int, device: torch.device) -> torch.Tensor | None:
+        """The first key each of L queries that are the last L of S keys sees (L,) int64,
+        or None without a window: query i, at position S - L + i, sees keys from S - L + i + 1 - window."""
+        if self.window is None:
+            return None
+        return (torch.arange(S - L + 1, S + 1, device=device) - self.window).clamp_(min=0)
 
 
 @dataclass
@@ -99,10 +110,17 @@ class AttentionBackend(Protocol):
         ...
 
     def partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
-        """Query i over keys [0, counts[i]) (counts (L,) int64, each in [1, S]) -> out
-        (L, H, Dv) and lse (L, H), float32."""
+        """Query i over keys [firsts[i], counts[i]) (counts (L,) int64, each in [1, S];
+        firsts (L,) int64 in [0, counts[i]], given where spec has a window: only the
+        caller knows the keys' positions) -> out (L, H, Dv) and lse (L, H), float32."""
         ...
 
     def gqa_prefill_rows(
@@ -112,7 +130,13 @@ class AttentionBackend(Protocol):
         ...
 
     def gqa_partial_rows(
-        self, q: torch.Tensor, rows: torch.Tensor, quant: KVQuant | None, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        quant: KVQuant | None,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
         """``partial`` over a GQA cache's rows (m, ...) as stored."""
         ...
@@ -120,7 +144,9 @@ class AttentionBackend(Protocol):
     def gqa_decode(
         self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, spec: AttentionSpec, quant: KVQuant | None
     ) -> Partials:
-        """One query per row (B, H, D) over its slots of a GQA cache -> (B, H, D), (B, H)."""
+        """One query per row (B, H, D) over its slots of a GQA cache -> (B, H, D), (B, H);
+        with a window, over the last ``spec.window`` of a row's slots (its keys in
+        position order, its own last; under DCP the group holds only the window's)."""
         ...
 
     def latent_decode(
@@ -149,6 +175,11 @@ class TorchBackend:
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if spec.window is not None or spec.soft_cap is not None:  # an explicit mask, and capped logits
+            L, S = q.shape[0], k.shape[0]
+            counts = torch.arange(S - L + 1, S + 1, device=q.device)
+            firsts = spec.firsts(L, S, q.device)
+            return _into(torch_ops.attention_lse(q, k, v, spec.scale, counts, firsts, spec.soft_cap)[0], q.dtype, out)
         width = v.shape[-1]
         if q.shape[-1] != width:  # PyTorch's CPU kernel needs Q, K and V of one width (MLA's differ)
             d = max(q.shape[-1], width)  # zero dims add nothing to q·k; the scale is explicit
@@ -157,9 +188,15 @@ class TorchBackend:
         return _into(torch_ops.causal(q, k, v, spec.scale), q.dtype, out)
 
     def partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
-        return torch_ops.attention_lse(q, k, v, spec.scale, counts)
+        return torch_ops.attention_lse(q, k, v, spec.scale, counts, _windowed(spec, firsts), spec.soft_cap)
 
     def gqa_prefill_rows(
         self, q: torch.Tensor, rows: torch.Tensor, quant: KVQuant | None, spec: AttentionSpec, out: torch.Tensor
@@ -168,10 +205,16 @@ class TorchBackend:
         return self.prefill(q, kv[:, 0], kv[:, 1], spec, out=out)
 
     def gqa_partial_rows(
-        self, q: torch.Tensor, rows: torch.Tensor, quant: KVQuant | None, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        quant: KVQuant | None,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
         kv = rows if quant is None else quant.dequantize(rows).to(q.dtype)
-        return self.partial(q, kv[:, 0], kv[:, 1], spec, counts)
+        return self.partial(q, kv[:, 0], kv[:, 1], spec, counts, firsts)
 
     def gqa_decode(
         self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, spec: AttentionSpec, quant: KVQuant | None
@@ -183,7 +226,7 @@ class TorchBackend:
             B, S = table.shape
             kv = quant.dequantize(cache.index_select(0, table.view(-1))).view(B, S, *quant.entry_shape)
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hk, S, D) each
-        return torch_ops.decode_attention(q, k.to(q.dtype), v.to(q.dtype), lengths, spec.scale)
+        return torch_ops.decode_attention(q, k.to(q.dtype), v.to(q.dtype), lengths, *_variant(spec))
 
     def latent_decode(
         self,
@@ -198,7 +241,7 @@ class TorchBackend:
         B, S = table.shape
         rows = cache.index_select(0, table.view(-1))
         k = (rows if quant is None else quant.dequantize(rows)).view(B, 1, S, q.shape[-1]).to(q.dtype)
-        return torch_ops.decode_attention(q, k, k[..., :value_dim], lengths, spec.scale)
+        return torch_ops.decode_attention(q, k, k[..., :value_dim], lengths, *_variant(spec))
 
 
 class KernelBackend(TorchBackend):
@@ -221,39 +264,65 @@ class KernelBackend(TorchBackend):
             return super().prefill(q, k, v, spec, out)
         widths = inputs[2].shape[-1] == v.shape[-1]  # unpadded: the kernel may write into `out`
         direct = out if out is not None and out.dtype == torch.float32 and widths else None
-        result = attn_kernels.prefill_attention(*inputs, spec.scale, out=direct)[0][..., : v.shape[-1]]
+        firsts = spec.firsts(q.shape[0], k.shape[0], q.device)
+        result = attn_kernels.prefill_attention(*inputs, spec.scale, out=direct, firsts=firsts, soft_cap=spec.soft_cap)[
+            0
+        ][..., : v.shape[-1]]
         return _into(result, q.dtype, out)
 
     def partial(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
-        # In the kernel a query's result depends on its own query, count and keys only.
+        # In the kernel a query's result depends on its own query, key range and keys only.
         inputs = kernel_inputs(q, k, v)
         if inputs is None:
-            return super().partial(q, k, v, spec, counts)
-        out, lse = attn_kernels.prefill_attention(*inputs, spec.scale, counts=counts)
+            return super().partial(q, k, v, spec, counts, firsts)
+        firsts = _windowed(spec, firsts)
+        out, lse = attn_kernels.prefill_attention(
+            *inputs, spec.scale, counts=counts, firsts=firsts, soft_cap=spec.soft_cap
+        )
         return out[..., : v.shape[-1]], lse
 
     def gqa_prefill_rows(
         self, q: torch.Tensor, rows: torch.Tensor, quant: KVQuant | None, spec: AttentionSpec, out: torch.Tensor
     ) -> torch.Tensor:
         if quant is not None and attn_kernels.prefill_quant_usable(q, quant):  # the rows read in place
-            return attn_kernels.prefill_attention_quant(q, rows, quant, spec.scale, out=out)[0]
+            firsts = spec.firsts(q.shape[0], rows.shape[0], q.device)
+            return attn_kernels.prefill_attention_quant(
+                q, rows, quant, spec.scale, out=out, firsts=firsts, soft_cap=spec.soft_cap
+            )[0]
         return super().gqa_prefill_rows(q, rows, quant, spec, out)
 
     def gqa_partial_rows(
-        self, q: torch.Tensor, rows: torch.Tensor, quant: KVQuant | None, spec: AttentionSpec, counts: torch.Tensor
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        quant: KVQuant | None,
+        spec: AttentionSpec,
+        counts: torch.Tensor,
+        firsts: torch.Tensor | None = None,
     ) -> Partials:
         if quant is not None and attn_kernels.prefill_quant_usable(q, quant):  # the rows read in place
-            return attn_kernels.prefill_attention_quant(q, rows, quant, spec.scale, counts=counts)
-        return super().gqa_partial_rows(q, rows, quant, spec, counts)
+            firsts = _windowed(spec, firsts)
+            return attn_kernels.prefill_attention_quant(
+                q, rows, quant, spec.scale, counts=counts, firsts=firsts, soft_cap=spec.soft_cap
+            )
+        return super().gqa_partial_rows(q, rows, quant, spec, counts, firsts)
 
     def gqa_decode(
         self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, spec: AttentionSpec, quant: KVQuant | None
     ) -> Partials:
         if not self.reads_paged(cache, q.shape[-1]):
             return super().gqa_decode(q, cache, group, spec, quant)
-        return attn_kernels.gqa_paged_decode(q, cache, group.slots, group.starts, spec.scale, quant)
+        return attn_kernels.gqa_paged_decode(
+            q, cache, group.slots, group.starts, spec.scale, quant, spec.window, spec.soft_cap
+        )
 
     def latent_decode(
         self,
@@ -266,7 +335,9 @@ class KernelBackend(TorchBackend):
     ) -> Partials:
         if not self.reads_paged(cache, q.shape[-1], value_dim):
             return super().latent_decode(q, cache, group, value_dim, spec, quant)
-        return attn_kernels.latent_paged_decode(q, cache, group.slots, group.starts, value_dim, spec.scale, quant)
+        return attn_kernels.latent_paged_decode(
+            q, cache, group.slots, group.starts, value_dim, spec.scale, quant, spec.window, spec.soft_cap
+        )
 
 
 TORCH = TorchBackend()
@@ -277,6 +348,19 @@ def default_backend(device: torch.device) -> AttentionBackend:
     """The backend a rank on ``device`` runs: the kernels on a CPU where they are built
     and enabled (``CTXPAR_KERNELS`` not 0), else PyTorch's ops."""
     return KERNELS if device.type == "cpu" and kernels.available() else TORCH
+
+
+def _windowed(spec: AttentionSpec, firsts: torch.Tensor | None) -> torch.Tensor | None:
+    """A partial's first keys, which a windowed spec needs (a window is positions, and a
+    partial's keys are a shard's: its caller alone can say which each query sees)."""
+    if spec.window is not None and firsts is None:
+        raise ValueError("a partial of a windowed layer needs each query's first key (firsts)")
+    return firsts
+
+
+def _variant(spec: AttentionSpec) -> tuple[float, int | None, float | None]:
+    """``decode_attention``'s scale, window and soft cap."""
+    return spec.scale, spec.window, spec.soft_cap
 
 
 def _into(result: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:

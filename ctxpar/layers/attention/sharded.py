@@ -9,7 +9,8 @@ stored the step's entries it owns:
    all replicated has them on every rank already;
 2. each rank d attends every query over its shard's keys at positions up to
    the query's own: a prefix of the shard's slots of the query's row, one key
-   count per query. A prompt position attends in the prefill kernel, a
+   count per query (a layer with a sliding window: the run of them inside the
+   window, from a first key per query, ``DCPStep.windowed``). A prompt position attends in the prefill kernel, a
    generated token or a draft in the decode kernel (as at D = 1,
    ctxpar/layers/attention/paged.py) -> a partial (out_d, lse_d);
 3. one all-to-all brings each rank its own tokens' partials from every rank,
@@ -37,10 +38,13 @@ from ctxpar.layers.attention.torch_ops import merge_attention
 from ctxpar.layers.forward_context import ForwardContext, store_kv, to_cache
 from ctxpar.layers.kv_quant import KVQuant
 
-# attend(backend, q (L, H, Dq), kv, counts, quant) -> (out (L, H, Do), lse (L, H)) float32, kv
-# the entries (m, *E), or with `quant` their cache rows (m, row_bytes) in that format (read in
-# place where a kernel can); counts (L,) int64: query i sees kv[:counts[i]], 1 <= counts[i] <= m.
-Attend = Callable[[AttentionBackend, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None], Partials]
+# attend(backend, q (L, H, Dq), kv, counts, quant, firsts) -> (out (L, H, Do), lse (L, H)) float32,
+# kv the entries (m, *E), or with `quant` their cache rows (m, row_bytes) in that format (read in
+# place where a kernel can); counts (L,) int64: query i sees kv[:counts[i]], 1 <= counts[i] <= m;
+# firsts (L,) int64 or None: and none before kv[firsts[i]] (a sliding window's).
+Attend = Callable[
+    [AttentionBackend, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None, torch.Tensor | None], Partials
+]
 # decode(backend, q (B, H, Dq), cache, group, quant) -> (out (B, H, Do), lse (B, H)) float32:
 # one query per row over the cache slots of its row in ``group``, all rows in one call that
 # reads the cache in place (given only where the backend ``reads_paged`` the cache).
@@ -55,6 +59,7 @@ def sharded_attention(
     attend: Attend,
     out_dim: int,
     decode: Decode | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write this rank's share of the layer's KV entries, attend every query of the
     step over this rank's shard, and merge each local token's partials across ranks.
@@ -62,11 +67,15 @@ def sharded_attention(
     q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs;
     attend, decode: the model's attention over a prefix of keys per query, and
     of one-query rows over the paged cache (None: the backend does not read this
-    cache in place, and those rows go through ``attend``); returns (n, H, out_dim) attention
-    outputs of the local tokens (0 on padding).
+    cache in place, and those rows go through ``attend``); window: the layer's sliding
+    window (keys), if any; returns (n, H, out_dim) attention outputs of the local
+    tokens (0 on padding).
     """
     step = ctx.dcp
     assert step is not None  # under DCP
+    if window is not None:
+        assert step.windowed is not None  # every DCPStep of a step description has it (dcp_metadata.py)
+        step = step.windowed(window)
     n, heads = q.shape[0], q.shape[1]
     entries = to_cache(entries, ctx)  # quantized (if so) before any gather: ranks exchange stored bytes
     q_space = q  # every query of the step; without a gather every rank has them all, at their global index
@@ -94,7 +103,7 @@ def sharded_attention(
         spans = step.prompt
     for sp in spans:
         q_rows = q_space.index_select(0, step.query_idx[sp.start : sp.end])
-        out, lse = attend(backend, q_rows, cache.index_select(0, sp.slots), sp.counts, quant)
+        out, lse = attend(backend, q_rows, cache.index_select(0, sp.slots), sp.counts, quant, sp.firsts)
         partial[sp.start : sp.end, :, :out_dim], partial[sp.start : sp.end, :, out_dim] = out, lse
     send = partial.index_select(0, step.send_idx.view(-1)).view(*step.send_idx.shape, *partial.shape[1:])
     received = step.all_to_all(send)  # (D, n, H, out_dim + 1): my tokens' partials from each rank, in rank order

@@ -5,7 +5,7 @@ kernels do not take. Every function that attends returns what merging needs:
 - ``causal``: queries that are the last L of S keys (prefill chunks,
   bottom-right causal);
 - ``attention_lse``: attention with its log-sum-exp, each query over its own
-  prefix of the keys (DCP's partials);
+  range of the keys (DCP's partials; a sliding window's);
 - ``decode_attention``: every one-query row of a step in one batched call.
   Grouped-query heads are a view (queries of one KV head form the rows of one
   small GEMM), K/V are never expanded, padding keys are masked;
@@ -101,49 +101,77 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
 
 
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, counts: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    counts: torch.Tensor,
+    firsts: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp, each query over a prefix of the keys: q (L, H, D),
-    k (m, Hk, D), v (m, Hk, Dv); counts (L,) int64, query i sees keys [0, counts[i]).
-    Returns out (L, H, Dv) and lse (L, H), float32; queries in blocks of about
-    SCORES_PER_BLOCK scores."""
+    k (m, Hk, D), v (m, Hk, Dv); counts (L,) int64, query i sees keys [0, counts[i]),
+    and none before firsts[i] if given (a sliding window); soft_cap: logits x become
+    soft_cap · tanh(x / soft_cap). Returns out (L, H, Dv) and lse (L, H), float32 (a
+    query left no key: out 0, lse -inf); queries in blocks of about SCORES_PER_BLOCK scores."""
     L, m, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     kh, vh = k.transpose(0, 1).repeat_interleave(rep, 0).float(), v.transpose(0, 1).repeat_interleave(rep, 0).float()
     outs, lses = [], []
     step = max(1, SCORES_PER_BLOCK // max(1, q.shape[1] * m))
     for a in range(0, L, step):
         qh = q[a : a + step].transpose(0, 1).float()  # (H, l, D)
-        s = (qh @ kh.transpose(-1, -2)) * scale  # (H, l, m)
-        hidden = torch.arange(m, device=q.device) >= counts[a : a + step, None].to(q.device)  # (l, m)
+        s = soft_capped((qh @ kh.transpose(-1, -2)) * scale, soft_cap)  # (H, l, m)
+        keys = torch.arange(m, device=q.device)
+        hidden = keys >= counts[a : a + step, None].to(q.device)  # (l, m)
+        if firsts is not None:
+            hidden |= keys < firsts[a : a + step, None].to(q.device)
         s = s.masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(s, -1)  # (H, l)
-        outs.append((torch.exp(s - lse.unsqueeze(-1)) @ vh).transpose(0, 1))
+        outs.append((torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1)) @ vh).transpose(0, 1))
         lses.append(lse.transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor | None,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per row over that row's keys.
 
     q: (B, H, D); k: (B, Hk, S, D); v: (B, Hk, S, Dv), H a multiple of Hk
     (grouped-query: query head i uses KV head i // (H / Hk)). Row b attends to
-    keys [0, lengths[b]); the rest of S is padding (None: no padding).
-    Returns out (B, H, Dv) and the natural-log sum of exp scores lse (B, H);
-    a row with no keys gets out = 0 and lse = -inf.
+    keys [0, lengths[b]); the rest of S is padding (None: no padding); with a
+    window, to the last ``window`` of those only; soft_cap: logits x become
+    soft_cap · tanh(x / soft_cap). Returns out (B, H, Dv) and the natural-log sum
+    of exp scores lse (B, H); a row with no keys gets out = 0 and lse = -inf.
     """
     B, H, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     g = H // Hk
     scores = torch.matmul((q * scale).view(B, Hk, g, D), k.transpose(-1, -2))  # (B, Hk, g, S)
-    if lengths is not None:
-        pad = torch.arange(S, device=q.device)[None, :] >= lengths[:, None]  # (B, S)
-        scores.masked_fill_(pad[:, None, None, :], NEG_INF)
+    if soft_cap is not None:
+        scores = soft_capped(scores, soft_cap)
+    if lengths is not None or window is not None:
+        ends = lengths if lengths is not None else torch.full((B,), S, device=q.device)
+        keys = torch.arange(S, device=q.device)[None, :]
+        hidden = keys >= ends[:, None]  # (B, S)
+        if window is not None:
+            hidden |= keys < ends[:, None] - window
+        scores.masked_fill_(hidden[:, None, None, :], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, Hk, g, 1)
     probs = torch.exp(scores.sub_(lse.nan_to_num(neginf=0.0)))  # an empty row: exp(-inf) = 0, not NaN
     out = torch.matmul(probs, v)  # (B, Hk, g, Dv)
     return out.view(B, H, v.shape[-1]), lse.view(B, H)
+
+
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` (Gemma 2's attention logits), or the logits (cap None)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def concat_slots(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
