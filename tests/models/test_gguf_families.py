@@ -11,8 +11,9 @@ at F32 and Q8_0, against transformers on the checkpoint itself:
   rounding tests/models/test_quantized_gguf.py bounds;
 - two ranks (PCP) give the bits of one; P = D = 2 (DCP) its tokens, logprobs within DCP's bound.
 
-Mistral v0.3 (a llama file to llama.cpp) runs from either as Llama does; v0.1's sliding window,
-and architectures or GGUF tensor types ctxpar does not read, are refused naming them.
+Mistral v0.3 (a llama file to llama.cpp) runs from either as Llama does (v0.1's sliding window:
+tests/models/test_sliding_window.py); architectures or GGUF tensor types ctxpar does not read are
+refused naming them.
 """
 
 from __future__ import annotations
@@ -182,18 +183,6 @@ def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) 
     another summation order (README, "The same bits whatever else runs"): the same tokens,
     logprobs within DCP_TOL (tests/engine/test_same_bits.py's bound)."""
     assert_ranks_give_the_bits_of_one(str(families[name][1]["f32"]))
-
-
-def test_mistral_v0_1s_window_is_refused(families, tmp_path: Path) -> None:
-    from transformers import MistralConfig
-
-    from helpers.models import save_tiny_model
-
-    v03 = families["mistral"][0]
-    assert _read_config(v03, v03).architectures == ("MistralForCausalLM",)  # run by the Llama model (above)
-    v01 = save_tiny_model(MistralConfig(**COMMON, sliding_window=4096), tmp_path / "mistral-v0.1")
-    with pytest.raises(CtxparError, match=r"mistral model with sliding-window attention \(sliding_window=4096"):
-        load_model(str(v01), torch.float32, torch.device("cpu"))
 
 
 def write_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
