@@ -269,6 +269,8 @@ class ModelArgs:
             }
         if self.model_type == "qwen2_moe":  # its config states it (its class defaults it to True)
             out["qkv_bias"] = self.qkv_bias
+        if self.is_mla:  # stated where None: DeepSeek's classes default a low-rank query (V2-Lite has none)
+            out["q_lora_rank"] = self.q_lora_rank
         return out
 
 

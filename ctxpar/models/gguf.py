@@ -48,11 +48,14 @@ from ctxpar.layers.quant_linear import MappedBlocks
 from ctxpar.model_args import ModelArgs
 from ctxpar.models.gguf_config import FUSED_GATE_UP, GEMMA, PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
+from ctxpar.models.gguf_mla import joined_kv_b
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
 FORMAT_VERSION = 2  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
 
+# Architectures whose GGUF config transformers does not read (its tokenizer it does).
+_TOKENIZER_ONLY = ("deepseek2",)
 # Read into the model's description (models/gguf_config.py), not a weight.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -74,7 +77,23 @@ _LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # MLA (deepseek2): the query's low-rank step (or attn_q), the latent and its norm, the key and
+    # value up-projections (split in two by the converter: models/gguf_mla.py joins them).
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction",  # V3's router bias (.bias: e_score_correction_bias)
 }
+# DeepSeek's checkpoint names where they differ from Qwen-MoE's.
+_MLA_RENAMES = (
+    (".mlp.shared_expert.", ".mlp.shared_experts."),
+    (".e_score_correction.bias", ".e_score_correction_bias"),
+)
 # Gemma's norms on each side of attention and MLP (its ffn_norm the one before the MLP).
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -155,7 +174,7 @@ def _convert_to_temporary(path: Path, with_weights: bool) -> Path:
 def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
     """Write config.json and the tokenizer of GGUF `path` into out_dir, and with
     ``with_weights`` model.safetensors (fp32, Hugging Face names)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
@@ -171,7 +190,12 @@ def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
         del tensors
     (out_dir / "config.json").write_text(json.dumps(config.to_config_json(), indent=2))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # AutoTokenizer reads the file's config first, which transformers does not for deepseek2;
+        # the tokenizer itself it builds from the file's vocabulary whatever the architecture.
+        auto = reader.metadata.get("general.architecture") not in _TOKENIZER_ONLY
+        tokenizer = (AutoTokenizer if auto else PreTrainedTokenizerFast).from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
     except Exception as e:
         raise CtxparError(f"cannot build the tokenizer of GGUF file {path}: {e}") from e
     tokenizer.save_pretrained(out_dir)
@@ -220,6 +244,23 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_weights(
+    reader: GGUFFile, config: ModelArgs, path: Path, keep_quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
+    """``_tensors``, a DeepSeek file's (MLA) under its checkpoint's names, its key and value
+    up-projections joined as the checkpoint has them."""
+    weights = _tensors(reader, config, path, keep_quantized)
+    if not config.is_mla:
+        return weights
+    return joined_kv_b((_renamed(name), w) for name, w in weights)
+
+
+def _renamed(name: str) -> str:
+    for old, new in _MLA_RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def _tensors(
     reader: GGUFFile, config: ModelArgs, path: Path, keep_quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
     """Every tensor of the GGUF under its HF name, Q and K rows un-permuted (a ``llama``

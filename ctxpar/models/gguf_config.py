@@ -16,6 +16,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.model_args import ModelArgs, RopeScaling
 from ctxpar.models.gguf_file import GGUFFile
+from ctxpar.models.gguf_mla import mla_fields, yarn_rope
 
 # general.architecture -> (model_type, Hugging Face architecture): the families ctxpar runs from GGUF.
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("phi3", "Phi3ForCausalLM"),  # Phi-3 (fused QKV and gate|up; longrope refused)
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),  # Gemma 2 (soft-caps, every other layer windowed)
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # Gemma 3's text model (q/k norm, two rope bases)
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # DeepSeek-V2/V3 (MLA; V3 by its router: gguf_mla.py)
 }
 # Gemma: a norm on each side of attention and MLP (ffn_norm the one before the MLP), each norm's
 # factor 1 + w in the file (the converter adds 1 to the checkpoint's w), and llama.cpp's settings
@@ -41,8 +43,9 @@ GEMMA_SLIDING_THETA = 10000.0
 # The architectures whose ffn_up tensor is gate|up fused (Hugging Face's gate_up_proj).
 FUSED_GATE_UP = ("phi3",)
 # The MoE architectures, each with whether its chosen experts' weights are renormalised to sum
-# to 1 where the file does not say ({arch}.expert_weights_norm): llama.cpp's choice for each
-# (the converter writes no norm_topk_prob; Qwen3-MoE's checkpoints set it, Qwen2-MoE's do not).
+# to 1: llama.cpp's choice for each, fixed in its graph (src/models/qwen2moe.cpp, qwen3moe.cpp),
+# which reads no {arch}.expert_weights_norm (the converter writes none for them; Qwen3-MoE's
+# checkpoints set norm_topk_prob, Qwen2-MoE's do not).
 MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # The architectures whose Q and K rows llama.cpp's converter permutes for its rope (LlamaModel's
 # permute); the others (Qwen) keep Hugging Face's row order.
@@ -90,6 +93,10 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     names = {t.name for t in reader.tensors}
     moe = _experts(meta, arch, get, names, layers) if arch in MOE_NORM_TOPK else {}
     gemma = _gemma(meta, arch, hidden // heads if layers == GEMMA_27B_LAYERS.get(arch) else head_dim)
+    kv_heads = get("attention.head_count_kv", heads)
+    if arch == "deepseek2":  # V2 or V3; a head's rope part; the query heads' count (llama.cpp writes 1)
+        (model_type, hf_arch, head_dim), moe = mla_fields(meta, names, path)
+        kv_heads = heads
     try:
         return ModelArgs(
             model_type=model_type,
@@ -99,7 +106,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             intermediate_size=get("feed_forward_length"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=get("attention.head_count_kv", heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=get("context_length"),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -128,7 +135,7 @@ def _experts(meta: dict[str, Any], arch: str, get: Any, names: set[str], layers:
         num_experts_per_tok=get("expert_used_count"),
         moe_intermediate_size=get("expert_feed_forward_length"),
         shared_expert_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length"),
-        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", MOE_NORM_TOPK[arch])),
+        norm_topk_prob=MOE_NORM_TOPK[arch],
         decoder_sparse_step=1,
         mlp_only_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names),
     )
@@ -172,6 +179,8 @@ def _rope(reader: GGUFFile, arch: str, head_dim: int, path: Path) -> RopeScaling
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":  # Gemma 3 4B-27B's global layers
         return RopeScaling(rope_type="linear", rope_theta=theta, factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    if scaling == "yarn" and arch == "deepseek2":
+        return yarn_rope(meta, theta)
     if scaling != "none":
         raise CtxparError(
             f"GGUF file {path} scales its rope by {scaling!r}, which ctxpar reads only from Hugging Face "
