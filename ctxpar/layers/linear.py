@@ -64,6 +64,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, (QuantWeight, QuantParts)):
         return quant_linear(x, weight, bias)
     if isinstance(weight, PanelWeight):
+        if weight.data.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            # A GGUF's BF16 weights in a float32 model: the weight the file's bits, x rounded to
+            # bf16 (as block-quantized weights round it to int8), the sums and the result float32.
+            return panels.linear_packed(x.to(torch.bfloat16), weight.data, weight.out_features, bias)
         return panels.linear_packed(x, weight.data, weight.out_features, bias, out_dtype=x.dtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -74,7 +78,7 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch
     """The rows ``ids`` (n,) of an embedding table (plain or quantized) -> (n, dim) in dtype."""
     if isinstance(table, QuantWeight):
         return quant_embedding(ids, table).to(dtype)
-    return F.embedding(ids, table)
+    return F.embedding(ids, table).to(dtype)  # a GGUF's BF16 table in a float32 model: its rows as floats
 
 
 # Rows of a step through a model's MLP at a time where its products are row-invariant: a long

@@ -1,12 +1,11 @@
-"""GGUF quantized blocks decoded into one form: integers, a scale per group, an offset per 32.
+"""GGUF quantized blocks decoded into one form: integers, a scale per group, an offset per 16 or 32.
 
 Every block format ctxpar keeps quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the
-K-quants Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS) stores a weight as
+K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL, IQ4_XS) stores a weight as
 ``scale * q + offset`` for a small integer q, with one scale per group of 16
-or 32 weights and one offset (or none) per 32. IQ4_NL and IQ4_XS store a
-4-bit index into a 16-entry codebook of integers in -127..113 (``IQ4_VALUES``):
-q is the codebook's integer, an int8, exact. Q2_K is not among them: its
-minimum is one per 16 weights, an offset the kernels (one per 32) cannot hold.
+or 32 weights and one offset (or none) per 32, or per 16 (Q2_K's minimum).
+IQ4_NL and IQ4_XS store a 4-bit index into a 16-entry codebook of integers in
+-127..113 (``IQ4_VALUES``): q is the codebook's integer, an int8, exact.
 ``decode`` turns a tensor's raw bytes into exactly that: q (int8), the scales
 and the offsets as float32, computed the way llama.cpp's (and the gguf package's) dequantizers compute them, so
 ``dequantize`` (``scale * q`` then ``+ offset``, rounded once each, as they do)
@@ -36,8 +35,8 @@ class Format:
     nbytes: int  # bytes per block
     bits: int  # q fits in an unsigned `bits`-bit integer once `zero` is added back
     zero: int  # q as decoded = stored integer - zero (signed for Q8_0, Q4_0, Q5_0, Q6_K)
-    group: int  # weights per scale (16 for Q6_K, else 32)
-    has_offset: bool
+    group: int  # weights per scale (16 for Q2_K, Q3_K, Q6_K, else 32)
+    has_offset: bool  # an offset per 32 weights, or per group of 16 where the group is 16 (Q2_K)
 
 
 FORMATS: dict[str, Format] = {
@@ -50,6 +49,7 @@ FORMATS: dict[str, Format] = {
     "Q5_K": Format("Q5_K", QK_K, 176, 5, 0, 32, True),
     "Q6_K": Format("Q6_K", QK_K, 210, 6, 32, 16, False),
     "Q3_K": Format("Q3_K", QK_K, 110, 3, 4, 16, False),
+    "Q2_K": Format("Q2_K", QK_K, 84, 2, 0, 16, True),
     "IQ4_NL": Format("IQ4_NL", 32, 18, 8, 128, 32, False),  # q a codebook integer, -127..113
     "IQ4_XS": Format("IQ4_XS", QK_K, 136, 8, 128, 32, False),
 }
@@ -64,8 +64,9 @@ class Decoded:
 
     q: np.ndarray  # (rows, cols) int8
     scales: np.ndarray  # (rows, cols // group) float32
-    offsets: np.ndarray | None  # (rows, cols // 32) float32, or None (all zero)
+    offsets: np.ndarray | None  # (rows, cols // offset_group) float32, or None (all zero)
     group: int  # weights per scale: 16 or 32
+    offset_group: int = 32  # weights per offset: 32, or 16 (Q2_K's minimum per group)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -116,7 +117,8 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
 
 
 def _decode_blocks(fmt: Format, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(n, nbytes) blocks -> q (n, block) int, scales (n, block/group), offsets (n, block/32) or None."""
+    """(n, nbytes) blocks -> q (n, block) int, scales (n, block/group), offsets (n, block/32 or
+    block/16) or None."""
     n = b.shape[0]
     if fmt.name == "Q8_0":
         return b[:, 2:].view(np.int8), _f16(b[:, :2]), None
@@ -152,6 +154,10 @@ def _decode_blocks(fmt: Format, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
         high = _high_bits(b[:, :32], 8, 32)
         q = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
         return q, _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108]).astype(np.float32), None
+    if fmt.name == "Q2_K":  # scales 16 (a group's scale in the low nibble, its min in the high), qs 64, d, dmin
+        q = ((b[:, 16:80].reshape(n, -1, 1, 32) >> _shifts_2(4)) & np.uint8(3)).reshape(n, -1)  # Q3_K's low bits
+        sc, d, dmin = b[:, :16], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+        return q, d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
     if fmt.name == "IQ4_NL":  # d, then 16 bytes of indices as Q4_0's nibbles
         return IQ4_VALUES[_nibbles(b[:, 2:], 32)], _f16(b[:, :2]), None
     if fmt.name == "IQ4_XS":  # d, scales_h (2 bits a sub-block), scales_l (a nibble a sub-block), 8 x 16 bytes
@@ -175,6 +181,7 @@ def decode(raw: np.ndarray, fmt_name: str, cols: int) -> Decoded:
         scales=np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, cols // fmt.group),
         offsets=None if offsets is None else np.ascontiguousarray(offsets, dtype=np.float32).reshape(rows, -1),
         group=fmt.group,
+        offset_group=fmt.group if fmt.has_offset else 32,
     )
 
 
@@ -199,5 +206,5 @@ def dequantize(d: Decoded) -> np.ndarray:
     w = d.q.astype(np.float32).reshape(rows, -1, d.group) * d.scales[:, :, None]
     w = w.reshape(rows, cols)
     if d.offsets is not None:
-        w = (w.reshape(rows, -1, 32) + d.offsets[:, :, None]).reshape(rows, cols)
+        w = (w.reshape(rows, -1, d.offset_group) + d.offsets[:, :, None]).reshape(rows, cols)
     return w

@@ -13,6 +13,16 @@ and 6-bit formats widen to 8 bits, and so do IQ4_NL's and IQ4_XS's codebook
 integers (-127..113). Q4_0 read from a file keeps its own form, scale * (q - 8) with q a
 nibble (``zero`` 8): its scales are the file's halves, and no offsets are stored.
 
+Q2_K's minimum is an offset per 16 weights, where the kernels take one per block
+of 32 (with the block's sum of activation codes): its weight is ``spread``, each
+group of 16 at the head of a block of 32 whose last 16 integers are zero, and
+``quant_linear`` spreads the activations alike (each 16 followed by 16 zeros),
+so that a block's offset meets its own 16 codes. The weights stay exactly the
+file's; a block's activations are rounded to int8 over its 16, a finer step
+than other formats' 32. Resident: a nibble a slot (1 byte a weight, half of it
+zeros) and a float32 scale and offset per 16, 1.5 bytes a weight (the file's
+2.625 bits; float32, 4 bytes).
+
 A GGUF file's Q4_0, Q4_1 and Q8_0 blocks are that form already, fields
 interleaved a block apart (d, [m,] q): ``QuantWeight.in_place`` takes them
 where the file's memory map holds them, as strided views (the page cache's
@@ -42,7 +52,7 @@ import torch.nn.functional as F
 
 from ctxpar import kernels
 from ctxpar.kernels import quant
-from ctxpar.layers.quant_blocks import FORMATS, Decoded, decode
+from ctxpar.layers.quant_blocks import FORMATS, Decoded, decode, dequantize
 
 # The fields of the GGUF blocks kept as they are: a half scale d, Q4_1's half minimum m,
 # and the integers q (16 bytes of nibbles, or 32 int8).
@@ -51,6 +61,8 @@ BLOCK_FIELDS = {
     "Q4_1": [("d", "<f2"), ("m", "<f2"), ("q", "V16")],
     "Q8_0": [("d", "<f2"), ("q", "V32")],
 }
+# A GGUF's bfloat16 weights, kept as the file's bits (``MappedBlocks.bf16``) for the bf16 kernels.
+BF16 = "BF16"
 TILE_ROWS = 512  # weight rows dequantized at a time where the kernels do not run: 512 x 1536 floats = 3 MiB
 
 # Allocates a weight's tensor of (shape, dtype): torch.empty's memory, or a loader's (a HugeArena's).
@@ -76,12 +88,13 @@ class QuantWeight:
     group: int  # 16 or 32
     zero: int = 0  # 8: Q4_0's nibbles (bits 4, group 32, no offsets)
     mapped: bool = False  # views of a file's memory map: read where they lie, never copied
+    spread: bool = False  # each 16 weights at the head of a block of 32 (Q2_K: see the module)
     kernel_parts: ctypes.Array = field(init=False, repr=False, compare=False)  # the kernels' view: one QuantPart
 
     def __post_init__(self) -> None:
         # The kernel reads these through raw pointers: their layout is checked here, once
         # (a real check, not an assert: ``python -O`` would remove that).
-        rows, cols, block = self.out_features, self.in_features, 32 * self.bits // 8
+        rows, cols, block = self.out_features, self.kernel_in, 32 * self.bits // 8
         off = self.offsets
         q_ok = self.qs.stride(-1) == 1 and (self.qs.dim() == 2 or self.qs.shape[1:] == (cols // 32, block))
         layout_ok = (
@@ -115,8 +128,13 @@ class QuantWeight:
         return self.qs.shape[0]
 
     @property
-    def in_features(self) -> int:
+    def kernel_in(self) -> int:
+        """Weights a row as the kernels read it: twice ``in_features`` where ``spread``."""
         return self.qs.shape[1] * 32 if self.qs.dim() == 3 else self.qs.shape[1] * 8 // self.bits
+
+    @property
+    def in_features(self) -> int:
+        return self.kernel_in // 2 if self.spread else self.kernel_in
 
     @property
     def half(self) -> bool:
@@ -137,7 +155,10 @@ class QuantWeight:
     def from_decoded(cls, d: Decoded, bits: int | None = None) -> QuantWeight:
         """The kernel's layout of ``d``: 4 bits where every q is a nibble and groups are
         32 (or ``bits`` to force 8, e.g. to join a weight whose rows are 8-bit); offsets
-        of exactly -8 scales (Q4_0) as ``zero`` 8, which the kernels take in integers."""
+        of exactly -8 scales (Q4_0) as ``zero`` 8, which the kernels take in integers;
+        offsets per 16 (Q2_K) ``spread``."""
+        if d.offset_group == 16:
+            return _spread_weight(d, bits)
         rows, cols = d.q.shape
         if bits is None:
             bits = 4 if d.group == 32 and d.q.min(initial=0) >= 0 and d.q.max(initial=0) <= 15 else 8
@@ -213,6 +234,17 @@ class QuantWeight:
 
     def decoded(self) -> Decoded:
         """Back to ``Decoded`` (the inverse of ``from_decoded``)."""
+        d = self.stored()
+        if not self.spread:
+            return d
+        rows, slots = d.q.shape  # each block of 32 slots: a group's 16 weights, then 16 zeros
+        q = np.ascontiguousarray(d.q.reshape(rows, -1, 2, 16)[:, :, 0]).reshape(rows, slots // 2)
+        scales = np.ascontiguousarray(d.scales.reshape(rows, slots // 32, -1)[:, :, 0])
+        return Decoded(q, scales, d.offsets, 16, offset_group=16)
+
+    def stored(self) -> Decoded:
+        """``Decoded`` of the integers, scales and offsets as stored (a ``spread`` weight's
+        kernel_in slots a row)."""
         qs = self.qs.reshape(self.out_features, -1).numpy()
         if self.bits == 4:
             rows = qs.shape[0]
@@ -231,16 +263,12 @@ class QuantWeight:
     def dequantize(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows [first, end) as float32 (end - first, in)."""
         end = self.out_features if end is None else end
-        if kernels.available():
-            return quant.quant_dequantize(
-                self.kernel_parts[0], self.in_features, self.bits, self.group, self.half, first, end - first, self.zero
-            )
-        d = self.rows(first, end).decoded()
-        w = torch.from_numpy(d.q).float().view(end - first, -1, d.group) * torch.from_numpy(d.scales)[:, :, None]
-        w = w.view(end - first, -1)
-        if d.offsets is not None:
-            w = (w.view(end - first, -1, 32) + torch.from_numpy(d.offsets)[:, :, None]).view(end - first, -1)
-        return w
+        if not kernels.available():
+            return torch.from_numpy(dequantize(self.rows(first, end).decoded()))
+        w = quant.quant_dequantize(
+            self.kernel_parts[0], self.kernel_in, self.bits, self.group, self.half, first, end - first, self.zero
+        )
+        return w.view(end - first, -1, 2, 16)[:, :, 0].reshape(end - first, -1) if self.spread else w
 
 
 def copy_on_threads(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -271,7 +299,7 @@ class MappedBlocks:
     other parts), where laying each out first would write every byte twice."""
 
     raw: np.ndarray  # (..., bytes a row) uint8 of the map: leading axes, flattened in order, are the rows
-    fmt: str  # its block format (layers/quant_blocks.py)
+    fmt: str  # its block format (layers/quant_blocks.py), or BF16
     cols: int  # weights a row
     empty: Empty  # allocates the joined weight's tensors
     release: Callable[[], None]  # drops the map's pages once copied (the page cache keeps them)
@@ -299,9 +327,17 @@ class MappedBlocks:
         self.release()
         return w
 
+    def bf16(self) -> torch.Tensor:
+        """A BF16 tensor's rows (out, in) as the file's bfloat16 bits, in memory ``empty``
+        allocates; its pages released."""
+        w = self.empty(self.shape, torch.bfloat16)
+        np.copyto(w.view(torch.uint8).numpy(), self.raw.reshape(self.out_features, -1))
+        self.release()
+        return w
+
     def dequantize(self) -> torch.Tensor:
         """(out, in) float32 (where a fused weight's other rows came as floats)."""
-        return self.laid_out().dequantize()
+        return self.bf16().float() if self.fmt == BF16 else self.laid_out().dequantize()
 
 
 @dataclass
@@ -316,7 +352,7 @@ class QuantParts:
 
     def __post_init__(self) -> None:
         first = self.parts[0]
-        form = lambda w: (w.bits, w.group, w.zero, w.half, w.in_features, w.offsets is None)  # noqa: E731
+        form = lambda w: (w.bits, w.group, w.zero, w.half, w.in_features, w.offsets is None, w.spread)  # noqa: E731
         if any(form(w) != form(first) for w in self.parts):
             raise ValueError(f"QuantParts: parts of different forms {[form(w) for w in self.parts]}")
         self.kernel_parts = (quant.QuantPart * len(self.parts))(*(w.kernel_parts[0] for w in self.parts))
@@ -328,6 +364,7 @@ class QuantParts:
     group = property(lambda self: self.parts[0].group)
     zero = property(lambda self: self.parts[0].zero)
     half = property(lambda self: self.parts[0].half)
+    spread = property(lambda self: self.parts[0].spread)
     in_features = property(lambda self: self.parts[0].in_features)
 
     @property
@@ -356,14 +393,19 @@ class QuantParts:
 Quantized = QuantWeight | QuantParts
 
 
-def join(parts: list[QuantWeight | MappedBlocks]) -> Quantized:
+def join(parts: list[QuantWeight | MappedBlocks]) -> Quantized | torch.Tensor:
     """The parts' rows one after another as one weight (a fused QKV or gate|up
     projection, or one part alone). Mapped parts of one format with fields
     (``has_fields``) stay where the map holds them (``QuantWeight.in_place``), a
     ``QuantParts`` where several; those whose rows the map does not hold in order
     (Q and K, un-permuted) are copied out (``from_fields``, into memory the part's
-    ``empty`` allocates). Others are laid out each, then concatenated (``concat``)."""
+    ``empty`` allocates). Others are laid out each, then concatenated (``concat``).
+    BF16 parts give a bfloat16 tensor, the file's bits (float32 where a part is not BF16)."""
     first = parts[0]
+    if any(isinstance(p, MappedBlocks) and p.fmt == BF16 for p in parts):
+        kept = all(isinstance(p, MappedBlocks) and p.fmt == BF16 for p in parts)
+        rows = [p.bf16() if kept and isinstance(p, MappedBlocks) else p.dequantize() for p in parts]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
     if isinstance(first, MappedBlocks) and has_fields(first.fmt, first.cols):
         same = [p for p in parts if isinstance(p, MappedBlocks) and (p.fmt, p.cols) == (first.fmt, first.cols)]
         if len(same) == len(parts):
@@ -375,9 +417,11 @@ def join(parts: list[QuantWeight | MappedBlocks]) -> Quantized:
 
 def concat(parts: list[QuantWeight]) -> QuantWeight:
     """The weights' rows one after another (a fused QKV or gate|up projection).
-    Parts of different layouts meet in the widest: 8 bits, the finer group, no zero
-    unless every part has it; each weight's value is unchanged (a nibble is an int8,
-    a scale repeats)."""
+    Parts of different layouts meet in the widest: spread if one is (Q2_K), 8 bits,
+    the finer group, no zero unless every part has it; each weight's value is
+    unchanged (a nibble is an int8, a scale repeats)."""
+    if any(p.spread for p in parts):
+        parts = [p if p.spread else _spread_weight(p.decoded()) for p in parts]
     zero = parts[0].zero if all(p.zero == parts[0].zero for p in parts) else 0
     bits = 8 if any(p.zero != zero for p in parts) else max(p.bits for p in parts)
     group = min(p.group for p in parts)
@@ -386,21 +430,40 @@ def concat(parts: list[QuantWeight]) -> QuantWeight:
     dtype = torch.float16 if all(p.scales.dtype == torch.float16 for p in widened) else torch.float32
 
     def offsets(p: QuantWeight) -> torch.Tensor:
-        zeros = torch.zeros(p.out_features, p.in_features // 32, dtype=dtype)
+        zeros = torch.zeros(p.out_features, p.kernel_in // 32, dtype=dtype)
         return zeros if p.offsets is None else p.offsets.to(dtype)
 
     joined = torch.cat([offsets(p) for p in widened]) if any(p.offsets is not None for p in widened) else None
-    return QuantWeight(
-        torch.cat([p.qs for p in widened]), torch.cat([p.scales.to(dtype) for p in widened]), joined, bits, group, zero
-    )
+    qs, scales = torch.cat([p.qs for p in widened]), torch.cat([p.scales.to(dtype) for p in widened])
+    return QuantWeight(qs, scales, joined, bits, group, zero, spread=parts[0].spread)
 
 
 def _widen(p: QuantWeight, bits: int, group: int, zero: int) -> QuantWeight:
     if p.bits == bits and p.group == group and p.zero == zero:
         return p
-    d = p.decoded()
+    d = p.stored()  # a spread weight's slots as they are: widened slot by slot
     scales = np.repeat(d.scales, d.group // group, axis=1)
-    return QuantWeight.from_decoded(Decoded(d.q, scales, d.offsets, group), bits)
+    return replace(QuantWeight.from_decoded(Decoded(d.q, scales, d.offsets, group), bits), spread=p.spread)
+
+
+def _spread_weight(d: Decoded, bits: int | None = None) -> QuantWeight:
+    """``d``'s weights ``spread``: each group of 16 at the head of a block of 32 slots whose
+    last 16 are zero, its scale and offset the block's (group 32)."""
+    rows, cols = d.q.shape
+    q = np.zeros((rows, cols // 16, 2, 16), np.int8)
+    q[:, :, 0] = d.q.reshape(rows, -1, 16)
+    per_16 = lambda f, group: np.repeat(f, group // 16, axis=1)  # noqa: E731
+    offsets = None if d.offsets is None else per_16(d.offsets, d.offset_group)
+    slots = Decoded(q.reshape(rows, 2 * cols), per_16(d.scales, d.group), offsets, 32)
+    return replace(QuantWeight.from_decoded(slots, bits), spread=True)
+
+
+def spread_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (n, in) as a ``spread`` weight's kernel reads it: (n, 2 in), each 16 followed by 16 zeros."""
+    n, cols = x.shape
+    out = x.new_zeros(n, cols // 16, 2, 16)
+    out[:, :, 0] = x.reshape(n, cols // 16, 16)
+    return out.view(n, 2 * cols)
 
 
 def quant_linear(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,7 +474,8 @@ def quant_linear(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None
     if x.device.type == "cpu" and kernels.available():
         if x.shape[1] != w.in_features:
             raise ValueError(f"quant_linear: x has {x.shape[1]} features, the weight {w.in_features}")
-        out = quant.quant_linear(x, w.kernel_parts, w.out_features, w.bits, w.group, w.half, w.zero, bias)
+        xk = spread_activations(x) if w.spread else x
+        out = quant.quant_linear(xk, w.kernel_parts, w.out_features, w.bits, w.group, w.half, w.zero, bias)
     else:
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
         for first in range(0, w.out_features, TILE_ROWS):
@@ -424,5 +488,4 @@ def quant_linear(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None
 def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The rows ``ids`` (n,) of w, dequantized: (n, in) float32 (a quantized embedding table)."""
     off = None if w.offsets is None else w.offsets[ids]
-    sub = QuantWeight(w.qs[ids], w.scales[ids], off, w.bits, w.group, w.zero)
-    return sub.dequantize()
+    return replace(w, qs=w.qs[ids], scales=w.scales[ids], offsets=off, mapped=False).dequantize()

@@ -41,10 +41,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctxpar import kernels
 from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
-from ctxpar.layers.quant_linear import MappedBlocks
+from ctxpar.layers.quant_linear import BF16, MappedBlocks
 from ctxpar.model_args import ModelArgs
 from ctxpar.models.gguf_config import FUSED_GATE_UP, GEMMA, PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
@@ -266,7 +267,8 @@ def _tensors(
     """Every tensor of the GGUF under its HF name, Q and K rows un-permuted (a ``llama``
     file's: models/gguf_config.py's PERMUTED_QK), the rope_freqs left out, read
     from the file's memory map one at a time. ``keep_quantized``: the 2-D tensors
-    in a block format of layers/quant_blocks.py as their blocks in the map
+    in a block format of layers/quant_blocks.py, or BF16 where ctxpar's kernels run (their bf16
+    panels multiply the file's bits), as their blocks in the map
     (``MappedBlocks``, a row permutation a view that moves whole rows of blocks),
     to be placed by the model's ``join`` (in the map, or copied onto huge pages:
     kernels/huge_pages.py's ``HugeArena``); otherwise, and for the rest (norms;
@@ -299,7 +301,7 @@ def _tensors(
             name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         kind = t.kind.name
         n_head = next((n for key, n in heads.items() if key in name), None) if permuted else None
-        if keep_quantized and kind in FORMATS and len(t.shape) == 2:
+        if keep_quantized and (kind in FORMATS or (kind == BF16 and kernels.available())) and len(t.shape) == 2:
             raw = t.data if n_head is None else unpermuted_rows(t.data, n_head)
             yield name, MappedBlocks(raw, kind, int(t.shape[0]), arena.empty, partial(reader.release, t))
             continue

@@ -52,7 +52,7 @@ MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 PERMUTED_QK = ("llama",)
 # Tensor types read: the block formats kept quantized (layers/quant_blocks.py), and those
 # dequantized to float when loading (gguf-py's reference decoders).
-DEQUANTIZED = ("F32", "F16", "BF16", "Q2_K")
+DEQUANTIZED = ("F32", "F16", "BF16")
 TENSOR_TYPES = (*FORMATS, *DEQUANTIZED)
 # Llama 3.x's llama3 rope: its low and high frequency factors, and the context it was trained at.
 LLAMA3_FREQ_FACTORS = (1.0, 4.0)

@@ -54,7 +54,7 @@ def test_kernel_layout_keeps_every_weight(name: str) -> None:
     raw = random_blocks(name, 9, 768, rng)
     decoded = decode(raw, name, 768)
     w = QuantWeight.from_decoded(decoded)
-    assert w.bits == (4 if FORMATS[name].bits == 4 else 8) and w.shape == (9, 768)
+    assert w.bits == (4 if FORMATS[name].bits in (2, 4) else 8) and w.shape == (9, 768)  # Q2_K's as nibbles
     assert np.array_equal(w.decoded().q.astype(np.int16) + w.zero, decoded.q)
     want = torch.from_numpy(reference(raw, name).reshape(9, 768))
     assert torch.equal(w.dequantize(), want)
@@ -109,23 +109,24 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     return request.param
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """x (n, in) float32 as the kernel sees it: per block of 32, d = max|x| / 127 and
-    q = round-half-even(x * (1 / d)) in float32; returns d * q in float64."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+def quantized_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x (n, in) float32 as the kernel sees it: per block of 32 (16 against a ``spread``
+    weight, Q2_K's), d = max|x| / 127 and q = round-half-even(x * (1 / d)) in float32;
+    returns d * q in float64."""
+    blocks = x.reshape(x.shape[0], -1, block)
     d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv)
     return (d.astype(np.float64) * q).reshape(x.shape)
 
 
-def check(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> None:
+def check(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: np.ndarray, block: int = 32) -> None:
     """y (n, out) against x (n, in) @ w (out, in)^T + bias in float64: within float32
     summation error of the product with the kernel's activations, and within the
     activations' rounding bound of the exact product."""
     w64 = w.astype(np.float64)
-    emulated = quantized_activations(x) @ w64.T + bias
-    magnitude = np.abs(quantized_activations(x)) @ np.abs(w64).T + np.abs(bias)
+    emulated = quantized_activations(x, block) @ w64.T + bias
+    magnitude = np.abs(quantized_activations(x, block)) @ np.abs(w64).T + np.abs(bias)
     assert np.all(np.abs(y.numpy() - emulated) <= 2e-6 * magnitude + 1e-30), "kernel vs emulated activations"
     exact = x.astype(np.float64) @ w64.T + bias
     step = np.abs(x.reshape(x.shape[0], -1, 32)).max(-1) / 254.0  # (n, in/32): half a quantization step
@@ -149,7 +150,7 @@ def test_kernel_matches_float64_product(name: str, build: str) -> None:
         bias = rng.standard_normal(out).astype(np.float32)
         b = torch.from_numpy(bias)
         y = quant_linear.quant_linear(torch.from_numpy(x), w, b)
-        check(y, x, weights, bias.astype(np.float64))
+        check(y, x, weights, bias.astype(np.float64), 16 if w.spread else 32)
 
 
 def test_strided_rows() -> None:

@@ -1,4 +1,4 @@
-"""Q3_K, IQ4_NL and IQ4_XS blocks built field by field from chosen integers and scales
+"""Q2_K, Q3_K, IQ4_NL and IQ4_XS blocks built field by field from chosen integers and scales
 (ggml-common.h's layouts, written here independently of the decoders), decoded by
 layers/quant_blocks.py into the integers and scales chosen, and dequantized to the
 floats of the gguf package's dequantizer, exactly. (Random blocks of every format
@@ -8,13 +8,14 @@ and test_batch_invariance.py, parametrized over every kept format.)"""
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import IQ4_NL
 from gguf.quants import dequantize as gguf_dequantize
 
 from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
-from ctxpar.layers.quant_linear import QuantWeight
+from ctxpar.layers.quant_linear import QuantWeight, concat, quant_linear
+from helpers.gguf_blocks import random_blocks
 
 KVALUES = np.array(IQ4_NL.kvalues, dtype=np.int8)  # the gguf package's codebook
 
@@ -79,9 +80,59 @@ def test_q3_k_super_block() -> None:
     check(raw, "Q3_K", q, np.float32(-0.25) * (sc - 32).astype(np.float32))
 
 
-def test_q2_k_is_not_a_kept_format() -> None:
-    """Q2_K's minimum is one per 16 weights, an offset no kernel layout holds (one per 32):
-    it is not decoded into one (models/gguf.py dequantizes it to float32 instead)."""
-    assert "Q2_K" not in FORMATS
-    with pytest.raises(KeyError):
-        decode(np.zeros((1, 84), np.uint8), "Q2_K", 256)
+def q2_k_block(q: np.ndarray, sc: np.ndarray, m: np.ndarray, d: float, dmin: float) -> np.ndarray:
+    """Q2_K's 84 bytes: scales[16] (a group's scale in the low nibble, its min in the high),
+    qs[64] (weight 128 h + 32 s + lane in bits 2s, 2s + 1 of qs[32 h + lane]), d, dmin."""
+    qs = np.zeros(64, np.uint8)
+    for i in range(256):
+        h, s, lane = i // 128, (i % 128) // 32, i % 32
+        qs[32 * h + lane] |= q[i] << (2 * s)
+    return np.concatenate([(sc | (m << 4)).astype(np.uint8), qs, half(d), half(dmin)])
+
+
+def test_q2_k_super_block() -> None:
+    """Q2_K: weight = d sc q - dmin m, a scale and a minimum per 16: decoded into q, the
+    scales d sc and offsets -dmin m per 16, gguf's floats exactly, in the kernel's layout
+    too (``spread``: 4-bit slots, each 16 weights at the head of a block of 32)."""
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 4, 256)
+    sc, m = rng.integers(0, 16, 16), rng.integers(0, 16, 16)
+    sc[:2], m[:2] = (0, 15), (15, 0)  # the nibbles' ends
+    d, dmin = np.float32(np.float16(0.0377)), np.float32(np.float16(-0.0113))  # a negative dmin: kept as it is
+    raw = q2_k_block(q, sc, m, d, dmin)
+    assert raw.size == FORMATS["Q2_K"].nbytes
+    got = decode(raw.reshape(1, -1), "Q2_K", 256)
+    scales, offsets = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    assert np.array_equal(got.q[0], q) and (got.group, got.offset_group) == (16, 16)
+    assert np.array_equal(got.scales[0], scales) and got.offsets is not None
+    assert np.array_equal(got.offsets[0], offsets)
+    want = gguf_dequantize(raw.reshape(1, -1), GGMLQuantizationType.Q2_K).reshape(-1)
+    assert np.array_equal(dequantize(got)[0], want)
+    assert np.array_equal(want, np.repeat(scales, 16) * q.astype(np.float32) + np.repeat(offsets, 16))
+    kernel = QuantWeight.from_decoded(got)
+    assert kernel.spread and (kernel.bits, kernel.group, kernel.in_features, kernel.kernel_in) == (4, 32, 256, 512)
+    assert np.array_equal(kernel.dequantize().numpy()[0], want)
+    assert kernel.nbytes() == 256 * 1.5  # a nibble a slot (2 a weight), a float32 scale and offset per 16
+
+
+def test_q2_k_rows_fused_with_other_formats_and_alone() -> None:
+    """A fused projection of Q2_K rows and Q4_K and Q6_K rows (llama.cpp's Q2_K files mix
+    them) keeps every weight (the others spread alike), and a row's product is the same
+    bits computed alone or beside other rows, within the int8 activations' rounding
+    (per 16, half a step of max|x| / 127) of the float64 product."""
+    rng = np.random.default_rng(5)
+    raws = {n: random_blocks(n, rows, 512, rng) for n, rows in (("Q2_K", 20), ("Q4_K", 8), ("Q6_K", 5))}
+    parts = [QuantWeight.from_decoded(decode(raw, n, 512)) for n, raw in raws.items()]
+    joined = concat(parts)
+    want = np.concatenate([gguf_dequantize(raw, GGMLQuantizationType[n]).reshape(-1, 512) for n, raw in raws.items()])
+    assert joined.spread and joined.shape == (33, 512)
+    assert torch.equal(joined.dequantize(), torch.from_numpy(want))
+    x = torch.from_numpy(rng.standard_normal((21, 512)).astype(np.float32))
+    y = quant_linear(x, joined)
+    for r in (0, 7, 20):
+        assert torch.equal(quant_linear(x[r : r + 1], joined), y[r : r + 1])
+    assert torch.equal(quant_linear(x[3:19], joined), y[3:19])  # 16 rows: AMX's group where the CPU has it
+    exact = x.double().numpy() @ want.astype(np.float64).T
+    step = np.abs(x.numpy().reshape(21, -1, 16)).max(-1) / 254.0  # half a step, per 16
+    bound = step @ np.abs(want.astype(np.float64)).reshape(33, -1, 16).sum(-1).T
+    assert np.all(np.abs(y.numpy() - exact) <= bound * (1 + 1e-4) + 1e-5)

@@ -5,15 +5,17 @@ writer (ctxpar/bench/gguf_shapes.py's ``write_gguf``) in each type, its blocks
 random bytes whose fp16 scales give weights of std ~0.02. Loaded with
 ``quantization="gguf"``:
 
-- Q3_K, IQ4_NL and IQ4_XS stay quantized (layers/quant_blocks.py), each
+- Q2_K, Q3_K, IQ4_NL and IQ4_XS stay quantized (layers/quant_blocks.py), each
   projection and the embedding a ``QuantWeight`` of the layout the docs state
-  (8-bit integers; Q3_K's scales per 16, the IQ4s' per 32), whose weights are
-  exactly those of the same file loaded with ``quantization="none"`` (gguf's
-  own dequantizer, float32), and whose logits are those of that float32 model
-  within the int8 activations' rounding;
-- Q2_K, whose minimum per 16 weights no kernel layout holds, is dequantized to
-  float32 exactly (gguf's floats);
-- BF16 loads into a bfloat16 model as the file's values, bit for bit, 2 bytes a weight.
+  (8-bit integers; Q3_K's scales per 16, the IQ4s' per 32; Q2_K's 2-bit integers
+  as nibbles, spread a group of 16 to a block of 32 for its minimum per 16,
+  layers/quant_linear.py), whose weights are exactly those of the same file loaded
+  with ``quantization="none"`` (gguf's own dequantizer, float32), and whose logits
+  are those of that float32 model within the int8 activations' rounding;
+- BF16 loads into a bfloat16 model as the file's values, bit for bit, 2 bytes a weight;
+  and, from llama.cpp's converter (``--outtype bf16``), into the default float32 model as
+  well: its projections the file's bf16 bits in the bf16 kernels' panels (2 bytes a weight),
+  the activations rounded to bf16 as they meet them, against transformers on the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,11 +30,21 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ctxpar.bench import gguf_shapes
 from ctxpar.bench.gguf_shapes import Shape, write_gguf
+from ctxpar.kernels import panels
+from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.quant_linear import QuantWeight
-from ctxpar.models.gguf import gguf_weights, hf_name, open_gguf
-from ctxpar.models.gguf_config import config_from_gguf
 from ctxpar.models.loader import default_model_path, load_model
+from helpers.llama_cpp import gguf_of
 from helpers.reference import SingleSequence
+from tests.models.test_gguf_families import IDS as FAMILY_IDS
+from tests.models.test_gguf_families import (
+    QUANT_GAP,
+    QUANT_TOL,
+    assert_close_at_the_top,
+    configs,
+    peaked,
+    transformers_logprobs,
+)
 
 # name: (weights a block, bytes a block, the fp16 scales' byte offsets and values in units
 # of 0.02 / the format's typical |scale multiplier x q|).
@@ -42,7 +54,9 @@ TYPES = {
     "IQ4_XS": (256, 136, {0: 1 / (18 * 70)}),  # d (ls - 32) kvalue
     "Q2_K": (256, 84, {80: 1 / 10, 82: 1.5 / 10}),  # d sc q - dmin m: dmin 1.5 d centres it
 }
-RESIDENT_BYTES = {"Q3_K": 1 + 4 / 16, "IQ4_NL": 1 + 2 / 32, "IQ4_XS": 1 + 4 / 32}  # a weight's, after loading
+# (bits, group) of the kernel's layout, and a weight's resident bytes after loading.
+LAYOUTS = {"Q3_K": (8, 16), "IQ4_NL": (8, 32), "IQ4_XS": (8, 32), "Q2_K": (4, 32)}
+RESIDENT_BYTES = {"Q3_K": 1 + 4 / 16, "IQ4_NL": 1 + 2 / 32, "IQ4_XS": 1 + 4 / 32, "Q2_K": 1 + 8 / 16}
 SHAPE = Shape(256, 2, 4, 2, 64, 512, 10000.0, tied=False)
 
 
@@ -86,15 +100,15 @@ def logits(model, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.cat([seq.step(IDS[:20]), seq.step(IDS[20:21]), seq.step(IDS[21:22])]).float()
 
 
-@pytest.mark.parametrize("fmt", ["Q3_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_kept_quantized_and_equal_to_the_float32_model(fmt: str, written) -> None:
     path = written(fmt)
     kept = load_model(str(path), torch.float32, torch.device("cpu"), 256, quantization="gguf").model
     full = load_model(str(path), torch.float32, torch.device("cpu"), 256, quantization="none").model
-    group = 16 if fmt == "Q3_K" else 32
     for k, w in enumerate(projections(kept)):
-        assert isinstance(w, QuantWeight) and (w.bits, w.group, w.zero) == (8, group, 0), (k, type(w))
-        # Resident: an int8 a weight and a scale a group (IQ4_NL's its fp16 d, the others' float32).
+        assert isinstance(w, QuantWeight) and (w.bits, w.group, w.spread) == (*LAYOUTS[fmt], fmt == "Q2_K"), k
+        # Resident: an int8 a weight and a scale a group (IQ4_NL's its fp16 d, the others' float32);
+        # Q2_K's a nibble a slot, two slots a weight, and a float32 scale and offset per 16.
         assert w.nbytes() == w.shape[0] * w.shape[1] * RESIDENT_BYTES[fmt], (k, w.nbytes())
     # The embedding: its rows, exactly gguf's floats (the file's first tensor, token_embd).
     embd = GGUFReader(path).tensors[0]
@@ -109,19 +123,6 @@ def test_kept_quantized_and_equal_to_the_float32_model(fmt: str, written) -> Non
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
-def test_q2_k_is_dequantized_exactly(written) -> None:
-    """Every Q2_K tensor, read to be kept quantized, comes as gguf's float32 weights."""
-    path = written("Q2_K")
-    reader = open_gguf(path)
-    theirs = {t.name: t for t in GGUFReader(path).tensors}
-    got = dict(gguf_weights(reader, config_from_gguf(reader, path), path, keep_quantized=True))
-    for name in ("token_embd.weight", "output.weight", "blk.1.ffn_down.weight", "blk.0.attn_v.weight"):
-        t = theirs[name]
-        want = gguf_dequantize(np.asarray(t.data), GGMLQuantizationType.Q2_K).reshape(*reversed(t.shape.tolist()))
-        w = got[hf_name(name) or ""]
-        assert isinstance(w, torch.Tensor) and w.dtype == torch.float32 and torch.equal(w, torch.from_numpy(want))
-
-
 def test_bf16_is_held_as_the_files_bf16(written) -> None:
     path = written("BF16")
     model = load_model(str(path), torch.bfloat16, torch.device("cpu"), 256, quantization="gguf").model
@@ -130,3 +131,32 @@ def test_bf16_is_held_as_the_files_bf16(written) -> None:
     assert model.embed_tokens.dtype == torch.bfloat16
     assert torch.equal(model.embed_tokens.view(torch.int16), want.view(torch.int16))
     assert torch.isfinite(logits(model, torch.bfloat16)).all()
+
+
+def test_bf16_file_stays_bf16_in_a_float32_model(tmp_path: Path) -> None:
+    """A Llama 3 checkpoint converted by llama.cpp at --outtype bf16, loaded into the default
+    float32 model (quantization "gguf"): every projection and the lm_head are bf16 panels of the
+    file's bits (2 bytes a weight, the panels' padding aside), the embedding the file's bf16 rows;
+    its logprobs are transformers' on the checkpoint within the rounding of weights and
+    activations to bf16, and a prompt's rows are the same bits computed with more rows after them."""
+    from helpers.models import save_tiny_model
+
+    hf = peaked(save_tiny_model(configs()["llama3"], tmp_path / "llama3"))
+    path = gguf_of(hf, tmp_path, ("bf16",))["bf16"]
+    model = load_model(str(path), torch.float32, torch.device("cpu"), quantization="gguf").model
+    weights = [model.lm_head_packed]
+    for layer in model.decoder_layers:
+        weights += [layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight]
+        weights.append(layer.mlp.down_weight)
+    width = panels.panel_width()
+    for k, w in enumerate(weights):
+        assert isinstance(w, PanelWeight) and w.data.dtype == torch.bfloat16, k
+        rows = -(-w.out_features // width) * width  # whole panels
+        assert w.data.numel() * w.data.element_size() <= 2 * rows * (w.data.shape[1] * 2), k
+    embd = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    bits = torch.from_numpy(np.asarray(embd.data).view(np.int16).copy()).reshape(model.embed_tokens.shape)
+    assert model.embed_tokens.dtype == torch.bfloat16 and torch.equal(model.embed_tokens.view(torch.int16), bits)
+    got = torch.log_softmax(SingleSequence(model, 64).step(FAMILY_IDS), -1)
+    assert_close_at_the_top(got, transformers_logprobs(hf), QUANT_TOL, QUANT_GAP)
+    first = torch.log_softmax(SingleSequence(model, 64).step(FAMILY_IDS[:25]), -1)
+    assert torch.equal(first, got[:25])
