@@ -1,7 +1,10 @@
 """Phi-3 (``Phi3ForCausalLM``, GGUF ``phi3``): Q|K|V and gate|up fused in the checkpoint and in the
-file, as ctxpar's Llama model fuses them. A tiny random checkpoint, and its GGUF files written by
-llama.cpp's own converter, against transformers as tests/models/test_gguf_families.py checks the
-Llama family (its tolerances and comparison); two ranks give the bits of one.
+file, as ctxpar's Llama model fuses them, and every layer's sliding window (Phi-3-mini-4k's 2047
+keys; here WINDOW, the prompt several windows long), which llama.cpp's converter writes as
+``phi3.attention.sliding_window`` and llama.cpp applies as transformers does. A tiny random
+checkpoint, and its GGUF files written by llama.cpp's own converter, against transformers as
+tests/models/test_gguf_families.py checks the Llama family (its tolerances and comparison); two
+ranks give the bits of one, P = D = 2 its tokens.
 
 The longrope rope (short and long factors: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) is refused,
 from a directory and from a file, naming it.
@@ -18,33 +21,34 @@ import numpy as np
 import pytest
 import torch
 
-from ctxpar import LLM, SamplingParams
 from ctxpar.errors import CtxparError
 from ctxpar.models.loader import _read_config, load_model
 from helpers.llama_cpp import gguf_of
 from tests.models.test_gguf_families import (
     COMMON,
-    IDS,
     QUANT_GAP,
     QUANT_TOL,
     TIE,
     TOL,
     assert_close_at_the_top,
+    assert_ranks_give_the_bits_of_one,
     ctxpar_logprobs,
     peaked,
     transformers_logprobs,
 )
 
+WINDOW = 12  # keys: IDS (40 tokens) spans more than three windows
+
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
-    """(checkpoint, {outtype: GGUF file}); no window (Phi3Config's sliding_window set to None)."""
+    """(checkpoint, {outtype: GGUF file}), every layer windowed."""
     from transformers import Phi3Config
 
     from helpers.models import save_tiny_model
 
     root = tmp_path_factory.mktemp("gguf_phi3")
-    hf = peaked(save_tiny_model(Phi3Config(**COMMON, sliding_window=None, pad_token_id=0), root / "phi3"))
+    hf = peaked(save_tiny_model(Phi3Config(**COMMON, sliding_window=WINDOW, pad_token_id=0), root / "phi3"))
     return hf, gguf_of(hf, root, ("f32", "q8_0"))
 
 
@@ -54,6 +58,7 @@ def test_the_files_describe_the_checkpoint(phi3) -> None:
     hf, files = phi3
     theirs = _read_config(hf, hf)
     assert theirs.architectures == ("Phi3ForCausalLM",)
+    assert theirs.sliding_window == WINDOW and len(theirs.sliding_layers) == theirs.num_hidden_layers
     for path in files.values():
         ours = config_from_gguf(open_gguf(path), path)  # its eps a float32
         assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
@@ -70,15 +75,8 @@ def test_the_checkpoint_and_its_files_match_transformers(phi3) -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_give_the_bits_of_one(phi3) -> None:
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    outs = []
-    for pcp in (1, 2):
-        with LLM(str(phi3[1]["f32"]), pcp_size=pcp, pcp_min_tokens=0, max_model_len=128, kv_cache_bytes=1 << 22) as llm:
-            outs.append(llm.generate([{"prompt_token_ids": IDS.tolist()}], params, use_tqdm=False)[0])
-    assert outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    assert outs[1].outputs[0].logprobs == outs[0].outputs[0].logprobs
-    assert outs[1].prompt_logprobs == outs[0].prompt_logprobs
+def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(phi3) -> None:
+    assert_ranks_give_the_bits_of_one(str(phi3[1]["f32"]))
 
 
 def test_longrope_is_refused_naming_it(phi3, tmp_path: Path) -> None:
