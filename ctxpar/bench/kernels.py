@@ -12,6 +12,13 @@ ctxpar runs without them (batched GEMMs over gathered contexts, PyTorch's flash
 kernel, oneDNN's packed weights). Prints the best time of each, the ratio, and
 the largest difference between the two outputs; a prefill row also the kernel's
 rate in GFLOP/s (4 x head width per visible query-key pair: q·k and p·v).
+
+``--quant`` times instead the block-quantized projections (kernels/quant_gemv.cpp)
+at Llama-3.2-1B's and Llama-3-8B's widths, GGUF blocks read where they lie as a
+loaded file's are: per case its GOP/s (2 per multiply-add), their fraction of the
+int8 peak measured in the same run (kernels.quant.int8_peak_ops: the dot-product
+instructions alone, in registers, on every thread), and the time of the same
+product in bf16 through oneDNN (``F.linear``), the runs interleaved.
 """
 
 from __future__ import annotations
@@ -21,20 +28,25 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 # The layers' entry points, not the public API: the kernels are what is timed, one at a time.
 from ctxpar import kernels
+from ctxpar.bench.gguf_shapes import random_blocks
 from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.kernels import attention_kernels as attn_kernels
+from ctxpar.kernels import quant
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention.backend import AttentionSpec, causal_attention
 from ctxpar.layers.attention.paged import gqa_paged_attention
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.quant_linear import QuantWeight, quant_linear
 from ctxpar.layers.rotary import apply_rotary_
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -43,6 +55,12 @@ PREFILL_CASES = ((64, 0), (128, 0), (512, 1536), (2048, 0), (2048, 4096))  # (ch
 ELEMENTWISE_TOKENS = (1, 16, 2048)
 PROJECTION_CASES = ((1, 30), (16, 30), (64, 30), (2048, 2))  # (tokens, layers): decode streams the model
 HIDDEN, INTER = 576, 1536
+# A layer's projections (out, in) at real widths: QKV, O, gate|up, down.
+QUANT_SHAPES = {
+    "1B": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+}
+PEAK_ROUNDS = 20_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="the tensors' dtype (default float32)"
     )
+    parser.add_argument("--quant", action="store_true", help="the quantized projections at 1B-8B widths instead")
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=[16, 512, 2048], help="--quant: token rows")
+    parser.add_argument("--formats", nargs="+", choices=["Q4_0", "Q8_0"], default=["Q4_0"], help="--quant: blocks")
 
 
 def _best(fn: Callable[[], torch.Tensor], kernel: bool, repeat: int) -> tuple[float, torch.Tensor]:
@@ -143,7 +164,55 @@ def _projections(n: int, layers: int, g: torch.Generator, dtype: torch.dtype) ->
     return step
 
 
+def _int8_peak() -> float:
+    """GOP/s of the int8 dot-product instructions alone on every thread, now."""
+    t0 = time.perf_counter()
+    ops = quant.int8_peak_ops(PEAK_ROUNDS)
+    return ops / (time.perf_counter() - t0) / 1e9
+
+
+def _quant_projections(args: argparse.Namespace) -> None:
+    """Each shape and row count: the quantized product's best time, GOP/s and fraction
+    of the int8 peak (the best of the peak's runs between the cases), against oneDNN's
+    bf16 product of the same shape, the two interleaved."""
+    if quant.int8_peak_ops(1) == 0:
+        raise CtxparError("this CPU has no int8 dot products (AVX2 or wider): nothing to measure against")
+    rng, peaks = np.random.default_rng(0), [_int8_peak()]
+    print(f"{'rows x (out, in)':>34} |  int8 ms | GOP/s | of peak |  bf16 ms | bf16 / int8 time")
+    for fmt in args.formats:
+        for model, shapes in QUANT_SHAPES.items():
+            for name, (out, cols) in shapes.items():
+                w = QuantWeight.in_place(random_blocks(fmt, out, cols, rng), fmt)
+                w_bf16 = torch.randn(out, cols, dtype=torch.bfloat16)
+                for n in args.rows:
+                    x = torch.randn(n, cols)
+                    x_bf16 = x.bfloat16()
+                    best = {"int8": float("inf"), "bf16": float("inf")}
+                    runs = {"int8": lambda: quant_linear(x, w), "bf16": lambda: F.linear(x_bf16, w_bf16)}
+                    for fn in runs.values():  # warm-up
+                        fn()
+                    for _ in range(args.repeat):
+                        for key, fn in runs.items():
+                            t0 = time.perf_counter()
+                            fn()
+                            best[key] = min(best[key], time.perf_counter() - t0)
+                    peaks.append(_int8_peak())
+                    rate = 2 * n * out * cols / best["int8"] / 1e9
+                    label = f"{fmt} {model} {name} {n} x ({out}, {cols})"
+                    print(
+                        f"{label:>34} | {best['int8'] * 1e3:8.2f} | {rate:5.0f} | {rate / max(peaks):6.0%} | "
+                        f"{best['bf16'] * 1e3:8.2f} | {best['bf16'] / best['int8']:.2f}x"
+                    )
+    print(f"int8 peak: {max(peaks):.0f} GOP/s on {torch.get_num_threads()} threads (best of {len(peaks)} runs)")
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.quant:
+        if not kernels.available():
+            raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler)")
+        print(describe_machine())
+        _quant_projections(args)
+        return
     if not attn_kernels.usable(torch.zeros(1, 2, 1, 8), 8):
         raise CtxparError(
             "ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler): "

@@ -111,3 +111,11 @@ def quant_dequantize(
         ctypes.addressof(weight), half, bits, group, zero, first, rows, in_features, out.data_ptr()
     )
     return out
+
+
+def int8_peak_ops(rounds: int) -> int:
+    """The integer operations (a multiply and an add each) of ``rounds`` rounds of 12
+    independent int8 dot products of the kernels' widest kind on every thread, in
+    registers and nothing else (quant_gemv.cpp's quant_peak_ops): the peak that a
+    projection's rate is measured against. 0 on a CPU without AVX2."""
+    return int(kernels.loaded().quant_peak_ops(rounds))

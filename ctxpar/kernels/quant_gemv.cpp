@@ -54,10 +54,9 @@ namespace {
 
 constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
-constexpr int64_t ROW_BLOCK_BYTES = 1 << 18;
 
 // x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
-// xi (n, in/QB) sum(q) itself where asked (zero 8's integer term),
+// xz (n, in/QB) -zero * sum(q) where asked (zero 8's integer term: sum (q - 8) x = sum q x + xz),
 // and xp (n, in): xq with each pair of blocks (2p, 2p+1) as the 4-bit kernel reads them,
 // [first halves of 2p and 2p+1 | second halves of 2p and 2p+1] (an odd last block stays).
 // One block of 32: its codes into q, returns their sum; *d its scale.
@@ -97,13 +96,13 @@ inline int quantize_block(const float* v, int8_t* q, float* d) {
 }
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
-                   int32_t* xi, int8_t* xp) {
+                   int64_t zero, int32_t* xz, int8_t* xp) {
   const int64_t nb = in / QB;
   for (int64_t m = 0; m < n; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
       xs[m * nb + b] = xd[m * nb + b] * float(sum);
-      if (xi) xi[m * nb + b] = sum;
+      if (xz) xz[m * nb + b] = -int32_t(zero) * sum;
     }
     for (int64_t b = 0; xp && b < nb; ++b) {
       const int8_t* q = xq + m * in + b * QB;
@@ -340,26 +339,28 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   // (Pointers taken here: inside the parallel loop each thread would name its own vectors.)
   static thread_local std::vector<int8_t> xq_buf, xp_buf;
   static thread_local std::vector<float> xd_buf, xs_buf;
-  static thread_local std::vector<int32_t> xi_buf;
+  static thread_local std::vector<int32_t> xz_buf;
   if (int64_t(xq_buf.size()) < n * in) xq_buf.resize(n * in);
   if (int64_t(xd_buf.size()) < n * nb) xd_buf.resize(n * nb), xs_buf.resize(n * nb);
   int8_t* xq = xq_buf.data();
   float *xd = xd_buf.data(), *xs = xs_buf.data();
 #if defined(CTXPAR_TILES)
-  // Row blocks of ~256 KB of codes: a block stays in L2 while every tile of the weight passes it.
-  const int64_t row_block = std::max<int64_t>(16, ROW_BLOCK_BYTES / in / 16 * 16);
-  // zero 8: each block's sum of codes, for sum (q - 8) x = sum q x - 8 sum x in integers.
-  if (zero && int64_t(xi_buf.size()) < n * nb) xi_buf.resize(n * nb);
-  int32_t* xi = zero ? xi_buf.data() : nullptr;
+  const int64_t row_block = tiles::rows_per_block(in);
+  // zero 8: each block's -8 * sum of codes, for sum (q - 8) x = sum q x - 8 sum x in integers.
+  if (zero && int64_t(xz_buf.size()) < n * nb) xz_buf.resize(n * nb);
+  int32_t* xz = zero ? xz_buf.data() : nullptr;
+  static thread_local tiles::RowGroups row_groups_buf;
+  tiles::RowGroups& row_groups = row_groups_buf;  // the codes as the VNNI loop reads them
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < n; ++m)
-      quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, xi ? xi + m * nb : nullptr,
-                    nullptr);
+      quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, zero,
+                    xz ? xz + m * nb : nullptr, nullptr);
+    if (n >= tiles::DIRECT_ROWS) row_groups.fill(xq, xd, xs, xz, n, in);
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
       for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k)
-        tiles::product(PartView<S>(parts[k]), zero, bits, group, in, out_features, xq, xd, xs, xi, r0,
+        tiles::product(PartView<S>(parts[k]), zero, bits, group, in, out_features, xq, xd, xs, xz, row_groups, r0,
                        std::min(n, r0 + row_block), bias ? bias + col : nullptr, out + col);
   }
 #else
@@ -367,7 +368,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
-  quantize_rows(x, x_stride, n, in, xq, xd, xs, nullptr, xp);
+  quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, xp);
   for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k) {
     const PartView<S> w(parts[k]);
 #pragma omp parallel for schedule(static)
@@ -383,9 +384,58 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
 #endif
 }
 
+// One thread's rounds of 12 independent int8 dot-product chains in registers, the
+// instructions the kernels multiply with (below); returns the integer operations done.
+int64_t peak_thread(int64_t iters) {
+  constexpr int K = 12;  // chains: more than the units' latency times their throughput
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1), a[K];
+  for (int k = 0; k < K; ++k) a[k] = _mm512_set1_epi32(k);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < K; ++k) a[k] = _mm512_dpbusd_epi32(a[k], w, x);
+    asm volatile("" : "+v"(w), "+v"(x));  // the operands change as far as the compiler knows
+  }
+  for (int k = 0; k < K; ++k) asm volatile("" : : "v"(a[k]));
+  return iters * K * 128;  // 64 multiply-adds a dpbusd
+#elif defined(__AVX2__)
+  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi16(1), a[K];  // x: bytes or madd's ones
+  for (int k = 0; k < K; ++k) a[k] = _mm256_set1_epi32(k);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < K; ++k) {
+#if defined(CTXPAR_DPBUSD)
+      a[k] = CTXPAR_DPBUSD(a[k], w, x);
+#else  // each chain's sums as the next round's signed bytes: the pair's latency, as a chain's
+      a[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a[k]), x);
+#endif
+    }
+    asm volatile("" : "+v"(w), "+v"(x));
+  }
+  for (int k = 0; k < K; ++k) asm volatile("" : : "v"(a[k]));
+  return iters * K * 64;  // 32 multiply-adds a 256-bit dot product
+#else
+  (void)iters;
+  return 0;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
+
+// The int8 peak for ctxpar bench: `iters` rounds of 12 independent dot products of
+// the kernels' widest kind (AVX-512 VNNI's 512-bit dpbusd; else AVX-VNNI's or AVX2's
+// 256-bit maddubs and madd) on every thread of an OpenMP team, nothing else. Returns
+// the integer operations done (a multiply and an add each, all threads), 0 on a CPU
+// with none of them.
+int64_t quant_peak_ops(int64_t iters) {
+  int64_t total = 0;
+#pragma omp parallel reduction(+ : total)
+  total += peak_thread(iters);
+  return total;
+}
+
 
 // x (n, in) float32, x_stride floats between rows, in a multiple of 32; the weight
 // (out_features, in) as above, the rows of `num_parts` parts one after another (quant_part.h),

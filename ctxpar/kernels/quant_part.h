@@ -48,6 +48,14 @@ struct PartView {
         q_row(p.q_row), q_block(p.q_block), s_row(p.s_row), s_col(p.s_col), o_row(p.o_row), o_col(p.o_col) {}
 
   const uint8_t* block(int64_t row, int64_t b) const { return q + row * q_row + b * q_block; }
+  // The part from block b of each row on (of 32 weights; scales per `group`): a slice of its columns.
+  PartView from_block(int64_t b, int64_t group) const {
+    PartView v = *this;
+    v.q += b * q_block;
+    v.s += b * (32 / group) * s_col;
+    if (o) v.o += b * o_col;
+    return v;
+  }
   float scale(int64_t row, int64_t j) const { return to_float(s[row * s_row + j * s_col]); }
   float offset(int64_t row, int64_t b) const { return to_float(o[row * o_row + b * o_col]); }
 };

@@ -7,7 +7,7 @@
 //
 // Per call the weight's output rows are taken 16 at a time (a tile), and a tile's
 // integers are laid out for the dot-product instructions, once per block of
-// activation rows:
+// activation rows (without AMX, SLICE_BLOCKS blocks of the tile's rows at a time):
 //
 //   row o, weights 4j..4j+3 of block b     ->    q[b][j][o % 16][0..3]   (u8 for 4 bits, s8 for 8)
 //   scale of group g of row o              ->    scales[g][o % 16]       (float32)
@@ -29,7 +29,8 @@
 // one lane per output, blocks in order. Three integer engines feed it, and give the
 // same bits because the integers are exact and the float steps one code shape:
 //   - AMX computes 16 rows' group sums at once (rows in groups of 16, where the CPU has it);
-//   - the VNNI loop the rows left over, MR at a time, against the laid-out tile;
+//   - the VNNI loop the rows left over (every row without AMX), a few at a time against
+//     two laid-out tiles side by side, or one;
 //   - a call of fewer than DIRECT_ROWS rows (a decode step) reads the weight where it
 //     lies (direct_row): laying out a tile for one row would cost more than using it.
 
@@ -40,6 +41,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -53,8 +55,10 @@ namespace tiles {
 
 constexpr int64_t QB = 32;  // weights per block
 constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
-constexpr int MR = 4;       // activation rows per pass of the VNNI loop over a tile
+constexpr int MR = 8;       // activation rows per pass of the VNNI loop over a tile
 constexpr int64_t DIRECT_ROWS = 4;  // fewer rows than this read the weight in place (direct_row)
+constexpr int64_t SLICE_BLOCKS = 64;  // blocks of its rows a tile holds at once without AMX: 32 KB, in L1
+constexpr int64_t ROW_BLOCK_BYTES = 1 << 19;
 
 // One tile of the weight, laid out as above (buffers reused between calls).
 struct Tile {
@@ -215,45 +219,121 @@ inline bool gathers_scales(const PartView<S>& w) {
   return w.s_col != 1 && w.s_row < far && (!w.o || (w.o_col != 1 && w.o_row < far));
 }
 
-// Rows [m0, m0 + mr) against the tile with VNNI: per block, the 8 weight vectors are
-// loaded once and serve mr rows; a row's group sum is dpbusd over the group's dwords.
-// zero 8 on an unsigned tile (nibbles as stored): each group's sum less 8 * the sum of
-// its codes, xi, the integers AMX finds on the signed tile.
-template <int mr>
-void vnni_rows(const Tile& tile, int64_t bits, int64_t group, int64_t zero, const int8_t* xq, const float* xd,
-               const float* xs, const int32_t* xi, int64_t m0, int64_t in, __m512* acc) {
-  const int64_t nb = in / QB, dwords = group / 4;
-  const bool offsets = !tile.offsets.empty();
-  for (int m = 0; m < mr; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512i* q = reinterpret_cast<const __m512i*>(tile.q.data() + b * 8 * T * 4);
-    __m512i w[8];
-    __mmask64 negative[8];
-    for (int j = 0; j < 8; ++j) {
-      w[j] = _mm512_loadu_si512(q + j);
-      if (bits == 8) {  // dpbusd multiplies unsigned by signed: |w| by x with w's sign
-        negative[j] = _mm512_movepi8_mask(w[j]);
-        w[j] = _mm512_abs_epi8(w[j]);
+// The activations as vnni_rows reads them, MR rows at a time (a row group): codes[group][b][j][m] the four codes 4j..4j+3 of block b of
+// row m of the group, and xd, xs, xz [group][b][m], so that a weight vector's MR
+// broadcasts read one line and a group's loads need one pointer each, not MR.
+struct RowGroups {
+  std::vector<int32_t> codes, xz;
+  std::vector<float> xd, xs;
+  int64_t nb = 0;
+
+  // From the rows' codes xq (n, in) and their per-block values (n, in / 32) each (xz, xs
+  // may be null: no zero term, no offsets). Inside an OpenMP parallel region.
+  void fill(const int8_t* xq, const float* xd_rows, const float* xs_rows, const int32_t* xz_rows, int64_t n,
+            int64_t in) {
+#pragma omp single
+    {
+      nb = in / QB;
+      const int64_t groups = (n + MR - 1) / MR;
+      // (a last group's rows past n are never read: vnni_rows takes the rows there are)
+      codes.resize(groups * nb * 8 * MR);
+      xd.resize(groups * nb * MR);
+      xs.resize(xs_rows ? groups * nb * MR : 0);
+      xz.resize(xz_rows ? groups * nb * MR : 0);
+    }
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < n; ++m) {
+      int32_t* c = codes.data() + (m / MR) * nb * 8 * MR + m % MR;
+      const int64_t at = (m / MR) * nb * MR + m % MR;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t j = 0; j < 8; ++j) std::memcpy(c + (b * 8 + j) * MR, xq + m * in + b * QB + 4 * j, 4);
+        xd[at + b * MR] = xd_rows[m * nb + b];
+        if (xs_rows) xs[at + b * MR] = xs_rows[m * nb + b];
+        if (xz_rows) xz[at + b * MR] = xz_rows[m * nb + b];
       }
     }
-    for (int64_t g0 = 0; g0 < 8; g0 += dwords) {
-      const float* scale = tile.scales.data() + (b * QB / group + g0 / dwords) * T;
-      for (int m = 0; m < mr; ++m) {
-        const int64_t r = m0 + m;
-        const int32_t* x = reinterpret_cast<const int32_t*>(xq + r * in + b * QB);
-        __m512i s = _mm512_setzero_si512();
-        for (int64_t j = g0; j < g0 + dwords; ++j) {
-          __m512i xb = _mm512_set1_epi32(x[j]);
-          if (bits == 8) xb = _mm512_mask_sub_epi8(xb, negative[j], _mm512_setzero_si512(), xb);
-          s = _mm512_dpbusd_epi32(s, w[j], xb);
-        }
-        if (zero) s = _mm512_sub_epi32(s, _mm512_set1_epi32(int32_t(zero) * xi[r * nb + b]));  // group 32: a block
-        acc[m] = scale_add(s, scale, xd[r * nb + b], acc[m]);
-      }
-    }
-    for (int m = 0; offsets && m < mr; ++m)
-      acc[m] = offset_add(tile.offsets.data() + b * T, xs[(m0 + m) * nb + b], acc[m]);
   }
+};
+
+// Rows [first, first + R) of a row group against C tiles side by side (16 outputs each)
+// with VNNI: the tiles' nb blocks, which are blocks kb0.. of the rows, continuing `sums`
+// (sums[m * C + c]: row m's accumulator of tile c over the blocks before), for G groups a
+// block (1: of 32, 2: of 16) and BITS-bit integers. Weight vector j of a block (the same
+// four weights of a tile's 16 outputs) is loaded once for the R rows, and each row's four
+// codes, broadcast, meet the C tiles' vectors: a load for every C dot products, which
+// keeps the loads from bounding the units. The R x C int32 sums are independent chains,
+// so the units take one or two a cycle while each waits out its latency; the float steps
+// come once per group. The template arguments let every loop unroll and keep the sums
+// and the accumulators in registers.
+// zero 8 on an unsigned tile (nibbles as stored): each group's sum starts from xz, -8 *
+// the sum of its codes, which makes it the integer AMX finds on the signed tile.
+template <int C, int R, int G, int BITS>
+void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t first, int64_t kb0, int64_t nb,
+               bool zero, __m512* sums) {
+  constexpr int D = 8 / G;  // dwords of a group
+  const bool offsets = !tiles[0]->offsets.empty();
+  const int64_t at = group * rows.nb * MR + kb0 * MR + first;  // the group's block kb0, row `first`
+  const int32_t* codes = rows.codes.data() + (at - first) * 8 + first;
+  const float* xd = rows.xd.data() + at;
+  const float* xs = offsets ? rows.xs.data() + at : nullptr;
+  const int32_t* xz = zero ? rows.xz.data() + at : nullptr;
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int m = 0; m < R; ++m)
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) acc[m][c] = sums[m * C + c];
+  for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+      __m512i s[R][C];
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c)  // group 32: the block's
+          s[m][c] = G == 1 && zero ? _mm512_set1_epi32(xz[b * MR + m]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = g * D; j < (g + 1) * D; ++j) {
+        __m512i w[C];
+        __mmask64 negative[C];
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) {
+          w[c] = _mm512_loadu_si512(tiles[c]->q.data() + (b * 8 + j) * T * 4);
+          if constexpr (BITS == 8) {  // dpbusd multiplies unsigned by signed: |w| by x with w's sign
+            negative[c] = _mm512_movepi8_mask(w[c]);
+            w[c] = _mm512_abs_epi8(w[c]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < R; ++m) {
+          const __m512i xb = _mm512_set1_epi32(codes[(b * 8 + j) * MR + m]);
+#pragma GCC unroll 2
+          for (int c = 0; c < C; ++c) {
+            if constexpr (BITS == 8)
+              s[m][c] = _mm512_dpbusd_epi32(s[m][c], w[c],
+                                            _mm512_mask_sub_epi8(xb, negative[c], _mm512_setzero_si512(), xb));
+            else
+              s[m][c] = _mm512_dpbusd_epi32(s[m][c], w[c], xb);
+          }
+        }
+      }
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        const __m512 scale = _mm512_loadu_ps(tiles[c]->scales.data() + (b * G + g) * T);
+#pragma GCC unroll 16
+        for (int m = 0; m < R; ++m) acc[m][c] = scale_add(s[m][c], scale, xd[b * MR + m], acc[m][c]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; offsets && c < C; ++c) {
+      const __m512 offset = _mm512_loadu_ps(tiles[c]->offsets.data() + b * T);
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m) acc[m][c] = offset_add(offset, xs[b * MR + m], acc[m][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < R; ++m)
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) sums[m * C + c] = acc[m][c];
 }
 
 // Sums of 16 outputs' partial dot products: v[o] (16 int32 lanes, lane 4L + p the p-th
@@ -311,7 +391,7 @@ inline __m512i load_blocks(const PartView<S>& w, int64_t row, int64_t b0, int64_
 template <typename S>
 void direct_row(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero, int64_t in, int64_t o0,
                 int64_t rows, int64_t next_rows, const Tile& tile, const int8_t* xq, const int8_t* xk,
-                const float* xd, const float* xs, const int32_t* xi, __m512* acc) {
+                const float* xd, const float* xs, const int32_t* xz, __m512* acc) {
   const int64_t nb = in / QB, bytes = QB * bits / 8, per_load = bits == 4 ? 4 : 2;
   const bool gathered = gathers_scales(w), offsets = gathered ? w.o != nullptr : !tile.offsets.empty();
   const __mmask16 keep = __mmask16((1u << rows) - 1);
@@ -376,7 +456,7 @@ void direct_row(const PartView<S>& w, int64_t bits, int64_t group, int64_t zero,
       // Group sums of block b: 4 bits, r[k] (a block's 32 products in one 128-bit lane);
       // 8 bits, r[2k] and r[2k + 1] (its halves), added for a group of 32.
       if (bits == 4) {  // zero 8: sum (q - 8) x = sum q x - 8 sum x
-        const __m512i s = zero ? _mm512_sub_epi32(r[k], _mm512_set1_epi32(int32_t(zero) * xi[b])) : r[k];
+        const __m512i s = xz ? _mm512_add_epi32(r[k], _mm512_set1_epi32(xz[b])) : r[k];
         *acc = scale_add(s, scale(b), xd[b], *acc);
       } else if (group == QB) {
         *acc = scale_add(_mm512_add_epi32(r[2 * k], r[2 * k + 1]), scale(b), xd[b], *acc);
@@ -551,6 +631,17 @@ inline void amx_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t
 }
 #endif
 
+// Rows a call takes at a time (a row block): ~512 KB of their codes over the columns a
+// tile holds at once, which stay in L2 while every tile of the weight passes them.
+inline int64_t rows_per_block(int64_t in) {
+#if defined(CTXPAR_AMX)
+  const int64_t width = amx_ready() ? in : std::min(in, SLICE_BLOCKS * QB);
+#else
+  const int64_t width = std::min(in, SLICE_BLOCKS * QB);
+#endif
+  return std::max<int64_t>(16, ROW_BLOCK_BYTES / width / 16 * 16);
+}
+
 inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, const float* bias, float* out,
                        int64_t out_features, int64_t m0) {
   const __mmask16 keep = __mmask16((1u << cols) - 1);
@@ -559,10 +650,20 @@ inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, cons
     _mm512_mask_storeu_ps(out + (m0 + m) * out_features + o0, keep, _mm512_add_ps(acc[m], b));
 }
 
-template <int... R>
-constexpr auto vnni_table(std::integer_sequence<int, R...>) {
-  using Fn = decltype(&vnni_rows<1>);
-  return std::array<Fn, sizeof...(R)>{vnni_rows<R + 1>...};
+using VnniFn = void (*)(const Tile* const*, const RowGroups&, int64_t, int64_t, int64_t, int64_t, bool, __m512*);
+constexpr int PAIR_ROWS = 4;  // rows of a pass over two tiles: 4 x 2 sums and accumulators fill the registers
+
+// vnni_rows over C tiles for 1..sizeof(R) rows (index: rows - 1), G groups a block, BITS-bit integers.
+template <int C, int G, int BITS, int... R>
+constexpr std::array<VnniFn, sizeof...(R)> vnni_table(std::integer_sequence<int, R...>) {
+  return {vnni_rows<C, R + 1, G, BITS>...};
+}
+
+// vnni_table for each kind of tile: (4 bits, groups of 32), (4, 16), (8, 32), (8, 16).
+template <int C, int ROWS>
+std::array<std::array<VnniFn, ROWS>, 4> vnni_tables() {
+  constexpr auto rows = std::make_integer_sequence<int, ROWS>();
+  return {vnni_table<C, 1, 4>(rows), vnni_table<C, 2, 4>(rows), vnni_table<C, 1, 8>(rows), vnni_table<C, 2, 8>(rows)};
 }
 
 // Rows [r0, r1) of the quantized activations against every output, tiles shared out
@@ -570,10 +671,12 @@ constexpr auto vnni_table(std::integer_sequence<int, R...>) {
 // out_features: the output rows' stride (a fused projection's parts write side by side).
 template <typename S>
 void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, int64_t in, int64_t out_features,
-             const int8_t* xq, const float* xd, const float* xs, const int32_t* xi, int64_t r0, int64_t r1,
-             const float* bias, float* out) {
-  static const auto vnni = vnni_table(std::make_integer_sequence<int, MR>());
-  static thread_local Tile tile;
+             const int8_t* xq, const float* xd, const float* xs, const int32_t* xz, const RowGroups& row_groups,
+             int64_t r0, int64_t r1, const float* bias, float* out) {
+  static const auto one_tile = vnni_tables<1, MR>();
+  static const auto two_tiles = vnni_tables<2, PAIR_ROWS>();
+  static thread_local Tile tiles[2];
+  Tile& tile = tiles[0];
   const int64_t tiles_n = (w.rows + T - 1) / T;
 #if defined(CTXPAR_AMX)
   const bool amx = r1 - r0 >= 16 && amx_ready();
@@ -588,7 +691,7 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
   // an 8-bit weight's); without AMX the tile keeps the nibbles and vnni_rows subtracts.
   const bool signed_tile = amx && zero;
 #else
-  const bool signed_tile = false;
+  const bool amx = false, signed_tile = false;
 #endif
   // A few rows read the weight in place; more lay each tile out once for all of them.
   const bool direct = r1 - r0 < DIRECT_ROWS;
@@ -598,36 +701,73 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
     xk.assign((r1 - r0) * xk_row, 0);
     for (int64_t m = r0; m < r1; ++m) direct_codes(xq + m * in, in, xk.data() + (m - r0) * xk_row);
   }
+  if (direct) {
 #pragma omp for schedule(static)
-  for (int64_t t = 0; t < tiles_n; ++t) {
-    const int64_t o0 = t * T, cols = std::min(T, w.rows - o0);
-    if (!(direct && gathers_scales(w))) pack_columns(w, group, in, o0, cols, tile);
-    if (direct) {
+    for (int64_t t = 0; t < tiles_n; ++t) {
+      const int64_t o0 = t * T, cols = std::min(T, w.rows - o0);
+      if (!gathers_scales(w)) pack_columns(w, group, in, o0, cols, tile);
       const int64_t next_rows = std::clamp<int64_t>(w.rows - o0 - T, 0, T);
       for (int64_t m = r0; m < r1; ++m) {
         __m512 acc;
         const int8_t* row_xk = xk.data() + (m - r0) * xk_row;
         direct_row(w, bits, group, zero, in, o0, cols, next_rows, tile, xq + m * in, row_xk, xd + m * (in / QB),
-                   xs + m * (in / QB), xi ? xi + m * (in / QB) : nullptr, &acc);
+                   xs + m * (in / QB), xz ? xz + m * (in / QB) : nullptr, &acc);
         store_rows(&acc, 1, o0, cols, bias, out, out_features, m);
       }
-      continue;
     }
-    pack_q(w, bits, signed_tile ? zero : 0, in, o0, cols, tile);
-    const int64_t tile_bits = signed_tile ? 8 : bits, tile_zero = signed_tile ? 0 : zero;
-    int64_t m0 = r0;
+    return;
+  }
+  const int64_t nb = in / QB;
+  // Without AMX, two tiles side by side (vnni_rows), each holding SLICE_BLOCKS blocks of
+  // its rows at a time (rows_per_block), the row groups' accumulators kept in `out`
+  // between slices: each row's float steps still run over its blocks in order, so the
+  // bits are those of one pass.
+  const int64_t slice = amx ? nb : SLICE_BLOCKS, side = amx ? 1 : 2;
+  const Tile* const laid[2] = {&tiles[0], &tiles[1]};
+  for (int64_t kb0 = 0; kb0 < nb; kb0 += slice) {
+    const int64_t blocks = std::min(slice, nb - kb0), width = blocks * QB;
+    const bool last = kb0 + blocks == nb;
+    const PartView<S> ws = w.from_block(kb0, group);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < (tiles_n + side - 1) / side; ++p) {
+      const int64_t c_n = std::min(side, tiles_n - p * side);
+      int64_t o0[2], cols[2];
+      __mmask16 keep[2];
+      for (int64_t c = 0; c < c_n; ++c) {
+        o0[c] = (p * side + c) * T, cols[c] = std::min(T, w.rows - o0[c]), keep[c] = __mmask16((1u << cols[c]) - 1);
+        pack_columns(ws, group, width, o0[c], cols[c], tiles[c]);
+        pack_q(ws, bits, signed_tile ? zero : 0, width, o0[c], cols[c], tiles[c]);
+      }
+      const int64_t tile_bits = signed_tile ? 8 : bits;
+      int64_t m0 = r0;
 #if defined(CTXPAR_AMX)
-    for (; amx && m0 + 16 <= r1; m0 += 16) {
-      __m512 acc[16];
-      amx_rows(tile, tile_bits, group, xq, group_scales[(m0 - r0) / 16], m0, in, acc);
-      store_rows(acc, 16, o0, cols, bias, out, out_features, m0);
-    }
+      for (; amx && m0 + 16 <= r1; m0 += 16) {
+        __m512 acc[16];
+        amx_rows(tile, tile_bits, group, xq, group_scales[(m0 - r0) / 16], m0, in, acc);
+        store_rows(acc, 16, o0[0], cols[0], bias, out, out_features, m0);
+      }
 #endif
-    for (; m0 < r1; m0 += MR) {
-      const int mr = int(std::min<int64_t>(MR, r1 - m0));
-      __m512 acc[MR];
-      vnni[mr - 1](tile, tile_bits, group, tile_zero, xq, xd, xs, xi, m0, in, acc);
-      store_rows(acc, mr, o0, cols, bias, out, out_features, m0);
+      const int64_t kind = (tile_bits == 8 ? 2 : 0) + (group == QB ? 0 : 1);
+      const VnniFn* rows_fn = c_n == 2 ? two_tiles[kind].data() : one_tile[kind].data();
+      const int64_t pass = c_n == 2 ? PAIR_ROWS : MR;  // m0 - r0: 16s, then passes that divide MR
+      for (; m0 < r1; m0 += pass) {
+        const int mr = int(std::min<int64_t>(pass, r1 - m0));
+        __m512 acc[MR];  // acc[m * c_n + c]
+        for (int m = 0; m < mr; ++m)
+          for (int64_t c = 0; c < c_n; ++c)
+            acc[m * c_n + c] =
+                kb0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep[c], out + (m0 + m) * out_features + o0[c]);
+        rows_fn[mr - 1](laid, row_groups, m0 / MR, m0 % MR, kb0, blocks, !signed_tile && xz, acc);
+        for (int64_t c = 0; c < c_n; ++c) {
+          __m512 tile_acc[MR];
+          for (int m = 0; m < mr; ++m) tile_acc[m] = acc[m * c_n + c];
+          if (last)
+            store_rows(tile_acc, mr, o0[c], cols[c], bias, out, out_features, m0);
+          else  // the sums so far, as they are
+            for (int m = 0; m < mr; ++m)
+              _mm512_mask_storeu_ps(out + (m0 + m) * out_features + o0[c], keep[c], tile_acc[m]);
+        }
+      }
     }
   }
 #if defined(CTXPAR_AMX)

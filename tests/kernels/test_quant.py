@@ -260,3 +260,28 @@ def test_a_moved_part_is_read_where_it_went() -> None:
     for t in old:
         t.zero_()  # the old place now holds other weights
     assert torch.equal(quant_linear.quant_linear(x, parts), before)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_1", "Q4_K"])
+def test_wide_rows_and_many_rows_keep_each_rows_bits(name: str, build: str) -> None:
+    """Rows wider than a tile holds at once (quant_tiles.h: 64 blocks a slice without AMX,
+    the sums kept between slices) and more rows than a row block: each row's bits are its
+    bits alone (a decode step's direct reads of the whole row), the outputs in pairs of
+    tiles and a tile alone (53 = 3 x 16 + 5), and the values are the float64 product's."""
+    rng = np.random.default_rng(330 + ["Q4_0", "Q8_0", "Q4_1", "Q4_K"].index(name))
+    out, cols = 53, 32 * (2 * 64 + 3) if name != "Q4_K" else 256 * 17
+    raw = random_blocks(name, out, cols, rng)
+    w = (
+        QuantWeight.in_place(mapped(raw), name)
+        if name in IN_PLACE
+        else QuantWeight.from_decoded(decode(raw, name, cols))
+    )
+    weights = reference(raw, name).reshape(out, cols)
+    bias = rng.standard_normal(out).astype(np.float32)
+    for n in (21, 300):  # 300: over a row block's 256 rows (~512 KB of codes over a slice's 2048 columns)
+        x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+        y = quant_linear.quant_linear(torch.from_numpy(x), w, torch.from_numpy(bias))
+        check(y, x, weights, bias.astype(np.float64))
+        for r in (0, 7, 12, n - 1):
+            alone = quant_linear.quant_linear(torch.from_numpy(x[r : r + 1]), w, torch.from_numpy(bias))
+            assert torch.equal(alone, y[r : r + 1]), r
