@@ -4,10 +4,11 @@ loading (cold and warm), peak memory, time to first token and decode.
 Each file is written once (bench/gguf_shapes.py: llama-3.2-1b, qwen3-1.7b,
 llama-3-8b at Q4_0, Q8_0 or Q4_K; SmolLM2's vocabulary), into ``--dir``. Each
 engine then runs in its own process (bench/compare_workload.py, the same
-script under both Pythons): a cold load first, after the page cache is dropped
-(``/proc/sys/vm/drop_caches``: root only, else the row says it was not
-measured), then a warm run that loads again and times one prompt per
-``--contexts`` length and ``--decode-tokens`` tokens after the first of them.
+script under both Pythons): a cold load first, after the file, and ctxpar's
+converted tokenizer, are evicted from the page cache (``posix_fadvise``, as
+bench/cold_start.py: a restart's load, the tokenizer converted before it, not a
+first load's conversion), then a warm run that loads again and times one prompt
+per ``--contexts`` length and ``--decode-tokens`` tokens after the first of them.
 Peak RSS is the process's own (``ru_maxrss``): a mapped file's pages count
 while mapped. Figures: each engine's, and ctxpar's over llama.cpp's.
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from ctxpar.bench.cold_start import evict
 from ctxpar.bench.engine_process import run_engine
 from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, write_gguf
 from ctxpar.checks import positive_int
@@ -82,7 +85,7 @@ def _compare(path: Path, args: argparse.Namespace) -> None:
         res = _run(python, engine, spec)
         label = "ctxpar P=" + (engine.partition("-p")[2] or "1") if engine.startswith("ctxpar") else "llama.cpp"
         rows[label] = {
-            "load, cold (s)": f"{cold[0]:.2f}" if cold else "not measured",
+            "load, cold (s)": f"{cold[0]:.2f}",
             "load, warm (s)": f"{res['load_s']:.2f}",
             "peak RSS (GB)": f"{res['peak_rss'] / 1e9:.2f}",
             **{f"TTFT, {c} tokens (s)": f"{res['figures'][f'ttft_{c}']:.2f}" for c in args.contexts},
@@ -100,13 +103,15 @@ def _run(python: str, engine: str, spec: dict) -> dict:
         return run_engine(python, engine, f.name, dict(os.environ))
 
 
-def _cold_load(python: str, engine: str, spec: dict) -> tuple[float, int] | None:
-    """(load seconds, peak RSS) with the page cache dropped first; None where it cannot be."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return None
+def _cold_load(python: str, engine: str, spec: dict) -> tuple[float, int]:
+    """(load seconds, peak RSS) with the model file and ctxpar's converted tokenizer out of the page cache."""
+    from ctxpar.models.gguf import gguf_to_hf_dir
+
+    path = Path(spec["model"])
+    converted, temporary = gguf_to_hf_dir(path)  # what a restart finds cached
+    if temporary:  # the cache refused: every load converts afresh, nothing of it to evict
+        shutil.rmtree(converted, ignore_errors=True)
+    evict([path, *(f for f in converted.glob("*") if f.is_file())])
     res = _run(python, engine, {**spec, "load_only": True})
     return res["load_s"], res["peak_rss"]
 
@@ -122,6 +127,6 @@ def _report(name: str, size: int, rows: dict[str, dict[str, str]]) -> None:
     for key in rows[labels[0]]:
         values = [rows[label][key] for label in labels]
         line = f"{key:34}" + "".join(f"{v:>16}" for v in values)
-        if "llama.cpp" in rows and rows["llama.cpp"][key] != "not measured" and rows[labels[0]][key] != "not measured":
+        if "llama.cpp" in rows:
             line += f"   {float(rows[labels[0]][key]) / float(rows['llama.cpp'][key]):.2f}x"
         print(line)

@@ -2,7 +2,10 @@
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming with
 "stream": true), /tokenize, /detokenize, /health and /metrics (Prometheus).
-Many concurrent requests share each engine step. Ctrl-C or SIGTERM stops
+Many concurrent requests share each engine step: every running stream's next
+token first, prompts in chunks in what is left of --max-num-batched-tokens,
+512 here (2048 offline), so that a long prompt delays the streams' next tokens
+by one short step, not by its whole prefill. Ctrl-C or SIGTERM stops
 accepting, lets requests in flight finish for --timeout-graceful-shutdown
 seconds (10), ends the rest with an error, then stops the PCP ranks: the
 process is gone within that time + 5 s in every case (a second signal: at
