@@ -14,6 +14,11 @@ import torch
 from ctxpar import kernels
 
 CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# A multiple of every prefill kernel's keys per block (prefill_attention.cpp's BK 64,
+# prefill_tiles.cpp's 128): keys dropped from the front in whole runs of this many leave
+# every block's keys as they were, and so a query's bits (a window's callers drop the
+# keys before every query's window so).
+KEY_BLOCK_ALIGN = 128
 
 
 class QuantRows(Protocol):

@@ -25,6 +25,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from ctxpar.kernels.attention_kernels import KEY_BLOCK_ALIGN
 from ctxpar.layers.attention.backend import DecodeGroup
 from ctxpar.layers.forward_context import DCPStep, ShardQueries
 from ctxpar.layers.step_description import StepDescription, slots_of
@@ -79,12 +80,16 @@ def _queries(
     decode_slots: list[np.ndarray] = []  # each generated query's slots, back to back: the decode kernel's input
 
     def span(a: int, b: int, row_slots: torch.Tensor) -> ShardQueries | None:
-        """The row's tokens [a, b) but those before my shard's first key of the row."""
+        """The row's tokens [a, b) but those before my shard's first key of the row; with a
+        window, the row's slots from the run of KEY_BLOCK_ALIGN before the first query's window
+        (firsts grow with the position): the kernel's blocks, and bits, as over all of them."""
         a += int(np.count_nonzero(counts[a:b] == 0))
         if b <= a:
             return None
-        row_firsts = None if firsts is None else to_dev(firsts[a:b])
-        return ShardQueries(a, b, row_slots[: counts[b - 1]], to_dev(counts[a:b]), row_firsts)
+        if firsts is None:
+            return ShardQueries(a, b, row_slots[: counts[b - 1]], to_dev(counts[a:b]))
+        lo = min(int(firsts[a]), int(counts[a]) - 1) // KEY_BLOCK_ALIGN * KEY_BLOCK_ALIGN  # each count stays >= 1
+        return ShardQueries(a, b, row_slots[lo : counts[b - 1]], to_dev(counts[a:b] - lo), to_dev(firsts[a:b] - lo))
 
     for r in np.flatnonzero(q):
         slots = slots_of(step.block_tables[r], np.arange(counts[qsl[r + 1] - 1]), block_size)  # the row's, mine

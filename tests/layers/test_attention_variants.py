@@ -164,3 +164,29 @@ def test_decode_rows_see_their_last_window_keys(
                 q[b : b + 1], cache, DecodeGroup(torch.arange(1), *concat_slots([slots])), spec, quant
             )
             assert torch.equal(alone[0], out[b : b + 1]) and torch.equal(alone[1], lse[b : b + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_windowed_prompt_over_the_paged_cache_reads_whole_runs_of_keys(backend: AttentionBackend) -> None:
+    """A prompt's chunks over the paged cache read their keys from the run of KEY_BLOCK_ALIGN that
+    holds their first query's window (layers/attention/paged.py's window_keys): any chunking gives
+    the masked softmax, and in the kernels the bits of the whole prompt at once."""
+    from ctxpar.layers.attention.paged import gqa_paged_attention
+    from helpers.reference import single_sequence_context
+
+    S, window = 300, 5
+    q, k, v = qkv(S, S)
+    cache = torch.stack([k, v], 1)  # (S, 2, Hk, D): slot = position
+    spec = AttentionSpec(SCALE, window, 1.5)
+    outs = []
+    for cuts in ([0, 300], [0, 200, 300], [0, 150, 151, 300], [0, 260, 300]):
+        chunks = []
+        for a, b in zip(cuts, cuts[1:]):
+            ctx = single_sequence_context([cache], a, b - a)
+            ctx.backend = backend
+            chunks.append(gqa_paged_attention(q[a:b], cache, ctx, spec))
+        outs.append(torch.cat(chunks))
+    want, _ = masked_softmax(q, k, v, window_mask(torch.arange(S), torch.arange(S), window), 1.5)
+    torch.testing.assert_close(outs[0].double(), want, **TOL)
+    if backend is KERNELS:
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])

@@ -140,3 +140,19 @@ def test_a_mistral_v0_1_gguf_is_a_llama_file_without_the_window(windowed, tmp_pa
     model = load_model(str(path), torch.float32, torch.device("cpu")).model
     got = torch.log_softmax(SingleSequence(model, 128).step(IDS), -1)
     assert_close_at_the_top(got, transformers_logprobs(windowed["mistral-v0.1"], IDS, window=False))
+
+
+@pytest.mark.multiprocess
+def test_dcp_keeps_its_bits_however_a_long_prompt_is_chunked(windowed) -> None:
+    """P = D = 2 over 400 tokens, each shard's keys past several runs of KEY_BLOCK_ALIGN (the
+    spans read from the run that holds their first window, dcp_metadata.py): in one step or
+    chunked by a small token budget, the same bits."""
+    ids = torch.randint(3, 320, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    layout = dict(pcp_size=2, dcp_size=2, pcp_min_tokens=0, block_size=16, max_model_len=512, kv_cache_bytes=1 << 24)
+    outs = []
+    for budget in (512, 40):
+        with LLM(str(windowed["mistral-v0.1"]), quantization="none", max_num_batched_tokens=budget, **layout) as llm:
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        outs.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs))
+    assert outs[1] == outs[0]

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ctxpar.kernels.attention_kernels import KEY_BLOCK_ALIGN
 from ctxpar.layers.attention.backend import AttentionSpec, DecodeGroup
 from ctxpar.layers.attention.torch_ops import concat_slots
 from ctxpar.layers.forward_context import DecodeBatch, ForwardContext
@@ -105,6 +106,16 @@ def prompt_spans(ctx: ForwardContext, dec: DecodeBatch | None) -> Iterator[tuple
             yield a, b, ctx.context_slots[r][: ctx.start_pos[r] + b - a]
 
 
+def window_keys(slots: torch.Tensor, queries: int, window: int | None) -> torch.Tensor:
+    """The slots (S,) that ``queries`` queries, the last of them, read under a sliding window:
+    from the run of KEY_BLOCK_ALIGN keys that holds the first query's first key on, so the
+    keys no query sees are not copied, and the kernel's blocks, and bits, stay as they were."""
+    if window is None:
+        return slots
+    first = max(0, len(slots) - queries + 1 - window)
+    return slots[first // KEY_BLOCK_ALIGN * KEY_BLOCK_ALIGN :]
+
+
 def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContext, spec: AttentionSpec) -> torch.Tensor:
     """q (n, H, D) of the local tokens, cache (num_slots, 2, Hk, D) (or its
     quantized rows) already holding this step's entries -> attention output
@@ -122,6 +133,6 @@ def gqa_paged_attention(q: torch.Tensor, cache: torch.Tensor, ctx: ForwardContex
         o, _ = backend.gqa_decode(q.index_select(0, grp.tokens), cache, grp, spec, quant)
         out.index_copy_(0, grp.tokens, o.to(out.dtype))
     for a, b, slots in prompt_spans(ctx, dec):
-        rows = cache.index_select(0, slots)  # (S, 2, Hk, D), or (S, row_bytes) quantized
+        rows = cache.index_select(0, window_keys(slots, b - a, spec.window))  # (S, 2, Hk, D), or (S, row_bytes)
         backend.gqa_prefill_rows(q[a:b], rows, quant, spec, out=out[a:b])
     return out
