@@ -271,6 +271,8 @@ class ModelArgs:
             out["qkv_bias"] = self.qkv_bias
         if self.is_mla:  # stated where None: DeepSeek's classes default a low-rank query (V2-Lite has none)
             out["q_lora_rank"] = self.q_lora_rank
+        if self.rope.original_max_position_embeddings is not None:  # Phi3Config's own default (4096) would win
+            out["original_max_position_embeddings"] = self.rope.original_max_position_embeddings
         return out
 
 

@@ -6,6 +6,19 @@ linear and dynamic scaling match the reference implementations bit for bit.
 The default rope (no scaling) is computed here: transformers' module
 (``transformers.modeling_rope_utils``) is imported only for another rope type,
 so importing this module, and a model with the default rope, do not pay for it.
+
+LongRoPE (Phi-3-mini-128k, Phi-3.5-mini) has two sets of frequency factors: the short ones
+for a context up to ``original_max_position_embeddings``, the long ones beyond. transformers
+picks per forward pass by the largest position in it, so a sequence's earlier keys were turned
+by the short factors and its later queries by the long ones once it outgrows the original
+context, and a token's rotation depends on how far its sequence has got. ctxpar picks once, by
+the context the model is loaded for (``max_model_len``: ``RotaryEmbedding.fit_context``), as
+llama.cpp does by its context size (llama_model::get_rope_factors): every token of every
+sequence turns by the same table, its bits its own. The two agree wherever transformers sees a
+whole sequence in one pass whose length is on the same side of the original context as
+``max_model_len`` (short prompts with a max_model_len up to the original context, prompts longer
+than it with a larger one); a short prompt in a model loaded for a long context turns by the
+long factors here and by the short ones in transformers.
 """
 
 from __future__ import annotations
@@ -27,18 +40,30 @@ class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor  # a buffer (moves with .to(), not saved)
 
     def __init__(self, config, rot_dim: int) -> None:
+        """A longrope's factors are those of the config's own context (max_position_embeddings)
+        until ``fit_context`` names the one the model is loaded for."""
         super().__init__()
+        self.config, self.rot_dim = config, rot_dim
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            inv_freq, self.attention_scaling = _default_inv_freq(config, rot_dim)
+        self.rope_type = params.get("rope_type", "default")
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.fit_context(getattr(config, "max_position_embeddings", None))
+
+    def fit_context(self, context: int | None) -> None:
+        """The tables for a model that runs sequences of up to ``context`` tokens: a longrope's
+        long factors where that is beyond its original context, else its short ones (the module
+        docstring says why once per model); every other rope is the same at any context."""
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = _default_inv_freq(self.config, self.rot_dim)
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        if inv_freq.numel() * 2 != rot_dim:
-            raise ValueError(f"rope produced {inv_freq.numel() * 2} dims, expected {rot_dim}")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+            # seq_len: longrope's choice of factors (the long ones where it exceeds the original context)
+            length = {"seq_len": context} if self.rope_type == "longrope" else {}
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, "cpu", **length)
+        if inv_freq.numel() * 2 != self.rot_dim:
+            raise ValueError(f"rope produced {inv_freq.numel() * 2} dims, expected {self.rot_dim}")
+        self.inv_freq = inv_freq.float().to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (n, rot_dim/2)

@@ -58,7 +58,7 @@ MARKER = "ctxpar_gguf.json"
 # Architectures whose GGUF config transformers does not read (its tokenizer it does).
 _TOKENIZER_ONLY = ("deepseek2",)
 # Read into the model's description (models/gguf_config.py), not a weight.
-_CONFIG_TENSORS = ("rope_freqs.weight",)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -25,7 +25,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),  # Qwen3 dense (q/k norm)
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),  # Qwen1.5-MoE, Qwen2-57B-A14B (QKV bias, gated shared expert)
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),  # Qwen3-30B-A3B, Qwen3-235B-A22B (q/k norm)
-    "phi3": ("phi3", "Phi3ForCausalLM"),  # Phi-3 (fused QKV and gate|up; longrope refused)
+    "phi3": ("phi3", "Phi3ForCausalLM"),  # Phi-3, Phi-3.5 (fused QKV and gate|up; longrope's factors)
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),  # Gemma 2 (soft-caps, every other layer windowed)
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # Gemma 3's text model (q/k norm, two rope bases)
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # DeepSeek-V2/V3 (MLA; V3 by its router: gguf_mla.py)
@@ -69,10 +69,11 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             f"it runs GGUF architectures {', '.join(ARCHITECTURES)}"
         )
     check_tensor_types(reader, path)
-    if any(t.name == "rope_factors_long.weight" for t in reader.tensors):
+    rotated, width = meta.get(f"{arch}.rope.dimension_count"), meta.get(f"{arch}.embedding_length", 0)
+    if arch == "phi3" and rotated and rotated != width // meta.get(f"{arch}.attention.head_count", 1):
         raise CtxparError(
-            f"GGUF file {path} scales its rope by longrope (rope_factors_long and rope_factors_short: Phi-3-mini-128k, "
-            "Phi-3.5-mini, Phi-4-mini), which ctxpar does not run yet; Phi-3 files without it load"
+            f"GGUF file {path} turns {rotated} dimensions of each head by its rope (Phi-4-mini's partial rotary "
+            "factor); ctxpar's models rotate whole heads: Phi-3 and Phi-3.5 files load"
         )
     model_type, hf_arch = ARCHITECTURES[arch]
 
@@ -186,11 +187,38 @@ def _rope(reader: GGUFFile, arch: str, head_dim: int, path: Path) -> RopeScaling
             f"GGUF file {path} scales its rope by {scaling!r}, which ctxpar reads only from Hugging Face "
             "directories (config.json's rope_parameters); GGUF files of Llama 3.x's llama3 rope (rope_freqs) load"
         )
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in tensors:
+        return _longrope(meta, arch, theta, tensors)
+    freqs = tensors.get("rope_freqs.weight")
     if freqs is None:
         return RopeScaling(rope_theta=theta)
     factors = np.asarray(freqs.data).view(np.float32).reshape(-1)
     return llama3_rope(torch.from_numpy(factors.copy()), theta, head_dim, path)
+
+
+def _longrope(meta: dict[str, Any], arch: str, theta: float, tensors: dict[str, Any]) -> RopeScaling:
+    """Phi-3's longrope (Phi-3-mini-128k, Phi-3.5-mini) as its config.json stated it: the factors the
+    file keeps as rope_factors_short and rope_factors_long (float32, as transformers computes with
+    them), the original context, and the attention factor only where it is not the one transformers
+    derives from the two contexts (the converter writes that one, rounded to float32)."""
+
+    def factors(kind: str) -> tuple[float, ...]:
+        raw = np.asarray(tensors[f"rope_factors_{kind}.weight"].data).view(np.float32).reshape(-1)
+        return tuple(float(x) for x in raw)
+
+    original = int(meta[f"{arch}.rope.scaling.original_context_length"])
+    scale = int(meta[f"{arch}.context_length"]) / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    stated = float(meta.get(f"{arch}.rope.scaling.attn_factor", derived))
+    return RopeScaling(
+        rope_type="longrope",
+        rope_theta=theta,
+        original_max_position_embeddings=original,
+        short_factor=factors("short"),
+        long_factor=factors("long"),
+        attention_factor=None if math.isclose(stated, derived, rel_tol=1e-6) else stated,
+    )
 
 
 def llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, context: int) -> torch.Tensor:

@@ -153,11 +153,6 @@ class LlamaForCausalLM(nn.Module):
         """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""
         super().__init__()
         config = ModelArgs.of(config)
-        if config.rope.rope_type == "longrope":
-            raise CtxparError(
-                f"{config.model_type} model with the longrope rope (short and long factors, which transformers "
-                "switches between by the sequence's length): not supported yet; Phi-3 configs without it load"
-            )
         self.config = config
         self.tie_word_embeddings = config.tie_word_embeddings
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)

@@ -39,6 +39,7 @@ from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import ROPE_KEYS, overridden_config_kwargs
 from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
+from ctxpar.layers.rotary import RotaryEmbedding
 from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json
 from ctxpar.models import gguf
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
@@ -213,6 +214,7 @@ def _load_hf_dir(
             f"quantized weights run in Llama-style models (Llama, Qwen, SmolLM2); {shown} is a {cls.__name__}: "
             "leave quantization=None"
         )
+    limit = _max_model_len(config, max_model_len, shown)
     # The tokenizer is built on a thread of its own while the weights load: its import of
     # transformers (~1 s of Python) runs while this thread waits on the disk for the
     # weights' pages (a cold start) and on the copies, which release the interpreter.
@@ -225,6 +227,9 @@ def _load_hf_dir(
         with _default_dtype(dtype), torch.device(device):
             model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
         model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
+        for m in model.modules():  # a longrope's factors: those of the context it runs (layers/rotary.py)
+            if isinstance(m, RotaryEmbedding):
+                m.fit_context(limit)
         model.load_weights(int8_weights(weights) if int8 else weights)
         model.eval()
         if hasattr(model, "pack_for_cpu"):  # an optional CausalLM hook (models/base.py)
@@ -234,7 +239,7 @@ def _load_hf_dir(
         model=model,
         tokenizer=tokenizer,
         hf_config=config,
-        max_model_len=_max_model_len(config, max_model_len, shown),
+        max_model_len=limit,
         eos_token_ids=_eos_token_ids(d, config, tokenizer),
         name=name,
     )

@@ -6,23 +6,18 @@ checkpoint, and its GGUF files written by llama.cpp's own converter, against tra
 tests/models/test_gguf_families.py checks the Llama family (its tolerances and comparison); two
 ranks give the bits of one, P = D = 2 its tokens.
 
-The longrope rope (short and long factors: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) is refused,
-from a directory and from a file, naming it.
+Phi-3's longrope (short and long factors: Phi-3-mini-128k, Phi-3.5-mini) is checked by
+tests/models/test_longrope.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from ctxpar.errors import CtxparError
-from ctxpar.models.loader import _read_config, load_model
+from ctxpar.models.loader import _read_config
 from helpers.llama_cpp import gguf_of
 from tests.models.test_gguf_families import (
     COMMON,
@@ -77,31 +72,3 @@ def test_the_checkpoint_and_its_files_match_transformers(phi3) -> None:
 @pytest.mark.multiprocess
 def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(phi3) -> None:
     assert_ranks_give_the_bits_of_one(str(phi3[1]["f32"]))
-
-
-def test_longrope_is_refused_naming_it(phi3, tmp_path: Path) -> None:
-    import gguf
-
-    longrope = Path(shutil.copytree(phi3[0], tmp_path / "longrope"))
-    config = json.loads((longrope / "config.json").read_text())
-    config["rope_parameters"] = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 128,
-    }
-    (longrope / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CtxparError, match="phi3 model with the longrope rope"):
-        load_model(str(longrope), torch.float32, torch.device("cpu"))
-    w = gguf.GGUFWriter(str(tmp_path / "longrope.gguf"), "phi3")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
-    for kind in ("long", "short"):
-        w.add_tensor(f"rope_factors_{kind}.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CtxparError, match="scales its rope by longrope"):
-        load_model(str(tmp_path / "longrope.gguf"), torch.float32, torch.device("cpu"))
