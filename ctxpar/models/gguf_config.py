@@ -51,7 +51,8 @@ MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 # permute); the others (Qwen) keep Hugging Face's row order.
 PERMUTED_QK = ("llama",)
 # Tensor types read: the block formats kept quantized (layers/quant_blocks.py), and those
-# dequantized to float when loading (gguf-py's reference decoders).
+# dequantized to float when loading (gguf-py's reference decoders; BF16 weights are kept as
+# the file's bf16 where the blocks are kept: models/gguf.py).
 DEQUANTIZED = ("F32", "F16", "BF16")
 TENSOR_TYPES = (*FORMATS, *DEQUANTIZED)
 # Llama 3.x's llama3 rope: its low and high frequency factors, and the context it was trained at.
