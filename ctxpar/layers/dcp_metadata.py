@@ -25,8 +25,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from ctxpar.kernels.attention_kernels import KEY_BLOCK_ALIGN
-from ctxpar.layers.attention.backend import DecodeGroup
+from ctxpar.layers.attention.backend import KEY_BLOCK_ALIGN, DecodeGroup
 from ctxpar.layers.forward_context import DCPStep, ShardQueries
 from ctxpar.layers.step_description import StepDescription, slots_of
 

@@ -44,6 +44,9 @@ from ctxpar.layers.attention import torch_ops
 from ctxpar.layers.kv_quant import KVQuant
 
 Partials = tuple[torch.Tensor, torch.Tensor]  # out (L, H, out_dim), lse (L, H), float32
+# Keys a windowed caller may drop from the front of a prefill's keys, in whole runs, and keep
+# its queries' bits (the kernels' blocks stay where they were: attention_kernels.py).
+KEY_BLOCK_ALIGN = attn_kernels.KEY_BLOCK_ALIGN
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ctxpar.kernels.attention_kernels import KEY_BLOCK_ALIGN
-from ctxpar.layers.attention.backend import AttentionSpec, DecodeGroup
+from ctxpar.layers.attention.backend import KEY_BLOCK_ALIGN, AttentionSpec, DecodeGroup
 from ctxpar.layers.attention.torch_ops import concat_slots
 from ctxpar.layers.forward_context import DecodeBatch, ForwardContext
 
