@@ -13,8 +13,9 @@ picks per forward pass by the largest position in it, so a sequence's earlier ke
 by the short factors and its later queries by the long ones once it outgrows the original
 context, and a token's rotation depends on how far its sequence has got. ctxpar picks once, by
 the context the model is loaded for (``max_model_len``: ``RotaryEmbedding.fit_context``), as
-llama.cpp does by its context size (llama_model::get_rope_factors): every token of every
-sequence turns by the same table, its bits its own. The two agree wherever transformers sees a
+vLLM does (Phi3LongRoPEScaledRotaryEmbedding's ``use_long_rope``: max_model_len beyond the
+original context) and llama.cpp by its context size (llama_model::get_rope_factors): every
+token of every sequence turns by the same table, its bits its own. The two agree wherever transformers sees a
 whole sequence in one pass whose length is on the same side of the original context as
 ``max_model_len`` (short prompts with a max_model_len up to the original context, prompts longer
 than it with a larger one); a short prompt in a model loaded for a long context turns by the
