@@ -156,3 +156,17 @@ def test_dcp_keeps_its_bits_however_a_long_prompt_is_chunked(windowed) -> None:
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         outs.append((out.outputs[0].token_ids, out.outputs[0].logprobs, out.prompt_logprobs))
     assert outs[1] == outs[0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "int8"])
+def test_the_compiled_decode_loop_carries_each_layers_window(windowed, monkeypatch, kv_cache_dtype: str) -> None:
+    """Decode steps in the compiled loop (kernels/decode_loop.cpp, each layer's window in its
+    record) give the bits of the model's forward, past two windows (tests/models/test_compiled_decode.py)."""
+    from tests.models.test_compiled_decode import PARAMS, run
+
+    kw = dict(dtype="float32", quantization="none", kv_cache_dtype=kv_cache_dtype)
+    for name in ("mistral-v0.1", "qwen2"):
+        eager, eager_calls, _ = run(windowed[name], monkeypatch, enforce_eager=True, **kw)
+        compiled, compiled_calls, built = run(windowed[name], monkeypatch, **kw)
+        assert eager_calls == 0 and built and compiled_calls >= PARAMS.max_tokens - 1
+        assert compiled == eager, name
