@@ -357,7 +357,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
     for (int64_t m = 0; m < n; ++m)
       quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, zero,
                     xz ? xz + m * nb : nullptr, nullptr);
-    if (n >= tiles::DIRECT_ROWS) row_groups.fill(xq, xd, xs, xz, n, in);
+    if (n >= tiles::DIRECT_ROWS) row_groups.fill(xq, xd, xs, n, in, group);
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
       for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k)
         tiles::product(PartView<S>(parts[k]), zero, bits, group, in, out_features, xq, xd, xs, xz, row_groups, r0,

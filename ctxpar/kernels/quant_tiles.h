@@ -162,12 +162,15 @@ void columns(const S* m, int64_t stride, int64_t step, int64_t rows, int64_t col
 }
 
 // The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero);
-// zero 8 (Q4_0): the nibbles less 8, signed bytes as an 8-bit weight's.
+// zero 8 (Q4_0): the nibbles less 8, signed bytes as an 8-bit weight's; biased (8 bits):
+// w + 128 (the sign bit flipped), unsigned bytes as dpbusd's first operand takes them.
 template <typename S>
-void pack_q(const PartView<S>& w, int64_t bits, int64_t zero, int64_t in, int64_t o0, int64_t rows, Tile& tile) {
+void pack_q(const PartView<S>& w, int64_t bits, int64_t zero, bool biased, int64_t in, int64_t o0, int64_t rows,
+            Tile& tile) {
   const int64_t nb = in / QB;
   tile.q.resize(nb * 8 * T * 4);
   const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
+  const __m512i bias = _mm512_set1_epi8(char(biased ? 0x80 : 0));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
     const uint8_t* src = w.block(o0, b);
@@ -179,9 +182,9 @@ void pack_q(const PartView<S>& w, int64_t bits, int64_t zero, int64_t in, int64_
         _mm512_storeu_si512(q + 4 + j, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d[j], 4), low), z));
       }
     } else {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, d[j]);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, _mm512_xor_si512(d[j], bias));
       gather_dwords(src + 16, w.q_row, rows, d);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, d[j]);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, _mm512_xor_si512(d[j], bias));
     }
   }
 }
@@ -220,17 +223,18 @@ inline bool gathers_scales(const PartView<S>& w) {
 }
 
 // The activations as vnni_rows reads them, MR rows at a time (a row group): codes[group][b][j][m] the four codes 4j..4j+3 of block b of
-// row m of the group, and xd, xs, xz [group][b][m], so that a weight vector's MR
+// row m of the group, xd and xs [group][b][m], and sums [group][b][g][m] each group's
+// (of 16 or 32) sum of codes, so that a weight vector's MR
 // broadcasts read one line and a group's loads need one pointer each, not MR.
 struct RowGroups {
-  std::vector<int32_t> codes, xz;
+  std::vector<int32_t> codes, sums;
   std::vector<float> xd, xs;
   int64_t nb = 0;
 
-  // From the rows' codes xq (n, in) and their per-block values (n, in / 32) each (xz, xs
-  // may be null: no zero term, no offsets). Inside an OpenMP parallel region.
-  void fill(const int8_t* xq, const float* xd_rows, const float* xs_rows, const int32_t* xz_rows, int64_t n,
-            int64_t in) {
+  // From the rows' codes xq (n, in) and their per-block values (n, in / 32) each (xs may
+  // be null: no offsets), for the weight's groups of `group`. Inside an OpenMP parallel region.
+  void fill(const int8_t* xq, const float* xd_rows, const float* xs_rows, int64_t n, int64_t in, int64_t group) {
+    const int64_t per_block = QB / group;
 #pragma omp single
     {
       nb = in / QB;
@@ -239,7 +243,7 @@ struct RowGroups {
       codes.resize(groups * nb * 8 * MR);
       xd.resize(groups * nb * MR);
       xs.resize(xs_rows ? groups * nb * MR : 0);
-      xz.resize(xz_rows ? groups * nb * MR : 0);
+      sums.resize(groups * nb * per_block * MR);
     }
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < n; ++m) {
@@ -249,14 +253,17 @@ struct RowGroups {
         for (int64_t j = 0; j < 8; ++j) std::memcpy(c + (b * 8 + j) * MR, xq + m * in + b * QB + 4 * j, 4);
         xd[at + b * MR] = xd_rows[m * nb + b];
         if (xs_rows) xs[at + b * MR] = xs_rows[m * nb + b];
-        if (xz_rows) xz[at + b * MR] = xz_rows[m * nb + b];
+        for (int64_t g = 0; g < per_block; ++g) {
+          int32_t sum = 0;
+          for (int64_t i = 0; i < group; ++i) sum += xq[m * in + b * QB + g * group + i];
+          sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = sum;
+        }
       }
     }
   }
 };
 
-// Rows [first, first + R) of a row group against C tiles side by side (16 outputs each)
-// with VNNI: the tiles' nb blocks, which are blocks kb0.. of the rows, continuing `sums`
+// The first R rows of a row group against C tiles side by side (16 outputs each) with VNNI: the tiles' nb blocks, which are blocks kb0.. of the rows, continuing `sums`
 // (sums[m * C + c]: row m's accumulator of tile c over the blocks before), for G groups a
 // block (1: of 32, 2: of 16) and BITS-bit integers. Weight vector j of a block (the same
 // four weights of a tile's 16 outputs) is loaded once for the R rows, and each row's four
@@ -264,19 +271,20 @@ struct RowGroups {
 // keeps the loads from bounding the units. The R x C int32 sums are independent chains,
 // so the units take one or two a cycle while each waits out its latency; the float steps
 // come once per group. The template arguments let every loop unroll and keep the sums
-// and the accumulators in registers.
-// zero 8 on an unsigned tile (nibbles as stored): each group's sum starts from xz, -8 *
-// the sum of its codes, which makes it the integer AMX finds on the signed tile.
+// and (but for a few, at 8 x 2) the accumulators in registers.
+// zero: each group's sum starts from -zero x the sum of its codes: 8 on Q4_0's unsigned
+// tile (the nibbles as stored), the integer AMX finds on the signed tile; 128 on a biased
+// 8-bit tile (pack_q), the signed weights' integer.
 template <int C, int R, int G, int BITS>
-void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t first, int64_t kb0, int64_t nb,
-               bool zero, __m512* sums) {
+void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t kb0, int64_t nb, int32_t zero,
+               __m512* sums) {
   constexpr int D = 8 / G;  // dwords of a group
   const bool offsets = !tiles[0]->offsets.empty();
-  const int64_t at = group * rows.nb * MR + kb0 * MR + first;  // the group's block kb0, row `first`
-  const int32_t* codes = rows.codes.data() + (at - first) * 8 + first;
+  const int64_t at = group * rows.nb * MR + kb0 * MR;  // the group's block kb0
+  const int32_t* codes = rows.codes.data() + at * 8;
   const float* xd = rows.xd.data() + at;
   const float* xs = offsets ? rows.xs.data() + at : nullptr;
-  const int32_t* xz = zero ? rows.xz.data() + at : nullptr;
+  const int32_t* code_sums = rows.sums.data() + at * G;
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int m = 0; m < R; ++m)
@@ -289,8 +297,8 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m)
 #pragma GCC unroll 2
-        for (int c = 0; c < C; ++c)  // group 32: the block's
-          s[m][c] = G == 1 && zero ? _mm512_set1_epi32(xz[b * MR + m]) : _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c)
+          s[m][c] = zero ? _mm512_set1_epi32(-zero * code_sums[(b * G + g) * MR + m]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int j = g * D; j < (g + 1) * D; ++j) {
         __m512i w[C];
@@ -650,19 +658,18 @@ inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, cons
     _mm512_mask_storeu_ps(out + (m0 + m) * out_features + o0, keep, _mm512_add_ps(acc[m], b));
 }
 
-using VnniFn = void (*)(const Tile* const*, const RowGroups&, int64_t, int64_t, int64_t, int64_t, bool, __m512*);
-constexpr int PAIR_ROWS = 4;  // rows of a pass over two tiles: 4 x 2 sums and accumulators fill the registers
+using VnniFn = void (*)(const Tile* const*, const RowGroups&, int64_t, int64_t, int64_t, int32_t, __m512*);
 
-// vnni_rows over C tiles for 1..sizeof(R) rows (index: rows - 1), G groups a block, BITS-bit integers.
+// vnni_rows over C tiles for 1..MR rows (index: rows - 1), G groups a block, BITS-bit integers.
 template <int C, int G, int BITS, int... R>
 constexpr std::array<VnniFn, sizeof...(R)> vnni_table(std::integer_sequence<int, R...>) {
   return {vnni_rows<C, R + 1, G, BITS>...};
 }
 
 // vnni_table for each kind of tile: (4 bits, groups of 32), (4, 16), (8, 32), (8, 16).
-template <int C, int ROWS>
-std::array<std::array<VnniFn, ROWS>, 4> vnni_tables() {
-  constexpr auto rows = std::make_integer_sequence<int, ROWS>();
+template <int C>
+std::array<std::array<VnniFn, MR>, 4> vnni_tables() {
+  constexpr auto rows = std::make_integer_sequence<int, MR>();
   return {vnni_table<C, 1, 4>(rows), vnni_table<C, 2, 4>(rows), vnni_table<C, 1, 8>(rows), vnni_table<C, 2, 8>(rows)};
 }
 
@@ -673,8 +680,8 @@ template <typename S>
 void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, int64_t in, int64_t out_features,
              const int8_t* xq, const float* xd, const float* xs, const int32_t* xz, const RowGroups& row_groups,
              int64_t r0, int64_t r1, const float* bias, float* out) {
-  static const auto one_tile = vnni_tables<1, MR>();
-  static const auto two_tiles = vnni_tables<2, PAIR_ROWS>();
+  static const auto one_tile = vnni_tables<1>();
+  static const auto two_tiles = vnni_tables<2>();
   static thread_local Tile tiles[2];
   Tile& tile = tiles[0];
   const int64_t tiles_n = (w.rows + T - 1) / T;
@@ -723,6 +730,9 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
   // between slices: each row's float steps still run over its blocks in order, so the
   // bits are those of one pass.
   const int64_t slice = amx ? nb : SLICE_BLOCKS, side = amx ? 1 : 2;
+  // 8 bits without AMX: a biased tile, which vnni_rows takes as it takes nibbles (unsigned).
+  const bool biased = bits == 8 && !amx;
+  const int32_t tile_zero = signed_tile ? 0 : biased ? 128 : int32_t(zero);
   const Tile* const laid[2] = {&tiles[0], &tiles[1]};
   for (int64_t kb0 = 0; kb0 < nb; kb0 += slice) {
     const int64_t blocks = std::min(slice, nb - kb0), width = blocks * QB;
@@ -736,9 +746,9 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
       for (int64_t c = 0; c < c_n; ++c) {
         o0[c] = (p * side + c) * T, cols[c] = std::min(T, w.rows - o0[c]), keep[c] = __mmask16((1u << cols[c]) - 1);
         pack_columns(ws, group, width, o0[c], cols[c], tiles[c]);
-        pack_q(ws, bits, signed_tile ? zero : 0, width, o0[c], cols[c], tiles[c]);
+        pack_q(ws, bits, signed_tile ? zero : 0, biased, width, o0[c], cols[c], tiles[c]);
       }
-      const int64_t tile_bits = signed_tile ? 8 : bits;
+      const int64_t tile_bits = signed_tile || (bits == 8 && !biased) ? 8 : 4;  // 4: unsigned bytes
       int64_t m0 = r0;
 #if defined(CTXPAR_AMX)
       for (; amx && m0 + 16 <= r1; m0 += 16) {
@@ -749,15 +759,17 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
 #endif
       const int64_t kind = (tile_bits == 8 ? 2 : 0) + (group == QB ? 0 : 1);
       const VnniFn* rows_fn = c_n == 2 ? two_tiles[kind].data() : one_tile[kind].data();
-      const int64_t pass = c_n == 2 ? PAIR_ROWS : MR;  // m0 - r0: 16s, then passes that divide MR
-      for (; m0 < r1; m0 += pass) {
-        const int mr = int(std::min<int64_t>(pass, r1 - m0));
-        __m512 acc[MR];  // acc[m * c_n + c]
+      for (; m0 < r1; m0 += MR) {  // m0 - r0: 16s, so m0 starts a row group
+        const int mr = int(std::min<int64_t>(MR, r1 - m0));
+        __m512 acc[2 * MR];  // acc[m * c_n + c]
         for (int m = 0; m < mr; ++m)
           for (int64_t c = 0; c < c_n; ++c)
             acc[m * c_n + c] =
                 kb0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep[c], out + (m0 + m) * out_features + o0[c]);
-        rows_fn[mr - 1](laid, row_groups, m0 / MR, m0 % MR, kb0, blocks, !signed_tile && xz, acc);
+        for (int64_t m = m0 + MR; kb0 > 0 && m < std::min(r1, m0 + 2 * MR); ++m)  // the next group's sums
+          for (int64_t c = 0; c < c_n; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(out + m * out_features + o0[c]), _MM_HINT_T0);
+        rows_fn[mr - 1](laid, row_groups, m0 / MR, kb0, blocks, tile_zero, acc);
         for (int64_t c = 0; c < c_n; ++c) {
           __m512 tile_acc[MR];
           for (int m = 0; m < mr; ++m) tile_acc[m] = acc[m * c_n + c];
