@@ -190,3 +190,21 @@ def test_a_windowed_prompt_over_the_paged_cache_reads_whole_runs_of_keys(backend
     torch.testing.assert_close(outs[0].double(), want, **TOL)
     if backend is KERNELS:
         assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_rows_without_keys_weigh_nothing(backend: AttentionBackend) -> None:
+    """A DCP shard may hold no key of a row's window (dcp_metadata.py cuts it to none): out 0,
+    lse -inf, with other rows or alone."""
+    cache, _, entries = paged("float32", 16)
+    q = torch.randn(2, H, D)
+    spec = AttentionSpec(SCALE, 4)
+    out, lse = backend.gqa_decode(
+        q, cache, DecodeGroup(torch.arange(2), *concat_slots([torch.arange(0), torch.arange(3)])), spec, None
+    )
+    want, want_lse = masked_softmax(q[1:], entries[:3, 0], entries[:3, 1], torch.ones(1, 3, dtype=torch.bool), None)
+    torch.testing.assert_close(out[1:].double(), want, **TOL)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    empty = DecodeGroup(torch.arange(1), torch.zeros(0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    out, lse = backend.gqa_decode(q[:1], cache, empty, spec, None)
+    assert (out == 0).all() and (lse == float("-inf")).all()
