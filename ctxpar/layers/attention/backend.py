@@ -222,8 +222,6 @@ class TorchBackend:
     def gqa_decode(
         self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup, spec: AttentionSpec, quant: KVQuant | None
     ) -> Partials:
-        if group.slots.numel() == 0:  # a DCP shard holding no key of any row's window
-            return _no_keys(q, q.shape[-1])
         table, lengths = group.padded
         if quant is None:
             k, v = torch_ops.gather_paged_kv(cache, table)  # (B, Hk, S, D) each
@@ -242,8 +240,6 @@ class TorchBackend:
         spec: AttentionSpec,
         quant: KVQuant | None,
     ) -> Partials:
-        if group.slots.numel() == 0:
-            return _no_keys(q, value_dim)
         table, lengths = group.padded
         B, S = table.shape
         rows = cache.index_select(0, table.view(-1))
@@ -363,13 +359,6 @@ def _windowed(spec: AttentionSpec, firsts: torch.Tensor | None) -> torch.Tensor 
     if spec.window is not None and firsts is None:
         raise ValueError("a partial of a windowed layer needs each query's first key (firsts)")
     return firsts
-
-
-def _no_keys(q: torch.Tensor, width: int) -> Partials:
-    """The partials of one-query rows (B, H, .) that see no key: out 0 (B, H, width), lse -inf."""
-    B, H = q.shape[:2]
-    out = torch.zeros(B, H, width, dtype=torch.float32, device=q.device)
-    return out, torch.full((B, H), float("-inf"), device=q.device)
 
 
 def _variant(spec: AttentionSpec) -> tuple[float, int | None, float | None]:

@@ -186,8 +186,11 @@ def padded_slot_table(slots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.
     """Rows' cache slots, back to back in ``slots`` (row b's at
     [starts[b], starts[b+1])), as one (B, S_max) table; a short row repeats its
     last slot (a real, written entry, so padding reads finite values that the
-    mask then drops). Returns the table and the lengths (B,). Every row has a slot."""
+    mask then drops). Returns the table and the lengths (B,); a row without slots is padded
+    with one from another row, or slot 0 where none has any."""
     lengths = starts[1:] - starts[:-1]
+    if slots.numel() == 0:  # no row has a key (a DCP shard holding none of any row's window)
+        return torch.zeros(len(lengths), 1, dtype=slots.dtype, device=slots.device), lengths  # one masked slot
     cols = torch.arange(int(lengths.max()), device=slots.device)
     idx = starts[:-1, None] + torch.minimum(cols[None, :], lengths[:, None] - 1)
     return slots[idx], lengths
