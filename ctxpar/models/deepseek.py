@@ -16,17 +16,18 @@ Differences between the two, as transformers implements them:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from ctxpar.errors import CtxparError
 from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.linear import Weight, can_pack, linear, pack_linears, pack_weight, packed
+from ctxpar.layers.linear import Linear, Weight, can_pack, linear, pack_linears, pack_weight, packed
 from ctxpar.layers.mla import MLAttention
 from ctxpar.layers.moe import GatedMLP, MoE, TopkRouter
 from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding
 
 
@@ -178,8 +179,22 @@ class _DeepseekForCausalLM(nn.Module):
         return self.config.num_hidden_layers <= int(m.group(1)) < self.config.num_hidden_layers + n_mtp
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named(self, ((n, t) for n, t in weights if not self._ignored(n)))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]]) -> None:
+        """The checkpoint's tensors (``load_named``); a quantized one (a GGUF's blocks kept, or
+        int8 at load) in place of its projection's weight (``_place_quantized``)."""
+        load_named(self, ((n, t) for n, t in weights if not self._ignored(n)), self._place_quantized)
+
+    def _place_quantized(self, name: str, weight: QuantWeight | MappedBlocks) -> bool:
+        """``weight`` as the weight of projection ``name`` (``linear`` computes with it where it
+        lies, as the Llama model's are): an expert's, a dense MLP's, attention's but kv_b_proj (whose
+        per-head halves MLAttention.pack takes as floats). False for another (the embeddings, the
+        lm_head, kv_b_proj: dequantized into their parameters)."""
+        owner = self.get_submodule(name.removesuffix(".weight"))
+        if not isinstance(owner, Linear) or name.endswith("kv_b_proj.weight"):
+            return False
+        delattr(owner, "weight")
+        setattr(owner, "weight", join([weight]))
+        return True
 
 
 def pack_projections(module: nn.Module) -> None:
@@ -211,14 +226,19 @@ def split_fused(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor
 
 
 @torch.no_grad()
-def load_named(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into ``module``'s parameters of the same names; raises
-    CtxparError naming every missing or unexpected weight and any shape mismatch."""
+def load_named(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]],
+    place: Callable[[str, QuantWeight | MappedBlocks], bool] | None = None,
+) -> None:
+    """Copy checkpoint tensors into ``module``'s parameters of the same names (a quantized one
+    placed by ``place`` where it takes it, else dequantized); raises CtxparError naming every
+    missing or unexpected weight and any shape mismatch."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     for hf_name, tensor in weights:
-        for name, t in split_fused(hf_name, tensor):
+        for name, t in split_fused(hf_name, tensor) if isinstance(tensor, torch.Tensor) else [(hf_name, tensor)]:
             p = params.get(name)
             if p is None:
                 unexpected.append(name)
@@ -228,7 +248,10 @@ def load_named(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
                     f"{type(module).__name__}: weight {name} has shape {tuple(t.shape)}, "
                     f"the config implies {tuple(p.shape)}"
                 )
-            p.copy_(t.to(p.dtype))
+            if isinstance(t, torch.Tensor):
+                p.copy_(t.to(p.dtype))
+            elif place is None or not place(name, t):
+                p.copy_(t.dequantize().to(p.dtype))
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if unexpected or missing:

@@ -85,15 +85,12 @@ def load_model(
     max_model_len: int | None = None,
     hf_overrides: dict[str, Any] | None = None,
     quantization: str | None = None,
-    detected: bool = False,
 ) -> LoadedModel:
     """Load the model at `path` (HF directory, .gguf file, or None for the default model),
     its config changed by ``hf_overrides`` (ctxpar/hf_overrides.py). quantization:
     None dequantizes a GGUF to the dtype; "gguf" keeps its blocks quantized;
     "int8" quantizes the projection weights at load (both CPU only: the kernels
-    are ctxpar/kernels/quant_gemv.cpp). ``detected``: "gguf" is the default a .gguf file
-    gets, not asked for, so a model that computes on float weights only (DeepSeek's MLA)
-    dequantizes the file instead of refusing it."""
+    are ctxpar/kernels/quant_gemv.cpp)."""
     if quantization is not None and torch.device(device).type != "cpu":
         raise CtxparError(
             f"quantization={quantization!r} computes with CPU kernels; device {device} cannot: leave "
@@ -138,7 +135,6 @@ def load_model(
             gguf_file=gguf_path,
             keep_quantized=quantization == "gguf",
             int8=quantization == "int8",
-            blocks_optional=detected,
         )
     finally:
         if temporary:
@@ -197,18 +193,14 @@ def _load_hf_dir(
     gguf_file: Path | None = None,
     keep_quantized: bool = False,
     int8: bool = False,
-    blocks_optional: bool = False,
 ) -> LoadedModel:
     """Load an HF directory; `shown` is the path named in errors (the GGUF a cached dir came from);
     `gguf_file`: the GGUF the weights are read from (mapped), `d` holding only its config and
     tokenizer; `keep_quantized`: its block-quantized tensors kept as blocks;
-    int8: quantize the projection weights as they are read (``int8_weights``); ``blocks_optional``:
-    a model that cannot keep blocks loads the floats instead (``load_model``'s ``detected``)."""
+    int8: quantize the projection weights as they are read (``int8_weights``)."""
     shown = shown or d
     config = _read_config(d, shown, hf_overrides)
     cls = model_class_for_config(config)
-    if keep_quantized and blocks_optional and not hasattr(cls, "_place_quantized"):
-        keep_quantized = False
     if (keep_quantized or int8) and not hasattr(cls, "_place_quantized"):
         raise CtxparError(
             f"quantized weights run in Llama-style models (Llama, Qwen, SmolLM2); {shown} is a {cls.__name__}: "

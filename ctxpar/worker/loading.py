@@ -39,13 +39,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
         torch.set_num_threads(threads)
     dtype = torch_dtype(config.dtype)
     loaded = load_model(
-        config.model,
-        dtype,
-        device,
-        config.max_model_len,
-        config.hf_overrides,
-        config.weight_quantization,
-        detected=config.quantization is None,
+        config.model, dtype, device, config.max_model_len, config.hf_overrides, config.weight_quantization
     )
     model = loaded.model
     per_token = kv_bytes_per_token_per_layer(
