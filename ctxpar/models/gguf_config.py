@@ -1,7 +1,8 @@
 """A GGUF file's model description (ctxpar/model_args.py) from its metadata, as
 llama.cpp's converter (convert_hf_to_gguf.py) writes it: the architecture, the
-shapes, the rope (base, and Llama 3's scaling from the ``rope_freqs`` tensor),
-the experts (Qwen-MoE), the token ids; and the check that every tensor is of a type ctxpar reads."""
+shapes, the rope (base; Llama 3's scaling from the ``rope_freqs`` tensor, Phi-3's longrope from
+``rope_factors_short``/``_long``), the experts (Qwen-MoE; DeepSeek's MLA and router: gguf_mla.py),
+the token ids; and the check that every tensor is of a type ctxpar reads."""
 
 from __future__ import annotations
 
