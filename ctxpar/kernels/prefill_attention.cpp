@@ -3,9 +3,9 @@
 // (every query sees every key), or with a key count per query (query i sees
 // keys 0 .. counts[i] - 1: DCP's shards, whose keys up to a query's position
 // are a prefix of the shard), grouped-query heads, fp32. A sliding window gives
-// each query its first key too (firsts[i]: it sees keys firsts[i] .., never fewer
-// than none), and a soft cap passes each scaled logit through cap · tanh(x / cap)
-// (online_softmax.h). Flash attention's blocking, with register-tiled inner products:
+// each query its first key too (query i sees no key before firsts[i]; one left no
+// key gets out 0, lse -inf), and a soft cap passes each scaled logit through
+// cap · tanh(x / cap) (online_softmax.h). Flash attention's blocking, with register-tiled inner products:
 //
 //   for each (KV head h, block of BQ queries)            <- one task
 //     Q block: BQ queries x g heads = M rows, scaled      (packed, M x D)
