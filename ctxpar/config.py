@@ -30,9 +30,10 @@ BLOCK_ID_BYTES = 40
 CP_INTERLEAVE = 1
 DEVICES = ("auto", "cpu", "cuda")  # "auto": cuda when available
 PCP_SPLIT_MODES = ("auto", "all", "disjoint", "whole")  # pcp_split_mode (ctxpar/costmodel/policy.py)
-# The KV cache's storage (vLLM's spellings, plus "int8"): "auto" keeps the model's dtype;
-# the others are 1-byte codes with a float32 scale per token per head (ctxpar/layers/kv_quant.py).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# The KV cache's storage (vLLM's spellings, plus "int8" and "model"): "model" keeps the model's
+# dtype; the codes are 1 byte with a float32 scale per token per head (ctxpar/layers/kv_quant.py);
+# "auto" is resolved by EngineConfig to one of the others (kv_cache_dtype_for).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "model")
 QUANTIZATIONS = ("gguf", "int8", "none")  # what loading does with the weights (EngineConfig.quantization)
 DCP_GATHER_RATIO_DEPRECATED = (
     "dcp_gather_ratio (--dcp-gather-ratio) is deprecated and has no effect: under DCP every query reaches "
@@ -73,10 +74,12 @@ class EngineConfig:
     kv_cache_bytes: int = knob(
         1 << 30, "KV-cache bytes per rank when --num-kv-blocks is not given", "BYTES", range=Range(1)
     )
+    # Stored resolved (never "auto") once validated: kv_cache_dtype_for.
     kv_cache_dtype: str = knob(
         "auto",
-        "KV-cache storage: auto (the model's dtype), or 1 byte a value with a float32 scale per token per "
-        "head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (about 4x the tokens of a float32 cache)",
+        "KV-cache storage: model (the model's dtype), or 1 byte a value with a float32 scale per token per "
+        "head: int8, fp8 (= fp8_e4m3), fp8_e5m2 (about 4x the tokens of a float32 cache); auto (default): "
+        "int8 for a float32 model with quantized weights on the CPU (a GGUF kept, or int8), else model",
         choices=KV_CACHE_DTYPES,
     )
     max_num_seqs: int = knob(64, "most requests running at once", "N", range=Range(1))
@@ -231,6 +234,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         self._check_quantization()
+        kv_cache_dtype = kv_cache_dtype_for(self.kv_cache_dtype, self.dtype, self.weight_quantization)
+        object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype)
         if self.speculative_config is not None and self.speculative_config.method == "mtp":
             # The mtp layer's KV at a position is computed from the target's hidden state
             # there, which a prefix-cache hit never computes: with mtp, prompts are computed.
@@ -295,3 +300,17 @@ class EngineConfig:
                 f"cp_interleave={self.cp_interleave} does not divide block_size={self.block_size}: a KV block "
                 f"must hold whole interleave runs; use one of {divisors}, or change block_size"
             )
+
+
+def kv_cache_dtype_for(kv_cache_dtype: str, dtype: str, weight_quantization: str | None) -> str:
+    """The KV cache's storage that ``kv_cache_dtype`` means for a model computing in ``dtype``
+    (canonical) with these weights (EngineConfig.weight_quantization): itself, or for "auto"
+    "int8" where the weights are quantized (only ever on the CPU) and the activations float32,
+    else "model". An int8 cache is the smallest whose perplexity stays within 0.3% of a float32
+    cache's on real prose and code, at a quarter of its bytes, so a decode step reads less and
+    prefill is no slower (docs/benchmarks.md, "Quantized KV caches with turned heads"); its
+    kernels take float32 queries. Float32 weights keep the exact path whole (the model's
+    dtype), and a GPU keeps the cache it was measured with."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "int8" if weight_quantization is not None and dtype == "float32" else "model"

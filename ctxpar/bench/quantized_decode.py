@@ -14,10 +14,12 @@ the engine) against the floor of the weights' bytes: the part of a step that
 the weights' format decides; the rest of a step (attention, norms, the
 engine's host work) is the same for every format.
 
-``--kv-cache-dtypes auto int8 fp8`` runs each setup with each KV-cache storage
+``--kv-cache-dtypes model int8 fp8`` runs each setup with each KV-cache storage
 (ctxpar/layers/kv_quant.py), one engine each, their runs interleaved, and adds
-each step's ratio to the same weights' first storage (auto): after 2048 tokens
-the KV cache is the part of a step's bytes that quantizing it shrinks.
+each step's ratio to the same weights' first storage (default: model, the
+unquantized cache; "auto" is what the engine picks for the setup, EngineConfig):
+after 2048 tokens the KV cache is the part of a step's bytes that quantizing it
+shrinks.
 ``--perplexity N`` adds each engine's perplexity of N tokens of real English and
 real code through ``prompt_logprobs`` (ctxpar/bench/perplexity.py), against the
 same weights with the first storage: what quantizing the KV cache costs in quality.
@@ -61,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtypes",
         nargs="+",
         choices=KV_CACHE_DTYPES,
-        default=["auto"],
-        help="KV-cache storages, each setup with each (default: auto); the first is the ratios' baseline",
+        default=["model"],
+        help="KV-cache storages, each setup with each (default: model); the first is the ratios' baseline",
     )
     p.add_argument(
         "--eager",

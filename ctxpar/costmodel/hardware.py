@@ -46,8 +46,9 @@ class HardwareProfile:
     link_latency_s: float  # per collective step between CP ranks
     weight_dtype: str = "bf16"
     activation_dtype: str = "bf16"  # KV cache, queries, activations exchanged
-    # The KV cache's dtype (EngineConfig.kv_cache_dtype): "auto" stores the activation
-    # dtype; int8 / fp8 store a byte a value and a scale per head (ModelShape.kv_bytes).
+    # The KV cache's dtype (EngineConfig.kv_cache_dtype): "auto" (a profile's own) and
+    # "model" (an engine's, resolved) store the activation dtype; int8 / fp8 store a byte
+    # a value and a scale per head (ModelShape.kv_bytes).
     kv_cache_dtype: str = "auto"
     gemm_efficiency: float = 1.0
     attention_efficiency: float = 1.0
@@ -264,7 +265,7 @@ class HardwareProfile:
         """Bytes/s at which a decode step reads its KV cache: the paged decode kernel's
         measured rate where the profile has one for this cache (the activation dtype's,
         "auto"), else the memory rate."""
-        measured = self.kv_read_bandwidth if self.kv_cache_dtype == "auto" else 0.0
+        measured = self.kv_read_bandwidth if self.kv_cache_dtype in ("auto", "model") else 0.0
         return measured or self.memory_rate
 
     def link_time(self, nbytes: float, steps: int = 1) -> float:

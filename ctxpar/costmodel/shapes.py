@@ -94,9 +94,9 @@ class ModelShape:
 
     def kv_bytes(self, kv_cache_dtype: str, act_bytes: float) -> float:
         """Bytes one token's entry takes in one layer's KV cache: its values at
-        ``act_bytes`` ("auto"), or a quantized row: a byte a value, padded to 4, and a
-        float32 scale per run (ctxpar.layers.kv_quant.KVQuant.row_bytes)."""
-        if kv_cache_dtype == "auto":
+        ``act_bytes`` ("auto": a profile's own; "model": an engine's), or a quantized row: a
+        byte a value, padded to 4, and a float32 scale per run (ctxpar.layers.kv_quant.KVQuant.row_bytes)."""
+        if kv_cache_dtype in ("auto", "model"):
             return self.kv_entries_per_token * act_bytes
         return -(-self.kv_entries_per_token // 4) * 4 + 4 * self.kv_scale_runs
 

@@ -1,6 +1,7 @@
 """A quantized KV cache: each token's entry stored as 1-byte codes and float32 scales.
 
-``kv_cache_dtype`` (vLLM's spellings, plus llama.cpp's q8_0 idea as "int8"):
+``kv_cache_dtype`` (vLLM's spellings, plus llama.cpp's q8_0 idea as "int8"; the
+engine's default on the CPU for a float32 model with quantized weights, ctxpar/config.py):
 
 - "int8": codes round(x / s) in [-127, 127], s = max|x| / 127;
 - "fp8" = "fp8_e4m3", "fp8_e5m2": codes (x / s) rounded to float8, s = max|x| / the
@@ -60,8 +61,9 @@ class KVQuant:
 
     @classmethod
     def of(cls, kv_cache_dtype: str, entry_shape: tuple[int, ...], runs: tuple[int, ...]) -> KVQuant | None:
-        """The format of ``kv_cache_dtype`` (validated by EngineConfig); None for "auto"."""
-        if kv_cache_dtype == "auto":
+        """The format of ``kv_cache_dtype`` (validated and resolved by EngineConfig); None for
+        "model" (the model's dtype)."""
+        if kv_cache_dtype == "model":
             return None
         assert sum(runs) == math.prod(entry_shape), (runs, entry_shape)
         return cls(CODE_DTYPES[kv_cache_dtype], tuple(entry_shape), tuple(runs))
@@ -139,7 +141,7 @@ def default_runs(entry_shape: tuple[int, ...]) -> tuple[int, ...]:
 def kv_bytes_per_token_per_layer(
     entry_shape: tuple[int, ...], runs: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str
 ) -> int:
-    """Bytes one token's entry takes in one layer's cache: model dtype for "auto", else a quantized row."""
+    """Bytes one token's entry takes in one layer's cache: the model's dtype for "model", else a quantized row."""
     quant = KVQuant.of(kv_cache_dtype, entry_shape, runs)
     if quant is None:
         return math.prod(entry_shape) * torch.empty((), dtype=dtype).element_size()

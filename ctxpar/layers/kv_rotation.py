@@ -19,8 +19,8 @@ take one, the keys and values the other, so every scaling is exact, and the kern
 many tokens a call holds (ranks, steps and the compiled decode loop agree).
 
 Measured (docs/benchmarks.md, "Quantized KV caches with turned heads"): on 2048 tokens of
-English, fp8_e4m3's perplexity is 0.46% above the unquantized cache's with the turn and
-1.06% above it without.
+English, fp8_e4m3's perplexity is about 0.5% above the unquantized cache's with the turn
+and about 1% above it without.
 """
 
 from __future__ import annotations

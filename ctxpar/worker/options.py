@@ -46,7 +46,7 @@ class RunnerOptions:
     num_blocks: int
     block_size: int
     dtype: torch.dtype = torch.float32
-    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: the cache's storage
+    kv_cache_dtype: str = "model"  # EngineConfig.kv_cache_dtype (resolved): the cache's storage
     pcp_min_tokens: int = 0
     dcp_size: int = 1
     cp_interleave: int = 1

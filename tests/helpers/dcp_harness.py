@@ -35,7 +35,7 @@ class Job:
     dcp_size: int = 1  # run_groups sets it to each group's size
     cp_interleave: int = 1
     pcp_min_tokens: int = 0
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "model"
 
 
 @dataclass

@@ -33,7 +33,7 @@ def single_sequence_context(kv_caches: list[torch.Tensor], start: int, length: i
 class SingleSequence:
     """Feeds one sequence through a CausalLM chunk by chunk with a flat KV cache."""
 
-    def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, model, max_len: int, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "model") -> None:
         from ctxpar.layers.kv_quant import KVQuant
         from ctxpar.worker.kv_cache_allocation import allocate_kv_caches
 

@@ -73,8 +73,8 @@ def test_scales_span_the_codes_and_dequantize_reads_the_bytes(name, shape, runs)
 def test_bytes_per_token() -> None:
     """SmolLM2's entry (2, 3, 64): 384 codes and 6 scales, against 1536 bytes in fp32."""
     shape = (2, 3, 64)
-    assert kv_bytes_per_token_per_layer(shape, default_runs(shape), torch.float32, "auto") == 1536
-    assert kv_bytes_per_token_per_layer(shape, default_runs(shape), torch.bfloat16, "auto") == 768
+    assert kv_bytes_per_token_per_layer(shape, default_runs(shape), torch.float32, "model") == 1536
+    assert kv_bytes_per_token_per_layer(shape, default_runs(shape), torch.bfloat16, "model") == 768
     for name in ("int8", "fp8", "fp8_e5m2"):
         assert kv_bytes_per_token_per_layer(shape, default_runs(shape), torch.float32, name) == 384 + 6 * 4
     # MLA (DeepSeek-V3): 512 + 64 codes, two scales.
@@ -82,7 +82,8 @@ def test_bytes_per_token() -> None:
 
 
 def test_unknown_kv_cache_dtype_names_the_allowed_ones() -> None:
-    with pytest.raises(CtxparError, match=r"kv_cache_dtype must be one of 'auto', 'fp8', .*'int8', got 'q4_0'"):
+    allowed = r"'auto', 'fp8', .*'int8', 'model'"
+    with pytest.raises(CtxparError, match=rf"kv_cache_dtype must be one of {allowed}, got 'q4_0'"):
         EngineConfig(kv_cache_dtype="q4_0")
 
 

@@ -40,10 +40,10 @@ def run(path, monkeypatch, **kwargs) -> tuple[list, int, bool]:
 @pytest.mark.parametrize(
     "model, quantization, kv_cache_dtype",
     [
-        ("llama", None, "auto"),
+        ("llama", None, "model"),
         ("llama", "int8", "int8"),
         ("qwen2", None, "fp8_e4m3"),
-        ("llama3_rope", "int8", "auto"),
+        ("llama3_rope", "int8", "model"),
     ],
 )
 def test_compiled_steps_are_the_forward_bits(tiny_model_dirs, monkeypatch, model, quantization, kv_cache_dtype):

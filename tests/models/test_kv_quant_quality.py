@@ -51,7 +51,7 @@ def test_perplexity_close_to_the_unquantized_cache() -> None:
     with LLM(max_model_len=512) as llm:
         model, ids = llm.engine.loaded.model, llm.get_tokenizer().encode(GETTYSBURG)
         assert len(ids) > 300
-        base = perplexity(model, ids, "auto")
+        base = perplexity(model, ids, "model")
         for kv_cache_dtype, tolerance in (("int8", 0.01), ("fp8", 0.02)):
             got = perplexity(model, ids, kv_cache_dtype)
             assert got != base  # the cache is quantized

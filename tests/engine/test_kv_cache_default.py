@@ -1,0 +1,56 @@
+"""The KV cache's default storage (EngineConfig.kv_cache_dtype "auto", ctxpar/config.py):
+int8 for a float32 model with quantized weights on the CPU (the default SmolLM2 GGUF kept),
+the model's dtype otherwise; the README's table says the same."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ctxpar import LLM, SamplingParams
+from ctxpar.config import EngineConfig, kv_cache_dtype_for
+from ctxpar.layers.kv_quant import KVQuant
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        ({}, "int8"),  # the default GGUF, its blocks kept, float32 activations
+        ({"quantization": "int8"}, "int8"),
+        ({"quantization": "none"}, "model"),  # float32 weights: the exact path keeps a float32 cache
+        ({"dtype": "bfloat16"}, "model"),  # the quantized cache's kernels take float32 queries
+        ({"kv_cache_dtype": "model"}, "model"),
+        ({"kv_cache_dtype": "fp8"}, "fp8"),
+        ({"quantization": "none", "kv_cache_dtype": "int8"}, "int8"),
+    ],
+)
+def test_auto_is_resolved_once_by_the_config(kwargs, want) -> None:
+    assert EngineConfig(device="cpu", **kwargs).kv_cache_dtype == want
+
+
+def test_a_gpu_keeps_the_models_dtype() -> None:
+    """Weights are never quantized on a GPU (EngineConfig refuses it), so "auto" keeps its cache as it was."""
+    assert kv_cache_dtype_for("auto", "float32", None) == "model"
+    assert kv_cache_dtype_for("auto", "bfloat16", None) == "model"
+
+
+def test_the_readme_names_the_default() -> None:
+    rows = [line for line in README.read_text().splitlines() if line.startswith('| `"auto"` (default)')]
+    assert len(rows) == 1, rows
+    assert re.search(r"\bint8\b", rows[0]) and "quantized weights" in rows[0], rows[0]
+
+
+def test_the_default_engine_stores_int8_rows_and_generates() -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(max_model_len=64) as llm:
+        engine = llm.engine
+        assert engine is not None
+        model = engine.loaded.model
+        want = KVQuant.of("int8", tuple(model.kv_entry_shape), tuple(model.kv_scale_runs))
+        assert want is not None and engine.kv_bytes_per_token_per_layer == want.row_bytes
+        out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
