@@ -351,13 +351,16 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   int32_t* xz = zero ? xz_buf.data() : nullptr;
   static thread_local tiles::RowGroups row_groups_buf;
   tiles::RowGroups& row_groups = row_groups_buf;  // the codes as the VNNI loop reads them
+  const bool grouped = n >= tiles::DIRECT_ROWS;  // fewer: a decode step's direct reads
+  if (grouped) row_groups.resize(n, in, group, true);
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < n; ++m)
+    for (int64_t m = 0; m < n; ++m) {
       quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, zero,
                     xz ? xz + m * nb : nullptr, nullptr);
-    if (n >= tiles::DIRECT_ROWS) row_groups.fill(xq, xd, xs, n, in, group);
+      if (grouped) row_groups.set_row(m, xq + m * in, xd + m * nb, xs + m * nb, group);
+    }
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
       for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k)
         tiles::product(PartView<S>(parts[k]), zero, bits, group, in, out_features, xq, xd, xs, xz, row_groups, r0,

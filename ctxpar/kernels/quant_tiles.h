@@ -222,48 +222,47 @@ inline bool gathers_scales(const PartView<S>& w) {
   return w.s_col != 1 && w.s_row < far && (!w.o || (w.o_col != 1 && w.o_row < far));
 }
 
-// The activations as vnni_rows reads them, MR rows at a time (a row group): codes[group][b][j][m] the four codes 4j..4j+3 of block b of
-// row m of the group, xd and xs [group][b][m], and sums [group][b][g][m] each group's
-// (of 16 or 32) sum of codes, so that a weight vector's MR
-// broadcasts read one line and a group's loads need one pointer each, not MR.
+// The activations as vnni_rows reads them, MR rows at a time (a row group):
+// codes[group][b][j][m] the four codes 4j..4j+3 of block b of row m of the group, xd and
+// xs [group][b][m], and sums [group][b][g][m] each group's (of 16 or 32) sum of codes, so
+// that a weight vector's MR broadcasts read one line and a group's loads need one
+// pointer each, not MR.
 struct RowGroups {
   std::vector<int32_t> codes, sums;
   std::vector<float> xd, xs;
   int64_t nb = 0;
 
-  // From the rows' codes xq (n, in) and their per-block values (n, in / 32) each (xs may
-  // be null: no offsets), for the weight's groups of `group`. Inside an OpenMP parallel region.
-  void fill(const int8_t* xq, const float* xd_rows, const float* xs_rows, int64_t n, int64_t in, int64_t group) {
-    const int64_t per_block = QB / group;
-#pragma omp single
-    {
-      nb = in / QB;
-      const int64_t groups = (n + MR - 1) / MR;
-      // (a last group's rows past n are never read: vnni_rows takes the rows there are)
-      codes.resize(groups * nb * 8 * MR);
-      xd.resize(groups * nb * MR);
-      xs.resize(xs_rows ? groups * nb * MR : 0);
-      sums.resize(groups * nb * per_block * MR);
-    }
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < n; ++m) {
-      int32_t* c = codes.data() + (m / MR) * nb * 8 * MR + m % MR;
-      const int64_t at = (m / MR) * nb * MR + m % MR;
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t j = 0; j < 8; ++j) std::memcpy(c + (b * 8 + j) * MR, xq + m * in + b * QB + 4 * j, 4);
-        xd[at + b * MR] = xd_rows[m * nb + b];
-        if (xs_rows) xs[at + b * MR] = xs_rows[m * nb + b];
-        for (int64_t g = 0; g < per_block; ++g) {
-          int32_t sum = 0;
-          for (int64_t i = 0; i < group; ++i) sum += xq[m * in + b * QB + g * group + i];
-          sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = sum;
-        }
+  // Room for n rows of `in` codes, for the weight's groups of `group`, and the row
+  // group's values of no rows yet (set_row fills each row, on any thread).
+  void resize(int64_t n, int64_t in, int64_t group, bool offsets) {
+    nb = in / QB;
+    const int64_t groups = (n + MR - 1) / MR;
+    // (a last group's rows past n are never read: vnni_rows takes the rows there are)
+    codes.resize(groups * nb * 8 * MR);
+    xd.resize(groups * nb * MR);
+    xs.resize(offsets ? groups * nb * MR : 0);
+    sums.resize(groups * nb * (QB / group) * MR);
+  }
+
+  // Row m's codes q (in) and per-block values (in / 32; xs null: no offsets).
+  void set_row(int64_t m, const int8_t* q, const float* row_xd, const float* row_xs, int64_t group) {
+    const int64_t per_block = QB / group, at = (m / MR) * nb * MR + m % MR;
+    int32_t* c = codes.data() + (m / MR) * nb * 8 * MR + m % MR;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t j = 0; j < 8; ++j) std::memcpy(c + (b * 8 + j) * MR, q + b * QB + 4 * j, 4);
+      xd[at + b * MR] = row_xd[b];
+      if (row_xs) xs[at + b * MR] = row_xs[b];
+      for (int64_t g = 0; g < per_block; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < group; ++i) sum += q[b * QB + g * group + i];
+        sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = sum;
       }
     }
   }
 };
 
-// The first R rows of a row group against C tiles side by side (16 outputs each) with VNNI: the tiles' nb blocks, which are blocks kb0.. of the rows, continuing `sums`
+// The first R rows of a row group against C tiles side by side (16 outputs each) with
+// VNNI: the tiles' nb blocks, which are blocks kb0.. of the rows, continuing `sums`
 // (sums[m * C + c]: row m's accumulator of tile c over the blocks before), for G groups a
 // block (1: of 32, 2: of 16) and BITS-bit integers. Weight vector j of a block (the same
 // four weights of a tile's 16 outputs) is loaded once for the R rows, and each row's four
@@ -738,7 +737,9 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
     const int64_t blocks = std::min(slice, nb - kb0), width = blocks * QB;
     const bool last = kb0 + blocks == nb;
     const PartView<S> ws = w.from_block(kb0, group);
-#pragma omp for schedule(static)
+    // No barrier between slices: a static schedule of as many pairs gives each thread
+    // the same pairs in every slice, so a thread reads back the sums it stored.
+#pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < (tiles_n + side - 1) / side; ++p) {
       const int64_t c_n = std::min(side, tiles_n - p * side);
       int64_t o0[2], cols[2];
@@ -782,6 +783,7 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
       }
     }
   }
+#pragma omp barrier
 #if defined(CTXPAR_AMX)
   if (amx) _tile_release();  // the thread's tile state back to init, as the next user expects
 #endif
