@@ -198,8 +198,9 @@ def test_the_router_is_read_from_the_gating_function_and_the_bias() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", FAMILIES)
-def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str) -> None:
-    """P = 2: the bits of P = 1, though each rank routes other tokens beside a token's. P = D = 2:
-    the same tokens, logprobs within DCP_TOL (tests/engine/test_same_bits.py's bound)."""
-    assert_ranks_give_the_bits_of_one(str(families[name][1]["f32"]))
+@pytest.mark.parametrize("name, outtype", [("v2", "f32"), ("v3", "f32"), ("v2", "q8_0")])
+def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str, outtype: str) -> None:
+    """P = 2: the bits of P = 1, though each rank routes other tokens beside a token's (Q8_0: its
+    blocks kept, the default for a .gguf file). P = D = 2: the same tokens, logprobs within DCP_TOL
+    (tests/engine/test_same_bits.py's bound)."""
+    assert_ranks_give_the_bits_of_one(str(families[name][1][outtype]))
