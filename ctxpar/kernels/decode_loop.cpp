@@ -9,8 +9,9 @@
 // tests compare the two).
 //
 // Per layer, h (n, hidden) the residual stream:
-//   x = rms_norm(h); qkv = x W_qkv^T (+b); rope(q, k); [a quantized cache: turn q, k, v];
-//   K, V -> cache slots; a = attention(q, cache) [turned back]; o = a W_o^T (+b); x = rms_norm(h += o);
+//   x = rms_norm(h); qkv = x W_qkv^T (+b); [Qwen3: rms_norm of each Q and K head]; rope(q, k);
+//   [a quantized cache: turn q, k, v]; K, V -> cache slots; a = attention(q, cache) [turned back];
+//   o = a W_o^T (+b); x = rms_norm(h += o);
 //   h += down(silu(gate) * up), gate|up = x W_gu^T (+b)
 // Projections are block-quantized (quant_gemv.cpp) or fp32 panels (gemv.cpp); the
 // cache fp32 entries or quantized rows (kv_quantize.cpp, kv_codes.h).
@@ -24,6 +25,8 @@
 extern "C" {
 void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n, int64_t dim,
                   float eps, float* out);
+void rms_norm_heads_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, const float* weight, int64_t dim,
+                        float eps);
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin);
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
@@ -62,6 +65,8 @@ struct Layer {
   Projection qkv, o, gate_up, down;
   void* cache;     // (num_slots, 2, Hk, D) float32 or (num_slots, row_bytes) quantized rows
   int64_t window;  // a sliding-window layer's keys per query (paged_decode's); 0: every key
+  const float* q_norm;  // (D,) each Q head's RMSNorm (Qwen3); null: no norms of the heads
+  const float* k_norm;  // (D,) each K head's
 };
 
 // The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows;
@@ -107,6 +112,10 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
     const Layer& L = layers[l];
     rms_norm_f32(h, hidden, nullptr, L.input_norm, n, hidden, eps, x.data());
     project(L.qkv, x.data(), hidden, n, qkv.data());
+    if (L.q_norm) {
+      rms_norm_heads_f32(qkv.data(), qkv_size, n, heads, L.q_norm, dim, eps);
+      rms_norm_heads_f32(qkv.data() + q_size, qkv_size, n, kv_heads, L.k_norm, dim, eps);
+    }
     rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, cos, sin);  // Q and K heads side by side
     if (cache->kv_turn != 0) {
       hadamard_f32(qkv.data(), qkv_size, n, heads, dim, cache->q_turn);

@@ -4,7 +4,8 @@
 // the product; rope's rotation rounds once):
 //
 //   rms_norm   out = x / sqrt(mean(x^2) + eps) * weight, optionally after the
-//              residual add it follows (residual += x, then the norm of it)
+//              residual add it follows (residual += x, then the norm of it);
+//              rms_norm_heads the same over each head of (n, heads, dim), in place
 //   silu_mul   SwiGLU's silu(gate) * up from the fused gate|up projection
 //   rope       rotary embedding in place, half-split pairs (i, i + dim/2)
 //
@@ -25,33 +26,49 @@ using widest::veci;
 using widest::W;
 constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work per call, one thread
 
+// One row: xi (dim,), src its residual row (residual += xi first) or xi itself, oi the
+// output row (may be xi: each element is read before it is written).
+template <typename T>
+void rms_norm_row(const T* xi, T* src, bool residual, const T* weight, int64_t dim, float eps, T* oi) {
+  vec squares = {};
+  float tail = 0.0f;
+  int64_t j = 0;
+  for (; j + W <= dim; j += W) {
+    vec v = loadv<vec>(xi + j);
+    if (residual) {
+      v = rounded<T>(v + loadv<vec>(src + j));
+      storev(src + j, v);
+    }
+    squares += v * v;
+  }
+  for (; j < dim; ++j) {
+    float v = widen(xi[j]);
+    if (residual) narrow_to(src + j, v = rounded_one<T>(widen(src[j]) + v));
+    tail += v * v;
+  }
+  const float inv = 1.0f / std::sqrt((hsum(squares) + tail) / float(dim) + eps);
+  for (j = 0; j + W <= dim; j += W) storev(oi + j, rounded<T>(loadv<vec>(src + j) * inv) * loadv<vec>(weight + j));
+  for (; j < dim; ++j) narrow_to(oi + j, rounded_one<T>(widen(src[j]) * inv) * widen(weight[j]));
+}
+
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, int64_t n, int64_t dim, float eps,
               T* out) {
 #pragma omp parallel for if (n * dim >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * x_stride;
-    T* src = residual ? residual + i * dim : const_cast<T*>(xi);
-    vec squares = {};
-    float tail = 0.0f;
-    int64_t j = 0;
-    for (; j + W <= dim; j += W) {
-      vec v = loadv<vec>(xi + j);
-      if (residual) {
-        v = rounded<T>(v + loadv<vec>(src + j));
-        storev(src + j, v);
-      }
-      squares += v * v;
-    }
-    for (; j < dim; ++j) {
-      float v = widen(xi[j]);
-      if (residual) narrow_to(src + j, v = rounded_one<T>(widen(src[j]) + v));
-      tail += v * v;
-    }
-    const float inv = 1.0f / std::sqrt((hsum(squares) + tail) / float(dim) + eps);
-    T* oi = out + i * dim;
-    for (j = 0; j + W <= dim; j += W) storev(oi + j, rounded<T>(loadv<vec>(src + j) * inv) * loadv<vec>(weight + j));
-    for (; j < dim; ++j) narrow_to(oi + j, rounded_one<T>(widen(src[j]) * inv) * widen(weight[j]));
+    rms_norm_row(xi, residual ? residual + i * dim : const_cast<T*>(xi), residual != nullptr, weight, dim, eps,
+                 out + i * dim);
+  }
+}
+
+// Each head of each token its own row (Qwen3's and Gemma 3's norms of the Q and K heads).
+template <typename T>
+void rms_norm_heads(T* x, int64_t x_stride, int64_t n, int64_t heads, const T* weight, int64_t dim, float eps) {
+#pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
+  for (int64_t r = 0; r < n * heads; ++r) {
+    T* row = x + (r / heads) * x_stride + (r % heads) * dim;
+    rms_norm_row(row, row, false, weight, dim, eps, row);
   }
 }
 
@@ -115,6 +132,17 @@ void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float
 void rms_norm_bf16(const BF16* x, int64_t x_stride, BF16* residual, const BF16* weight, int64_t n, int64_t dim,
                    float eps, BF16* out) {
   rms_norm(x, x_stride, residual, weight, n, dim, eps, out);
+}
+
+// x (n, heads, dim) in place, heads contiguous, x_stride elements between tokens:
+// each head normalised as a row of rms_norm (the same bits as rms_norm of that row).
+void rms_norm_heads_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, const float* weight, int64_t dim,
+                        float eps) {
+  rms_norm_heads(x, x_stride, n, heads, weight, dim, eps);
+}
+void rms_norm_heads_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, const BF16* weight, int64_t dim,
+                         float eps) {
+  rms_norm_heads(x, x_stride, n, heads, weight, dim, eps);
 }
 
 // gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.

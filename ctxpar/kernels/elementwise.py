@@ -1,5 +1,5 @@
 """The decoder layer's elementwise steps in one pass each (elementwise.cpp):
-RMSNorm (with the residual add before it fused in), SiLU·up, rope in place, and
+RMSNorm (with the residual add before it fused in; over each head in place), SiLU·up, rope in place, and
 the Walsh-Hadamard turn of a quantized KV cache's heads (ctxpar/layers/kv_rotation.py).
 
 Each takes fp32 or bf16 CPU tensors (``usable``; the Hadamard turn fp32 only);
@@ -59,6 +59,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     kernel = _kernel("rms_norm", x.dtype)
     kernel(x.data_ptr(), x.stride(0), residual_ptr, weight.data_ptr(), n, dim, eps, out.data_ptr())
     return out
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Normalise each head of x (n, heads, dim) in place, as ``rms_norm`` does a row;
+    heads contiguous rows (tokens may be strided), weight (dim,) contiguous, of x's dtype."""
+    n, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or not weight.is_contiguous() or weight.numel() != dim:
+        raise ValueError("rms_norm_heads_: x's heads must be contiguous rows, weight (dim,) contiguous")
+    if not usable(x, weight):
+        raise ValueError("rms_norm_heads_: x and weight must be both float32 or both bfloat16, on the CPU")
+    _kernel("rms_norm_heads", x.dtype)(x.data_ptr(), x.stride(0), n, heads, weight.data_ptr(), dim, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "rope_f32": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "rms_norm_bf16": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _ptr], None),
+    "rms_norm_heads_f32": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _f32], None),
+    "rms_norm_heads_bf16": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _f32], None),
     "silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "rope_bf16": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "hadamard_f32": ([_ptr] + [_i64] * 4 + [_f32], None),

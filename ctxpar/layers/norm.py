@@ -37,6 +37,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def norm_heads_(norm: RMSNorm, x: torch.Tensor) -> None:
+    """Normalise each head of x (n, heads, dim) in place with ``norm`` (Qwen3's and Gemma 3's
+    norms of the Q and K heads inside the QKV projection's rows); in one pass where the kernel
+    serves, the pass the compiled decode loop makes too (ctxpar/models/compiled_decode.py)."""
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and elementwise.usable(x, norm.weight):
+        elementwise.rms_norm_heads_(x, norm.weight, norm.eps)
+    else:
+        x.copy_(norm(x))
+
+
 def unit_offset(w: torch.Tensor) -> torch.Tensor:
     """A Gemma norm's checkpoint weight w as the factor RMSNorm multiplies by: 1 + w, computed
     in float32 as transformers' Gemma2RMSNorm/Gemma3RMSNorm compute it on every call, so that an

@@ -66,6 +66,8 @@ class _Layer(ctypes.Structure):
         ("down", _Projection),
         ("cache", _ptr),
         ("window", _i64),  # a sliding-window layer's keys per query; 0: every key
+        ("q_norm", _ptr),  # (head_dim,) each; null: no norms of the heads
+        ("k_norm", _ptr),
     ]
 
 
@@ -110,9 +112,9 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
 
 @dataclass(frozen=True, repr=False)  # its tensors are weights: no repr of their values
 class DecoderLayer:
-    """One Llama-style decoder layer as its decode step runs it: h += O(attend(rope(QKV(
-    RMSNorm(h))))), then h += down(SiLU·up(gate_up(RMSNorm(h)))); each projection a
-    weight and its bias (None: none)."""
+    """One Llama-style decoder layer as its decode step runs it: h += O(attend(rope(
+    [norm each Q, K head](QKV(RMSNorm(h)))))), then h += down(SiLU·up(gate_up(RMSNorm(h))));
+    each projection a weight and its bias (None: none)."""
 
     input_norm: torch.Tensor  # (hidden,)
     qkv: tuple[Weight, torch.Tensor | None]  # rows [q | k | v]
@@ -121,6 +123,8 @@ class DecoderLayer:
     gate_up: tuple[Weight, torch.Tensor | None]  # rows [gate | up]
     down: tuple[Weight, torch.Tensor | None]
     window: int | None = None  # a sliding-window layer's (AttentionSpec.window); None: every key
+    q_norm: torch.Tensor | None = None  # (head_dim,) the RMSNorm of each Q head (Qwen3); None: none
+    k_norm: torch.Tensor | None = None  # (head_dim,) of each K head; both or neither
 
 
 @dataclass(frozen=True, repr=False)
@@ -131,7 +135,6 @@ class DecoderStep:
     eps: float  # the RMSNorms'
     spec: AttentionSpec  # the layers' scale and soft cap (a layer's window is its DecoderLayer's)
     turns_quantized_heads: bool  # a quantized cache holds its heads turned (kv_rotation.py)
-    qk_norm: bool  # per-head RMSNorm of Q and K (Qwen3), which the loop does not run
     embed: torch.Tensor | QuantWeight  # (vocab, hidden)
     norm: RMSNorm  # the final one
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
@@ -150,7 +153,7 @@ class CompiledDecode:
     @classmethod
     def build(cls, step: DecoderStep, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
         """The loop of ``step`` (a loaded model's, weights in place for good) over its caches, or None."""
-        if not kernels.available() or step.norm.weight.dtype != torch.float32 or step.qk_norm:
+        if not kernels.available() or step.norm.weight.dtype != torch.float32:
             return None
         if not all(attn_kernels.usable(c, step.shape.head_dim) for c in kv_caches):  # read in place
             return None
@@ -160,7 +163,10 @@ class CompiledDecode:
             if any(p is None for p in projections):
                 return None
             norms = (layer.input_norm, layer.post_norm)
-            records.append(_Layer(*(_address(w) for w in norms), *projections, _address(cache), layer.window or 0))
+            heads = (_address(layer.q_norm), _address(layer.k_norm))
+            records.append(
+                _Layer(*(_address(w) for w in norms), *projections, _address(cache), layer.window or 0, *heads)
+            )
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:

@@ -41,7 +41,7 @@ from ctxpar.layers.linear import (
     row_invariant,
 )
 from ctxpar.layers.moe import MoE
-from ctxpar.layers.norm import RMSNorm
+from ctxpar.layers.norm import RMSNorm, norm_heads_
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 from ctxpar.model_args import ModelArgs
@@ -86,8 +86,8 @@ class LlamaAttention(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (n, (h + 2 kvh) * hd)
         qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, hd)  # Q and K heads side by side
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (Qwen3)
-            qk[:, :h] = self.q_norm(qk[:, :h])
-            qk[:, h:] = self.k_norm(qk[:, h:])
+            norm_heads_(self.q_norm, qk[:, :h])
+            norm_heads_(self.k_norm, qk[:, h:])
         apply_rotary_(qk, cos, sin)  # one rope pass for Q and K, in place in qkv
         q = qk[:, :h]  # (n, h, hd)
         entries = qkv[:, self.q_size :].view(n, 2, kvh, hd)  # K then V: the cache's entry layout
@@ -206,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
                 gate_up=(_dense(layer.mlp).gate_up_weight, _dense(layer.mlp).gate_up_bias),
                 down=(_dense(layer.mlp).down_weight, _dense(layer.mlp).down_bias),
                 window=layer.self_attn.attn.window,
+                q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+                k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
             )
             for layer in self.decoder_layers
         ]
@@ -214,7 +216,6 @@ class LlamaForCausalLM(nn.Module):
             eps=self.decoder_layers[0].input_layernorm.eps,
             spec=attn.attn.spec,
             turns_quantized_heads=attn.attn.turns_quantized_heads,
-            qk_norm=attn.q_norm is not None,
             embed=self.embed_tokens,
             norm=self.norm,
             rotary=self.rotary,

@@ -100,6 +100,30 @@ def test_rms_norm_matches_formula(march: str, n: int, dim: int, pad: int, residu
 
 @SETTINGS
 @given(
+    n=st.integers(1, 12),
+    heads=st.integers(1, 6),
+    dim=st.integers(1, 80),
+    extra=st.integers(0, 40),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_heads_is_rms_norm_of_each_head(
+    march: str, n: int, heads: int, dim: int, extra: int, bf16: bool, seed: int
+) -> None:
+    """Each head of (n, heads, dim) heads inside wider token rows (Q inside QKV) normalised in place
+    with the very bits of rms_norm over the heads as rows, the rest of each row untouched."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    rows = (torch.randn(n, heads * dim + extra, generator=g) * 3).to(dtype)
+    weight = torch.randn(dim, generator=g).to(dtype)
+    want = elementwise.rms_norm(rows[:, : heads * dim].reshape(n * heads, dim), weight, 1e-6).view(n, heads * dim)
+    rest = rows[:, heads * dim :].clone()
+    elementwise.rms_norm_heads_(rows[:, : heads * dim].view(n, heads, dim), weight, 1e-6)
+    assert torch.equal(rows[:, : heads * dim], want) and torch.equal(rows[:, heads * dim :], rest)
+
+
+@SETTINGS
+@given(
     n=st.integers(1, 40),
     inter=st.integers(1, 300),
     scale=st.sampled_from([1.0, 10.0, 120.0]),
