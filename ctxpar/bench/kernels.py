@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant", action="store_true", help="the quantized projections at 1B-8B widths instead")
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[16, 512, 2048], help="--quant: token rows")
     parser.add_argument("--formats", nargs="+", choices=["Q4_0", "Q8_0"], default=["Q4_0"], help="--quant: blocks")
+    parser.add_argument(
+        "--per-core",
+        action="store_true",
+        help="--quant: one thread, timed by its CPU time (figures a core gives, whatever else the machine runs)",
+    )
 
 
 def _best(fn: Callable[[], torch.Tensor], kernel: bool, repeat: int) -> tuple[float, torch.Tensor]:
@@ -164,21 +169,24 @@ def _projections(n: int, layers: int, g: torch.Generator, dtype: torch.dtype) ->
     return step
 
 
-def _int8_peak() -> float:
+def _int8_peak(clock: Callable[[], float]) -> float:
     """GOP/s of the int8 dot-product instructions alone on every thread, now."""
-    t0 = time.perf_counter()
+    t0 = clock()
     ops = quant.int8_peak_ops(PEAK_ROUNDS)
-    return ops / (time.perf_counter() - t0) / 1e9
+    return ops / (clock() - t0) / 1e9
 
 
 def _quant_projections(args: argparse.Namespace) -> None:
     """Each shape and row count: the quantized product's best time, GOP/s and fraction
     of the int8 peak measured just before and after it (the better of the two: other
     jobs slow both alike), against oneDNN's bf16 product of the same shape, the two
-    interleaved."""
+    interleaved. --per-core: on one thread, each timed by the thread's CPU time."""
     if quant.int8_peak_ops(1) == 0:
         raise CtxparError("this CPU has no int8 dot products (AVX2 or wider): nothing to measure against")
-    rng, peaks = np.random.default_rng(0), [_int8_peak()]
+    clock = time.thread_time if args.per_core else time.perf_counter
+    if args.per_core:
+        torch.set_num_threads(1)
+    rng, peaks = np.random.default_rng(0), [_int8_peak(clock)]
     print(f"{'rows x (out, in)':>38} |  int8 ms | GOP/s | of peak |  bf16 ms | bf16 / int8 time")
     for fmt in args.formats:
         for model, shapes in QUANT_SHAPES.items():
@@ -194,10 +202,10 @@ def _quant_projections(args: argparse.Namespace) -> None:
                         fn()
                     for _ in range(args.repeat):
                         for key, fn in runs.items():
-                            t0 = time.perf_counter()
+                            t0 = clock()
                             fn()
-                            best[key] = min(best[key], time.perf_counter() - t0)
-                    peaks.append(_int8_peak())
+                            best[key] = min(best[key], clock() - t0)
+                    peaks.append(_int8_peak(clock))
                     rate = 2 * n * out * cols / best["int8"] / 1e9
                     label = f"{fmt} {model} {name} {n} x ({out}, {cols})"
                     print(
@@ -206,7 +214,7 @@ def _quant_projections(args: argparse.Namespace) -> None:
                     )
     print(
         f"int8 peak: {max(peaks):.0f} GOP/s on {torch.get_num_threads()} threads (best of {len(peaks)} runs, "
-        f"{min(peaks):.0f} the least)"
+        f"{min(peaks):.0f} the least){', CPU time' if args.per_core else ''}"
     )
 
 
