@@ -58,7 +58,7 @@ constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
 constexpr int MR = 8;       // activation rows per pass of the VNNI loop over a tile
 constexpr int64_t DIRECT_ROWS = 4;  // fewer rows than this read the weight in place (direct_row)
 constexpr int64_t SLICE_BLOCKS = 64;  // blocks of its rows a tile holds at once without AMX: 32 KB, in L1
-constexpr int64_t ROW_BLOCK_BYTES = 1 << 19;
+constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // codes of a row block without AMX (rows_per_block)
 
 // One tile of the weight, laid out as above (buffers reused between calls).
 struct Tile {
@@ -638,15 +638,14 @@ inline void amx_rows(const Tile& tile, int64_t bits, int64_t group, const int8_t
 }
 #endif
 
-// Rows a call takes at a time (a row block): ~512 KB of their codes over the columns a
-// tile holds at once, which stay in L2 while every tile of the weight passes them.
+// Rows a call takes at a time (a row block): with AMX ~256 KB of their codes, which stay
+// in L2 while every tile of the weight passes them; without, ~1 MB over the columns a
+// tile holds at once (measured best on a 1 MB L2: a row group's codes stream from it).
 inline int64_t rows_per_block(int64_t in) {
 #if defined(CTXPAR_AMX)
-  const int64_t width = amx_ready() ? in : std::min(in, SLICE_BLOCKS * QB);
-#else
-  const int64_t width = std::min(in, SLICE_BLOCKS * QB);
+  if (amx_ready()) return std::max<int64_t>(16, (int64_t(1) << 18) / in / 16 * 16);
 #endif
-  return std::max<int64_t>(16, ROW_BLOCK_BYTES / width / 16 * 16);
+  return std::max<int64_t>(16, ROW_BLOCK_BYTES / std::min(in, SLICE_BLOCKS * QB) / 16 * 16);
 }
 
 inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, const float* bias, float* out,

@@ -278,7 +278,7 @@ def test_wide_rows_and_many_rows_keep_each_rows_bits(name: str, build: str) -> N
     )
     weights = reference(raw, name).reshape(out, cols)
     bias = rng.standard_normal(out).astype(np.float32)
-    for n in (21, 300):  # 300: over a row block's 256 rows (~512 KB of codes over a slice's 2048 columns)
+    for n in (21, 600):  # 600: over a row block's 512 rows (~1 MB of codes over a slice's 2048 columns)
         x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
         y = quant_linear.quant_linear(torch.from_numpy(x), w, torch.from_numpy(bias))
         check(y, x, weights, bias.astype(np.float64))
