@@ -14,8 +14,10 @@
 // tokens, pays a dispatch per pass. Rows are split over the threads only when
 // there are enough of them to pay for waking the threads.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "vec.h"
 
@@ -166,19 +168,33 @@ void rope_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
 // normalised), then times scale (a power of two: exact). Stage h turns the pairs
 // (j, j + h) of each block of 2h into (a + b, a - b): the order of
 // ctxpar.layers.kv_rotation's PyTorch path, so the two give the same bits.
+// W head runs at a time are transposed into a (dim, W) tile, one run a lane, so every
+// stage is whole-vector sums and differences (within a run the small strides would
+// need shuffles); each value still takes the same operations in the same order.
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale) {
-#pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t g = 0; g < heads; ++g) {
-      float* r = x + i * x_stride + g * dim;
+  const int64_t runs = n * heads, tiles = (runs + W - 1) / W;
+#pragma omp parallel if (runs * dim >= PARALLEL_FLOATS)
+  {
+    std::vector<float> tile(dim * W);
+#pragma omp for
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = t * W, lanes = std::min<int64_t>(W, runs - r0);
+      auto run = [&](int64_t l) { return x + (r0 + l) / heads * x_stride + (r0 + l) % heads * dim; };
+      for (int64_t l = 0; l < W; ++l) {
+        const float* r = l < lanes ? run(l) : nullptr;  // lanes past the last run compute zeros
+        for (int64_t k = 0; k < dim; ++k) tile[k * W + l] = r ? r[k] : 0.0f;
+      }
       for (int64_t h = 1; h < dim; h *= 2)
         for (int64_t s = 0; s < dim; s += 2 * h)
           for (int64_t j = s; j < s + h; ++j) {
-            const float a = r[j], b = r[j + h];
-            r[j] = a + b;
-            r[j + h] = a - b;
+            const vec a = loadv<vec>(tile.data() + j * W), b = loadv<vec>(tile.data() + (j + h) * W);
+            storev(tile.data() + j * W, a + b);
+            storev(tile.data() + (j + h) * W, a - b);
           }
-      for (int64_t k = 0; k < dim; ++k) r[k] *= scale;
+      for (int64_t l = 0; l < lanes; ++l) {
+        float* r = run(l);
+        for (int64_t k = 0; k < dim; ++k) r[k] = tile[k * W + l] * scale;
+      }
     }
   }
 }
