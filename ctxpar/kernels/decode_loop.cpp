@@ -9,10 +9,11 @@
 // tests compare the two).
 //
 // Per layer, h (n, hidden) the residual stream:
-//   x = rms_norm(h); qkv = x W_qkv^T (+b); [Qwen3: rms_norm of each Q and K head]; rope(q, k);
+//   x = rms_norm(h); qkv = x W_qkv^T (+b); [Qwen3, Gemma 3: rms_norm of each Q and K head]; rope(q, k);
 //   [a quantized cache: turn q, k, v]; K, V -> cache slots; a = attention(q, cache) [turned back];
-//   o = a W_o^T (+b); x = rms_norm(h += o);
-//   h += down(silu(gate) * up), gate|up = x W_gu^T (+b)
+//   o = a W_o^T (+b); [Gemma: o = rms_norm(o)]; x = rms_norm(h += o);
+//   m = down(act(gate) * up), gate|up = x W_gu^T (+b), act silu or gelu_tanh (Gemma);
+//   [Gemma: m = rms_norm(m)]; h += m
 // Projections are block-quantized (quant_gemv.cpp) or fp32 panels (gemv.cpp); the
 // cache fp32 entries or quantized rows (kv_quantize.cpp, kv_codes.h).
 
@@ -28,6 +29,7 @@ void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float
 void rms_norm_heads_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, const float* weight, int64_t dim,
                         float eps);
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
+void gelu_tanh_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin);
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
 void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts,
@@ -61,12 +63,17 @@ struct Projection {
 
 struct Layer {
   const float* input_norm;  // (hidden,)
-  const float* post_norm;   // (hidden,)
+  const float* post_norm;   // (hidden,) of h after the attention's residual add
   Projection qkv, o, gate_up, down;
   void* cache;     // (num_slots, 2, Hk, D) float32 or (num_slots, row_bytes) quantized rows
   int64_t window;  // a sliding-window layer's keys per query (paged_decode's); 0: every key
   const float* q_norm;  // (D,) each Q head's RMSNorm (Qwen3); null: no norms of the heads
   const float* k_norm;  // (D,) each K head's
+  // Gemma's sandwich norms (null: none): of the attention's output and of the MLP's, each
+  // before its residual add.
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
+  int64_t local_rope;  // 1: the step's local rope tables (Gemma 3's sliding layers)
 };
 
 // The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows;
@@ -91,22 +98,25 @@ void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, f
 extern "C" {
 
 // h (n, hidden) float32, updated in place through every layer (the residual stream
-// before the final norm); cos, sin (n, D/2) the rows' rope tables; write_slots (n,)
+// before the final norm); cos, sin (n, D/2) the rows' rope tables, local_cos, local_sin
+// those of the layers marked local_rope (null where none is); write_slots (n,)
 // each token's cache slot; slots/starts the rows' context slots (paged_decode's);
-// soft_cap the attention logits' (0: none).
+// soft_cap the attention logits' (0: none); gelu: the MLP's gelu_tanh(gate) * up, else silu's.
 void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* cache, float* h, int64_t n,
                          int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
-                         const float* cos, const float* sin, const int64_t* write_slots, const int64_t* slots,
-                         const int64_t* starts, float scale, float soft_cap) {
+                         const float* cos, const float* sin, const float* local_cos, const float* local_sin,
+                         const int64_t* write_slots, const int64_t* slots, const int64_t* starts, float scale,
+                         float soft_cap, int64_t gelu) {
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
   // Scratch kept between steps (a decode step is one call): sizes grow with the batch only.
-  static thread_local std::vector<float> x, qkv, q, attn, lse, proj, gate_up, act;
+  static thread_local std::vector<float> x, qkv, q, attn, lse, proj, normed, gate_up, act;
   static thread_local std::vector<uint8_t> rows;
   auto at_least = [](auto& v, int64_t size) {
     if (int64_t(v.size()) < size) v.resize(size);
   };
   at_least(x, n * hidden), at_least(qkv, n * qkv_size), at_least(q, n * q_size), at_least(attn, n * q_size);
-  at_least(lse, n * heads), at_least(proj, n * hidden), at_least(gate_up, n * 2 * inter), at_least(act, n * inter);
+  at_least(lse, n * heads), at_least(proj, n * hidden), at_least(normed, n * hidden);
+  at_least(gate_up, n * 2 * inter), at_least(act, n * inter);
   if (cache->code >= 0) at_least(rows, n * cache->row_bytes);
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& L = layers[l];
@@ -116,7 +126,8 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
       rms_norm_heads_f32(qkv.data(), qkv_size, n, heads, L.q_norm, dim, eps);
       rms_norm_heads_f32(qkv.data() + q_size, qkv_size, n, kv_heads, L.k_norm, dim, eps);
     }
-    rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, cos, sin);  // Q and K heads side by side
+    rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, L.local_rope ? local_cos : cos,
+             L.local_rope ? local_sin : sin);  // Q and K heads side by side
     if (cache->kv_turn != 0) {
       hadamard_f32(qkv.data(), qkv_size, n, heads, dim, cache->q_turn);
       hadamard_f32(qkv.data() + q_size, qkv_size, n, 2 * kv_heads, dim, cache->kv_turn);  // K then V heads
@@ -144,11 +155,21 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
                          L.window, soft_cap, attn.data(), lse.data());
     if (cache->kv_turn != 0) hadamard_f32(attn.data(), q_size, n, heads, dim, cache->q_turn);  // turned back
     project(L.o, attn.data(), q_size, n, proj.data());
-    rms_norm_f32(proj.data(), hidden, h, L.post_norm, n, hidden, eps, x.data());  // h += o, x = norm(h)
+    const float* o = proj.data();
+    if (L.attn_out_norm) {
+      rms_norm_f32(proj.data(), hidden, nullptr, L.attn_out_norm, n, hidden, eps, normed.data());
+      o = normed.data();
+    }
+    rms_norm_f32(o, hidden, h, L.post_norm, n, hidden, eps, x.data());  // h += o, x = norm(h)
     project(L.gate_up, x.data(), hidden, n, gate_up.data());
-    silu_mul_f32(gate_up.data(), n, inter, act.data());
+    (gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(gate_up.data(), n, inter, act.data());
     project(L.down, act.data(), inter, n, proj.data());
-    for (int64_t i = 0; i < n * hidden; ++i) h[i] += proj[i];
+    const float* m = proj.data();
+    if (L.mlp_out_norm) {
+      rms_norm_f32(proj.data(), hidden, nullptr, L.mlp_out_norm, n, hidden, eps, normed.data());
+      m = normed.data();
+    }
+    for (int64_t i = 0; i < n * hidden; ++i) h[i] += m[i];
   }
 }
 }

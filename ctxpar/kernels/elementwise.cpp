@@ -7,6 +7,7 @@
 //              residual add it follows (residual += x, then the norm of it);
 //              rms_norm_heads the same over each head of (n, heads, dim), in place
 //   silu_mul   SwiGLU's silu(gate) * up from the fused gate|up projection
+//   gelu_tanh_mul  Gemma's gelu_tanh(gate) * up, likewise
 //   rope       rotary embedding in place, half-split pairs (i, i + dim/2)
 //
 // PyTorch runs each as a chain of passes (rms_norm 5, rope 7 and a cat,
@@ -96,6 +97,31 @@ void silu_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
   }
 }
 
+// Gemma's gelu_tanh(gate) * up. gelu_tanh(x) = x (1 + tanh(y)) / 2, y = sqrt(2/pi) (x + 0.044715 x^3),
+// is x sigmoid(2y): silu_mul's x / (1 + e^-z) at z = 2y, the gelu rounded before the product
+// as PyTorch's float32 gelu cast to bf16 and multiplied in bf16 is.
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
+  constexpr float KAPPA = 0.044715f, TWO_BETA = 1.5957691216057308f;  // 2 sqrt(2/pi)
+#pragma omp parallel for if (n * inter >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* g = gate_up + i * 2 * inter;
+    const T* u = g + inter;
+    T* oi = out + i * inter;
+    int64_t j = 0;
+    for (; j + W <= inter; j += W) {
+      const vec x = loadv<vec>(g + j);
+      const vec z = (x + KAPPA * (x * x * x)) * TWO_BETA;
+      const vec e = exp2_nonpositive<vec, veci>((z < 0 ? z : -z) * LOG2E);
+      storev(oi + j, rounded<T>((z < 0 ? x * e : x) / (1.0f + e)) * loadv<vec>(u + j));
+    }
+    for (; j < inter; ++j) {
+      const float x = widen(g[j]), z = (x + KAPPA * (x * x * x)) * TWO_BETA, e = std::exp(-std::fabs(z));
+      narrow_to(oi + j, rounded_one<T>((z < 0 ? x * e : x) / (1.0f + e)) * widen(u[j]));
+    }
+  }
+}
+
 template <typename T>
 void rope(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin) {
   const int64_t half = dim / 2;
@@ -150,6 +176,14 @@ void rms_norm_heads_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, co
 // gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) { silu_mul(gate_up, n, inter, out); }
 void silu_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) { silu_mul(gate_up, n, inter, out); }
+
+// gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
+void gelu_tanh_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
+  gelu_tanh_mul(gate_up, n, inter, out);
+}
+void gelu_tanh_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) {
+  gelu_tanh_mul(gate_up, n, inter, out);
+}
 
 // x (n, heads, dim) in place, heads contiguous, x_stride elements between
 // tokens; cos, sin (n, dim / 2) contiguous float32. Pairs (k, k + dim/2) rotate:

@@ -1,5 +1,5 @@
 """The decoder layer's elementwise steps in one pass each (elementwise.cpp):
-RMSNorm (with the residual add before it fused in; over each head in place), SiLU·up, rope in place, and
+RMSNorm (with the residual add before it fused in; over each head in place), SiLU·up, GELU-tanh·up, rope in place, and
 the Walsh-Hadamard turn of a quantized KV cache's heads (ctxpar/layers/kv_rotation.py).
 
 Each takes fp32 or bf16 CPU tensors (``usable``; the Hadamard turn fp32 only);
@@ -79,6 +79,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_mul: gate_up must be contiguous")
     out = torch.empty(n, two_inter // 2, dtype=gate_up.dtype)
     _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (n, 2I) contiguous, gate then up -> gelu_tanh(gate) * up (n, I), in its dtype."""
+    n, two_inter = gate_up.shape
+    if not gate_up.is_contiguous():
+        raise ValueError("gelu_tanh_mul: gate_up must be contiguous")
+    out = torch.empty(n, two_inter // 2, dtype=gate_up.dtype)
+    _kernel("gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
     return out
 
 

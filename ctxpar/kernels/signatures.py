@@ -28,6 +28,8 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "rms_norm_heads_f32": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _f32], None),
     "rms_norm_heads_bf16": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _f32], None),
     "silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
+    "gelu_tanh_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
+    "gelu_tanh_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "rope_bf16": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
     "hadamard_f32": ([_ptr] + [_i64] * 4 + [_f32], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
@@ -38,6 +40,6 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _ptr] + [_i64] * 5 + [_ptr, _ptr], None),
     "quant_dequantize_f32": ([_ptr] + [_i64] * 7 + [_ptr], None),
     "quant_peak_ops": ([_i64], _i64),
-    "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 5 + [_f32, _f32], None),
+    "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 7 + [_f32, _f32, _i64], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }

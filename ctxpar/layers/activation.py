@@ -26,9 +26,12 @@ _GELU_KAPPA = 0.044715
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (n, 2I), gate then up -> gelu_tanh(gate) * up (n, I) in gate_up's dtype, the gelu
     computed in float32 and rounded once, as ``F.gelu(approximate="tanh")`` (transformers'
-    gelu_pytorch_tanh) does. Spelled out in elementwise ops (PyTorch's formula): ``F.gelu``'s
-    vectorized loop and its scalar tail round tanh differently, so an element's bits would
-    depend on where the call's end falls; torch.tanh's do not."""
+    gelu_pytorch_tanh) does. One pass in the kernel (the compiled decode loop's too); elsewhere
+    spelled out in elementwise ops (PyTorch's formula): ``F.gelu``'s vectorized loop and its
+    scalar tail round tanh differently, so an element's bits would depend on where the call's
+    end falls; torch.tanh's do not."""
+    if elementwise.usable(gate_up) and gate_up.is_contiguous():
+        return elementwise.gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     x = gate.float()
     inner = (x + _GELU_KAPPA * (x * x * x)) * _GELU_BETA

@@ -40,6 +40,7 @@ from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 from ctxpar.models.base import DecodeShape
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
 
 
 class _Projection(ctypes.Structure):
@@ -68,6 +69,9 @@ class _Layer(ctypes.Structure):
         ("window", _i64),  # a sliding-window layer's keys per query; 0: every key
         ("q_norm", _ptr),  # (head_dim,) each; null: no norms of the heads
         ("k_norm", _ptr),
+        ("attn_out_norm", _ptr),  # (hidden,) each; null: none
+        ("mlp_out_norm", _ptr),
+        ("local_rope", _i64),
     ]
 
 
@@ -112,19 +116,23 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
 
 @dataclass(frozen=True, repr=False)  # its tensors are weights: no repr of their values
 class DecoderLayer:
-    """One Llama-style decoder layer as its decode step runs it: h += O(attend(rope(
-    [norm each Q, K head](QKV(RMSNorm(h)))))), then h += down(SiLU·up(gate_up(RMSNorm(h))));
-    each projection a weight and its bias (None: none)."""
+    """One Llama-style decoder layer as its decode step runs it: h += [RMSNorm](O(attend(rope(
+    [norm each Q, K head](QKV(RMSNorm(h))))))), then h += [RMSNorm](down(act·up(gate_up(
+    RMSNorm(h))))); each projection a weight and its bias (None: none), each bracketed norm
+    one a model may have (Gemma's sandwich norms, Qwen3's and Gemma 3's head norms)."""
 
     input_norm: torch.Tensor  # (hidden,)
     qkv: tuple[Weight, torch.Tensor | None]  # rows [q | k | v]
     o: tuple[Weight, torch.Tensor | None]
-    post_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor  # (hidden,) of h after the attention's residual add (the MLP's input)
     gate_up: tuple[Weight, torch.Tensor | None]  # rows [gate | up]
     down: tuple[Weight, torch.Tensor | None]
     window: int | None = None  # a sliding-window layer's (AttentionSpec.window); None: every key
     q_norm: torch.Tensor | None = None  # (head_dim,) the RMSNorm of each Q head (Qwen3); None: none
     k_norm: torch.Tensor | None = None  # (head_dim,) of each K head; both or neither
+    attn_out_norm: torch.Tensor | None = None  # (hidden,) of the attention's output before its residual add
+    mlp_out_norm: torch.Tensor | None = None  # (hidden,) of the MLP's output before its residual add
+    local_rope: bool = False  # rope by the step's ``local_rotary`` (Gemma 3's sliding layers)
 
 
 @dataclass(frozen=True, repr=False)
@@ -137,8 +145,11 @@ class DecoderStep:
     turns_quantized_heads: bool  # a quantized cache holds its heads turned (kv_rotation.py)
     embed: torch.Tensor | QuantWeight  # (vocab, hidden)
     norm: RMSNorm  # the final one
-    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
+    rotary: Rotary
     layers: list[DecoderLayer]
+    local_rotary: Rotary | None = None  # the rope of the layers marked local_rope
+    gelu: bool = False  # the MLP's activation gelu_tanh(gate) * up (Gemma), else SiLU's
+    embed_scale: torch.Tensor | None = None  # () the embeddings' factor (Gemma: sqrt(hidden)); None: 1
 
 
 @dataclass
@@ -164,9 +175,9 @@ class CompiledDecode:
                 return None
             norms = (layer.input_norm, layer.post_norm)
             heads = (_address(layer.q_norm), _address(layer.k_norm))
-            records.append(
-                _Layer(*(_address(w) for w in norms), *projections, _address(cache), layer.window or 0, *heads)
-            )
+            sandwich = (_address(layer.attn_out_norm), _address(layer.mlp_out_norm))
+            fields = (_address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope))
+            records.append(_Layer(*(_address(w) for w in norms), *projections, *fields))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
@@ -188,7 +199,12 @@ class CompiledDecode:
         """The model's forward for a step ``serves`` accepts: (n,) ids and positions -> (n, hidden)."""
         m, s = self.step, self.step.shape
         h = embedding(input_ids, m.embed, m.norm.weight.dtype).contiguous()  # (n, hidden)
+        if m.embed_scale is not None:
+            h.mul_(m.embed_scale.to(h.dtype))
         cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, head_dim / 2) each
+        local_cos, local_sin = (
+            (None, None) if m.local_rotary is None else (t.contiguous() for t in m.local_rotary(positions))
+        )
         batch = decode_batch(ctx, True)
         assert batch is not None
         group = batch.groups[0]
@@ -207,10 +223,13 @@ class CompiledDecode:
             m.eps,
             cos.data_ptr(),
             sin.data_ptr(),
+            _address(local_cos),
+            _address(local_sin),
             write_slots.data_ptr(),
             group.slots.data_ptr(),
             group.starts.data_ptr(),
             m.spec.scale,
             m.spec.soft_cap or 0.0,
+            int(m.gelu),
         )
         return m.norm(h)

@@ -17,15 +17,16 @@ As transformers computes them (models/gemma2, models/gemma3):
 - the MLP's activation gelu_tanh(gate) * up (layers/activation.py);
 - the final logits soft-capped (Gemma 2: 30).
 
-Its decodes run its forward: the fast decode paths (the compiled loop, CUDA graphs) are
-Llama's layer (one norm before the MLP, no soft-caps, no window).
+Its decode step is Llama's (``decode_step``) with the sandwich norms, the sliding layers'
+rope, the embeddings' factor and the GELU-tanh marked in: the compiled loop
+(ctxpar/models/compiled_decode.py) runs it as it runs Llama's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from ctxpar.layers.norm import RMSNorm, unit_offset
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.layers.rotary import RotaryEmbedding
 from ctxpar.model_args import ModelArgs
+from ctxpar.models.compiled_decode import DecoderStep
 from ctxpar.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 # transformers' names of the tanh approximation of GELU, which Gemma's configs name.
@@ -81,8 +83,6 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 class GemmaForCausalLM(LlamaForCausalLM):
     """CausalLM (ctxpar/models/base.py) for Gemma 2 and Gemma 3 text configs; Llama's weight
     placement, packing and loading (HF names; the norms' factors 1 + w)."""
-
-    fast_decode = None  # type: ignore[assignment]  # see the module's docstring
 
     def __init__(self, config: ModelArgs | Any) -> None:
         """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""
@@ -126,6 +126,31 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for layer, kind in zip(self.layers, self.layer_kinds):
             h = layer(h, *ropes[kind], ctx)
         return self.norm(h)
+
+    def decode_step(self) -> DecoderStep:
+        """Llama's decode step (the same weights, in ``forward``'s order) with Gemma's layer:
+        the attention's output normed before the residual add, the pre-feedforward norm as the
+        MLP's input norm, the MLP's output normed; the sliding layers' own rope; GELU-tanh."""
+        step = super().decode_step()
+        local = self.sliding_rotary is not None
+        layers = [
+            dataclasses.replace(
+                d,
+                post_norm=layer.pre_feedforward_layernorm.weight,
+                attn_out_norm=layer.post_attention_layernorm.weight,
+                mlp_out_norm=layer.post_feedforward_layernorm.weight,
+                local_rope=local and kind == "sliding_attention",
+            )
+            for d, layer, kind in zip(step.layers, self.gemma_layers, self.layer_kinds)
+        ]
+        return dataclasses.replace(
+            step, layers=layers, local_rotary=self.sliding_rotary, gelu=True, embed_scale=self.embed_scale
+        )
+
+    @property
+    def gemma_layers(self) -> list[GemmaDecoderLayer]:
+        """``layers``, typed as Gemma's."""
+        return cast(list[GemmaDecoderLayer], list(self.layers))
 
     def compute_logits(self, hidden: torch.Tensor, weight: Weight | None = None) -> torch.Tensor:
         """Llama's logits, soft-capped where the model caps them (cap * tanh(logit / cap))."""

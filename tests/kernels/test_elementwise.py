@@ -141,6 +141,23 @@ def test_silu_mul_matches_formula(march: str, n: int, inter: int, scale: float, 
 @SETTINGS
 @given(
     n=st.integers(1, 40),
+    inter=st.integers(1, 300),
+    scale=st.sampled_from([1.0, 10.0, 120.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_gelu_tanh_mul_matches_formula(march: str, n: int, inter: int, scale: float, seed: int) -> None:
+    """Gemma's activation against tanh's own formula in float64 (the kernel's is x sigmoid(2y));
+    scale 120 takes the tanh's argument past exp's underflow on both signs."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(n, 2 * inter, generator=g) * scale
+    gate, up = gate_up.double().split(inter, dim=-1)
+    want = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+    torch.testing.assert_close(elementwise.gelu_tanh_mul(gate_up).double(), want, **TOL)
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 40),
     heads=st.integers(1, 12),
     half=st.integers(1, 40),
     extra=st.integers(0, 3),

@@ -6,17 +6,22 @@ calls with the same arguments. So the greedy tokens and every logprob must be
 the same floats, not close ones. The runs cover fp32 panel weights and int8
 block weights, a Qwen2 model (biases on the QKV projection), a Llama-3 rope,
 float32, int8 and fp8 caches, a Qwen3 model (norms on the query and key heads),
-and a batch of rows of different lengths. bf16 weights are not the loop's: it
-must decline them, and the model's forward serves.
+Gemma 2 and Gemma 3 (sandwich norms, GELU-tanh, soft-capped and windowed attention,
+Gemma 3's sliding layers' own rope; tests/models/test_gemma.py's checkpoints), and a
+batch of rows of different lengths. bf16 weights are not the loop's: it must decline
+them, and the model's forward serves.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.models.compiled_decode import CompiledDecode
+from tests.models.test_gemma import configs, peaked
 
 PROMPTS = [list(np.random.default_rng(k).integers(0, 256, size=n)) for k, n in enumerate((5, 17, 40))]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
@@ -55,6 +60,22 @@ def test_compiled_steps_are_the_forward_bits(tiny_model_dirs, monkeypatch, model
     assert eager_calls == 0 and built
     assert compiled_calls >= PARAMS.max_tokens - 1  # every step after the prefill: decodes only
     assert compiled == eager
+
+
+@pytest.fixture(scope="module")
+def gemmas(tmp_path_factory) -> dict[str, Path]:
+    from helpers.models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("gemma")
+    return {name: peaked(save_tiny_model(config, root / name)) for name, config in configs().items()}
+
+
+@pytest.mark.parametrize(
+    "model, quantization, kv_cache_dtype",
+    [("gemma2", None, "model"), ("gemma3", None, "model"), ("gemma3", "int8", "int8")],
+)
+def test_gemma_compiled_steps_are_the_forward_bits(gemmas, monkeypatch, model, quantization, kv_cache_dtype):
+    test_compiled_steps_are_the_forward_bits(gemmas, monkeypatch, model, quantization, kv_cache_dtype)
 
 
 def test_the_loop_declines_what_it_does_not_compute(tiny_model_dirs, monkeypatch):
