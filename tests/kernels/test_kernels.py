@@ -213,6 +213,36 @@ def test_bench_kernels_prints_ratios_of_equal_outputs(dtype: str, capsys: pytest
         assert float(diff) < BENCH_TOL[dtype] and all(float(r) > 0 for r in rate)
 
 
+@pytest.mark.parametrize("per_core", [False, True])
+def test_bench_kernels_quant_prints_rates_against_the_peak(
+    per_core: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ctxpar bench kernels --quant`: each format, shape and row count a row with the int8
+    product's time, GOP/s (2 per multiply-add of that time), its fraction of the peak and
+    bf16's time; then the peak. Shapes cut down to one small projection: the command's
+    own are a 1B and an 8B layer's."""
+    from ctxpar import cli
+    from ctxpar.bench import kernels as bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "QUANT_SHAPES", {"tiny": {"o": (48, 256)}})
+    monkeypatch.setattr(bench_kernels, "PEAK_ROUNDS", 10_000)
+    flags = ["--per-core"] if per_core else []
+    threads = torch.get_num_threads()
+    try:
+        argv = ["bench", "kernels", "--quant", "--rows", "4", "16", "--repeat", "1", "--formats", "Q4_0", "Q8_0"]
+        assert cli.main([*argv, *flags]) == 0
+    finally:
+        torch.set_num_threads(threads)  # --per-core takes one
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if "x (48, 256)" in line]
+    assert [row[0].split()[0] for row in rows] == ["Q4_0", "Q4_0", "Q8_0", "Q8_0"]
+    for label, int8_ms, rate, of_peak, bf16_ms, ratio in rows:
+        mops = 2 * int(label.split()[3]) * 48 * 256 / 1e6  # the ms printed to 0.005, the rate to 0.5
+        assert mops / (float(int8_ms) + 0.005) - 0.5 <= float(rate) <= mops / max(float(int8_ms) - 0.005, 1e-9) + 0.5
+        assert of_peak.strip().endswith("%") and float(bf16_ms) > 0 and ratio.strip().endswith("x")
+    assert re.search(r"int8 peak: \d+ GOP/s on \d+ threads", out)
+
+
 def test_unwritable_cache_builds_once_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A cache that cannot be written (here: under a regular file) is no failure:
     the library goes to a directory of this user's under the temporary one. That
