@@ -75,33 +75,13 @@ void rms_norm_heads(T* x, int64_t x_stride, int64_t n, int64_t heads, const T* w
   }
 }
 
-template <typename T>
-void silu_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
-#pragma omp parallel for if (n * inter >= PARALLEL_FLOATS)
-  for (int64_t i = 0; i < n; ++i) {
-    const T* g = gate_up + i * 2 * inter;
-    const T* u = g + inter;
-    T* oi = out + i * inter;
-    int64_t j = 0;
-    for (; j + W <= inter; j += W) {
-      // silu(x) = x / (1 + e^-x), written with e = exp(-|x|) <= 1 so the exp
-      // never overflows: x / (1 + e) for x >= 0, x e / (1 + e) below.
-      const vec x = loadv<vec>(g + j);
-      const vec e = exp2_nonpositive<vec, veci>((x < 0 ? x : -x) * LOG2E);
-      storev(oi + j, rounded<T>((x < 0 ? x * e : x) / (1.0f + e)) * loadv<vec>(u + j));
-    }
-    for (; j < inter; ++j) {
-      const float x = widen(g[j]);
-      narrow_to(oi + j, rounded_one<T>(x / (1.0f + std::exp(-x))) * widen(u[j]));
-    }
-  }
-}
-
-// Gemma's gelu_tanh(gate) * up. gelu_tanh(x) = x (1 + tanh(y)) / 2, y = sqrt(2/pi) (x + 0.044715 x^3),
-// is x sigmoid(2y): silu_mul's x / (1 + e^-z) at z = 2y, the gelu rounded before the product
-// as PyTorch's float32 gelu cast to bf16 and multiplied in bf16 is.
-template <typename T>
-void gelu_tanh_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
+// act(gate) * up for a gated MLP, act(x) = x sigmoid(z): SwiGLU's silu at z = x, and Gemma's
+// gelu_tanh(x) = x (1 + tanh(y)) / 2 = x sigmoid(2y) at z = 2y, y = sqrt(2/pi) (x + 0.044715 x^3).
+// x / (1 + e^-z) is written with e = exp(-|z|) <= 1 so the exp never overflows: x / (1 + e)
+// for z >= 0, x e / (1 + e) below; the activation is rounded to T before the product, as
+// PyTorch's float32 activation cast to bf16 and multiplied in bf16 is.
+template <bool gelu, typename T>
+void gated_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
   constexpr float KAPPA = 0.044715f, TWO_BETA = 1.5957691216057308f;  // 2 sqrt(2/pi)
 #pragma omp parallel for if (n * inter >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
@@ -111,12 +91,13 @@ void gelu_tanh_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
     int64_t j = 0;
     for (; j + W <= inter; j += W) {
       const vec x = loadv<vec>(g + j);
-      const vec z = (x + KAPPA * (x * x * x)) * TWO_BETA;
+      vec z = x;
+      if constexpr (gelu) z = (x + KAPPA * (x * x * x)) * TWO_BETA;
       const vec e = exp2_nonpositive<vec, veci>((z < 0 ? z : -z) * LOG2E);
       storev(oi + j, rounded<T>((z < 0 ? x * e : x) / (1.0f + e)) * loadv<vec>(u + j));
     }
     for (; j < inter; ++j) {
-      const float x = widen(g[j]), z = (x + KAPPA * (x * x * x)) * TWO_BETA, e = std::exp(-std::fabs(z));
+      const float x = widen(g[j]), z = gelu ? (x + KAPPA * (x * x * x)) * TWO_BETA : x, e = std::exp(-std::fabs(z));
       narrow_to(oi + j, rounded_one<T>((z < 0 ? x * e : x) / (1.0f + e)) * widen(u[j]));
     }
   }
@@ -174,15 +155,17 @@ void rms_norm_heads_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, co
 }
 
 // gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
-void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) { silu_mul(gate_up, n, inter, out); }
-void silu_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) { silu_mul(gate_up, n, inter, out); }
-
-// gate_up (n, 2 * inter): each row's gate then up; out (n, inter) contiguous.
+void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
+  gated_mul<false>(gate_up, n, inter, out);
+}
+void silu_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) {
+  gated_mul<false>(gate_up, n, inter, out);
+}
 void gelu_tanh_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out) {
-  gelu_tanh_mul(gate_up, n, inter, out);
+  gated_mul<true>(gate_up, n, inter, out);
 }
 void gelu_tanh_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out) {
-  gelu_tanh_mul(gate_up, n, inter, out);
+  gated_mul<true>(gate_up, n, inter, out);
 }
 
 // x (n, heads, dim) in place, heads contiguous, x_stride elements between

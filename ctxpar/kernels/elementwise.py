@@ -74,21 +74,20 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (n, 2I) contiguous, gate then up -> silu(gate) * up (n, I), in its dtype."""
-    n, two_inter = gate_up.shape
-    if not gate_up.is_contiguous():
-        raise ValueError("silu_mul: gate_up must be contiguous")
-    out = torch.empty(n, two_inter // 2, dtype=gate_up.dtype)
-    _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
-    return out
+    return _gated_mul("silu_mul", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (n, 2I) contiguous, gate then up -> gelu_tanh(gate) * up (n, I), in its dtype."""
+    return _gated_mul("gelu_tanh_mul", gate_up)
+
+
+def _gated_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     n, two_inter = gate_up.shape
     if not gate_up.is_contiguous():
-        raise ValueError("gelu_tanh_mul: gate_up must be contiguous")
+        raise ValueError(f"{name}: gate_up must be contiguous")
     out = torch.empty(n, two_inter // 2, dtype=gate_up.dtype)
-    _kernel("gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
+    _kernel(name, gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
     return out
 
 
