@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from ctxpar import LLM, AsyncEngineArgs, EngineArgs
-from ctxpar.config import EngineConfig
+from ctxpar.config import EngineConfig, kv_cache_dtype_for
 from ctxpar.engine.vllm_args import HINTS, REFUSED
 from ctxpar.entrypoints.cli import generate, serve
 from ctxpar.knobs import FLAG, add_flags, knob, knobs
@@ -20,6 +20,8 @@ from ctxpar.knobs import FLAG, add_flags, knob, knobs
 CONFIG = {f.name: f for f in dataclasses.fields(EngineConfig)}
 # Commands that take the engine flags, and the fields whose flag name each uses for its own.
 COMMANDS = {"generate": (generate, {"seed"}), "serve": (serve, set())}
+# The defaults a command states for itself: serve's stall-free token budget.
+COMMAND_DEFAULTS = {"generate": {}, "serve": {"max_num_batched_tokens": serve.SERVE_MAX_NUM_BATCHED_TOKENS}}
 
 
 def flag_name(field: str) -> str:
@@ -39,17 +41,21 @@ def test_every_config_field_has_a_flag_with_its_default(command):
     module.add_arguments(parser)
     actions = parser._option_string_actions
     defaults = parser.parse_args([])
-    built = EngineConfig()  # validation keeps every default as it is
+    built = EngineConfig()  # validation keeps every default as it is, but kv_cache_dtype's "auto" resolved
+    assert built.kv_cache_dtype == kv_cache_dtype_for("auto", built.dtype, built.weight_quantization) != "auto"
     assert set(defaults.engine_fields) == set(CONFIG) - own
+    own_defaults = COMMAND_DEFAULTS[command]
     for name in defaults.engine_fields:
         field, action = CONFIG[name], actions[flag_name(name)]
         assert action.dest == name
-        assert action.default == field.default == getattr(built, name) == getattr(defaults, name), name
+        assert action.default == own_defaults.get(name, field.default) == getattr(defaults, name), name
+        if name not in own_defaults and name != "kv_cache_dtype":
+            assert getattr(built, name) == field.default, name
         for alias in field.metadata[FLAG].aliases:
             assert actions[alias].dest == name, f"{alias} is not a spelling of {name}"
     # A field whose flag name the command uses for its own (generate's --seed: the request's)
     # keeps EngineConfig's default.
-    assert EngineArgs.from_cli_args(defaults) == EngineArgs()
+    assert EngineArgs.from_cli_args(defaults) == EngineArgs(**own_defaults)
 
 
 def test_engine_args_fields_are_the_configs_and_the_llms_own():
