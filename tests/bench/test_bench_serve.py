@@ -34,7 +34,9 @@ def test_sweep_prints_each_level_and_the_ratios(tiny_model_dirs):
     ]
     r = subprocess.run([sys.executable, "-m", "ctxpar.cli", *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    rows = {int(m[1]): m for m in re.finditer(r"^ ?(\d+) +([\d.]+) +([\d.]+) .* (\d+)/(\d+)$", r.stdout, re.M)}
+    # C, the budget ("serve": the server's default), req/s, out tok/s, ..., identical/N
+    level = r"^ ?(\d+) +serve +([\d.]+) +([\d.]+) .* (\d+)/(\d+)$"
+    rows = {int(m[1]): m for m in re.finditer(level, r.stdout, re.M)}
     assert sorted(rows) == [1, 3], r.stdout
     for m in rows.values():
         assert float(m[2]) > 0 and float(m[3]) > 0
