@@ -171,7 +171,7 @@ def test_prefill_attention_any_chunks(data: st.DataObject) -> None:
         assert torch.equal(out, whole[a:b]) and torch.equal(lse, whole_lse[a:b])
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_prefill_attention_key_counts(kv_dtype: str, data: st.DataObject) -> None:
@@ -203,7 +203,7 @@ def test_prefill_attention_key_counts(kv_dtype: str, data: st.DataObject) -> Non
         assert torch.equal(out[0], whole[i]) and torch.equal(lse[0], whole_lse[i]), i
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["model", "int8", "fp8_e4m3"])
 @SETTINGS
 @given(data=st.data())
 def test_decode_rows_alone_or_batched(kv_dtype: str, data: st.DataObject) -> None:
