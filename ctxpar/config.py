@@ -59,7 +59,7 @@ class EngineConfig:
     # A request needs at least one prompt token and room for one generated token.
     max_model_len: int | None = knob(
         None,
-        "context limit, prompt + output (default: the model's)",
+        "context limit, prompt + output (default: the model's, or what --kv-cache-bytes holds where less)",
         "N",
         range=Range(2, why=" (a prompt token plus a generated one)"),
     )

@@ -10,12 +10,16 @@ head) and MLA layers (latent + rope key) share this code.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
 from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.kv_quant import KVQuant
+
+log = logging.getLogger(__name__)
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -34,9 +38,12 @@ def num_kv_blocks(
     max_model_len: int,
     device: torch.device,
     dcp_size: int = 1,
+    stated: bool = True,
 ) -> int:
     """Blocks per rank that fit the budget; an error if one max-length request
-    would not fit, or if the cache would not fit in the device's memory.
+    would not fit, or if the cache would not fit in the device's memory. Where
+    max_model_len is the model's own (not ``stated`` by the user), a cache that
+    holds fewer tokens bounds the requests instead, with a warning.
 
     Under DCP each rank stores block_size tokens of every logical block of
     block_size * dcp_size tokens: the budget per rank is unchanged and the
@@ -61,6 +68,19 @@ def num_kv_blocks(
         )
     logical = block_size * dcp_size
     needed = -(-max_model_len // logical)
+    if blocks < needed and not stated and blocks > 0:
+        # The model's own context (Llama 3.2's 131072) over the default budget: run with the
+        # context the cache holds, as llama.cpp runs with its n_ctx, rather than refuse a
+        # file that works; the engine's max_model_len is the smaller (engine.py).
+        log.warning(
+            "the model's context of %d tokens needs %.2f GiB of KV cache per rank; kv_cache_bytes holds %d "
+            "tokens, so requests are limited to %d (raise --kv-cache-bytes, or state --max-model-len)",
+            max_model_len,
+            needed * per_block / 2**30,
+            blocks * logical,
+            blocks * logical,
+        )
+        return int(blocks)
     if blocks < needed:
         sharded = f", each sharded over {dcp_size} ranks" if dcp_size > 1 else ""
         bytes_needed = needed * per_block

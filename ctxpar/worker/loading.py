@@ -54,6 +54,7 @@ def load_rank(config: EngineConfig, device: torch.device) -> RankModel:
         loaded.max_model_len,
         device,
         config.dcp_size,
+        stated=config.max_model_len is not None,
     )
     draft = _load_draft(config, loaded, dtype, device)
     return RankModel(loaded, num_blocks, per_token, device, draft)

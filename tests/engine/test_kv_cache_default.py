@@ -11,6 +11,7 @@ import pytest
 
 from ctxpar import LLM, SamplingParams
 from ctxpar.config import EngineConfig, kv_cache_dtype_for
+from ctxpar.errors import CtxparError
 from ctxpar.layers.kv_quant import KVQuant
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -54,3 +55,23 @@ def test_the_default_engine_stores_int8_rows_and_generates() -> None:
         assert want is not None and engine.kv_bytes_per_token_per_layer == want.row_bytes
         out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_models_own_context_over_the_cache_is_bounded_by_it(tiny_model_dirs, caplog) -> None:
+    """A model whose own context (512 here, Llama 3.2's 131072) needs more cache than the budget
+    runs with the tokens the cache holds, saying so, where the user stated no max_model_len; a
+    stated one it cannot hold is still refused (tests/parallel/test_dcp_engine.py)."""
+    path = str(tiny_model_dirs["llama"])
+    budget = dict(kv_cache_bytes=1 << 16, block_size=16, quantization="none")
+    with caplog.at_level("WARNING", logger="ctxpar.worker.kv_cache_allocation"), LLM(path, **budget) as llm:
+        engine = llm.engine
+        assert engine is not None
+        holds = engine.block_manager.num_blocks * 16
+        assert 0 < holds < 512 and engine.max_model_len == holds
+        assert "model's context of 512 tokens" in caplog.text and f"limited to {holds}" in caplog.text
+        short = llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(short[0].outputs[0].token_ids) == 2
+        with pytest.raises(ValueError, match=str(holds)):
+            llm.generate([{"prompt_token_ids": [5] * holds}], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(CtxparError, match="fewer than one request of max_model_len=512"):
+        LLM(path, max_model_len=512, **budget)
