@@ -1,11 +1,14 @@
 """GGUF files of real models' shapes with random weights, for benchmarks at real sizes.
 
 No download: the blocks are random bytes with scales that keep the activations
-finite (weights of standard deviation ~0.02, the usual initialisation), the
-norms are ones, and the tokenizer (vocabulary, merges, chat template) is
-SmolLM2's, copied from the default model's GGUF. Every file is a ``llama``
-GGUF that ctxpar and llama.cpp both load; only the shapes are the named
-model's (a Qwen3 shape is written as Llama: without Qwen3's q/k norms).
+finite (weights of standard deviation ~0.02, the usual initialisation), every
+norm multiplies by 1 (a Gemma file's value is 1 + w, as llama.cpp's converter
+writes it: 1.0 for w = 0), and the tokenizer (vocabulary, merges, chat template)
+is SmolLM2's, copied from the default model's GGUF. Each file is of its model's
+own architecture (``llama``, ``qwen3``, ``gemma3``: ARCHS), with the metadata and
+tensors llama.cpp's converter writes for it, so ctxpar and llama.cpp both run the
+family's own graph (Qwen3's and Gemma 3's q/k norms, Gemma 3's extra norms and
+window); only the vocabulary is not the named model's.
 """
 
 from __future__ import annotations
@@ -21,8 +24,28 @@ SCALE = 0.02  # the weights' standard deviation
 
 
 @dataclass(frozen=True)
+class Arch:
+    """What a family's file holds beyond a Llama file's (llama.cpp's converter, conversion/*.py)."""
+
+    rms_eps: float
+    head_norms: tuple[str, ...] = ()  # per-layer norms of head_dim (q/k norm)
+    hidden_norms: tuple[str, ...] = ()  # per-layer norms of hidden beyond attn_norm and ffn_norm
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch(1e-5),
+    "qwen3": Arch(1e-6, head_norms=("attn_q_norm", "attn_k_norm")),
+    # Gemma 3: a norm after attention and after the MLP too; its window's pattern (5 windowed
+    # layers : 1 full) and the windowed layers' rope base (10000) are llama.cpp's, not the file's.
+    "gemma3": Arch(
+        1e-6, head_norms=("attn_q_norm", "attn_k_norm"), hidden_norms=("post_attention_norm", "post_ffw_norm")
+    ),
+}
+
+
+@dataclass(frozen=True)
 class Shape:
-    """A decoder's shapes: what the GGUF's llama.* metadata and tensors need."""
+    """A decoder's shapes: what the GGUF's {arch}.* metadata and tensors need."""
 
     hidden: int
     layers: int
@@ -30,8 +53,10 @@ class Shape:
     kv_heads: int
     head_dim: int
     ffn: int
-    rope_theta: float
+    rope_theta: float  # the full-attention layers' base
     tied: bool  # the lm_head is the embedding table
+    arch: str = "llama"  # general.architecture: a key of ARCHS
+    window: int | None = None  # {arch}.attention.sliding_window: the windowed layers' keys
 
     def params(self, vocab: int) -> int:
         """Weights in the file (the norms aside)."""
@@ -42,7 +67,8 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, 500000.0, tied=True),
-    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, 1000000.0, tied=True),
+    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, 1000000.0, tied=True, arch="qwen3"),
+    "gemma3-1b": Shape(1152, 26, 4, 1, 256, 6912, 1000000.0, tied=True, arch="gemma3", window=512),
     "llama-3-8b": Shape(4096, 32, 32, 8, 128, 14336, 500000.0, tied=False),
 }
 # name: (weights per block, bytes per block); the block's byte layout is ggml-common.h's.
@@ -67,6 +93,14 @@ def _halves(value: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, value, dtype=np.float16).view(np.uint8).reshape(*shape, 2)
 
 
+def is_written(name: str, path: Path) -> bool:
+    """Whether ``path`` holds a GGUF of SHAPES[name]'s architecture (one of another, a stale
+    file of the same name, is to be written again)."""
+    from ctxpar.models.gguf_file import GGUFFile
+
+    return path.exists() and GGUFFile(path).metadata.get("general.architecture") == SHAPES[name].arch
+
+
 def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """Write the GGUF of SHAPES[name] in block format ``fmt`` to ``path``,
     streaming one tensor at a time (memory stays one tensor's size)."""
@@ -75,9 +109,16 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     if name not in SHAPES or fmt not in FORMATS:
         raise CtxparError(f"unknown shape {name!r} or format {fmt!r}: shapes {list(SHAPES)}, formats {list(FORMATS)}")
     s = SHAPES[name]
+    arch, block = ARCHS[s.arch], FORMATS[fmt][0]
+    fits = [f for f, (n, _) in FORMATS.items() if not (s.hidden % n or s.ffn % n or s.heads * s.head_dim % n)]
+    if fmt not in fits:  # llama.cpp's quantize writes such rows in another type; a benchmark of fmt should not
+        raise CtxparError(
+            f"shape {name}'s rows ({s.hidden}, {s.ffn}, {s.heads * s.head_dim} weights) are not whole "
+            f"{fmt} blocks of {block}; write it in {', '.join(fits)}"
+        )
     reader = gguf.GGUFReader(tokenizer_from)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, s.arch)
     w.add_name(f"{name} (random weights)")
     w.add_context_length(131072)
     w.add_embedding_length(s.hidden)
@@ -89,7 +130,9 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     w.add_value_length(s.head_dim)
     w.add_rope_dimension_count(s.head_dim)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(arch.rms_eps)
+    if s.window is not None:
+        w.add_sliding_window(s.window)
     w.add_vocab_size(vocab)
     _copy_tokenizer(reader, w)
 
@@ -98,7 +141,9 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
     for i in range(s.layers):
         b = f"blk.{i}."
-        tensors += [(b + "attn_norm.weight", s.hidden, None), (b + "ffn_norm.weight", s.hidden, None)]
+        norms = [("attn_norm", s.hidden), ("ffn_norm", s.hidden)]
+        norms += [(n, s.head_dim) for n in arch.head_norms] + [(n, s.hidden) for n in arch.hidden_norms]
+        tensors += [(f"{b}{n}.weight", rows, None) for n, rows in norms]
         tensors += [(b + "attn_q.weight", q_rows, s.hidden), (b + "attn_k.weight", kv_rows, s.hidden)]
         tensors += [(b + "attn_v.weight", kv_rows, s.hidden), (b + "attn_output.weight", s.hidden, q_rows)]
         tensors += [(b + "ffn_gate.weight", s.ffn, s.hidden), (b + "ffn_up.weight", s.ffn, s.hidden)]
@@ -107,7 +152,7 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     if not s.tied:
         tensors.append(("output.weight", vocab, s.hidden))
     kind = gguf.GGMLQuantizationType[fmt]
-    block, nbytes = FORMATS[fmt]
+    nbytes = FORMATS[fmt][1]
     for tname, rows, cols in tensors:
         if cols is None:
             w.add_tensor_info(tname, (rows,), np.dtype(np.float32), rows * 4)

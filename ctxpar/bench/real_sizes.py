@@ -2,7 +2,8 @@
 loading (cold and warm), peak memory, time to first token and decode.
 
 Each file is written once (bench/gguf_shapes.py: llama-3.2-1b, qwen3-1.7b,
-llama-3-8b at Q4_0, Q8_0 or Q4_K; SmolLM2's vocabulary), into ``--dir``. Each
+gemma3-1b, llama-3-8b at Q4_0, Q8_0 or Q4_K, each in its family's own GGUF
+architecture; SmolLM2's vocabulary), into ``--dir``. Each
 engine then runs in its own process (bench/compare_workload.py, the same
 script under both Pythons): a cold load first, after the file, and ctxpar's
 converted tokenizer, are evicted from the page cache (``posix_fadvise``, as
@@ -25,13 +26,19 @@ from pathlib import Path
 
 from ctxpar.bench.cold_start import evict
 from ctxpar.bench.engine_process import run_engine
-from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, write_gguf
+from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, is_written, write_gguf
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["llama-3.2-1b"], help="model shapes")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=list(SHAPES),
+        default=["llama-3.2-1b"],
+        help="model shapes, each written in its family's architecture (llama, qwen3, gemma3)",
+    )
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["Q4_0"], help="block formats")
     p.add_argument("--dir", default=None, help="where the GGUFs are written (default: a private cache directory)")
     p.add_argument("--peer-python", default=None, help="Python of a venv with llama-cpp-python (default: ctxpar only)")
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> None:
     for shape in args.shapes:
         for fmt in args.formats:
             path = folder / f"{shape}-{fmt}.gguf"
-            if not path.exists():
+            if not is_written(shape, path):
                 print(f"writing {path} ...", flush=True)
                 write_gguf(shape, fmt, path, default_model_path())
             _compare(path, args)
