@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, write_gguf
+from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, is_written, write_gguf
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> None:
         folder = Path(args.dir) if args.dir else paths.cache_dir("gguf-shapes") or paths.temporary_dir("gguf-shapes")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{args.shape}-{args.format}.gguf"
-        if not path.exists():
+        if not is_written(args.shape, path):  # a stale file of another architecture is rewritten
             print(f"writing {path} ...", flush=True)
             write_gguf(args.shape, args.format, path, default_model_path())
     print(describe_machine())
