@@ -35,7 +35,6 @@ from ctxpar.errors import CtxparError
 from ctxpar.layers.activation import gelu_tanh_and_mul
 from ctxpar.layers.attention.attend import GQA
 from ctxpar.layers.forward_context import ForwardContext
-from ctxpar.layers.kv_quant import default_runs
 from ctxpar.layers.linear import Weight, embedding, linear
 from ctxpar.layers.norm import RMSNorm, unit_offset
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
@@ -86,25 +85,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelArgs | Any) -> None:
         """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""
-        nn.Module.__init__(self)  # Llama's own layers are not built: these are Gemma's
-        config = ModelArgs.of(config)
-        self.config = config
-        self.tie_word_embeddings = config.tie_word_embeddings
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        super().__init__(config)  # its rotary: the global layers' (every layer's in Gemma 2)
+        config = self.config
         self.layer_kinds = config.layer_types or ("full_attention",) * config.num_hidden_layers
         attn = self.decoder_layers[0].self_attn
-        self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
-        self.kv_scale_runs = default_runs(self.kv_entry_shape)
-        self.num_kv_layers: int = config.num_hidden_layers
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            self.embed_tokens
-            if self.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        )
-        self.lm_head_packed: Weight | None = None
-        self.rotary = RotaryEmbedding(config, attn.head_dim)  # the global layers' (every layer's in Gemma 2)
         local = config.sliding_rope
         self.sliding_rotary = (
             None if local is None else RotaryEmbedding(dataclasses.replace(config, rope=local), attn.head_dim)
@@ -114,6 +98,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.register_buffer(
             "embed_scale", torch.tensor(config.hidden_size**0.5, dtype=torch.float32), persistent=False
         )
+
+    def decoder_layer(self, config: ModelArgs, layer_idx: int) -> GemmaDecoderLayer:
+        return GemmaDecoderLayer(config, layer_idx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: (n,) int64 -> hidden states (n, hidden) after the final norm."""

@@ -156,9 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = config.tie_word_embeddings
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.feed_forward(config, i)) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         attn = self.decoder_layers[0].self_attn
         self.kv_entry_shape: tuple[int, ...] = (2, attn.num_kv_heads, attn.head_dim)
         self.kv_scale_runs = default_runs(self.kv_entry_shape)  # one scale per K or V head
@@ -167,6 +165,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
         self.lm_head_packed: Weight | None = None  # packed copy of lm_head, see pack_for_cpu
         self.rotary = RotaryEmbedding(config, attn.head_dim)
+
+    def decoder_layer(self, config: ModelArgs, layer_idx: int) -> LlamaDecoderLayer:
+        """Layer ``layer_idx``: Llama's attention and feed-forward (a subclass's may be another layout)."""
+        return LlamaDecoderLayer(config, layer_idx, self.feed_forward(config, layer_idx))
 
     def feed_forward(self, config: ModelArgs, layer_idx: int) -> LlamaMLP | MoE:
         """Layer ``layer_idx``'s feed-forward: the dense SwiGLU (a subclass's may be experts)."""
