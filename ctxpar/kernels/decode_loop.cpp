@@ -14,9 +14,11 @@
 //   o = a W_o^T (+b); [Gemma: o = rms_norm(o)]; x = rms_norm(h += o);
 //   m = down(act(gate) * up), gate|up = x W_gu^T (+b), act silu or gelu_tanh (Gemma);
 //   [Gemma: m = rms_norm(m)]; h += m
+// or, in a mixture of experts' layer (Qwen-MoE), m = experts(x) (moe(), below).
 // Projections are block-quantized (quant_gemv.cpp) or fp32 panels (gemv.cpp); the
 // cache fp32 entries or quantized rows (kv_quantize.cpp, kv_codes.h).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,6 +50,9 @@ void paged_decode_quant(const float* q, const uint8_t* cache, const int64_t* slo
                         int64_t slot_stride, int64_t head_stride, int64_t v_offset, int64_t code,
                         int64_t scale_offset, int64_t scale_head, int64_t scale_value, int64_t split, float scale,
                         int64_t window, float soft_cap, float* out, float* lse);
+void moe_route_f32(const float* logits, int64_t n, int64_t experts, int64_t k, int64_t renorm, float scaling,
+                   float* weights, int64_t* ids);
+void sigmoid_f32(const float* x, int64_t n, float* out);
 }
 
 namespace {
@@ -59,6 +64,17 @@ struct Projection {
   int64_t num_parts;
   const float* bias;  // null: none
   int64_t in, out, bits, group, half, zero;
+};
+
+// A mixture of experts in the MLP's place (ctxpar/layers/moe.py's MoE, greedy routing, SiLU).
+struct Experts {
+  Projection router;         // (count, hidden) float32: the routing logits
+  const Projection* expert;  // [count][3]: each expert's gate, up, down
+  int64_t count, top_k, renorm, inter;
+  float scaling;              // routed_scaling_factor
+  const Projection* shared;   // [3]: the shared expert's gate, up, down (width shared_inter); null: none
+  int64_t shared_inter;
+  const Projection* shared_gate;  // (1, hidden): sigmoid of it scales the shared expert's output; null: none
 };
 
 struct Layer {
@@ -74,6 +90,7 @@ struct Layer {
   const float* attn_out_norm;
   const float* mlp_out_norm;
   int64_t local_rope;  // 1: the step's local rope tables (Gemma 3's sliding layers)
+  const Experts* experts;  // the MLP's place taken by experts (gate_up, down unused); null: the dense MLP
 };
 
 // The cache's format: code -1 float32 entries, else kv_codes.h's code of quantized rows;
@@ -91,6 +108,67 @@ void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, f
   else
     quant_linear_f32(x, x_stride, n, p.in, static_cast<const QuantPart*>(p.data), p.num_parts, p.bits, p.group,
                      p.half, p.zero, p.bias, out);
+}
+
+template <typename V>
+void at_least(V& v, int64_t size) {
+  if (int64_t(v.size()) < size) v.resize(size);
+}
+
+// out (c, hidden) = down(silu(gate(x)) * up(x)) of x (c, hidden) contiguous, p its [gate, up, down]:
+// GatedMLP's forward, gate and up side by side in one (c, 2 inter) as its silu_and_mul takes them.
+void gated_mlp(const Projection* p, const float* x, int64_t c, int64_t hidden, int64_t inter, float* out) {
+  static thread_local std::vector<float> gate, up, gate_up, act;
+  at_least(gate, c * inter), at_least(up, c * inter), at_least(gate_up, c * 2 * inter), at_least(act, c * inter);
+  project(p[0], x, hidden, c, gate.data());
+  project(p[1], x, hidden, c, up.data());
+  for (int64_t r = 0; r < c; ++r) {
+    std::memcpy(gate_up.data() + r * 2 * inter, gate.data() + r * inter, inter * sizeof(float));
+    std::memcpy(gate_up.data() + r * 2 * inter + inter, up.data() + r * inter, inter * sizeof(float));
+  }
+  silu_mul_f32(gate_up.data(), c, inter, act.data());
+  project(p[2], act.data(), inter, c, out);
+}
+
+// out (n, hidden) = the experts' output for x (n, hidden) contiguous, as MoE.forward computes it:
+// route each row (moe_route_f32); from zeros, for each expert in ascending order with rows routed
+// to it, its output for those rows times each row's weight added to them; then + the shared
+// expert's output, times sigmoid of its gate. Each product is rounded before its sum, as PyTorch's
+// separate ops are: the two are separate loops, so the compiler cannot fuse them (-ffp-contract).
+void moe(const Experts& E, const float* x, int64_t n, int64_t hidden, float* out) {
+  static thread_local std::vector<float> logits, weights, picked_w, xs, ys, shared, gate, sig;
+  static thread_local std::vector<int64_t> ids, picked;
+  const int64_t k = E.top_k;
+  at_least(logits, n * E.count), at_least(weights, n * k), at_least(ids, n * k), at_least(picked, n);
+  at_least(picked_w, n), at_least(xs, n * hidden), at_least(ys, n * hidden);
+  project(E.router, x, hidden, n, logits.data());
+  moe_route_f32(logits.data(), n, E.count, k, E.renorm, E.scaling, weights.data(), ids.data());
+  std::fill(out, out + n * hidden, 0.0f);
+  for (int64_t e = 0; e < E.count; ++e) {
+    int64_t c = 0;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        if (ids[t * k + j] == e) picked[c] = t, picked_w[c++] = weights[t * k + j];
+    if (c == 0) continue;
+    for (int64_t r = 0; r < c; ++r)
+      std::memcpy(xs.data() + r * hidden, x + picked[r] * hidden, hidden * sizeof(float));
+    gated_mlp(E.expert + 3 * e, xs.data(), c, hidden, E.inter, ys.data());
+    for (int64_t r = 0; r < c; ++r)
+      for (int64_t i = 0; i < hidden; ++i) ys[r * hidden + i] *= picked_w[r];
+    for (int64_t r = 0; r < c; ++r)
+      for (int64_t i = 0; i < hidden; ++i) out[picked[r] * hidden + i] += ys[r * hidden + i];
+  }
+  if (!E.shared) return;
+  at_least(shared, n * hidden);
+  gated_mlp(E.shared, x, n, hidden, E.shared_inter, shared.data());
+  if (E.shared_gate) {
+    at_least(gate, n), at_least(sig, n);
+    project(*E.shared_gate, x, hidden, n, gate.data());
+    sigmoid_f32(gate.data(), n, sig.data());
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < hidden; ++i) shared[t * hidden + i] *= sig[t];
+  }
+  for (int64_t i = 0; i < n * hidden; ++i) out[i] += shared[i];
 }
 
 }  // namespace
@@ -111,9 +189,6 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
   // Scratch kept between steps (a decode step is one call): sizes grow with the batch only.
   static thread_local std::vector<float> x, qkv, q, attn, lse, proj, normed, gate_up, act;
   static thread_local std::vector<uint8_t> rows;
-  auto at_least = [](auto& v, int64_t size) {
-    if (int64_t(v.size()) < size) v.resize(size);
-  };
   at_least(x, n * hidden), at_least(qkv, n * qkv_size), at_least(q, n * q_size), at_least(attn, n * q_size);
   at_least(lse, n * heads), at_least(proj, n * hidden), at_least(normed, n * hidden);
   at_least(gate_up, n * 2 * inter), at_least(act, n * inter);
@@ -161,9 +236,13 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
       o = normed.data();
     }
     rms_norm_f32(o, hidden, h, L.post_norm, n, hidden, eps, x.data());  // h += o, x = norm(h)
-    project(L.gate_up, x.data(), hidden, n, gate_up.data());
-    (gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(gate_up.data(), n, inter, act.data());
-    project(L.down, act.data(), inter, n, proj.data());
+    if (L.experts) {
+      moe(*L.experts, x.data(), n, hidden, proj.data());
+    } else {
+      project(L.gate_up, x.data(), hidden, n, gate_up.data());
+      (gelu ? gelu_tanh_mul_f32 : silu_mul_f32)(gate_up.data(), n, inter, act.data());
+      project(L.down, act.data(), inter, n, proj.data());
+    }
     const float* m = proj.data();
     if (L.mlp_out_norm) {
       rms_norm_f32(proj.data(), hidden, nullptr, L.mlp_out_norm, n, hidden, eps, normed.data());

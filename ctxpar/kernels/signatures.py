@@ -41,5 +41,7 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "quant_dequantize_f32": ([_ptr] + [_i64] * 7 + [_ptr], None),
     "quant_peak_ops": ([_i64], _i64),
     "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 7 + [_f32, _f32, _i64], None),
+    "moe_route_f32": ([_ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _ptr], None),
+    "sigmoid_f32": ([_ptr, _i64, _ptr], None),
     "shm_barrier": ([_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_double], _i64),
 }

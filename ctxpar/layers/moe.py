@@ -17,9 +17,13 @@ its output per token). Two routers:
 Weights are then optionally renormalised (``norm_topk_prob``) and multiplied
 by ``routed_scaling_factor``. Routing is computed in float32 (as transformers
 does: the gate is kept in fp32), since low precision flips expert choices.
+On the CPU, ``greedy``'s softmax, top-k and renormalisation, and every sigmoid
+here, are ctxpar's kernels (kernels/moe_route.cpp), which the compiled decode
+loop (kernels/decode_loop.cpp) calls too: its steps are this forward's bits.
 
-Experts are evaluated by a plain loop over the experts that received tokens:
-correct first, and adequate on CPU.
+Experts are evaluated by a loop over the experts that received tokens, in
+ascending order, each adding its weighted output to its tokens' rows: the
+compiled decode loop adds them in that order.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ctxpar.errors import CtxparError
+from ctxpar.kernels import moe_route
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.linear import Linear, linear
 
@@ -48,7 +53,9 @@ def activation(name: str):
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)) elementwise, each element's bits its own (torch.sigmoid's are not:
-    see ``activation``; torch.exp's are)."""
+    see ``activation``; torch.exp's are): the kernel's on the CPU, the decode loop's too."""
+    if moe_route.usable(x):
+        return moe_route.sigmoid(x)
     return torch.exp(-x).add_(1).reciprocal_()
 
 
@@ -60,6 +67,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.hidden_act = hidden_act
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +129,8 @@ class TopkRouter(nn.Module):
                 choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             idx = torch.topk(choice, k=self.top_k, dim=-1).indices
             weights = scores.gather(1, idx)
+        elif self.method == "greedy" and moe_route.usable(logits):  # the decode loop's routing
+            return moe_route.route(logits, self.top_k, self.norm_topk_prob, self.routed_scaling_factor)
         else:
             scores = logits.softmax(dim=-1)
             if self.method == "group_limited_greedy" and self.topk_group < self.n_group:

@@ -10,7 +10,9 @@ and the KV caches: it records every layer's weight and cache pointers, and runs
 a step whose rows are all decodes as one call that makes the same kernel calls
 with the same arguments, in the same order, as the model's forward does. The
 outputs are therefore the same bits (tests/models/test_compiled_decode.py
-compares the two).
+compares the two). A layer whose MLP is a mixture of experts (Qwen-MoE's,
+``DecoderExperts``) routes each row and runs its experts in the loop, in the
+order and with the kernels of the expert layer's forward (ctxpar/layers/moe.py).
 
 Everything else (prefill, split or gathered steps, DCP, weights or caches the
 kernels do not read, ``enforce_eager=True``) runs the model's own forward;
@@ -23,7 +25,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,6 +37,7 @@ from ctxpar.layers.attention.paged import decode_batch
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
 from ctxpar.layers.linear import PanelWeight, Weight, embedding
+from ctxpar.layers.moe import GatedMLP, MoE
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_linear import QuantParts, QuantWeight
 from ctxpar.models.base import DecodeShape
@@ -72,6 +75,22 @@ class _Layer(ctypes.Structure):
         ("attn_out_norm", _ptr),  # (hidden,) each; null: none
         ("mlp_out_norm", _ptr),
         ("local_rope", _i64),
+        ("experts", _ptr),  # an _Experts in the MLP's place; null: the dense gate_up, down
+    ]
+
+
+class _Experts(ctypes.Structure):
+    _fields_ = [
+        ("router", _Projection),
+        ("expert", _ptr),  # _Projection[count][3]: gate, up, down
+        ("count", _i64),
+        ("top_k", _i64),
+        ("renorm", _i64),
+        ("inter", _i64),
+        ("scaling", ctypes.c_float),
+        ("shared", _ptr),  # _Projection[3]; null: no shared expert
+        ("shared_inter", _i64),
+        ("shared_gate", _ptr),  # _Projection; null: no gate
     ]
 
 
@@ -114,25 +133,107 @@ def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None
     return None
 
 
+Projection = tuple[Weight, torch.Tensor | None]  # a weight and its bias (None: none)
+ExpertMLP = tuple[Projection, Projection, Projection]  # gate, up, down: down(silu(gate(x)) * up(x))
+
+
+def _projections(pairs: list[Projection], kept: list[Any]) -> int | None:
+    """The address of a _Projection array of ``pairs`` (appended to ``kept``), or None where one
+    is a weight the loop does not read."""
+    records = [r for r in (_projection(*p) for p in pairs) if r is not None]
+    if len(records) < len(pairs):
+        return None
+    kept.append((_Projection * len(records))(*records))
+    return ctypes.addressof(kept[-1])
+
+
+def _experts(e: DecoderExperts, kept: list[Any]) -> int | None:
+    """The address of the loop's record of ``e`` (appended to ``kept`` with its arrays), or None
+    where the loop does not run it."""
+    router = _projection(e.router, None)
+    routed = _projections([p for mlp in e.experts for p in mlp], kept)
+    shared = None if e.shared is None else _projections(list(e.shared), kept)
+    gate = None if e.shared_gate is None else _projections([e.shared_gate], kept)
+    unread = (e.shared is not None and shared is None) or (e.shared_gate is not None and gate is None)
+    if not e.loop_runs or router is None or routed is None or unread:
+        return None
+    sizes = (len(e.experts), e.top_k, int(e.renorm), e.inter, e.scaling)
+    record = _Experts(router, routed, *sizes, shared, e.shared_inter, gate)
+    kept.append(record)
+    return ctypes.addressof(record)
+
+
+@dataclass(frozen=True, repr=False)
+class DecoderExperts:
+    """A mixture of experts in a decoder layer's MLP place (layers/moe.py's MoE), as the loop
+    runs it: softmax routing to the ``top_k`` best experts (``renorm``: their weights summed to
+    1), each expert's output times its weight added in ascending expert order, then the shared
+    expert's, times sigmoid(``shared_gate``) where it has one."""
+
+    router: Weight  # (count, hidden) float32
+    experts: list[ExpertMLP]
+    top_k: int
+    renorm: bool
+    scaling: float  # the routed weights' factor
+    inter: int  # each expert's width
+    shared: ExpertMLP | None = None
+    shared_inter: int = 0
+    shared_gate: Projection | None = None  # (1, hidden)
+    loop_runs: bool = True  # False: routing other than greedy softmax, or experts not SiLU's
+
+    @classmethod
+    def of(cls, moe: MoE) -> DecoderExperts:
+        """``moe``'s experts, as the loop runs them where ``loop_runs``."""
+        routed = cast(list[GatedMLP], list(moe.experts))
+        shared = moe.shared_experts
+        silu = all(e.hidden_act in ("silu", "swish") for e in [*routed, *([] if shared is None else [shared])])
+
+        def mlp(e: GatedMLP) -> ExpertMLP:
+            return (
+                (e.gate_proj.weight, e.gate_proj.bias),
+                (e.up_proj.weight, e.up_proj.bias),
+                (
+                    e.down_proj.weight,
+                    e.down_proj.bias,
+                ),
+            )
+
+        gate = moe.shared_expert_gate
+        return cls(
+            router=moe.gate.weight,
+            experts=[mlp(e) for e in routed],
+            top_k=moe.gate.top_k,
+            renorm=moe.gate.norm_topk_prob,
+            scaling=moe.gate.routed_scaling_factor,
+            inter=routed[0].down_proj.in_features,
+            shared=None if shared is None else mlp(shared),
+            shared_inter=0 if shared is None else shared.down_proj.in_features,
+            shared_gate=None if gate is None else (gate.weight, gate.bias),
+            loop_runs=silu and moe.gate.method == "greedy",
+        )
+
+
 @dataclass(frozen=True, repr=False)  # its tensors are weights: no repr of their values
 class DecoderLayer:
     """One Llama-style decoder layer as its decode step runs it: h += [RMSNorm](O(attend(rope(
     [norm each Q, K head](QKV(RMSNorm(h))))))), then h += [RMSNorm](down(act·up(gate_up(
     RMSNorm(h))))); each projection a weight and its bias (None: none), each bracketed norm
-    one a model may have (Gemma's sandwich norms, Qwen3's and Gemma 3's head norms)."""
+    one a model may have (Gemma's sandwich norms, Qwen3's and Gemma 3's head norms); a
+    mixture of experts' layer has ``experts`` where the dense one has gate_up and down."""
 
     input_norm: torch.Tensor  # (hidden,)
-    qkv: tuple[Weight, torch.Tensor | None]  # rows [q | k | v]
-    o: tuple[Weight, torch.Tensor | None]
+    qkv: Projection  # rows [q | k | v]
+    o: Projection
     post_norm: torch.Tensor  # (hidden,) of h after the attention's residual add (the MLP's input)
-    gate_up: tuple[Weight, torch.Tensor | None]  # rows [gate | up]
-    down: tuple[Weight, torch.Tensor | None]
+    gate_up: Projection | None  # rows [gate | up]; None: experts
+    down: Projection | None
     window: int | None = None  # a sliding-window layer's (AttentionSpec.window); None: every key
     q_norm: torch.Tensor | None = None  # (head_dim,) the RMSNorm of each Q head (Qwen3); None: none
     k_norm: torch.Tensor | None = None  # (head_dim,) of each K head; both or neither
     attn_out_norm: torch.Tensor | None = None  # (hidden,) of the attention's output before its residual add
     mlp_out_norm: torch.Tensor | None = None  # (hidden,) of the MLP's output before its residual add
     local_rope: bool = False  # rope by the step's ``local_rotary`` (Gemma 3's sliding layers)
+    experts: DecoderExperts | None = None  # in the dense MLP's place
 
 
 @dataclass(frozen=True, repr=False)
@@ -160,6 +261,7 @@ class CompiledDecode:
     layers: Any  # ctypes array of _Layer, one per decoder layer
     cache: _Cache
     runs: torch.Tensor | None  # the quantized cache's runs (kept alive: the loop reads them)
+    experts: list[Any]  # the layers' _Experts and their _Projection arrays (kept alive: the loop reads them)
 
     @classmethod
     def build(cls, step: DecoderStep, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
@@ -168,15 +270,18 @@ class CompiledDecode:
             return None
         if not all(attn_kernels.usable(c, step.shape.head_dim) for c in kv_caches):  # read in place
             return None
-        records = []
+        records: list[_Layer] = []
+        kept: list[Any] = []
         for layer, cache in zip(step.layers, kv_caches):
-            projections = tuple(_projection(*p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            if any(p is None for p in projections):
+            mlp = (layer.gate_up, layer.down)
+            projections = tuple(_projection(*p) if p else _Projection() for p in (layer.qkv, layer.o, *mlp))
+            experts = None if layer.experts is None else _experts(layer.experts, kept)
+            if any(p is None for p in projections) or (layer.experts is not None and experts is None):
                 return None
             norms = (layer.input_norm, layer.post_norm)
             heads = (_address(layer.q_norm), _address(layer.k_norm))
             sandwich = (_address(layer.attn_out_norm), _address(layer.mlp_out_norm))
-            fields = (_address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope))
+            fields = (_address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope), experts)
             records.append(_Layer(*(_address(w) for w in norms), *projections, *fields))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
@@ -185,7 +290,7 @@ class CompiledDecode:
             code = attn_kernels.CODES[kv_quant.codes]
             q_turn, kv_turn = kv_rotation.scales(step.shape.head_dim) if step.turns_quantized_heads else (0.0, 0.0)
             fmt = _Cache(code, kv_quant.row_bytes, kv_quant.scale_offset, len(runs), runs.data_ptr(), q_turn, kv_turn)
-        return cls(step, (_Layer * len(records))(*records), fmt, runs)
+        return cls(step, (_Layer * len(records))(*records), fmt, runs, kept)
 
     def serves(self, ctx: ForwardContext, num_tokens: int) -> bool:
         """Whether this step is one the loop computes as the model's forward would: every

@@ -46,7 +46,7 @@ from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 from ctxpar.model_args import ModelArgs
 from ctxpar.models.base import DecodeShape, FastDecodeStep
-from ctxpar.models.compiled_decode import CompiledDecode, DecoderLayer, DecoderStep
+from ctxpar.models.compiled_decode import CompiledDecode, DecoderExperts, DecoderLayer, DecoderStep
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -121,9 +121,9 @@ class LlamaMLP(nn.Module):
 
 
 def _dense(mlp: LlamaMLP | MoE) -> LlamaMLP:
-    """A layer's MLP as the fast decode paths run it: dense (a mixture of experts has none)."""
+    """A layer's MLP as a fused checkpoint names it: dense (Phi-3's; a mixture of experts has none)."""
     if not isinstance(mlp, LlamaMLP):
-        raise CtxparError("the fast decode paths run dense MLPs; a mixture of experts runs its forward")
+        raise CtxparError("fused gate_up_proj weights are a dense MLP's; this layer has experts")
     return mlp
 
 
@@ -190,10 +190,10 @@ class LlamaForCausalLM(nn.Module):
     def decode_step(self) -> DecoderStep:
         """This model's decode step as its fast paths run it: the same weights, norms and
         constants, in the order ``forward`` uses them (after loading and packing)."""
-        attn, mlp = self.decoder_layers[0].self_attn, _dense(self.decoder_layers[0].mlp)
+        attn = self.decoder_layers[0].self_attn
         shape = DecodeShape(
             hidden=self.config.hidden_size,
-            intermediate=mlp.inter,
+            intermediate=self.config.intermediate_size,  # the dense MLPs' (a layer of experts sizes its own)
             heads=attn.num_heads,
             kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
@@ -205,8 +205,9 @@ class LlamaForCausalLM(nn.Module):
                 qkv=(layer.self_attn.qkv_weight, layer.self_attn.qkv_bias),
                 o=(layer.self_attn.o_weight, layer.self_attn.o_bias),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=(_dense(layer.mlp).gate_up_weight, _dense(layer.mlp).gate_up_bias),
-                down=(_dense(layer.mlp).down_weight, _dense(layer.mlp).down_bias),
+                gate_up=None if isinstance(layer.mlp, MoE) else (layer.mlp.gate_up_weight, layer.mlp.gate_up_bias),
+                down=None if isinstance(layer.mlp, MoE) else (layer.mlp.down_weight, layer.mlp.down_bias),
+                experts=DecoderExperts.of(layer.mlp) if isinstance(layer.mlp, MoE) else None,
                 window=layer.self_attn.attn.window,
                 q_norm=None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
                 k_norm=None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
@@ -224,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
             layers=layers,
         )
 
-    def fast_decode(self) -> FastDecodeStep:
-        """``CausalLM.fast_decode``: both fast paths from ``decode_step``."""
+    def fast_decode(self) -> FastDecodeStep | None:
+        """``CausalLM.fast_decode``: both fast paths from ``decode_step`` (a subclass's: None
+        where it has none)."""
         step = self.decode_step()
         return FastDecodeStep(step.shape, partial(CompiledDecode.build, step))
 

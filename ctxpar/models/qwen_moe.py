@@ -12,6 +12,8 @@ scales per token. Routing is computed in float32, the router's weight kept so.
 Each expert is a module of its own, its projections packed (or kept quantized from
 a GGUF) like a dense layer's, so a token's experts compute its rows alone: its
 result depends only on its own inputs, whatever the other tokens routed with it.
+On the CPU its decode steps run in the compiled decode loop (models/compiled_decode.py),
+experts included, with the forward's bits.
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ import torch
 from ctxpar.layers.moe import MoE, TopkRouter
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.model_args import ModelArgs
+from ctxpar.models.base import FastDecodeStep
 from ctxpar.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class QwenMoeForCausalLM(LlamaForCausalLM):
     """CausalLM for ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` configs."""
-
-    # Its decodes run its forward: the fast paths (compiled loop, CUDA graphs) are dense MLPs'.
-    fast_decode = None  # type: ignore[assignment]
 
     def __init__(self, config: ModelArgs) -> None:
         super().__init__(config)
@@ -61,6 +61,12 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
             shared_intermediate_size=shared or None,
             shared_gate=bool(shared),
         )
+
+    def fast_decode(self) -> FastDecodeStep | None:
+        """Llama's on the CPU, where the compiled loop routes each row to its experts as
+        ``MoE.forward`` does; None on a GPU: the expert layer's forward reads its routed counts
+        back to the host, which a CUDA graph cannot capture, so its decodes run eagerly."""
+        return super().fast_decode() if self.norm.weight.device.type == "cpu" else None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight | MappedBlocks]]) -> None:
