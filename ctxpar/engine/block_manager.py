@@ -20,6 +20,16 @@ owners share them. A block whose count drops to zero keeps its content and
 hash in the free pool; the pool hands out its least recently freed block
 first, and only then forgets ("evicts") that block's hash. Only full blocks
 whose KV is written are ever registered, so a shared block is never written.
+
+Sliding windows. Given a ``KVWindow`` (kv_window.py: every layer of the model
+windowed), ``free_unread`` gives back a sequence's leading blocks that no later
+read can touch. Their table entries then name the null block, the last of the
+cache, kept out of the pool: a table keeps one entry per block of positions, so
+every later position keeps its slot, and a null entry is never written (a step
+writes only positions >= its computed tokens) nor read. A block freed so keeps
+its content and hash in the pool like any other unreferenced block, and is a
+prefix hit only until it is evicted, when its hash goes with it: a chain lookup
+stops at the first evicted block, so a hit is always a run of intact blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+from ctxpar.engine.kv_window import KVWindow
 
 BlockHash = bytes
 
@@ -76,10 +88,21 @@ class BlockManager:
     """Allocates KV blocks to owners (request ids), shares cached full blocks
     between them, and takes blocks back."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, window: KVWindow | None = None
+    ) -> None:
+        """num_blocks: the cache's blocks; with a ``window``, the last is the null block and
+        ``num_blocks`` counts the others."""
+        if num_blocks < 1 + (window is not None) or block_size < 1:
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1 (2 blocks with a window), got {num_blocks}, {block_size}"
+            )
+        if window is not None and block_size % window.dcp_size:
+            raise ValueError(f"block_size {block_size} is not a whole number of blocks on each DCP rank")
+        num_blocks -= window is not None
         self.num_blocks = num_blocks
+        self.window = window
+        self.null_block = num_blocks  # where a table's freed entries point: never in the pool
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._ref = [0] * num_blocks
@@ -92,6 +115,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[Hashable, list[int]] = {}
         self._num_registered: dict[Hashable, int] = {}  # leading blocks of a table already offered to the cache
+        self._num_unread: dict[Hashable, int] = {}  # leading entries of a table freed by the window (null)
         self.num_evictions = 0  # cached blocks reused for other content, for tests and metrics
 
     @property
@@ -159,6 +183,7 @@ class BlockManager:
             self._ref[block] += 1
             table.append(block)
         self._num_registered.setdefault(owner, len(cached))
+        self._num_unread.setdefault(owner, 0)
         for _ in range(self.blocks_for(num_tokens) - len(table)):
             block, _ = self._free.popitem(last=False)
             self._evict(block)
@@ -177,19 +202,22 @@ class BlockManager:
         table = self._tables[owner]
         if not num_blocks <= min(len(hashes), len(table)):
             raise ValueError(f"cannot register {num_blocks} blocks: {len(hashes)} hashes, {len(table)} blocks")
-        for i in range(self._num_registered[owner], num_blocks):
+        # A block the window freed before it was offered is not in the table any more (the
+        # scheduler offers blocks first: this keeps the index from naming the null block).
+        for i in range(max(self._num_registered[owner], self._num_unread[owner]), num_blocks):
             if hashes[i] not in self._cached:
                 self._cached[hashes[i]] = table[i]
                 self._hash[table[i]] = hashes[i]
         self._num_registered[owner] = num_blocks
 
     def free(self, owner: Hashable) -> int:
-        """Drop the owner's references; returns how many blocks it had. A block
+        """Drop the owner's references; returns how many blocks it held still. A block
         nobody references joins the pool with its content and hash kept. The
         table goes in reverse, so a sequence's last blocks are evicted before
         its first ones, which every longer prefix needs."""
         table = self._tables.pop(owner, [])
         self._num_registered.pop(owner, None)
+        del table[: self._num_unread.pop(owner, 0)]  # given back already
         for block in reversed(table):
             self._ref[block] -= 1
             if self._ref[block] == 0:
@@ -204,8 +232,10 @@ class BlockManager:
         allocation reuses them before it evicts any cached block."""
         table = self._tables.get(owner, [])
         keep = self.blocks_for(num_tokens)
-        if keep < self._num_registered.get(owner, 0):
-            raise ValueError(f"cannot truncate {owner!r} to {num_tokens} tokens: its registered blocks hold more")
+        if keep < max(self._num_registered.get(owner, 0), self._num_unread.get(owner, 0)):
+            raise ValueError(
+                f"cannot truncate {owner!r} to {num_tokens} tokens: its registered or freed blocks go further"
+            )
         dropped = table[keep:]
         del table[keep:]
         for block in reversed(dropped):
@@ -214,6 +244,28 @@ class BlockManager:
             self._free[block] = None
             self._free.move_to_end(block, last=False)
         return len(dropped)
+
+    def free_unread(self, owner: Hashable, num_computed: int) -> int:
+        """With a window, give back the owner's leading blocks that no later read can touch once
+        its first ``num_computed`` tokens are in the cache (``KVWindow.unread_blocks``); returns
+        how many. Their entries name the null block from then on; a block other owners share
+        stays theirs, and one registered stays a prefix hit until evicted (see the module)."""
+        if self.window is None or owner not in self._tables:
+            return 0
+        table = self._tables[owner]
+        done = self._num_unread[owner]
+        end = min(self.window.unread_blocks(num_computed, self.block_size), len(table))
+        for i in range(done, end):
+            block, table[i] = table[i], self.null_block
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free[block] = None
+        self._num_unread[owner] = max(done, end)
+        return max(0, end - done)
+
+    def num_live_blocks(self, owner: Hashable) -> int:
+        """Blocks the owner holds (its table's entries but those the window freed)."""
+        return len(self.block_table(owner)) - self._num_unread.get(owner, 0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block's hash (as vLLM's: only when no block is
@@ -251,9 +303,13 @@ class BlockManager:
         blocks; the hash index and the per-block hashes agree."""
         refs = [0] * self.num_blocks
         for owner, table in self._tables.items():
-            if len(set(table)) != len(table):
+            unread = self._num_unread[owner]
+            if table[:unread] != [self.null_block] * unread or self.null_block in table[unread:]:
+                raise AssertionError(f"table of {owner!r}: the null block must be its first {unread} entries")
+            live = table[unread:]
+            if len(set(live)) != len(live):
                 raise AssertionError(f"table of {owner!r} holds a block twice: {table}")
-            for block in table:
+            for block in live:
                 if not 0 <= block < self.num_blocks:
                     raise AssertionError(f"block id {block} out of range in the table of {owner!r}")
                 refs[block] += 1
@@ -264,8 +320,8 @@ class BlockManager:
         unreferenced = {b for b in range(self.num_blocks) if refs[b] == 0}
         if set(self._free) != unreferenced:
             raise AssertionError(f"free pool holds {len(self._free)} blocks; {len(unreferenced)} are unreferenced")
-        if set(self._num_registered) != set(self._tables):
-            raise AssertionError("registration counts and tables name different owners")
+        if set(self._num_registered) != set(self._tables) or set(self._num_unread) != set(self._tables):
+            raise AssertionError("registration or window counts and tables name different owners")
         for h, block in self._cached.items():
             if self._hash[block] != h:
                 raise AssertionError(f"hash index points at block {block}, which holds another hash")

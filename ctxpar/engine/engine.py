@@ -28,6 +28,7 @@ from typing import Any
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
 from ctxpar.engine.input_processor import EngineRequest, InputProcessor
+from ctxpar.engine.kv_window import freeing_window
 from ctxpar.engine.output_processor import OutputProcessor, make_output
 from ctxpar.engine.rank_loss import CacheRebuilt, RankLossHandler, block_manager_for
 from ctxpar.engine.rank_recovery import RankRecovery
@@ -72,7 +73,8 @@ class Engine:
         )
         # Detokenizing, logprobs' text, stop conditions and outputs (it holds the EOS ids).
         self.output_processor = OutputProcessor(tokenizer, set(self.loaded.eos_token_ids))
-        block_manager = block_manager_for(config, self.num_blocks, config.dcp_size)
+        window = freeing_window(self.loaded.hf_config, rank_model.draft is not None)
+        block_manager = block_manager_for(config, self.num_blocks, config.dcp_size, window)
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.rank_loss = RankLossHandler(config, self.executor, self.scheduler, self.groups)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, sorted(self.eos_token_ids))

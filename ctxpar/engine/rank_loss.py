@@ -22,6 +22,7 @@ import numpy as np
 
 from ctxpar.config import EngineConfig
 from ctxpar.engine.block_manager import BlockManager
+from ctxpar.engine.kv_window import KVWindow
 from ctxpar.engine.rank_recovery import RankRecovery, recompute_plans
 from ctxpar.engine.request import RequestGroup
 from ctxpar.engine.scheduler import Scheduler
@@ -37,11 +38,13 @@ class CacheRebuilt(Exception):
     every request: the step in flight is abandoned and scheduled anew."""
 
 
-def block_manager_for(config: EngineConfig, num_blocks: int, dcp_size: int) -> BlockManager:
+def block_manager_for(config: EngineConfig, num_blocks: int, dcp_size: int, window: int | None) -> BlockManager:
     """The block manager of a KV cache sharded over ``dcp_size`` ranks: under DCP a logical
     block (the unit allocated, counted and hashed for prefix caching) is block_size * D
-    tokens; each rank stores block_size of them."""
-    return BlockManager(num_blocks, config.block_size * dcp_size, config.enable_prefix_caching)
+    tokens; each rank stores block_size of them. window: the keys every layer sees, whose
+    out-of-reach blocks it frees (kv_window.freeing_window), or None."""
+    kv_window = None if window is None else KVWindow(window, dcp_size, config.cp_interleave)
+    return BlockManager(num_blocks, config.block_size * dcp_size, config.enable_prefix_caching, kv_window)
 
 
 class RankLossHandler:
@@ -145,7 +148,9 @@ class RankLossHandler:
             return "nothing to restore: every rank left holds the whole KV cache"
         self.dcp_size = size
         held = self.scheduler.preempt_all()
-        self.scheduler.block_manager = block_manager_for(self.config, self.num_blocks, size)
+        window = self.scheduler.block_manager.window
+        keys = None if window is None else window.keys
+        self.scheduler.block_manager = block_manager_for(self.config, self.num_blocks, size, keys)
         capacity = self.num_blocks * self.scheduler.block_manager.block_size  # the engine's max_model_len follows
         self._unfit = []
         for group in list(self.groups.values()):
@@ -162,6 +167,12 @@ class RankLossHandler:
     def _restore(self, respawned: list[int]) -> str:
         """Restore the KV of the requests in flight on the respawned ranks; says what it did."""
         bm = self.scheduler.block_manager
+        if self.dcp_size > 1 and bm.window is not None:
+            # A lost shard's positions are recomputed from the keys before them, which the
+            # window may have freed: the requests recompute all their KV, as preempted ones do.
+            held = self.scheduler.preempt_all()
+            self._unfit = []  # nothing fails alone; the step in flight is scheduled anew
+            return f"{len(held)} requests recompute their KV, dropped {bm.forget_unreferenced()} cached blocks"
         dropped = bm.forget_unreferenced()  # a lost rank's part of them is gone
         held = [r for r in self.scheduler.running if r.num_computed_tokens > 0]
         table = lambda r: np.asarray(bm.block_table(r.request_id), dtype=np.int64)

@@ -22,6 +22,11 @@ oldest request always makes progress, so the engine never livelocks, and a
 preempted request's output is the same as if it had never been preempted (its
 sampled tokens are kept and its RNG is never rewound).
 
+Sliding windows: where every layer of the model has one, the blocks of a
+running request that no later step can read go back to the pool before each
+step is planned (BlockManager.free_unread), so admission and preemption count
+only the blocks requests still hold.
+
 Prefix caching: a request is admitted with the longest run of its leading
 full blocks found in the cache as already computed (num_computed_tokens > 0),
 always leaving its last known token to compute, so that it samples. A request
@@ -96,6 +101,8 @@ class Scheduler:
         """
         for req in self.running:
             cache_computed(self.block_manager, req)
+            # Offered first, so a block the window gives back stays a prefix hit until evicted.
+            self.block_manager.free_unread(req.request_id, req.num_computed_tokens)
         step = BatchBuilder(self.max_num_batched_tokens)
         self._schedule_decodes(step)
         self._schedule_prompt_chunks(step)

@@ -1,0 +1,102 @@
+"""A model windowed at every layer (Mistral v0.1) gives back the KV blocks that left the window
+(ctxpar/engine/kv_window.py): the same bits as with every block kept, at one rank, P = 2 and
+P = D = 2, decodes that match transformers, and two long requests served at once in a KV cache
+too small for both whole histories. Prompts of ~20 windows (320 tokens, a window of 16, blocks
+of 16), chunked prefill, decodes past several more windows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ctxpar import LLM, SamplingParams
+from tests.models.test_gguf_families import COMMON, TIE, TOL, peaked
+from tests.models.test_sliding_window import transformers_logprobs
+
+WINDOW = 16
+PROMPTS = [torch.randint(3, 320, (320,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+DECODES = 40
+PARAMS = SamplingParams(temperature=0, max_tokens=DECODES, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+LAYOUT = dict(quantization="none", block_size=16, max_model_len=512, pcp_min_tokens=0, max_num_batched_tokens=64)
+HISTORY_BLOCKS = -(-(len(PROMPTS[0]) + DECODES) // 16)  # 23: a whole request's
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory) -> Path:
+    from transformers import MistralConfig
+
+    from helpers.models import save_tiny_model
+
+    return peaked(save_tiny_model(MistralConfig(**COMMON, sliding_window=WINDOW), tmp_path_factory.mktemp("v0.1")))
+
+
+def serve(path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, **kw) -> tuple[list, dict[str, int]]:
+    """Both prompts through one engine: (each request's tokens, logprobs and prompt logprobs, in
+    order), and what the scheduler saw: the most requests running and blocks held at once, and
+    its preemptions. ``free``: whether the block manager gives back blocks the window left."""
+    if not free:
+        monkeypatch.setattr("ctxpar.engine.engine.freeing_window", lambda *args: None)
+    seen = {"running": 0, "held": 0}
+    with LLM(str(path), **{**LAYOUT, **kw}) as llm:
+        engine = llm.engine
+        assert engine is not None
+        bm = engine.block_manager
+        assert (bm.window is not None) == free
+        for i, ids in enumerate(PROMPTS):
+            engine.add_request(ids, PARAMS, request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            seen["running"] = max(seen["running"], len(engine.scheduler.running))
+            seen["held"] = max(seen["held"], bm.num_blocks - bm.num_free_blocks)
+        seen["preemptions"] = engine.scheduler.num_preemptions
+    monkeypatch.undo()
+    outs = [done[str(i)] for i in range(len(PROMPTS))]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], seen
+
+
+def test_freeing_keeps_the_bits_and_matches_transformers(mistral, monkeypatch) -> None:
+    """One rank, prompts chunked by 64 tokens: every token and logprob with the window's blocks
+    given back == with every block kept, while each request holds about a window and an
+    aligned run of keys, not its history; greedy decodes match transformers."""
+    freed, seen = serve(mistral, monkeypatch, free=True, enable_prefix_caching=False)
+    kept, seen_kept = serve(mistral, monkeypatch, free=False, enable_prefix_caching=False)
+    assert freed == kept
+    # A request holds from the aligned run its window starts in to its chunk's end: at most
+    # 127 keys before the window, the window, and a chunk of 64.
+    assert seen_kept["held"] > HISTORY_BLOCKS and seen["held"] <= 2 * -(-(127 + WINDOW + 64) // 16)
+    for ids, (tokens, logprobs, _) in zip(PROMPTS, freed):
+        want = transformers_logprobs(mistral, torch.tensor([*ids, *tokens]))[len(ids) - 1 : -1]  # (DECODES, vocab)
+        top2 = want.topk(2, -1)
+        clear = top2.values[:, 0] - top2.values[:, 1] > TIE
+        assert clear.sum() >= DECODES // 2 and torch.equal(torch.tensor(tokens)[clear], top2.indices[clear, 0])
+        got = torch.tensor([lp[t].logprob for lp, t in zip(logprobs, tokens)])
+        assert (got - want.gather(1, torch.tensor(tokens)[:, None])[:, 0]).abs().max() < TOL
+
+
+def test_two_long_requests_fit_where_their_histories_do_not(mistral, monkeypatch) -> None:
+    """A cache of 31 blocks (30 and the null block) holds one request's history of 23 blocks,
+    not two: keeping every block, the second waits or is preempted; giving back the window's,
+    both run at once, without a preemption, and each gets the tokens it gets alone (max_num_seqs
+    1: one at a time). Prefix caching on: the freed blocks stay hits while they are intact."""
+    small = dict(num_kv_blocks=31, max_model_len=480, enable_prefix_caching=True)
+    together, seen = serve(mistral, monkeypatch, free=True, **small)
+    alone, _ = serve(mistral, monkeypatch, free=True, **small, max_num_seqs=1)
+    kept, seen_kept = serve(mistral, monkeypatch, free=False, **small)
+    assert together == alone == kept
+    assert seen["running"] == 2 and seen["preemptions"] == 0
+    assert seen_kept["running"] < 2 or seen_kept["preemptions"] > 0
+
+
+@pytest.mark.multiprocess
+def test_ranks_keep_the_bits_with_blocks_given_back(mistral, monkeypatch) -> None:
+    """P = 2 (each rank the whole cache; DualChunkSwap pieces read from their own window) and
+    P = D = 2 (each shard's places from its window's run): == with every block kept."""
+    for layout in (dict(pcp_size=2), dict(pcp_size=2, dcp_size=2)):
+        freed, seen = serve(mistral, monkeypatch, free=True, **layout)
+        kept, seen_kept = serve(mistral, monkeypatch, free=False, **layout)
+        assert freed == kept and seen["held"] < seen_kept["held"], layout
