@@ -47,12 +47,13 @@ from ctxpar.kernels.huge_pages import HugeArena
 from ctxpar.layers.quant_blocks import FORMATS
 from ctxpar.layers.quant_linear import BF16, MappedBlocks
 from ctxpar.model_args import ModelArgs
+from ctxpar.models import gguf_tokenizer
 from ctxpar.models.gguf_config import FUSED_GATE_UP, GEMMA, PERMUTED_QK, config_from_gguf
 from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
 from ctxpar.models.gguf_mla import joined_kv_b
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
-FORMAT_VERSION = 2  # bump when the cached layout changes
+FORMAT_VERSION = 3  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
 
 # Architectures whose GGUF config transformers does not read (its tokenizer it does).
@@ -200,6 +201,7 @@ def convert_gguf(path: Path, out_dir: Path, with_weights: bool = False) -> None:
     except Exception as e:
         raise CtxparError(f"cannot build the tokenizer of GGUF file {path}: {e}") from e
     tokenizer.save_pretrained(out_dir)
+    gguf_tokenizer.snapshot(out_dir)  # what later starts load without transformers
     (out_dir / MARKER).write_text(json.dumps({"source": str(path.resolve()), "version": FORMAT_VERSION}))
 
 

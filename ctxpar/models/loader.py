@@ -41,7 +41,7 @@ from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.layers.rotary import RotaryEmbedding
 from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json
-from ctxpar.models import gguf
+from ctxpar.models import gguf, gguf_tokenizer
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -351,11 +351,14 @@ def _load_tokenizer(d: Path, shown: Path, config: ModelArgs, converted_gguf: boo
     """The tokenizer of ``d`` (None if it has none), as AutoTokenizer builds it.
     ``converted_gguf``: ``d`` is a GGUF file's converted directory (models/gguf.py),
     a llama config and the tokenizer AutoTokenizer built from the file, saved;
+    read by models/gguf_tokenizer.py where it holds that module's snapshot, else,
     saved as ``TokenizersBackend``, it is loaded as that class, which AutoTokenizer
     picks for it (a llama model names no tokenizer class of its own) after
     importing every model's tables (~0.25 s)."""
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         return None
+    if converted_gguf and (fast := gguf_tokenizer.load(d)) is not None:
+        return fast  # no transformers import (~0.6 s of a start): models/gguf_tokenizer.py
     try:
         if converted_gguf and _saved_tokenizer_class(d) == "TokenizersBackend":
             from transformers import TokenizersBackend

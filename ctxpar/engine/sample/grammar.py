@@ -69,7 +69,8 @@ class GrammarBackend:
 
         self.xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        hf = getattr(tokenizer, "hf", tokenizer)  # a GGUF's own tokenizer: transformers' (models/gguf_tokenizer.py)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.limits = limits
         self.compile_timeout = limits.compile_timeout
         self.cache = GrammarCache(limits.cache_bytes)
