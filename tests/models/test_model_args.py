@@ -171,7 +171,7 @@ def test_hf_overrides_read_as_transformers_reads_them(overrides: dict, tmp_path:
         ({"rope_parameters": {"rope_type": "no-such-rope"}}, "rope_type 'no-such-rope' is unknown"),
         ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}}, "needs high_freq_factor"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number"),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor must be in"),
         ({"layer_types": ["full_attention"]}, "layer_types must name one of"),
     ],
 )
@@ -250,7 +250,7 @@ def test_a_load_imports_no_model_config_module_and_generates_as_before(
     for d, old in ((converted, AutoTokenizer.from_pretrained(str(converted))), (hf_dir, old_tokenizer)):
         config = loader._read_config(d, d)
         new = loader._load_tokenizer(d, d, config, converted_gguf=d == converted)
-        assert type(new) is type(old)
+        assert type(getattr(new, "hf", new)) is type(old)  # a GGUF's: over transformers' (models/gguf_tokenizer.py)
         text = "Hello, world! <|im_start|>user\nÜber 42"
         assert new(text).input_ids == old(text).input_ids and new.eos_token_id == old.eos_token_id
         chat = [{"role": "user", "content": "Hi"}]
