@@ -322,13 +322,13 @@ def _each_expert(
     reader: GGUFFile, t: GGUFTensor, names: str, keep_quantized: bool, arena: HugeArena
 ) -> Iterator[tuple[str, torch.Tensor | MappedBlocks]]:
     """A 3-D expert tensor as each expert's 2-D weight, under ``names.format(expert)``: with
-    ``keep_quantized`` its rows of blocks in the map (contiguous: placed where they lie), else
-    float32 tensors."""
+    ``keep_quantized`` its rows of blocks in the map (contiguous: placed where they lie), or of
+    BF16 where the kernels run (the file's bits, as a dense BF16 weight's), else float32 tensors."""
     from gguf.quants import dequantize
 
     count, kind = int(t.shape[2]), t.kind.name
     rows = t.data.shape[0] // count  # t.data: (experts * rows, bytes a row)
-    if keep_quantized and kind in FORMATS:
+    if keep_quantized and (kind in FORMATS or (kind == BF16 and kernels.available())):
         for e in range(count):
             blocks = t.data[e * rows : (e + 1) * rows]
             yield names.format(e), MappedBlocks(blocks, kind, int(t.shape[0]), arena.empty, partial(reader.release, t))
