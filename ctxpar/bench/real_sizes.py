@@ -1,9 +1,10 @@
 """ctxpar against llama.cpp on GGUFs of real models' shapes (random weights):
 loading (cold and warm), peak memory, time to first token and decode.
 
-Each file is written once (bench/gguf_shapes.py: llama-3.2-1b, qwen3-1.7b,
-gemma3-1b, llama-3-8b at Q4_0, Q8_0 or Q4_K, each in its family's own GGUF
-architecture; SmolLM2's vocabulary), into ``--dir``. Each
+Each file is written once (bench/gguf_shapes.py: Llama 3.2 1B and 3 8B, Qwen2.5
+1.5B, Qwen3 1.7B, Qwen3-30B-A3B's layers, Phi-3-mini, Gemma 3 1B, DeepSeek-V2-Lite,
+at Q4_0, Q8_0 or Q4_K, each in its family's own GGUF architecture; SmolLM2's
+vocabulary), into ``--dir``. Each
 engine then runs in its own process (bench/compare_workload.py, the same
 script under both Pythons): a cold load first, after the file, and ctxpar's
 converted tokenizer, are evicted from the page cache (``posix_fadvise``, as
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=list(SHAPES),
         default=["llama-3.2-1b"],
-        help="model shapes, each written in its family's architecture (llama, qwen3, gemma3)",
+        help="model shapes, each written in its family's GGUF architecture (gguf_shapes.py's ARCHS)",
     )
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["Q4_0"], help="block formats")
     p.add_argument("--dir", default=None, help="where the GGUFs are written (default: a private cache directory)")
