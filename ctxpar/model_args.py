@@ -40,6 +40,8 @@ GEMMA = ("gemma2", "gemma3_text")
 # The token ids a config.json of the family means where it states none (its transformers class's defaults).
 _TOKEN_DEFAULTS = {"llama": (1, 2), "mistral": (1, 2)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# A multimodal config's keys that hold for its text model (beside its text_config's).
+_OUTER_KEYS = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
 # Keys every config.json states: the model's shape.
 _SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 # DeepSeek's keys, read as config.json (or its transformers class) has them.
@@ -71,6 +73,8 @@ class RopeScaling:
     truncate: bool | None = None
     short_factor: tuple[float, ...] | None = None  # longrope
     long_factor: tuple[float, ...] | None = None
+    # The fraction of each head the rope turns, its first dims (Phi-4-mini: 0.75); None: the whole head.
+    partial_rotary_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -82,6 +86,10 @@ class RopeScaling:
             raise CtxparError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.factor is not None and not self.factor >= 1.0:
             raise CtxparError(f"rope factor must be >= 1, got {self.factor}")
+        if self.partial_rotary_factor is not None and not 0 < self.partial_rotary_factor < 1:
+            raise CtxparError(
+                f"partial_rotary_factor must be in (0, 1) (None: the whole head), got {self.partial_rotary_factor}"
+            )
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -160,6 +168,12 @@ class ModelArgs:
     def __post_init__(self) -> None:
         for name in _SHAPE_KEYS + ("num_key_value_heads", "head_dim"):
             _positive(self, name)
+        turned = int(self.head_dim * (self.rope.partial_rotary_factor or 1.0))  # transformers' rope tables' width
+        if turned < 2 or turned % 2:
+            raise CtxparError(
+                f"partial_rotary_factor {self.rope.partial_rotary_factor} of head_dim {self.head_dim} turns "
+                f"{turned} dims of each head; a rope turns pairs of them"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise CtxparError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -299,9 +313,9 @@ def _rope(cfg: Mapping[str, Any], max_len: int | None) -> RopeScaling:
         raise CtxparError(f"rope parameters per layer type ({', '.join(params)}) are not supported")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise CtxparError(f"partial_rotary_factor {partial}: ctxpar's models rotate whole heads")
+    partial = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):  # one form for "the whole head": None
+        params["partial_rotary_factor"] = _float(partial)
     theta = params.pop("rope_theta", None)
     if theta is None:
         theta = cfg.get("rope_theta", RopeScaling.rope_theta)
@@ -360,9 +374,15 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, layers: int, window: i
 def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
     """A config.json's object as a ModelArgs; CtxparError naming what is missing or wrong.
     The shape keys are required (hidden_size, num_hidden_layers, num_attention_heads,
-    intermediate_size, vocab_size); the others take transformers' defaults for the family."""
+    intermediate_size, vocab_size); the others take transformers' defaults for the family.
+    A multimodal model's (``text_config`` beside a vision config: Gemma 3 4B-27B) is its
+    text model's, which ctxpar runs (models/registry.py names the architectures)."""
     if not isinstance(cfg, Mapping):
         raise CtxparError(f"a model config is a JSON object, got {type(cfg).__name__}")
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping):
+        # The outer config's keys are the model's: its class names, and the token ids it stops at.
+        cfg = {**text, **{k: cfg[k] for k in _OUTER_KEYS if cfg.get(k) is not None}}
     model_type = cfg.get("model_type") or ""
     for key in _SHAPE_KEYS:
         if cfg.get(key) is None:

@@ -8,7 +8,8 @@
 //              rms_norm_heads the same over each head of (n, heads, dim), in place
 //   silu_mul   SwiGLU's silu(gate) * up from the fused gate|up projection
 //   gelu_tanh_mul  Gemma's gelu_tanh(gate) * up, likewise
-//   rope       rotary embedding in place, half-split pairs (i, i + dim/2)
+//   rope       rotary embedding in place, half-split pairs (i, i + rot/2) of each head's first
+//              rot dims (rot = dim: the whole head; Phi-4-mini turns 3/4 and passes the rest)
 //
 // PyTorch runs each as a chain of passes (rms_norm 5, rope 7 and a cat,
 // silu * up 3 with a copy of the strided gate) and, for a decode step's few
@@ -104,8 +105,9 @@ void gated_mul(const T* gate_up, int64_t n, int64_t inter, T* out) {
 }
 
 template <typename T>
-void rope(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin) {
-  const int64_t half = dim / 2;
+void rope(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, int64_t rot, const float* cos,
+          const float* sin) {
+  const int64_t half = rot / 2;
 #pragma omp parallel for if (n * heads * dim >= PARALLEL_FLOATS)
   for (int64_t i = 0; i < n; ++i) {
     const float* c = cos + i * half;
@@ -173,11 +175,22 @@ void gelu_tanh_mul_bf16(const BF16* gate_up, int64_t n, int64_t inter, BF16* out
 // (a, b) -> (a cos - b sin, b cos + a sin).
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
               const float* sin) {
-  rope(x, x_stride, n, heads, dim, cos, sin);
+  rope(x, x_stride, n, heads, dim, dim, cos, sin);
 }
 void rope_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos,
                const float* sin) {
-  rope(x, x_stride, n, heads, dim, cos, sin);
+  rope(x, x_stride, n, heads, dim, dim, cos, sin);
+}
+
+// rope_f32 of each head's first rot dims (rot even, <= dim), the others left as they are
+// (transformers' partial_rotary_factor: Phi-4-mini's); cos, sin (n, rot / 2). Pairs (k, k + rot/2).
+void rope_partial_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, int64_t rot,
+                      const float* cos, const float* sin) {
+  rope(x, x_stride, n, heads, dim, rot, cos, sin);
+}
+void rope_partial_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, int64_t rot,
+                       const float* cos, const float* sin) {
+  rope(x, x_stride, n, heads, dim, rot, cos, sin);
 }
 
 // x (n, heads, dim) in place, heads contiguous, x_stride floats between tokens:

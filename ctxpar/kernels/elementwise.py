@@ -93,17 +93,29 @@ def _gated_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x (n, heads, dim) in place (half-split pairs), heads contiguous rows
-    (tokens may be strided), fp32 or bf16; cos, sin (n, dim/2) contiguous float32."""
+    (tokens may be strided), fp32 or bf16; cos, sin (n, rot/2) contiguous float32: each
+    head's first rot dims turn (rot < dim: a partial rotary factor's), the others stay."""
     n, heads, dim = x.shape
-    half = (n, dim // 2)
+    rot = 2 * cos.shape[-1]
+    half = (n, rot // 2)
     if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("rope_: x's heads must be contiguous rows, cos and sin contiguous")
-    if cos.shape != half or sin.shape != half or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+    if (
+        cos.shape != half
+        or sin.shape != half
+        or not 0 < rot <= dim
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+    ):
         raise ValueError(
-            f"rope_: cos and sin must be float32 {half}, "
-            f"got {cos.dtype} {tuple(cos.shape)}, {sin.dtype} {tuple(sin.shape)}"
+            f"rope_: cos and sin must be float32 (n, rot/2) with rot <= {dim}, "
+            f"got {cos.dtype} {tuple(cos.shape)}, {sin.dtype} {tuple(sin.shape)} for {n} tokens"
         )
-    _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr())
+    args = (x.data_ptr(), x.stride(0), n, heads, dim)
+    if rot == dim:
+        _kernel("rope", x.dtype)(*args, cos.data_ptr(), sin.data_ptr())
+    else:
+        _kernel("rope_partial", x.dtype)(*args, rot, cos.data_ptr(), sin.data_ptr())
 
 
 def hadamard_(x: torch.Tensor, scale: float) -> None:

@@ -31,6 +31,8 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "gelu_tanh_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
     "gelu_tanh_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "rope_bf16": ([_ptr] + [_i64] * 4 + [_ptr, _ptr], None),
+    "rope_partial_f32": ([_ptr] + [_i64] * 5 + [_ptr, _ptr], None),
+    "rope_partial_bf16": ([_ptr] + [_i64] * 5 + [_ptr, _ptr], None),
     "hadamard_f32": ([_ptr] + [_i64] * 4 + [_f32], None),
     "linear_packed_f32": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "linear_packed_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),

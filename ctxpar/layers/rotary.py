@@ -40,12 +40,15 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor  # a buffer (moves with .to(), not saved)
 
-    def __init__(self, config, rot_dim: int) -> None:
-        """A longrope's factors are those of the config's own context (max_position_embeddings)
-        until ``fit_context`` names the one the model is loaded for."""
+    def __init__(self, config, head_dim: int) -> None:
+        """The rope of heads of ``head_dim``: their first rot_dim dims, all of them but where the
+        config's rope has a partial_rotary_factor (Phi-4-mini turns 3/4 of each head, as
+        transformers' initialisers size the tables: int(head_dim * factor)). A longrope's factors
+        are those of the config's own context (max_position_embeddings) until ``fit_context``
+        names the one the model is loaded for."""
         super().__init__()
-        self.config, self.rot_dim = config, rot_dim
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        self.config, self.rot_dim = config, int(head_dim * (params.get("partial_rotary_factor") or 1.0))
         self.rope_type = params.get("rope_type", "default")
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.fit_context(getattr(config, "max_position_embeddings", None))
@@ -86,11 +89,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary`` (half-split layout) in place on x (n, heads, rot_dim), whose
-    heads are contiguous rows (tokens may be strided: a view into the QKV
-    projection). Returns x."""
+    """``apply_rotary`` (half-split layout) in place on the first rot_dim dims of each head of
+    x (n, heads, head_dim), cos/sin (n, rot_dim/2): a partial rotary factor's rope (transformers'
+    Phi-3 turns q[..., :rot_dim] and passes the rest) where rot_dim < head_dim. Its heads are
+    contiguous rows (tokens may be strided: a view into the QKV projection). Returns x."""
     rows = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
     if rows and elementwise.usable(x) and elementwise.usable(cos, sin) and cos.dtype == torch.float32:
         elementwise.rope_(x, cos.contiguous(), sin.contiguous())
         return x
-    return x.copy_(apply_rotary(x, cos, sin))
+    turned = x[..., : 2 * cos.shape[-1]]  # (n, heads, rot_dim)
+    turned.copy_(apply_rotary(turned, cos, sin))
+    return x

@@ -270,6 +270,8 @@ class CompiledDecode:
             return None
         if not all(attn_kernels.usable(c, step.shape.head_dim) for c in kv_caches):  # read in place
             return None
+        if 2 * step.rotary(torch.zeros(1, dtype=torch.int64))[0].shape[-1] != step.shape.head_dim:
+            return None  # the loop's rope turns whole heads; a partial rotary factor's (Phi-4-mini) runs the forward
         records: list[_Layer] = []
         kept: list[Any] = []
         for layer, cache in zip(step.layers, kv_caches):

@@ -81,7 +81,22 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """CausalLM (ctxpar/models/base.py) for Gemma 2 and Gemma 3 text configs; Llama's weight
-    placement, packing and loading (HF names; the norms' factors 1 + w)."""
+    placement, packing and loading (HF names; the norms' factors 1 + w). Gemma 3 4B-27B's
+    checkpoints (``Gemma3ForConditionalGeneration``) hold its text model beside a vision tower:
+    their text weights are read under the text model's names, the vision ones not read at all
+    (``checkpoint_prefixes``; ctxpar runs text)."""
+
+    # A checkpoint name's prefix -> this model's (None: not read). Gemma 3's multimodal checkpoints
+    # as the hub has them (language_model.model.*) and as transformers 5 holds them in memory.
+    checkpoint_prefixes: dict[str, str | None] = {
+        "language_model.model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+        "model.language_model.": "model.",
+        "vision_tower.": None,
+        "multi_modal_projector.": None,
+        "model.vision_tower.": None,
+        "model.multi_modal_projector.": None,
+    }
 
     def __init__(self, config: ModelArgs | Any) -> None:
         """config: the model's description, or a transformers config (described: ``ModelArgs.of``)."""

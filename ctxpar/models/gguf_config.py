@@ -6,6 +6,7 @@ the token ids; and the check that every tensor is of a type ctxpar reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,6 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             f"it runs GGUF architectures {', '.join(ARCHITECTURES)}"
         )
     check_tensor_types(reader, path)
-    rotated, width = meta.get(f"{arch}.rope.dimension_count"), meta.get(f"{arch}.embedding_length", 0)
-    if arch == "phi3" and rotated and rotated != width // meta.get(f"{arch}.attention.head_count", 1):
-        raise CtxparError(
-            f"GGUF file {path} turns {rotated} dimensions of each head by its rope (Phi-4-mini's partial rotary "
-            "factor); ctxpar's models rotate whole heads: Phi-3 and Phi-3.5 files load"
-        )
     model_type, hf_arch = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
@@ -89,7 +84,9 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     vocab = meta.get(f"{arch}.vocab_size") or reader.array_lengths.get("tokenizer.ggml.tokens")
     if not vocab:
         raise CtxparError(f"GGUF file {path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
-    head_dim = get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads
+    # A head's width as llama.cpp reads it (key_length, else hidden / heads); rope.dimension_count the
+    # part of each head that turns (Phi-4-mini's 3/4).
+    head_dim, turned = get("attention.key_length", 0) or hidden // heads, get("rope.dimension_count", 0)
     layers = get("block_count")
     window = meta.get(f"{arch}.attention.sliding_window") or None  # Phi-3's files write 0 for none
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -100,6 +97,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     if arch == "deepseek2":  # V2 or V3; a head's rope part; the query heads' count (llama.cpp writes 1)
         (model_type, hf_arch, head_dim), moe = mla_fields(meta, names, path)
         kv_heads = heads
+    partial = _partial_rotary_factor(arch, turned, head_dim, path)
     try:
         return ModelArgs(
             model_type=model_type,
@@ -113,7 +111,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
             head_dim=head_dim,
             max_position_embeddings=get("context_length"),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope=_rope(reader, arch, head_dim, path),
+            rope=dataclasses.replace(_rope(reader, arch, head_dim, path), partial_rotary_factor=partial),
             tie_word_embeddings="output.weight" not in names,
             attention_bias=model_type == "llama" and "blk.0.attn_q.bias" in names,
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and "blk.0.attn_q.bias" in names),
@@ -174,6 +172,20 @@ def check_tensor_types(reader: GGUFFile, path: Path) -> None:
             f"GGUF file {path} holds tensors of type {', '.join(unread)}, which ctxpar does not read; "
             f"it reads {', '.join(TENSOR_TYPES)}"
         )
+
+
+def _partial_rotary_factor(arch: str, turned: int, head_dim: int, path: Path) -> float | None:
+    """The fraction of each head the rope turns (rope.dimension_count of head_dim: Phi-4-mini's
+    first 3/4, as transformers sizes them), None for the whole head (or a count not stated)."""
+    if not turned or turned >= head_dim:
+        return None
+    factor = turned / head_dim
+    if arch != "phi3" or int(head_dim * factor) != turned:
+        raise CtxparError(
+            f"GGUF file {path} turns {turned} of the {head_dim} dims of each head by its rope; ctxpar reads a "
+            "partial rope from phi3 files (Phi-4-mini) and Hugging Face directories"
+        )
+    return factor
 
 
 def _rope(reader: GGUFFile, arch: str, head_dim: int, path: Path) -> RopeScaling:

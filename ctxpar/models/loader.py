@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -215,7 +215,7 @@ def _load_hf_dir(
         if gguf_file is not None:
             weights = gguf.gguf_weights(gguf.open_gguf(gguf_file), config, gguf_file, keep_quantized)
         else:
-            weights = _iter_safetensors(_safetensors_files(d, shown))
+            weights = _checkpoint_weights(_safetensors_files(d, shown), getattr(cls, "checkpoint_prefixes", {}))
         with _default_dtype(dtype), torch.device(device):
             model = cls(config)  # parameters uninitialised: the quantized ones are never touched, nor kept
         model.to(device)  # buffers built on the CPU (rope tables) follow; dtypes are kept
@@ -335,6 +335,21 @@ def _iter_safetensors(
             raise
         except Exception as e:
             raise CtxparError(f"cannot read weights file {f}: {e}; the file is corrupt or not safetensors") from e
+
+
+def _checkpoint_weights(files: list[Path], prefixes: dict[str, str | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The files' (name, tensor) pairs under the model's names: a name's prefix in ``prefixes`` (a
+    model class's ``checkpoint_prefixes``: Gemma 3's multimodal checkpoints) replaced, and a tensor
+    whose prefix maps to None (their vision tower) not read."""
+
+    def renamed(name: str) -> str | None:
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                return None if new is None else new + name[len(old) :]
+        return name
+
+    for name, tensor in _iter_safetensors(files, keep=lambda name: renamed(name) is not None):
+        yield cast(str, renamed(name)), tensor  # kept: renamed to a name
 
 
 def _tensor_names(files: list[Path]) -> set[str]:

@@ -69,6 +69,7 @@ ARCHITECTURES: dict[str, Callable[[], type]] = {
     # Llama's projections in Gemma's decoder layer (ctxpar/models/gemma.py).
     "Gemma2ForCausalLM": _gemma,
     "Gemma3ForCausalLM": _gemma,  # Gemma 3's text models (1B; gemma3_text)
+    "Gemma3ForConditionalGeneration": _gemma,  # Gemma 3 4B-27B: their text model (no vision)
     # MLA models (ctxpar/models/deepseek.py).
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,

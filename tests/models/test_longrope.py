@@ -125,15 +125,17 @@ def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(longrope) -> None:
     assert_ranks_give_the_bits_of_one(str(longrope[1]["f32"]))
 
 
-def test_a_partial_rotary_is_refused_naming_it(tmp_path: Path) -> None:
-    """Phi-4-mini turns 3/4 of each head: refused from a file as from its config.json (ModelArgs)."""
+def test_a_partial_rope_is_read_from_phi3_files_only(tmp_path: Path) -> None:
+    """A rope over part of each head is read from a phi3 file (Phi-4-mini: tests/models/test_phi4_mini.py);
+    a llama file's would turn interleaved pairs of permuted rows in llama.cpp, which ctxpar does not read."""
     import gguf
     import numpy as np
 
     from ctxpar.errors import CtxparError
 
-    w = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "phi3")
+    w = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "llama")
     w.add_block_count(1)
+    w.add_vocab_size(4)
     w.add_embedding_length(64)
     w.add_head_count(4)
     w.add_rope_dimension_count(12)  # of a head of 16
@@ -142,5 +144,5 @@ def test_a_partial_rotary_is_refused_naming_it(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CtxparError, match="turns 12 dimensions of each head.*rotate whole heads"):
+    with pytest.raises(CtxparError, match="turns 12 of the 16 dims of each head.*phi3 files"):
         load_model(str(tmp_path / "partial.gguf"), torch.float32, torch.device("cpu"))
