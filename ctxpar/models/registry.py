@@ -62,7 +62,7 @@ ARCHITECTURES: dict[str, Callable[[], type]] = {
     "MistralForCausalLM": _llama,  # Mistral v0.3 (v0.1's sliding window: refused by the model)
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
-    "Phi3ForCausalLM": _llama,  # Phi-3 (fused QKV and gate|up; longrope, a window: refused by the model)
+    "Phi3ForCausalLM": _llama,  # Phi-3, 3.5, Phi-4-mini (fused QKV and gate|up; longrope; a window; partial rotary)
     # Llama's attention with a mixture of experts (ctxpar/models/qwen_moe.py).
     "Qwen2MoeForCausalLM": _qwen_moe,
     "Qwen3MoeForCausalLM": _qwen_moe,
