@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -36,38 +36,31 @@ from ctxpar.layers.attention.backend import AttentionSpec
 from ctxpar.layers.attention.paged import decode_batch
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
-from ctxpar.layers.linear import PanelWeight, Weight, embedding
-from ctxpar.layers.moe import GatedMLP, MoE
+from ctxpar.layers.linear import embedding
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.quant_linear import QuantParts, QuantWeight
+from ctxpar.layers.quant_linear import QuantWeight
 from ctxpar.models.base import DecodeShape
+from ctxpar.models.compiled_experts import (
+    DecoderExperts,
+    Projection,
+    ProjectionRecord,
+    address,
+    experts_record,
+    projection_record,
+)
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
-
-
-class _Projection(ctypes.Structure):
-    _fields_ = [
-        ("data", _ptr),  # the weight's QuantParts (kernels/quant_part.h), or fp32 panels
-        ("num_parts", _i64),
-        ("bias", _ptr),
-        ("in_", _i64),
-        ("out", _i64),
-        ("bits", _i64),
-        ("group", _i64),
-        ("half", _i64),
-        ("zero", _i64),
-    ]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _ptr),
         ("post_norm", _ptr),
-        ("qkv", _Projection),
-        ("o", _Projection),
-        ("gate_up", _Projection),
-        ("down", _Projection),
+        ("qkv", ProjectionRecord),
+        ("o", ProjectionRecord),
+        ("gate_up", ProjectionRecord),
+        ("down", ProjectionRecord),
         ("cache", _ptr),
         ("window", _i64),  # a sliding-window layer's keys per query; 0: every key
         ("q_norm", _ptr),  # (head_dim,) each; null: no norms of the heads
@@ -76,21 +69,6 @@ class _Layer(ctypes.Structure):
         ("mlp_out_norm", _ptr),
         ("local_rope", _i64),
         ("experts", _ptr),  # an _Experts in the MLP's place; null: the dense gate_up, down
-    ]
-
-
-class _Experts(ctypes.Structure):
-    _fields_ = [
-        ("router", _Projection),
-        ("expert", _ptr),  # _Projection[count][3]: gate, up, down
-        ("count", _i64),
-        ("top_k", _i64),
-        ("renorm", _i64),
-        ("inter", _i64),
-        ("scaling", ctypes.c_float),
-        ("shared", _ptr),  # _Projection[3]; null: no shared expert
-        ("shared_inter", _i64),
-        ("shared_gate", _ptr),  # _Projection; null: no gate
     ]
 
 
@@ -105,112 +83,6 @@ class _Cache(ctypes.Structure):
         ("q_turn", ctypes.c_float),
         ("kv_turn", ctypes.c_float),
     ]
-
-
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _projection(weight: Weight, bias: torch.Tensor | None) -> _Projection | None:
-    """The loop's record of one projection, or None for a weight it does not read."""
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        return None
-    if isinstance(weight, (QuantWeight, QuantParts)) and not weight.spread:  # the loop does not spread x
-        return _Projection(
-            ctypes.addressof(weight.kernel_parts),
-            len(weight.kernel_parts),
-            _address(bias),
-            weight.in_features,
-            weight.out_features,
-            weight.bits,
-            weight.group,
-            int(weight.half),
-            weight.zero,
-        )
-    if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
-        in_features = weight.data.shape[1]  # fp32 panels: (panels, in, panel width)
-        return _Projection(_address(weight.data), 0, _address(bias), in_features, weight.out_features, 0, 0, 0, 0)
-    return None
-
-
-Projection = tuple[Weight, torch.Tensor | None]  # a weight and its bias (None: none)
-ExpertMLP = tuple[Projection, Projection, Projection]  # gate, up, down: down(silu(gate(x)) * up(x))
-
-
-def _projections(pairs: list[Projection], kept: list[Any]) -> int | None:
-    """The address of a _Projection array of ``pairs`` (appended to ``kept``), or None where one
-    is a weight the loop does not read."""
-    records = [r for r in (_projection(*p) for p in pairs) if r is not None]
-    if len(records) < len(pairs):
-        return None
-    kept.append((_Projection * len(records))(*records))
-    return ctypes.addressof(kept[-1])
-
-
-def _experts(e: DecoderExperts, kept: list[Any]) -> int | None:
-    """The address of the loop's record of ``e`` (appended to ``kept`` with its arrays), or None
-    where the loop does not run it."""
-    router = _projection(e.router, None)
-    routed = _projections([p for mlp in e.experts for p in mlp], kept)
-    shared = None if e.shared is None else _projections(list(e.shared), kept)
-    gate = None if e.shared_gate is None else _projections([e.shared_gate], kept)
-    unread = (e.shared is not None and shared is None) or (e.shared_gate is not None and gate is None)
-    if not e.loop_runs or router is None or routed is None or unread:
-        return None
-    sizes = (len(e.experts), e.top_k, int(e.renorm), e.inter, e.scaling)
-    record = _Experts(router, routed, *sizes, shared, e.shared_inter, gate)
-    kept.append(record)
-    return ctypes.addressof(record)
-
-
-@dataclass(frozen=True, repr=False)
-class DecoderExperts:
-    """A mixture of experts in a decoder layer's MLP place (layers/moe.py's MoE), as the loop
-    runs it: softmax routing to the ``top_k`` best experts (``renorm``: their weights summed to
-    1), each expert's output times its weight added in ascending expert order, then the shared
-    expert's, times sigmoid(``shared_gate``) where it has one."""
-
-    router: Weight  # (count, hidden) float32
-    experts: list[ExpertMLP]
-    top_k: int
-    renorm: bool
-    scaling: float  # the routed weights' factor
-    inter: int  # each expert's width
-    shared: ExpertMLP | None = None
-    shared_inter: int = 0
-    shared_gate: Projection | None = None  # (1, hidden)
-    loop_runs: bool = True  # False: routing other than greedy softmax, or experts not SiLU's
-
-    @classmethod
-    def of(cls, moe: MoE) -> DecoderExperts:
-        """``moe``'s experts, as the loop runs them where ``loop_runs``."""
-        routed = cast(list[GatedMLP], list(moe.experts))
-        shared = moe.shared_experts
-        silu = all(e.hidden_act in ("silu", "swish") for e in [*routed, *([] if shared is None else [shared])])
-
-        def mlp(e: GatedMLP) -> ExpertMLP:
-            return (
-                (e.gate_proj.weight, e.gate_proj.bias),
-                (e.up_proj.weight, e.up_proj.bias),
-                (
-                    e.down_proj.weight,
-                    e.down_proj.bias,
-                ),
-            )
-
-        gate = moe.shared_expert_gate
-        return cls(
-            router=moe.gate.weight,
-            experts=[mlp(e) for e in routed],
-            top_k=moe.gate.top_k,
-            renorm=moe.gate.norm_topk_prob,
-            scaling=moe.gate.routed_scaling_factor,
-            inter=routed[0].down_proj.in_features,
-            shared=None if shared is None else mlp(shared),
-            shared_inter=0 if shared is None else shared.down_proj.in_features,
-            shared_gate=None if gate is None else (gate.weight, gate.bias),
-            loop_runs=silu and moe.gate.method == "greedy",
-        )
 
 
 @dataclass(frozen=True, repr=False)  # its tensors are weights: no repr of their values
@@ -261,7 +133,7 @@ class CompiledDecode:
     layers: Any  # ctypes array of _Layer, one per decoder layer
     cache: _Cache
     runs: torch.Tensor | None  # the quantized cache's runs (kept alive: the loop reads them)
-    experts: list[Any]  # the layers' _Experts and their _Projection arrays (kept alive: the loop reads them)
+    experts: list[Any]  # the layers' _Experts and their ProjectionRecord arrays (kept alive: the loop reads them)
 
     @classmethod
     def build(cls, step: DecoderStep, kv_caches: list[torch.Tensor], kv_quant: KVQuant | None) -> CompiledDecode | None:
@@ -276,15 +148,15 @@ class CompiledDecode:
         kept: list[Any] = []
         for layer, cache in zip(step.layers, kv_caches):
             mlp = (layer.gate_up, layer.down)
-            projections = tuple(_projection(*p) if p else _Projection() for p in (layer.qkv, layer.o, *mlp))
-            experts = None if layer.experts is None else _experts(layer.experts, kept)
+            projections = tuple(projection_record(*p) if p else ProjectionRecord() for p in (layer.qkv, layer.o, *mlp))
+            experts = None if layer.experts is None else experts_record(layer.experts, kept)
             if any(p is None for p in projections) or (layer.experts is not None and experts is None):
                 return None
             norms = (layer.input_norm, layer.post_norm)
-            heads = (_address(layer.q_norm), _address(layer.k_norm))
-            sandwich = (_address(layer.attn_out_norm), _address(layer.mlp_out_norm))
-            fields = (_address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope), experts)
-            records.append(_Layer(*(_address(w) for w in norms), *projections, *fields))
+            heads = (address(layer.q_norm), address(layer.k_norm))
+            sandwich = (address(layer.attn_out_norm), address(layer.mlp_out_norm))
+            fields = (address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope), experts)
+            records.append(_Layer(*(address(w) for w in norms), *projections, *fields))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
         else:
@@ -330,8 +202,8 @@ class CompiledDecode:
             m.eps,
             cos.data_ptr(),
             sin.data_ptr(),
-            _address(local_cos),
-            _address(local_sin),
+            address(local_cos),
+            address(local_sin),
             write_slots.data_ptr(),
             group.slots.data_ptr(),
             group.starts.data_ptr(),

@@ -46,7 +46,8 @@ from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight, join
 from ctxpar.layers.rotary import RotaryEmbedding, apply_rotary_
 from ctxpar.model_args import ModelArgs
 from ctxpar.models.base import DecodeShape, FastDecodeStep
-from ctxpar.models.compiled_decode import CompiledDecode, DecoderExperts, DecoderLayer, DecoderStep
+from ctxpar.models.compiled_decode import CompiledDecode, DecoderLayer, DecoderStep
+from ctxpar.models.compiled_experts import DecoderExperts
 
 
 def _weight(*shape: int) -> nn.Parameter:
