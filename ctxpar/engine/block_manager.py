@@ -154,9 +154,18 @@ class BlockManager:
     def num_new_blocks(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> int:
         """Free-pool blocks the owner needs so that its table covers
         ``num_tokens``, when a new owner starts with the ``cached`` blocks (a
-        cached block nobody references is in the pool, so it counts too)."""
+        cached block nobody references is in the pool, so it counts too; one
+        the window has left is not taken)."""
         have = len(self.block_table(owner)) + len(cached)
-        return max(0, self.blocks_for(num_tokens) - have) + sum(self._ref[b] == 0 for b in cached)
+        taken = cached[self._unread_cached(cached) :]
+        return max(0, self.blocks_for(num_tokens) - have) + sum(self._ref[b] == 0 for b in taken)
+
+    def _unread_cached(self, cached: Sequence[int]) -> int:
+        """How many of a new table's leading ``cached`` blocks its first step, from the
+        tokens they hold on, never reads (with a window; none without): they start null."""
+        if self.window is None:
+            return 0
+        return self.window.unread_blocks(len(cached) * self.block_size, self.block_size)
 
     def can_allocate(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether the owner's table can grow to cover ``num_tokens`` tokens now."""
@@ -177,13 +186,15 @@ class BlockManager:
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
         table = self._tables.setdefault(owner, [])
-        for block in cached:
+        unread = self._unread_cached(cached)
+        table += [self.null_block] * unread
+        for block in cached[unread:]:
             if self._ref[block] == 0:
                 del self._free[block]
             self._ref[block] += 1
             table.append(block)
         self._num_registered.setdefault(owner, len(cached))
-        self._num_unread.setdefault(owner, 0)
+        self._num_unread.setdefault(owner, unread)
         for _ in range(self.blocks_for(num_tokens) - len(table)):
             block, _ = self._free.popitem(last=False)
             self._evict(block)

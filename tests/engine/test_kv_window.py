@@ -154,6 +154,25 @@ def test_a_freed_block_stays_a_prefix_hit_until_evicted() -> None:
     bm.check_integrity()
 
 
+def test_a_prefix_hit_takes_only_the_blocks_its_first_step_reads() -> None:
+    """A request admitted with 24 cached blocks (384 tokens) computes from 384 on: its first
+    read starts at the run [256, 384), so the 16 blocks before it stay in the pool, still
+    hits for others, and its table starts with 16 null entries."""
+    bs = 16
+    bm = BlockManager(num_blocks=30, block_size=bs, window=KVWindow(16))
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(400)), bs)
+    bm.allocate("a", 400)
+    bm.cache_blocks("a", hashes, 25)
+    bm.free("a")
+    cached = bm.cached_prefix(hashes[:24])
+    assert len(cached) == 24 and bm.num_new_blocks("b", 400, cached) == 8 + 1
+    table = bm.allocate("b", 400, cached)
+    assert table[:16] == [bm.null_block] * 16 and table[16:24] == cached[16:] and bm.num_live_blocks("b") == 9
+    assert bm.cached_prefix(hashes[:24]) == cached and bm.num_free_blocks == 29 - 9
+    bm.check_integrity()
+
+
 def test_registration_skips_blocks_freed_before_they_were_offered() -> None:
     """cache_blocks never names the null block: an entry freed unoffered is not registered."""
     bs = 16
@@ -169,24 +188,41 @@ def test_registration_skips_blocks_freed_before_they_were_offered() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["grow", "compute", "truncate", "cache", "free"]), st.integers(0, 3), st.integers(0, 60)),
+    st.tuples(
+        st.sampled_from(["grow", "hit", "compute", "truncate", "cache", "free"]), st.integers(0, 3), st.integers(0, 60)
+    ),
     max_size=80,
 )
 
 
 @settings(max_examples=200, deadline=None)
 @given(window=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(2, 80), ops=ops)
+@example(
+    window=4, block_size=4, num_blocks=20, ops=[("grow", 0, 40), ("compute", 0, 40), ("cache", 0, 0), ("hit", 1, 20)]
+)
+@example(
+    window=4, block_size=2, num_blocks=80, ops=[("grow", 0, 60)] * 3 + [("compute", 0, 60)] * 3 + [("cache", 0, 0)]
+)
 def test_random_steps_keep_the_accounting_and_every_readable_block(window, block_size, num_blocks, ops) -> None:
-    """Sequences that grow, compute, roll back drafts, offer their blocks and finish, with the
-    window freeing what it may: the accounting holds, and every block a later read can touch
-    (from ``unread_blocks`` of the computed tokens on) is the owner's, never the null block."""
+    """Sequences of one prompt that start (from a prefix hit or not), grow, compute, roll back
+    drafts, offer their blocks and finish, with the window freeing what it may: the accounting
+    holds, and every block a later read can touch (from ``unread_blocks`` of the computed tokens
+    on) is the owner's, never the null block."""
     kv = KVWindow(window)
     bm = BlockManager(num_blocks, block_size, window=kv)
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(4000)), block_size)  # every sequence's tokens
     computed: dict[int, int] = {}
     allocated: dict[int, int] = {}
     for op, owner, n in ops:
         c, have = computed.get(owner, 0), allocated.get(owner, 0)
-        if op == "grow" and bm.can_allocate(owner, have + n):
+        if op == "hit" and owner not in computed:
+            cached = bm.cached_prefix(hashes[: n // block_size])
+            start = len(cached) * block_size
+            if bm.can_allocate(owner, start + 1, cached):
+                bm.allocate(owner, start + 1, cached)
+                computed[owner], allocated[owner] = start, start + 1
+        elif op == "grow" and bm.can_allocate(owner, have + n):
             bm.allocate(owner, have + n)
             allocated[owner] = have + n
             computed.setdefault(owner, 0)
@@ -197,9 +233,6 @@ def test_random_steps_keep_the_accounting_and_every_readable_block(window, block
             bm.truncate(owner, keep)
             allocated[owner] = keep
         elif op == "cache" and owner in computed:
-            tokens = list(range(owner * 1000, owner * 1000 + c))
-            hashes: list[bytes] = []
-            extend_block_hashes(hashes, tokens, block_size)
             bm.cache_blocks(owner, hashes, c // block_size)
         elif op == "free" and owner in computed:
             bm.free(owner)
@@ -210,4 +243,5 @@ def test_random_steps_keep_the_accounting_and_every_readable_block(window, block
             assert all(b != bm.null_block for b in table[kv.unread_blocks(k, block_size) :])
             assert len(table) == bm.blocks_for(allocated[o])
         bm.check_integrity()
-    assert sum(map(bm.num_live_blocks, computed)) + bm.num_free_blocks == bm.num_blocks
+    held = {b for o in computed for b in bm.block_table(o)} - {bm.null_block}
+    assert len(held) + bm.num_free_blocks == bm.num_blocks

@@ -32,8 +32,10 @@ def mistral(tmp_path_factory) -> Path:
     return peaked(save_tiny_model(MistralConfig(**COMMON, sliding_window=WINDOW), tmp_path_factory.mktemp("v0.1")))
 
 
-def serve(path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, **kw) -> tuple[list, dict[str, int]]:
-    """Both prompts through one engine: (each request's tokens, logprobs and prompt logprobs, in
+def serve(
+    path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, prompts: list[list[int]] = PROMPTS, **kw
+) -> tuple[list, dict[str, int]]:
+    """The prompts through one engine: (each request's tokens, logprobs and prompt logprobs, in
     order), and what the scheduler saw: the most requests running and blocks held at once, and
     its preemptions. ``free``: whether the block manager gives back blocks the window left."""
     if not free:
@@ -44,7 +46,7 @@ def serve(path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, **kw) -> tupl
         assert engine is not None
         bm = engine.block_manager
         assert (bm.window is not None) == free
-        for i, ids in enumerate(PROMPTS):
+        for i, ids in enumerate(prompts):
             engine.add_request(ids, PARAMS, request_id=str(i))
         done = {}
         while engine.has_unfinished_requests():
@@ -55,7 +57,7 @@ def serve(path: Path, monkeypatch: pytest.MonkeyPatch, free: bool, **kw) -> tupl
             seen["held"] = max(seen["held"], bm.num_blocks - bm.num_free_blocks)
         seen["preemptions"] = engine.scheduler.num_preemptions
     monkeypatch.undo()
-    outs = [done[str(i)] for i in range(len(PROMPTS))]
+    outs = [done[str(i)] for i in range(len(prompts))]
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], seen
 
 
@@ -94,9 +96,54 @@ def test_two_long_requests_fit_where_their_histories_do_not(mistral, monkeypatch
 
 @pytest.mark.multiprocess
 def test_ranks_keep_the_bits_with_blocks_given_back(mistral, monkeypatch) -> None:
-    """P = 2 (each rank the whole cache; DualChunkSwap pieces read from their own window) and
-    P = D = 2 (each shard's places from its window's run): == with every block kept."""
-    for layout in (dict(pcp_size=2), dict(pcp_size=2, dcp_size=2)):
-        freed, seen = serve(mistral, monkeypatch, free=True, **layout)
-        kept, seen_kept = serve(mistral, monkeypatch, free=False, **layout)
-        assert freed == kept and seen["held"] < seen_kept["held"], layout
+    """P = 2 (each rank the whole cache; DualChunkSwap pieces read from their own window) gives
+    one rank's bits with every block kept; P = D = 2 (each shard's places from its window's
+    run) == itself with every block kept."""
+    one = dict(prompts=PROMPTS[:1], enable_prefix_caching=False)
+    kept, _ = serve(mistral, monkeypatch, free=False, **one)
+    two, seen = serve(mistral, monkeypatch, free=True, pcp_size=2, **one)
+    assert two == kept and seen["held"] < HISTORY_BLOCKS
+    dcp = dict(one, pcp_size=2, dcp_size=2)
+    freed, seen = serve(mistral, monkeypatch, free=True, **dcp)
+    kept, seen_kept = serve(mistral, monkeypatch, free=False, **dcp)
+    assert freed == kept and seen["held"] < seen_kept["held"]
+
+
+@pytest.mark.multiprocess
+def test_a_lost_dcp_rank_recomputes_requests_whose_window_gave_blocks_back(mistral) -> None:
+    """Under DCP a lost shard's positions are recomputed from the keys before them; where the
+    window gave those back, the request recomputes all its KV instead, as a preempted one
+    (engine/rank_loss.py). Rank 1 (the odd positions) is SIGKILLed as the prompt reaches 273
+    tokens (chunks of 91): the step that finds it gives back positions [0, 256), which position
+    259's keys at layer 1 depend on. The shard is not recomputed from the null block, the
+    request is preempted, and every token and logprob is an undisturbed run's."""
+    from ctxpar.config import EngineConfig
+    from ctxpar.engine.engine import Engine
+    from tests.executor.test_rank_recovery import kill
+
+    def generate(kill_rank: bool) -> tuple[tuple, int]:
+        layout = {**LAYOUT, "max_num_batched_tokens": 91}
+        engine = Engine(EngineConfig(str(mistral), **layout, pcp_size=2, dcp_size=2))
+        try:
+            engine.add_request(PROMPTS[0], PARAMS, request_id="0")
+            out = None
+            while engine.has_unfinished_requests():
+                c = engine.scheduler.running[0].num_computed_tokens if engine.scheduler.running else 0
+                if kill_rank and c == 273 and engine.recovery.recoveries == 0:
+                    victim = engine.executor.procs[0]
+                    kill(victim.pid, 0.0)
+                    victim.join(5)
+                out = next((o for o in engine.step() if o.finished), out)
+            assert out is not None
+            rec = engine.recovery
+            return (out.outputs[0].token_ids, out.outputs[0].logprobs), (
+                rec.recoveries,
+                rec.recomputed_tokens,
+                engine.scheduler.num_preemptions,
+            )
+        finally:
+            engine.close()
+
+    want, _ = generate(kill_rank=False)
+    got, counts = generate(kill_rank=True)
+    assert counts == (1, 0, 1) and got == want
