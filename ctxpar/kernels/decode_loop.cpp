@@ -15,7 +15,7 @@
 //   m = down(act(gate) * up), gate|up = x W_gu^T (+b), act silu or gelu_tanh (Gemma);
 //   [Gemma: m = rms_norm(m)]; h += m
 // or, in a mixture of experts' layer (Qwen-MoE), m = experts(x) (moe(), below).
-// Projections are block-quantized (quant_gemv.cpp) or fp32 panels (gemv.cpp); the
+// Projections are block-quantized (quant_gemv.cpp) or fp32 or bf16 panels (gemv.cpp); the
 // cache fp32 entries or quantized rows (kv_quantize.cpp, kv_codes.h).
 
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "quant_part.h"
+#include "vec.h"
 
 extern "C" {
 void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, int64_t n, int64_t dim,
@@ -39,6 +40,8 @@ void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, c
                       float* out);
 void linear_packed_f32(const float* x, int64_t x_stride, int64_t n, const float* packed, int64_t in,
                        int64_t out_features, const float* bias, float* out);
+void linear_packed_bf16(const uint16_t* x, int64_t x_stride, int64_t n, const uint16_t* packed, int64_t pairs,
+                        int64_t out_features, const float* bias, float* out);
 void kv_quantize(const float* x, int64_t n, int64_t x_stride, const int64_t* runs, int64_t num_runs, int64_t code,
                  int64_t scale_offset, int64_t row_bytes, uint8_t* out);
 void paged_decode_f32(const float* q, const float* cache, const int64_t* slots, const int64_t* starts, int64_t rows,
@@ -58,7 +61,7 @@ void sigmoid_f32(const float* x, int64_t n, float* out);
 namespace {
 
 // One projection's weight: block-quantized (bits 4 or 8: its parts, quant_part.h) or,
-// with bits 0, fp32 panels (data).
+// with bits 0, fp32 panels (data), with bits 16 bf16 panels (a GGUF's BF16 weights).
 struct Projection {
   const void* data;  // QuantPart[num_parts], or PanelWeight.data
   int64_t num_parts;
@@ -102,17 +105,29 @@ struct Cache {
   float q_turn, kv_turn;
 };
 
+template <typename V>
+void at_least(V& v, int64_t size) {
+  if (int64_t(v.size()) < size) v.resize(size);
+}
+
+// x (n, in) rows x_stride apart; here every x is contiguous rows of the projection's input
+// (x_stride its width, which bf16 panels do not record: an odd width fills its last pair).
 void project(const Projection& p, const float* x, int64_t x_stride, int64_t n, float* out) {
-  if (p.bits == 0)
+  if (p.bits == 16) {  // as layers/linear.py: x rounded to bf16, padded with a zero to whole pairs
+    static thread_local std::vector<BF16> xb;
+    const int64_t width = x_stride + x_stride % 2;
+    at_least(xb, n * width);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < x_stride; ++i) narrow_to(&xb[t * width + i], x[t * x_stride + i]);
+      if (width > x_stride) xb[t * width + x_stride].bits = 0;
+    }
+    linear_packed_bf16(reinterpret_cast<const uint16_t*>(xb.data()), width, n, static_cast<const uint16_t*>(p.data),
+                       width / 2, p.out, p.bias, out);
+  } else if (p.bits == 0)
     linear_packed_f32(x, x_stride, n, static_cast<const float*>(p.data), p.in, p.out, p.bias, out);
   else
     quant_linear_f32(x, x_stride, n, p.in, static_cast<const QuantPart*>(p.data), p.num_parts, p.bits, p.group,
                      p.half, p.zero, p.bias, out);
-}
-
-template <typename V>
-void at_least(V& v, int64_t size) {
-  if (int64_t(v.size()) < size) v.resize(size);
 }
 
 // out (c, hidden) = down(silu(gate(x)) * up(x)) of x (c, hidden) contiguous, p its [gate, up, down]:

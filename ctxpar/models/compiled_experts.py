@@ -75,6 +75,9 @@ def projection_record(weight: Weight, bias: torch.Tensor | None) -> ProjectionRe
     if isinstance(weight, PanelWeight) and weight.data.dtype == torch.float32:
         in_features = weight.data.shape[1]  # fp32 panels: (panels, in, panel width)
         return ProjectionRecord(address(weight.data), 0, address(bias), in_features, weight.out_features, 0, 0, 0, 0)
+    if isinstance(weight, PanelWeight) and weight.data.dtype == torch.bfloat16:  # a GGUF's BF16 weight: bits 16
+        pairs = weight.data.shape[1]  # bf16 panels: (panels, ceil(in / 2), panel width, 2)
+        return ProjectionRecord(address(weight.data), 0, address(bias), 2 * pairs, weight.out_features, 16, 0, 0, 0)
     return None
 
 

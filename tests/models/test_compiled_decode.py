@@ -8,8 +8,9 @@ block weights, a Qwen2 model (biases on the QKV projection), a Llama-3 rope,
 float32, int8 and fp8 caches, a Qwen3 model (norms on the query and key heads),
 Gemma 2 and Gemma 3 (sandwich norms, GELU-tanh, soft-capped and windowed attention,
 Gemma 3's sliding layers' own rope; tests/models/test_gemma.py's checkpoints), and a
-batch of rows of different lengths. bf16 weights are not the loop's: it must decline
-them, and the model's forward serves.
+batch of rows of different lengths. A bfloat16 model (bf16 activations) is not the loop's:
+it must decline it, and the model's forward serves (a GGUF's BF16 weights in a float32 model
+are: tests/models/test_gguf_moe_bf16.py; mixtures of experts: test_compiled_moe_decode.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""A Qwen-MoE GGUF at BF16 keeps its experts as the file's bf16, as a dense BF16 weight is kept.
+"""A Qwen-MoE GGUF at BF16 keeps its experts as the file's bf16, as a dense BF16 weight is kept,
+and the compiled decode loop runs BF16 weights with the forward's bits.
 
 llama.cpp's converter at ``--outtype bf16`` writes each projection's experts as one 3-D BF16
 tensor; loaded into the default float32 model with ``quantization="gguf"``, every expert's gate,
 up and down are bf16 panels of the file's bits (2 bytes a weight), not float32 copies (4), and
 the logprobs are transformers' on the checkpoint within the rounding of weights and activations
-to bf16 (tests/models/test_gguf_quant_types.py's bounds for a dense BF16 file).
+to bf16 (tests/models/test_gguf_quant_types.py's bounds for a dense BF16 file). The decode steps
+of such a file, experts or a dense Llama 3, are the same floats from the compiled loop
+(kernels/decode_loop.cpp: activations rounded to bf16 as layers/linear.py rounds them) and from
+the forward (tests/models/test_compiled_moe_decode.py's comparison).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from ctxpar.layers.linear import PanelWeight
 from ctxpar.layers.moe import MoE
 from ctxpar.models.gguf_file import GGUFFile
 from ctxpar.models.loader import load_model
-from helpers.llama_cpp import convert
+from helpers.llama_cpp import convert, gguf_of
 from helpers.reference import SingleSequence
+from tests.models.test_compiled_moe_decode import eager_and_compiled
 from tests.models.test_gguf_families import (
     IDS,
     QUANT_GAP,
@@ -29,15 +34,28 @@ from tests.models.test_gguf_families import (
     peaked,
     transformers_logprobs,
 )
+from tests.models.test_gguf_families import configs as dense_configs
 from tests.models.test_gguf_moe import FAMILIES, configs, with_bpe_tokenizer
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_bf16_experts_stay_the_files_bf16(tmp_path: Path, name: str) -> None:
+@pytest.fixture(scope="module")
+def bf16_files(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """{family: (checkpoint, its BF16 GGUF)} of both Qwen-MoE families and a dense Llama 3."""
     from helpers.models import save_tiny_model
 
-    hf = with_bpe_tokenizer(peaked(save_tiny_model(configs()[name], tmp_path / name)))
-    path = convert(hf, tmp_path / f"{name}-bf16.gguf", "bf16")
+    root = tmp_path_factory.mktemp("bf16")
+    out = {}
+    for name, config in configs().items():
+        hf = with_bpe_tokenizer(peaked(save_tiny_model(config, root / name)))
+        out[name] = (hf, convert(hf, root / f"{name}-bf16.gguf", "bf16"))
+    hf = peaked(save_tiny_model(dense_configs()["llama3"], root / "llama3"))
+    out["llama3"] = (hf, gguf_of(hf, root, ("bf16",))["bf16"])
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_experts_stay_the_files_bf16(bf16_files, name: str) -> None:
+    hf, path = bf16_files[name]
     model = load_model(str(path), torch.float32, torch.device("cpu"), quantization="gguf").model
     moe = model.decoder_layers[0].mlp
     assert isinstance(moe, MoE)
@@ -53,3 +71,9 @@ def test_bf16_experts_stay_the_files_bf16(tmp_path: Path, name: str) -> None:
         assert torch.equal(rows.view(torch.int16), bits.reshape(-1, hidden, inter)[e].view(torch.int16)), e
     got = torch.log_softmax(SingleSequence(model, 64).step(IDS), -1)
     assert_close_at_the_top(got, transformers_logprobs(hf), QUANT_TOL, QUANT_GAP)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "llama3"])
+def test_compiled_bf16_steps_are_the_forward_bits(bf16_files, monkeypatch, name: str) -> None:
+    eager, compiled = eager_and_compiled(bf16_files[name][1], monkeypatch, quantization="gguf")
+    assert compiled == eager
