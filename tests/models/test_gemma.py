@@ -73,12 +73,14 @@ def configs() -> dict:
 
 
 def peaked(hf_dir: Path, factor: float = 16.0) -> Path:
-    """tests/models/test_gguf_families.py's ``peaked`` for tied embeddings: the table (so the
-    lm_head) times ``factor``, logits spread over several nats (the input's norm undoes it)."""
+    """tests/models/test_gguf_families.py's ``peaked`` for tied embeddings: the final norm's factor
+    (1 + w) times ``factor``, logits spread over several nats. (The table times ``factor`` would
+    make every position's top token its own input token, the embedding's dot product with itself,
+    whatever the attention computes: the argmax comparisons would check nothing.)"""
     from safetensors.torch import load_file, save_file
 
     weights = load_file(hf_dir / "model.safetensors")
-    weights["model.embed_tokens.weight"] *= factor
+    weights["model.norm.weight"] = (1 + weights["model.norm.weight"]) * factor - 1
     save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
     return hf_dir
 
