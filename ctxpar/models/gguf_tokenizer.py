@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-SNAPSHOT = "ctxpar_tokenizer.json"
+SNAPSHOT = "ctxpar_tokenizer.json"  # the tokenizers object, as its own save writes it
+FACTS = "ctxpar_tokenizer_facts.json"
 # What the engine and its callers read of a tokenizer as plain values.
 _FACTS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template")
 
@@ -44,9 +45,9 @@ def snapshot(out_dir: Path) -> None:
     if _cleans_up(tok):
         return
     facts = {name: getattr(tok, name) for name in _FACTS}
-    backend = json.loads(tok.backend_tokenizer.to_str())
-    saved = {"facts": facts, "split_special_tokens": bool(tok.split_special_tokens), "tokenizer": backend}
-    (out_dir / SNAPSHOT).write_text(json.dumps(saved))
+    facts["split_special_tokens"] = bool(tok.split_special_tokens)
+    tok.backend_tokenizer.save(str(out_dir / SNAPSHOT))  # read back by from_file: no JSON round trip in Python
+    (out_dir / FACTS).write_text(json.dumps(facts))
 
 
 def _cleans_up(tok: Any) -> bool:
@@ -60,15 +61,14 @@ def _cleans_up(tok: Any) -> bool:
 
 def load(d: Path) -> GGUFTokenizer | None:
     """The snapshot in ``d`` as a ``GGUFTokenizer``; None where ``d`` holds none."""
-    file = d / SNAPSHOT
-    if not file.is_file():
+    if not (d / SNAPSHOT).is_file() or not (d / FACTS).is_file():
         return None
     from tokenizers import Tokenizer
 
-    saved = json.loads(file.read_text())
-    backend = Tokenizer.from_str(json.dumps(saved["tokenizer"]))
-    backend.encode_special_tokens = saved["split_special_tokens"]
-    return GGUFTokenizer(d, backend, saved["facts"])
+    facts = json.loads((d / FACTS).read_text())
+    backend = Tokenizer.from_file(str(d / SNAPSHOT))
+    backend.encode_special_tokens = facts["split_special_tokens"]
+    return GGUFTokenizer(d, backend, facts)
 
 
 class GGUFTokenizer:
