@@ -40,8 +40,8 @@ IMAGE_TOKENS = dict(image_token_index=400, boi_token_index=401, eoi_token_index=
 
 
 @pytest.fixture(scope="module")
-def multimodal(tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, its text GGUF at F32)."""
+def multimodal(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """(checkpoint, {"f32": its text GGUF})."""
     from transformers import Gemma3Config, SiglipVisionConfig
 
     from helpers.models import save_tiny_model
@@ -56,7 +56,7 @@ def multimodal(tmp_path_factory) -> tuple[Path, Path]:
     )
     root = tmp_path_factory.mktemp("gemma3_multimodal")
     hf = save_tiny_model(config, root / "gemma3-mm")
-    return hf, gguf_of(hf, root, ("f32",))["f32"]
+    return hf, gguf_of(hf, root, ("f32",))
 
 
 @torch.no_grad()
@@ -130,7 +130,8 @@ def test_transformers_5_in_memory_names_load_too(multimodal, tmp_path) -> None:
 def test_its_text_gguf_matches_transformers(multimodal) -> None:
     from ctxpar.models.gguf_file import GGUFFile
 
-    hf, gguf_file = multimodal
+    hf, files = multimodal
+    gguf_file = files["f32"]
     assert GGUFFile(gguf_file).metadata["general.architecture"] == "gemma3"
     assert_close_at_the_top(ctxpar_logprobs(gguf_file), transformers_text_logprobs(hf), TOL, TIE)
 

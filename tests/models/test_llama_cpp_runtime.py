@@ -28,6 +28,7 @@ import torch
 
 from helpers.llama_cpp import convert
 from helpers.llama_cpp_runtime import llama_cpp_logits, python, skip_reason
+from tests.models.test_gemma3_multimodal import multimodal  # noqa: F401
 from tests.models.test_gguf_deepseek import configs as deepseek_configs
 from tests.models.test_gguf_deepseek import families as deepseek_families  # noqa: F401  (fixtures)
 from tests.models.test_gguf_families import (
@@ -47,6 +48,7 @@ from tests.models.test_gguf_moe import families as moe_families  # noqa: F401
 from tests.models.test_gguf_moe import with_bpe_tokenizer
 from tests.models.test_gguf_phi3 import WINDOW, phi3  # noqa: F401
 from tests.models.test_longrope import longrope  # noqa: F401
+from tests.models.test_phi4_mini import phi4  # noqa: F401
 from tests.models.test_sliding_window import transformers_logprobs as sliding_window_reference
 
 N_CTX = 64  # over IDS, and over longrope's original context (32): its long factors, as ctxpar's
@@ -73,14 +75,20 @@ F32_CASES = [
     case("moe_families", "qwen2moe"),
     case("moe_families", "qwen3moe"),
     case("longrope"),
+    case("phi4"),  # Phi-4-mini's partial rotary
     case("gemmas", "gemma2"),
     case("gemmas", "gemma3"),
+    case("multimodal"),  # Gemma 3 4B-27B's text model, from a Gemma3ForConditionalGeneration checkpoint
     case("deepseek_families", "v2", V2_REFUSED),
     case("deepseek_v2_lite", "v2"),
     case("deepseek_families", "v3"),
 ]
 Q8_0_CASES = [
-    *(p for p in F32_CASES if p.values[1] not in ("mistral", "v3") and p.values[0] != "deepseek_v2_lite"),
+    *(
+        p
+        for p in F32_CASES
+        if p.values[1] not in ("mistral", "v3") and p.values[0] not in ("deepseek_v2_lite", "multimodal")
+    ),
     case("deepseek_families", "v3", pytest.mark.skip(reason=V3_ROUTING)),
 ]
 
