@@ -371,6 +371,16 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, layers: int, window: i
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
 
 
+def text_model_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal model's config (``text_config`` beside a vision config: Gemma 3 4B-27B) as its
+    text model's, which ctxpar runs, the outer config's class names, stop ids and tying kept;
+    any other config as it is."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        return cfg
+    return {**text, **{k: cfg[k] for k in _OUTER_KEYS if cfg.get(k) is not None}}
+
+
 def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
     """A config.json's object as a ModelArgs; CtxparError naming what is missing or wrong.
     The shape keys are required (hidden_size, num_hidden_layers, num_attention_heads,
@@ -379,10 +389,7 @@ def from_config_json(cfg: Mapping[str, Any]) -> ModelArgs:
     text model's, which ctxpar runs (models/registry.py names the architectures)."""
     if not isinstance(cfg, Mapping):
         raise CtxparError(f"a model config is a JSON object, got {type(cfg).__name__}")
-    text = cfg.get("text_config")
-    if isinstance(text, Mapping):
-        # The outer config's keys are the model's: its class names, and the token ids it stops at.
-        cfg = {**text, **{k: cfg[k] for k in _OUTER_KEYS if cfg.get(k) is not None}}
+    cfg = text_model_config(cfg)
     model_type = cfg.get("model_type") or ""
     for key in _SHAPE_KEYS:
         if cfg.get(key) is None:

@@ -40,7 +40,7 @@ from ctxpar.hf_overrides import ROPE_KEYS, overridden_config_kwargs
 from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.layers.rotary import RotaryEmbedding
-from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json
+from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json, text_model_config
 from ctxpar.models import gguf, gguf_tokenizer
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
@@ -272,7 +272,7 @@ def _read_config(d: Path, shown: Path, hf_overrides: dict[str, Any] | None = Non
     if archs and archs[0] not in ARCHITECTURES:  # named before its config is read: its keys may be unknown here
         get_model_class(archs[0])  # raises the "unsupported architecture" CtxparError
     if raw.get("model_type") not in READ_HERE or "auto_map" in raw:
-        raw = _read_by_transformers(d)
+        raw = dict(text_model_config(_read_by_transformers(d)))  # hf_overrides change the text model's keys
     try:
         config = from_config_json(raw)
     except CtxparError as e:

@@ -75,6 +75,7 @@ def test_the_description_is_the_text_models(multimodal) -> None:
     assert ours.eos_token_id == (2, 106) and ours.tie_word_embeddings
     fields = ("hidden_size", "num_hidden_layers", "head_dim", "layer_types", "rope", "sliding_rope", "qk_norm")
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(text, f) for f in fields}
+    assert _read_config(hf, hf, {"sliding_window": 8}).sliding_window == 8  # hf_overrides: the text model's
 
 
 def test_the_text_model_matches_transformers_and_reads_no_vision_tensor(multimodal, monkeypatch) -> None:
