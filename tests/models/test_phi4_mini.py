@@ -75,6 +75,27 @@ def phi4(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return hf, gguf_of(hf, root, ("f32", "q8_0"))
 
 
+def test_the_hubs_config_json_reads_the_same(phi4, tmp_path) -> None:
+    """Phi-4-mini's config.json on the hub spells its rope as transformers 4 did: rope_scaling with
+    "type", rope_theta and partial_rotary_factor beside it."""
+    import json
+    import shutil
+
+    hf, _ = phi4
+    hub = tmp_path / "hub"
+    shutil.copytree(hf, hub)
+    config = json.loads((hf / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_scaling"] = {
+        "type": "longrope",
+        "short_factor": rope["short_factor"],
+        "long_factor": rope["long_factor"],
+    }
+    config.update(rope_theta=rope["rope_theta"], partial_rotary_factor=PARTIAL)
+    (hub / "config.json").write_text(json.dumps(config))
+    assert _read_config(hub, hub) == _read_config(hf, hf)
+
+
 def test_the_files_describe_the_checkpoint(phi4) -> None:
     from ctxpar.models.gguf import config_from_gguf, open_gguf
     from ctxpar.models.gguf_file import GGUFFile
