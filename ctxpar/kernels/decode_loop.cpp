@@ -149,7 +149,9 @@ void gated_mlp(const Projection* p, const float* x, int64_t c, int64_t hidden, i
 // route each row (moe_route_f32); from zeros, for each expert in ascending order with rows routed
 // to it, its output for those rows times each row's weight added to them; then + the shared
 // expert's output, times sigmoid of its gate. Each product is rounded before its sum, as PyTorch's
-// separate ops are: the two are separate loops, so the compiler cannot fuse them (-ffp-contract).
+// separate ops round it: products and sums are separate loops through memory, which GCC does not
+// contract into multiply-adds as it may a product and a sum of one loop (-ffp-contract=fast, its
+// C++ default).
 void moe(const Experts& E, const float* x, int64_t n, int64_t hidden, float* out) {
   static thread_local std::vector<float> logits, weights, picked_w, xs, ys, shared, gate, sig;
   static thread_local std::vector<int64_t> ids, picked;

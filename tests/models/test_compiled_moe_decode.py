@@ -75,7 +75,6 @@ def eager_and_compiled(path: Path, monkeypatch, **kw) -> tuple[list, list]:
         ("qwen2moe", None, "model"),
         ("qwen3moe", None, "model"),
         ("qwen2moe", "int8", "int8"),
-        ("qwen3moe", "int8", "model"),
     ],
 )
 def test_compiled_expert_steps_are_the_forward_bits(moes, monkeypatch, model, quantization, kv_cache_dtype):
