@@ -329,6 +329,21 @@ constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int
   return {row_dot<S, bits, R + 1>...};
 }
 
+// Output row o of a part with its scales and offsets as contiguous floats (the same values),
+// in a buffer of the calling thread's: every pass of MR activation rows over the row reads
+// them, and a GGUF file's lie a block apart as halves, one scalar load and convert each,
+// which cost about a third of a prefill's time read in place.
+template <typename S>
+PartView<float> row_floats(const PartView<S>& w, int64_t o, int64_t group, int64_t in) {
+  static thread_local std::vector<float> buf;
+  const int64_t ng = in / group, nb = in / QB;
+  buf.resize(ng + nb);
+  for (int64_t j = 0; j < ng; ++j) buf[j] = w.scale(o, j);
+  for (int64_t b = 0; w.o && b < nb; ++b) buf[ng + b] = w.offset(o, b);
+  const QuantPart part{w.block(o, 0), buf.data(), w.o ? buf.data() + ng : nullptr, 1, w.q_row, w.q_block, 0, 1, 0, 1};
+  return PartView<float>(part);
+}
+
 template <typename S>
 void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts, int64_t num_parts,
                   int64_t bits, int64_t group, int64_t zero, const float* bias, float* out) {
@@ -367,20 +382,27 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
                        std::min(n, r0 + row_block), bias ? bias + col : nullptr, out + col);
   }
 #else
-  static const auto table4 = row_table<S, 4>(std::make_integer_sequence<int, MR>());
-  static const auto table8 = row_table<S, 8>(std::make_integer_sequence<int, MR>());
+  static const auto table4 = row_table<float, 4>(std::make_integer_sequence<int, MR>());
+  static const auto table8 = row_table<float, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, xp);
+  // Rows a pass takes (MRs): their codes, ~256 KB, stay in L2 while every output's weight row
+  // meets them; all of a prefill's rows at once would stream from L3 again for each output.
+  const int64_t pass = std::max<int64_t>(MR, (int64_t(1) << 18) / in / MR * MR);
   for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k) {
     const PartView<S> w(parts[k]);
+    for (int64_t r0 = 0; r0 < n; r0 += pass) {
+      const int64_t r1 = std::min(n, r0 + pass);
 #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < w.rows; ++o) {
-      for (int64_t m0 = 0; m0 < n; m0 += MR) {
-        const int mr = int(std::min<int64_t>(MR, n - m0));
-        float res[MR];
-        (bits == 4 ? table4 : table8)[mr - 1](w, o, group, float(zero), xq, xp, xd, xs, m0, in, res);
-        for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
+      for (int64_t o = 0; o < w.rows; ++o) {
+        const PartView<float> row = row_floats(w, o, group, in);
+        for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+          const int mr = int(std::min<int64_t>(MR, r1 - m0));
+          float res[MR];
+          (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
+          for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
+        }
       }
     }
   }
