@@ -66,6 +66,11 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> ModelArgs:
     """The model's description from the GGUF metadata; CtxparError naming what ctxpar does not read."""
     meta = reader.metadata
     arch = meta.get("general.architecture")
+    if arch == "clip":  # what a multimodal model's GGUF download holds beside its text model's file
+        raise CtxparError(
+            f"GGUF file {path} is a multimodal projector (mmproj: an image encoder, architecture 'clip'); "
+            "ctxpar runs text models: pass the model's own GGUF file, which holds its text weights"
+        )
     if arch not in ARCHITECTURES:
         raise CtxparError(
             f"GGUF file {path} has architecture {arch!r}, which ctxpar does not run; "

@@ -137,6 +137,19 @@ def test_its_text_gguf_matches_transformers(multimodal) -> None:
     assert_close_at_the_top(ctxpar_logprobs(gguf_file), transformers_text_logprobs(hf), TOL, TIE)
 
 
+def test_an_mmproj_file_is_refused_naming_it(tmp_path) -> None:
+    """The image encoder llama.cpp's converter writes apart (--mmproj: architecture 'clip'), passed
+    instead of the model's text GGUF."""
+    import numpy as np
+
+    from ctxpar.models.loader import load_model
+    from tests.models.test_gguf_families import write_gguf
+
+    path = write_gguf(tmp_path / "mmproj-gemma3.gguf", "clip", np.zeros((4, 8), np.float32))
+    with pytest.raises(CtxparError, match="multimodal projector.*pass the model's own GGUF file"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+
+
 def test_chat_renders_by_the_template_and_refuses_images(multimodal, tmp_path) -> None:
     hf = with_byte_tokenizer(multimodal[0], tmp_path / "with-tokenizer")
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
