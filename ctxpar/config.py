@@ -84,7 +84,10 @@ class EngineConfig:
     )
     max_num_seqs: int = knob(64, "most requests running at once", "N", range=Range(1))
     max_num_batched_tokens: int = knob(
-        2048, "tokens per step; longer prompts are prefilled in chunks", "N", range=Range(1)
+        2048,
+        "tokens per step (a prompt's last chunk may run an eighth over); longer prompts are prefilled in chunks",
+        "N",
+        range=Range(1),
     )
     pcp_size: int = knob(1, "prefill context-parallel ranks", "P", aliases=("--pcp",), range=Range(1))
     # Decode context parallelism: the KV cache is sharded over the PCP ranks themselves (D = P),

@@ -6,7 +6,10 @@ Each step the scheduler picks, under a token budget (``max_num_batched_tokens``)
    (oldest first), so generation never stalls behind long prompts;
 2. prefills: running requests whose prompt is being chunked, then waiting
    requests in arrival order (a prompt longer than what is left of the budget
-   gets a chunk of it), while fewer than ``max_num_seqs`` requests run.
+   gets a chunk of it, unless the rest is within an eighth of the budget: a
+   prompt's last chunk may overrun it by that much, so that a small tail does
+   not hold its first token back a whole step; batch_builder.py), while fewer
+   than ``max_num_seqs`` requests run.
 
 A request's ``priority`` (vLLM's: lower is served earlier; 0 by default) orders
 the queue: a request waits behind those of its priority or a lower value, in
@@ -114,7 +117,7 @@ class Scheduler:
         """1. Every running request whose prompt is done, oldest first: its next token, and
         the drafts that fit."""
         for req in list(self.running):
-            if step.budget == 0:
+            if step.budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or not req.is_decode_ready:
                 continue
@@ -138,7 +141,7 @@ class Scheduler:
         """2. Running requests in the middle of a prompt (or of a recompute): a chunk each."""
         bm = self.block_manager
         for req in list(self.running):
-            if step.budget == 0:
+            if step.budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or step.has(req) or req.is_decode_ready:
                 continue
@@ -147,7 +150,7 @@ class Scheduler:
             # of any size makes progress.
             if not self._make_room(req, c + 1, step, may_preempt_self=False):
                 continue
-            q = min(req.num_tokens - c, step.budget, bm.max_coverable_tokens(req.request_id) - c)
+            q = min(step.chunk(req.num_tokens - c), bm.max_coverable_tokens(req.request_id) - c)
             bm.allocate(req.request_id, c + q)
             step.add(req, q)
 
@@ -159,7 +162,7 @@ class Scheduler:
             req = self.waiting[0]
             cached = cached_prefix(bm, req)
             c = len(cached) * bm.block_size
-            q = min(req.num_tokens - c, step.budget)
+            q = step.chunk(req.num_tokens - c)
             if not bm.can_allocate(req.request_id, c + q, cached):
                 break  # first come, first served: nobody overtakes the head
             self.waiting.popleft()

@@ -45,12 +45,19 @@ def finish_step(sched: Scheduler, batch, token: int = 5) -> list[Request]:
     return done
 
 
-def test_chunked_prefill_under_budget():
+@pytest.mark.parametrize(
+    ("prompt_len", "chunks"),
+    [
+        (56, [16, 16, 16, 8]),  # a tail of 8: more than 16 // 8 past the budget, a step of its own
+        (50, [16, 16, 18]),  # a tail of 2 (= 16 // 8) rides with the chunk before it: one step fewer
+    ],
+)
+def test_chunked_prefill_under_budget(prompt_len, chunks):
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
-    req = make_req(0, 50)
+    req = make_req(0, prompt_len)
     sched.add(req)
     seen = []
-    for _ in range(4):
+    for _ in chunks:
         b = sched.schedule()
         p = b.plan
         seen.append((int(p.num_computed_tokens[0]), int(p.num_scheduled_tokens[0]), bool(p.needs_logits[0])))
@@ -58,10 +65,32 @@ def test_chunked_prefill_under_budget():
         assert list(p.input_ids) == req.prompt_token_ids[seen[-1][0] : seen[-1][0] + seen[-1][1]]
         assert len(p.block_tables[0]) * 4 >= seen[-1][0] + seen[-1][1]
         finish_step(sched, b)
-    assert seen == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True)]
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    assert seen == [(c, q, i == len(chunks) - 1) for i, (c, q) in enumerate(zip(starts, chunks))]
     b = sched.schedule()  # now a decode
     assert not b.plan.is_prefilling[0] and b.plan.num_scheduled_tokens[0] == 1 and b.plan.needs_logits[0]
-    assert b.plan.num_computed_tokens[0] == 50 and b.plan.input_ids[0] == 5
+    assert b.plan.num_computed_tokens[0] == prompt_len and b.plan.input_ids[0] == 5
+
+
+def test_a_prompt_beside_decodes_is_not_left_a_tail():
+    """A prompt as long as the budget, admitted beside running decodes (which come first),
+    is computed whole in that step, its first token then, rather than all but the decodes'
+    share of it now and the rest a step later; a longer one is chunked to the budget."""
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    running = [make_req(i, 4, max_tokens=50) for i in range(3)]
+    for r in running:
+        sched.add(r)
+    finish_step(sched, sched.schedule())  # the three prompts, whole: they decode from now on
+    whole, long = make_req(3, 64), make_req(4, 80)
+    sched.add(whole)
+    sched.add(long)
+    b = sched.schedule()
+    assert [r.request_id for r in b.requests] == ["r0", "r1", "r2", "r3"]
+    assert list(b.plan.num_scheduled_tokens) == [1, 1, 1, 64] and b.plan.needs_logits[3]
+    assert b.plan.num_tokens == 67 <= 64 + 64 // 8  # the overrun is bounded; nothing more is taken
+    finish_step(sched, b)
+    b = sched.schedule()  # four decodes first, then the long prompt's chunk: the budget's rest
+    assert list(b.plan.num_scheduled_tokens) == [1, 1, 1, 1, 60] and not b.plan.needs_logits[4]
 
 
 def test_decodes_first_then_running_prefill_then_waiting():
@@ -191,7 +220,10 @@ def test_random_workload_plans_are_consistent(seed):
                     cache[int(table[pos // block_size] * block_size + pos % block_size)] = ("failed", pos, -1)
             bm.check_integrity()
             continue
-        assert p.num_tokens <= budget and p.num_rows <= max_seqs and len(sched.running) <= max_seqs
+        assert p.num_tokens <= budget + budget // 8 and p.num_rows <= max_seqs and len(sched.running) <= max_seqs
+        if p.num_tokens > budget:  # only a prompt's last chunk overruns the budget
+            last = int(np.flatnonzero(p.is_prefilling)[-1])
+            assert p.needs_logits[last] and p.num_tokens - int(p.num_scheduled_tokens[last]) < budget
         assert len({r.request_id for r in batch.requests}) == p.num_rows
         seen_prefill = False
         qsl = np.concatenate(([0], np.cumsum(p.num_scheduled_tokens)))
