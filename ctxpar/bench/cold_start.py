@@ -16,7 +16,12 @@ stdout: ``ctxpar generate --max-tokens 1`` writes the token's text (or the line'
 end) as soon as it is sampled, and the llama.cpp script does the same. A third row
 is the floor of any PyTorch engine: an interpreter that imports torch and exits.
 Rounds are interleaved (each engine once a round); the median is printed, with the
-load average, as other processes' work counts in every figure.
+load average, as other processes' work counts in every figure. So is the CPU time
+each start had used by its first byte (its threads' user and system time, from
+/proc): the work itself, which on a shared machine varies less than the wall time.
+``--baseline`` times another checkout of ctxpar (its root directory, e.g. an older
+commit's ``git archive``) as one more engine in the same rounds: a change's before
+and after under the same load.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ctxpar.bench.gguf_shapes import FORMATS, SHAPES, is_written, write_gguf
@@ -55,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="The capital of France is", help="the prompt both engines continue")
     p.add_argument("--max-model-len", type=positive_int, default=4096, help="context of both engines (default: 4096)")
     p.add_argument("--rounds", type=positive_int, default=3, help="timed starts of each engine (default: 3)")
+    p.add_argument("--baseline", metavar="DIR", help="another ctxpar checkout's root, timed in the same rounds")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -85,6 +92,10 @@ def run(args: argparse.Namespace) -> None:
             *("--max-tokens", "1", "--ignore-eos", "--max-model-len", str(args.max_model_len)),
         ],
     }
+    cwd: dict[str, Path] = {}
+    if args.baseline:
+        cwd["ctxpar baseline"] = _checkout(args.baseline)
+        engines["ctxpar baseline"] = engines["ctxpar generate"]
     if args.peer_python:
         llama = [args.peer_python, "-I", "-c", LLAMA_CPP, str(path), args.prompt, str(args.max_model_len), str(threads)]
         engines["llama.cpp"] = llama
@@ -92,20 +103,27 @@ def run(args: argparse.Namespace) -> None:
     was_converted = converted.is_dir()
     first = _first_byte(engines["ctxpar generate"], [path])
     if not was_converted:
-        print(f"first ctxpar run (converts the GGUF's tokenizer into its cache): {first:.2f} s")
-    cold = [path, *(f for f in converted.glob("*") if f.is_file())]
-    times: dict[str, list[float]] = {name: [] for name in engines}
+        print(f"first ctxpar run (converts the GGUF's tokenizer into its cache): {first.wall:.2f} s")
+    if "ctxpar baseline" in cwd:  # its own kernel build and converted tokenizer, made untimed
+        _first_byte(engines["ctxpar baseline"], [path], cwd["ctxpar baseline"])
+    # Every converted directory of the file (the baseline's may be of another cache format).
+    converted_dirs = paths.cache_root().joinpath("gguf").glob(f"{path.stem}-*")
+    cold = [path, *(f for d in converted_dirs for f in d.glob("*") if f.is_file())]
+    starts: dict[str, list[Start]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, cmd in engines.items():
-            times[name].append(_first_byte(cmd, cold))
+            starts[name].append(_first_byte(cmd, cold, cwd.get(name)))
     size = path.stat().st_size / 1e9
     print(f"\n{path.name} ({size:.2f} GB), {threads} threads, cold page cache, {args.rounds} rounds")
-    print(f"{'process start to first token (s)':36}{'median':>8}{'min':>8}{'max':>8}")
-    for name, t in times.items():
-        print(f"{name:36}{statistics.median(t):8.2f}{min(t):8.2f}{max(t):8.2f}")
-    if "llama.cpp" in times:
-        ratio = statistics.median(times["ctxpar generate"]) / statistics.median(times["llama.cpp"])
-        print(f"ctxpar / llama.cpp: {ratio:.2f}x (goal <= 2x); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'process start to first token (s)':36}{'median':>8}{'min':>8}{'max':>8}{'CPU s':>8}")
+    for name, runs in starts.items():
+        t = [r.wall for r in runs]
+        print(f"{name:36}{statistics.median(t):8.2f}{min(t):8.2f}{max(t):8.2f}{_cpu(runs):>8}")
+    for name in ("ctxpar generate", "ctxpar baseline"):
+        if "llama.cpp" in starts and name in starts:
+            ratio = _median(starts[name]) / _median(starts["llama.cpp"])
+            print(f"{name} / llama.cpp: {ratio:.2f}x (goal <= 2x)")
+    print(f"load average {os.getloadavg()[0]:.1f}")
 
 
 def evict(files: list[Path]) -> None:
@@ -118,15 +136,49 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def _first_byte(cmd: list[str], cold: list[Path]) -> float:
-    """Seconds from launching ``cmd`` (``cold`` evicted first) to the first byte of its stdout."""
+@dataclass(frozen=True)
+class Start:
+    wall: float  # seconds from the launch to the first byte
+    cpu: float | None  # CPU seconds its threads had used by then; None without /proc
+
+
+def _median(runs: list[Start]) -> float:
+    return statistics.median(r.wall for r in runs)
+
+
+def _cpu(runs: list[Start]) -> str:
+    cpu = [r.cpu for r in runs if r.cpu is not None]
+    return f"{statistics.median(cpu):.2f}" if cpu else "-"
+
+
+def _checkout(root: str) -> Path:
+    """``--baseline``'s directory, checked to hold a ctxpar package (run from there, it
+    shadows the installed one: ``python -m`` puts the working directory first)."""
+    d = Path(root).expanduser().resolve()
+    if not (d / "ctxpar" / "cli.py").is_file():
+        raise CtxparError(f"--baseline {root} holds no ctxpar/cli.py; pass the root of a ctxpar checkout")
+    return d
+
+
+def _first_byte(cmd: list[str], cold: list[Path], cwd: Path | None = None) -> Start:
+    """``cmd`` launched (``cold`` evicted first) until the first byte of its stdout."""
     evict(cold)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
     assert proc.stdout is not None
     got = proc.stdout.read(1)
     elapsed = time.perf_counter() - t0
+    cpu = _cpu_seconds(proc.pid)
     _, err = proc.communicate()
     if not got or proc.returncode:
         raise CtxparError(f"{cmd[0]} {' '.join(cmd[1:3])} failed (exit {proc.returncode}): {err.decode()[-2000:]}")
-    return elapsed
+    return Start(elapsed, cpu)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of the live process ``pid`` (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15

@@ -27,6 +27,7 @@ import ctypes
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 _libc_madvise = _madvise()
+_PREFETCHED: set[Path] = set()  # the files ``prefetch`` has read (or is reading)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,34 @@ class GGUFFile:
         else:
             raise ValueError(f"unknown metadata array type {kind}")
         return count
+
+
+def prefetch(path: Path) -> threading.Thread | None:
+    """Start reading the whole file into the page cache on a thread of its own, and return
+    it (None where there is no libc madvise): a load that starts it first finds the pages
+    read by the time it maps each tensor, the disk's time spent while the interpreter
+    builds the model and its tokenizer. The thread maps the file as ``GGUFFile`` does (advised
+    huge, so the page cache takes it in the same large folios) and populates the map
+    through libc, which lets the other threads run; its map is closed when it is done.
+    A file this process prefetched already is not read again (None)."""
+    key = path.resolve()
+    if _libc_madvise is None or key in _PREFETCHED:
+        return None
+    _PREFETCHED.add(key)
+    with open(path, "rb") as f:
+        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        whole.madvise(mmap.MADV_HUGEPAGE)
+
+    def populate(madvise: Callable[[int, int, int], int] = _libc_madvise) -> None:
+        view = np.frombuffer(whole, dtype=np.uint8)  # the map stays open while the thread reads it
+        madvise(view.ctypes.data, len(whole), MADV_POPULATE_READ)  # failure: the loader's own reads read it
+        del view
+        whole.close()
+
+    thread = threading.Thread(target=populate, name="ctxpar-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _readahead_bytes(path: Path) -> int:

@@ -41,7 +41,7 @@ from ctxpar.layers.quant_blocks import quantize_int8
 from ctxpar.layers.quant_linear import MappedBlocks, QuantWeight
 from ctxpar.layers.rotary import RotaryEmbedding
 from ctxpar.model_args import READ_HERE, ModelArgs, from_config_json, text_model_config
-from ctxpar.models import gguf, gguf_tokenizer
+from ctxpar.models import gguf, gguf_file, gguf_tokenizer
 from ctxpar.models.registry import ARCHITECTURES, get_model_class, model_class_for_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -122,6 +122,8 @@ def load_model(
                 f"model file {p} is not a GGUF file (bad magic); pass a .gguf file or a Hugging Face model directory"
             )
         gguf_path, name = p, p.stem
+    if quantization == "gguf":  # the blocks are read where they lie: the disk's reads overlap the load's Python
+        gguf_file.prefetch(gguf_path)
     hf_dir, temporary = gguf.gguf_to_hf_dir(gguf_path)
     try:
         return _load_hf_dir(

@@ -18,11 +18,12 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ctxpar.engine.arg_utils import EngineArgs
 from ctxpar.knobs import add_flags, knob, knobs
-from ctxpar.worker.kv_cache_allocation import tokens_per_gib
+from ctxpar.models.gguf_file import prefetch
 
 if TYPE_CHECKING:
     from ctxpar.sampling_params import SamplingParams
@@ -77,6 +78,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.model is not None and Path(args.model).expanduser().is_file():
+        # A GGUF's pages are read from the disk while torch imports (this module imports none).
+        prefetch(Path(args.model).expanduser())
     from ctxpar import LLM
 
     params = sampling_params(args)
@@ -112,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _describe(llm, load_s: float) -> None:
+    from ctxpar.worker.kv_cache_allocation import tokens_per_gib
+
     engine = llm.engine
     model, cfg = engine.loaded.model, engine.config
     per_tok = engine.kv_bytes_per_token_per_layer
