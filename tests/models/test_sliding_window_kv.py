@@ -69,8 +69,9 @@ def test_freeing_keeps_the_bits_and_matches_transformers(mistral, monkeypatch) -
     kept, seen_kept = serve(mistral, monkeypatch, free=False, enable_prefix_caching=False)
     assert freed == kept
     # A request holds from the aligned run its window starts in to its chunk's end: at most
-    # 127 keys before the window, the window, and a chunk of 64.
-    assert seen_kept["held"] > HISTORY_BLOCKS and seen["held"] <= 2 * -(-(127 + WINDOW + 64) // 16)
+    # 127 keys before the window, the window, and a chunk of 64 (with room for a scheduler that
+    # lets a prompt's last chunk run an eighth over the budget).
+    assert seen_kept["held"] > HISTORY_BLOCKS and seen["held"] <= 2 * -(-(127 + WINDOW + 72) // 16)
     for ids, (tokens, logprobs, _) in zip(PROMPTS, freed):
         want = transformers_logprobs(mistral, torch.tensor([*ids, *tokens]))[len(ids) - 1 : -1]  # (DECODES, vocab)
         top2 = want.topk(2, -1)
