@@ -16,6 +16,7 @@ model's, and the MoE shapes keep a few of their layers (their names say how many
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,7 +235,9 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
             f"{fmt} blocks of {block}; write it in {', '.join(fits)}"
         )
     w = gguf.GGUFWriter(path, s.arch)
-    w.add_name(f"{name} (random weights)")
+    # Not named as llama.cpp's loader knows Phi-3 files ("phi-3", "phi3"): it would look up Phi-3's
+    # special tokens (</s>, <unk>, <s>, <|endoftext|>) to mark them, which SmolLM2's vocabulary has not.
+    w.add_name(re.sub("phi-?3", "phi 3", f"{name} (random weights)", flags=re.IGNORECASE))
     _add_metadata(w, s, vocab)
     _copy_tokenizer(reader, w)
     kind, nbytes = gguf.GGMLQuantizationType[fmt], FORMATS[fmt][1]

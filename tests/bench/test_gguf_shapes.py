@@ -98,6 +98,8 @@ def test_each_family_is_written_and_read_as_its_own(files: dict[str, Path], arch
     assert norms == {f"blk.1.{n}.weight": (d,) for n, d in wanted.items()}
     if arch == "phi3":  # Q, K and V one tensor; gate and up one
         assert {"blk.1.attn_qkv", "blk.1.ffn_up"} <= names and "blk.1.attn_q" not in names
+        # Named so that llama.cpp does not look up Phi-3's special tokens, not in SmolLM2's vocabulary.
+        assert not re.search("phi-?3", reader.metadata["general.name"], re.IGNORECASE)
     if arch == "qwen3moe":
         assert (args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size) == (8, 2, 64)
         assert args.norm_topk_prob and args.mlp_only_layers == ()
