@@ -13,6 +13,8 @@ kernel, oneDNN's packed weights). Prints the best time of each, the ratio, and
 the largest difference between the two outputs; a prefill row also the kernel's
 rate in GFLOP/s (4 x head width per visible query-key pair: q·k and p·v).
 
+``--march haswell`` (or another GCC CPU name) builds and times the kernels of
+that CPU's code path (AVX2's, AVX-VNNI's with ``alderlake``) on this one.
 ``--quant`` times instead the block-quantized projections (kernels/quant_gemv.cpp)
 at Llama-3.2-1B's and Llama-3-8B's widths, GGUF blocks read where they lie as a
 loaded file's are: per case its GOP/s (2 per multiply-add), their fraction of the
@@ -40,6 +42,7 @@ from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.kernels import quant
+from ctxpar.kernels.build import MARCH_ENV, target_cpu
 from ctxpar.layers.activation import silu_and_mul
 from ctxpar.layers.attention.backend import AttentionSpec, causal_attention
 from ctxpar.layers.attention.paged import gqa_paged_attention
@@ -75,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per-core",
         action="store_true",
         help="--quant: one thread, timed by its CPU time (figures a core gives, whatever else the machine runs)",
+    )
+    parser.add_argument(
+        "--march",
+        help="build the kernels for this GCC CPU name instead of this CPU (haswell: the AVX2 path, "
+        "alderlake: AVX-VNNI's), to time another CPU's code path on this one",
     )
 
 
@@ -219,10 +227,12 @@ def _quant_projections(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.march:  # before the library's first load, which builds it for the target named here
+        os.environ[MARCH_ENV] = args.march
     if args.quant:
         if not kernels.available():
             raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler)")
-        print(describe_machine())
+        print(f"{describe_machine()}; kernels built for -march={target_cpu()}")
         _quant_projections(args)
         return
     if not attn_kernels.usable(torch.zeros(1, 2, 1, 8), 8):

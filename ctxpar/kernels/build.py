@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 import warnings
@@ -55,12 +56,25 @@ def library_name(flags: list[str], compiler_version: str) -> str:
     return f"ctxpar_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
+MARCH_ENV = "CTXPAR_KERNELS_MARCH"  # the build's target CPU where the caller names none (bench kernels --march)
+
+
+def target_cpu() -> str:
+    """The ``-march`` of the library that the kernels load: ``$CTXPAR_KERNELS_MARCH`` (a
+    GCC CPU name, to time another CPU's code path here: ``haswell`` for AVX2, ``alderlake``
+    for AVX-VNNI), else ``native``."""
+    march = os.environ.get(MARCH_ENV, "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a CPU name: use one of GCC's -march names, e.g. haswell")
+    return march
+
+
 @cache
-def library(march: str = "native") -> ctypes.CDLL | None:
+def library(march: str | None = None) -> ctypes.CDLL | None:
     """The built kernel library, building it if needed; None if it cannot be built.
-    march: the target CPU (``native``: this one; the tests also build an AVX2-only
-    ``haswell`` library to check the code path of CPUs without AVX-512)."""
-    flags = [*FLAGS, f"-march={march}"]
+    march: the target CPU (default target_cpu(): this one; the tests also build an
+    AVX2-only ``haswell`` library to check the code path of CPUs without AVX-512)."""
+    flags = [*FLAGS, f"-march={march or target_cpu()}"]
     compiler = os.environ.get("CXX", "g++")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout

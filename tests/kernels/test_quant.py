@@ -25,6 +25,7 @@ from ctxpar import kernels
 from ctxpar.layers import quant_linear
 from ctxpar.layers.quant_blocks import FORMATS, decode, dequantize
 from ctxpar.layers.quant_linear import QuantWeight, concat
+from ctxpar.machine import cpu_info
 from helpers.gguf_blocks import random_blocks
 from helpers.kernel_builds import VNNI_BUILD
 
@@ -285,3 +286,28 @@ def test_wide_rows_and_many_rows_keep_each_rows_bits(name: str, build: str) -> N
         for r in (0, 7, 12, n - 1):
             alone = quant_linear.quant_linear(torch.from_numpy(x[r : r + 1]), w, torch.from_numpy(bias))
             assert torch.equal(alone, y[r : r + 1]), r
+
+
+@pytest.mark.skipif("avx_vnni" not in cpu_info().flags, reason="this CPU cannot run an AVX-VNNI build")
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_avx_vnni_build_computes_the_avx2_builds_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX-VNNI's dpbusd (the alderlake build) and AVX2's maddubs + madd (haswell) find the
+    same integer sums, and the float steps are one code: the same bits, for a decode
+    step's row and for more rows than a pass of the rows takes (quant_gemv.cpp: ~256 KB
+    of codes, 60 rows at these 4,192 columns), the file's blocks in place and laid out."""
+    rng = np.random.default_rng(340 + ["Q4_0", "Q4_1", "Q8_0", "Q4_K"].index(name))
+    cols = 32 * 131 if name != "Q4_K" else 256 * 17
+    raw = random_blocks(name, 37, cols, rng)
+    weights = [QuantWeight.from_decoded(decode(raw, name, cols))]
+    if name in IN_PLACE:
+        weights.append(QuantWeight.in_place(mapped(raw), name))
+    x = torch.from_numpy((rng.standard_normal((150, cols)) * rng.uniform(0.1, 3, (150, 1))).astype(np.float32))
+    bias = torch.randn(37)
+    libs = {march: kernels._library(march) for march in ("haswell", "alderlake")}
+    got = {}
+    for march, lib in libs.items():
+        assert lib is not None
+        monkeypatch.setattr(kernels, "_library", lambda march="native", lib=lib: lib)
+        got[march] = [quant_linear.quant_linear(x[:n], w, bias) for w in weights for n in (1, 3, 150)]
+    assert all(torch.equal(a, b) for a, b in zip(got["haswell"], got["alderlake"], strict=True))
+    check(got["haswell"][2], x.numpy(), reference(raw, name).reshape(37, cols), bias.numpy().astype(np.float64))
