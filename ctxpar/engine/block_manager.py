@@ -28,8 +28,10 @@ cache, kept out of the pool: a table keeps one entry per block of positions, so
 every later position keeps its slot, and a null entry is never written (a step
 writes only positions >= its computed tokens) nor read. A block freed so keeps
 its content and hash in the pool like any other unreferenced block, and is a
-prefix hit only until it is evicted, when its hash goes with it: a chain lookup
-stops at the first evicted block, so a hit is always a run of intact blocks.
+prefix hit only until it is evicted, when its hash goes with it. A table that
+starts from a prefix hit takes only the cached blocks its first step reads, and
+only those must still be cached: a block's hash names its whole prefix, so the
+KV it holds is right whichever blocks before it were evicted.
 """
 
 from __future__ import annotations
@@ -139,15 +141,21 @@ class BlockManager:
 
     def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The blocks holding the longest cached prefix of a hash chain (none
-        when caching is off). Changes nothing: pass the result to ``allocate``."""
-        blocks: list[int] = []
-        if self.enable_caching:
-            for h in hashes:
-                block = self._cached.get(h)
-                if block is None:
-                    break
-                blocks.append(block)
-        return blocks
+        when caching is off). Changes nothing: pass the result to ``allocate``.
+        With a window, only the blocks a table starting there reads must be
+        cached (a block's hash names its whole prefix, so its KV stands alone);
+        the entries before them are the null block."""
+        if not self.enable_caching:
+            return []
+        found = [self._cached.get(h) for h in hashes]
+        longest = start = 0  # start: the first block of the run of cached ones up to k
+        for k, block in enumerate(found, 1):
+            if block is None:
+                start = k
+            elif start <= self._unread_prefix(k):
+                longest = k
+        unread = self._unread_prefix(longest)
+        return [self.null_block] * unread + [b for b in found[unread:longest] if b is not None]
 
     # -- allocation -------------------------------------------------------------
 
@@ -157,15 +165,15 @@ class BlockManager:
         cached block nobody references is in the pool, so it counts too; one
         the window has left is not taken)."""
         have = len(self.block_table(owner)) + len(cached)
-        taken = cached[self._unread_cached(cached) :]
+        taken = cached[self._unread_prefix(len(cached)) :]
         return max(0, self.blocks_for(num_tokens) - have) + sum(self._ref[b] == 0 for b in taken)
 
-    def _unread_cached(self, cached: Sequence[int]) -> int:
-        """How many of a new table's leading ``cached`` blocks its first step, from the
-        tokens they hold on, never reads (with a window; none without): they start null."""
+    def _unread_prefix(self, num_cached: int) -> int:
+        """How many of a new table's first ``num_cached`` blocks, all cached, its first step
+        (from the tokens they hold on) never reads: with a window, they start null; none without."""
         if self.window is None:
             return 0
-        return self.window.unread_blocks(len(cached) * self.block_size, self.block_size)
+        return self.window.unread_blocks(num_cached * self.block_size, self.block_size)
 
     def can_allocate(self, owner: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether the owner's table can grow to cover ``num_tokens`` tokens now."""
@@ -186,7 +194,7 @@ class BlockManager:
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
         table = self._tables.setdefault(owner, [])
-        unread = self._unread_cached(cached)
+        unread = self._unread_prefix(len(cached))
         table += [self.null_block] * unread
         for block in cached[unread:]:
             if self._ref[block] == 0:

@@ -137,20 +137,27 @@ def test_freed_entries_name_the_null_block_and_come_back_to_the_pool() -> None:
     bm.check_integrity()
 
 
-def test_a_freed_block_stays_a_prefix_hit_until_evicted() -> None:
+def test_a_prefix_hit_needs_only_the_blocks_its_first_step_reads_intact() -> None:
     """Offered before it is freed (the scheduler's order), a block the window gives back keeps
-    its hash in the pool: a later request with the same prompt starts from it; once the pool
-    hands the chain's first block out again, the chain stops there, never at a later intact block."""
+    its hash in the pool. A lookup offers the blocks a table starting there reads (from the
+    aligned run of its first window on), and those only must be intact: evicting the chain's
+    first block loses nothing, evicting its last shortens the hit to where the rest are."""
     bs = 16
     bm = BlockManager(num_blocks=30, block_size=bs, window=KVWindow(8))
+    null = bm.null_block
     hashes: list[bytes] = []
     extend_block_hashes(hashes, list(range(400)), bs)
     table = list(bm.allocate("a", 400))  # blocks 0-24
     bm.cache_blocks("a", hashes, 25)
     assert bm.free_unread("a", 300) == 16 and bm.num_free_blocks == 4 + 16
-    assert bm.cached_prefix(hashes) == table  # the 16 freed blocks are intact
+    # From 400 on a table reads from 384 (first key 393), from 320 on from 256 (first key 313).
+    assert bm.cached_prefix(hashes) == [null] * 24 + table[24:]
+    assert bm.cached_prefix(hashes[:20]) == [null] * 16 + table[16:20]
     bm.allocate("b", bs * 5)  # the 4 never used, then the first freed: block 0, the chain's first
-    assert bm.num_evictions == 1 and bm.cached_prefix(hashes) == []
+    assert bm.num_evictions == 1 and bm.cached_prefix(hashes[:20]) == [null] * 16 + table[16:20]
+    bm.free("a")  # blocks 24, 23, ..., 16 join the pool behind 1-15
+    bm.allocate("c", bs * 16)  # evicts 1-15 and 24
+    assert bm.num_evictions == 17 and bm.cached_prefix(hashes) == [null] * 16 + table[16:24]
     bm.check_integrity()
 
 
@@ -174,7 +181,8 @@ def test_a_prefix_hit_takes_only_the_blocks_its_first_step_reads() -> None:
 
 
 def test_registration_skips_blocks_freed_before_they_were_offered() -> None:
-    """cache_blocks never names the null block: an entry freed unoffered is not registered."""
+    """cache_blocks never names the null block: an entry freed unoffered is not registered (the
+    blocks offered after it still are: a table starting at 320 reads from 256 on)."""
     bs = 16
     bm = BlockManager(num_blocks=30, block_size=bs, window=KVWindow(8))
     tokens = list(range(400))
@@ -183,7 +191,7 @@ def test_registration_skips_blocks_freed_before_they_were_offered() -> None:
     bm.allocate("a", 400)
     assert bm.free_unread("a", 300) == 16
     bm.cache_blocks("a", hashes, 20)
-    assert bm.num_cached_blocks == 4 and bm.cached_prefix(hashes) == []  # the chain's first blocks are gone
+    assert bm.num_cached_blocks == 4 and bm.cached_prefix(hashes) == [bm.null_block] * 16 + bm.block_table("a")[16:20]
     bm.check_integrity()
 
 

@@ -95,6 +95,24 @@ def test_two_long_requests_fit_where_their_histories_do_not(mistral, monkeypatch
     assert seen_kept["running"] < 2 or seen_kept["preemptions"] > 0
 
 
+def test_a_prefix_hit_after_its_first_blocks_were_evicted_keeps_the_bits(mistral) -> None:
+    """A prompt asked again after another long one evicted its first blocks: the blocks a table
+    starting late in it reads are still cached, so it starts there (prefix-cache hits), and
+    every token and logprob is the first answer's."""
+    params = SamplingParams(temperature=0, max_tokens=DECODES, ignore_eos=True, logprobs=1)
+    small = dict(num_kv_blocks=31, max_model_len=480, enable_prefix_caching=True, max_num_seqs=1)
+    with LLM(str(mistral), **{**LAYOUT, **small}) as llm:
+        outs = [
+            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            for ids in (PROMPTS[0], PROMPTS[1], PROMPTS[0])
+        ]
+        engine = llm.engine
+        assert engine is not None
+        bm, hits = engine.block_manager, engine.scheduler.prefix_cache_stats.hits
+    first, _, again = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert again == first and bm.num_evictions > 0 and hits >= 128  # from the run [128, 256) at least
+
+
 @pytest.mark.multiprocess
 def test_ranks_keep_the_bits_with_blocks_given_back(mistral, monkeypatch) -> None:
     """P = 2 (each rank the whole cache; DualChunkSwap pieces read from their own window) gives
