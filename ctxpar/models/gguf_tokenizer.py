@@ -122,6 +122,13 @@ class GGUFTokenizer:
                 self._hf = TokenizersBackend.from_pretrained(str(self._dir))
             return self._hf
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (a copy, another process) without its lock or transformers' tokenizer, rebuilt there on use.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hf", "_hf_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _hf=None, _hf_lock=threading.Lock())
+
     def __getattr__(self, name: str) -> Any:
         # Only names this class lacks reach here; private ones (pickle's, copy's probes) stay
         # missing rather than building transformers' tokenizer.

@@ -9,6 +9,7 @@ transformers' exactly; what the class does not answer itself is transformers'.""
 from __future__ import annotations
 
 import functools
+import pickle
 import struct
 import subprocess
 import sys
@@ -166,6 +167,8 @@ def test_what_it_does_not_answer_is_transformers(files, tmp_path: Path) -> None:
     assert tok.decode([[5, 6], [7]]) == ref.decode([[5, 6], [7]])
     with pytest.raises(AttributeError):
         tok._no_such_private_name  # noqa: B018  (never built through transformers)
+    copied = pickle.loads(pickle.dumps(tok))
+    assert copied.encode(TEXTS[7]) == ref.encode(TEXTS[7]) and copied.eos_token_id == ref.eos_token_id
 
 
 def test_a_start_from_the_cache_imports_no_transformers() -> None:
