@@ -34,6 +34,8 @@ void rms_norm_heads_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, co
 void silu_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void gelu_tanh_mul_f32(const float* gate_up, int64_t n, int64_t inter, float* out);
 void rope_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float* cos, const float* sin);
+void rope_partial_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, int64_t rot, const float* cos,
+                      const float* sin);
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale);
 void quant_linear_f32(const float* x, int64_t x_stride, int64_t n, int64_t in, const QuantPart* parts,
                       int64_t num_parts, int64_t bits, int64_t group, int64_t half, int64_t zero, const float* bias,
@@ -93,6 +95,7 @@ struct Layer {
   const float* attn_out_norm;
   const float* mlp_out_norm;
   int64_t local_rope;  // 1: the step's local rope tables (Gemma 3's sliding layers)
+  int64_t rot;         // each Q, K head's first rot dims turn; < D: a partial rotary factor's (Phi-4-mini)
   const Experts* experts;  // the MLP's place taken by experts (gate_up, down unused); null: the dense MLP
 };
 
@@ -193,8 +196,8 @@ void moe(const Experts& E, const float* x, int64_t n, int64_t hidden, float* out
 extern "C" {
 
 // h (n, hidden) float32, updated in place through every layer (the residual stream
-// before the final norm); cos, sin (n, D/2) the rows' rope tables, local_cos, local_sin
-// those of the layers marked local_rope (null where none is); write_slots (n,)
+// before the final norm); cos, sin (n, rot/2) the rows' rope tables (rot: a layer's),
+// local_cos, local_sin those of the layers marked local_rope (null where none is); write_slots (n,)
 // each token's cache slot; slots/starts the rows' context slots (paged_decode's);
 // soft_cap the attention logits' (0: none); gelu: the MLP's gelu_tanh(gate) * up, else silu's.
 void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* cache, float* h, int64_t n,
@@ -218,8 +221,13 @@ void llama_decode_layers(const Layer* layers, int64_t num_layers, const Cache* c
       rms_norm_heads_f32(qkv.data(), qkv_size, n, heads, L.q_norm, dim, eps);
       rms_norm_heads_f32(qkv.data() + q_size, qkv_size, n, kv_heads, L.k_norm, dim, eps);
     }
-    rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, L.local_rope ? local_cos : cos,
-             L.local_rope ? local_sin : sin);  // Q and K heads side by side
+    // Q and K heads side by side, by the kernel elementwise.rope_ picks for the forward
+    const float* rc = L.local_rope ? local_cos : cos;
+    const float* rs = L.local_rope ? local_sin : sin;
+    if (L.rot < dim)
+      rope_partial_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, L.rot, rc, rs);
+    else
+      rope_f32(qkv.data(), qkv_size, n, heads + kv_heads, dim, rc, rs);
     if (cache->kv_turn != 0) {
       hadamard_f32(qkv.data(), qkv_size, n, heads, dim, cache->q_turn);
       hadamard_f32(qkv.data() + q_size, qkv_size, n, 2 * kv_heads, dim, cache->kv_turn);  // K then V heads

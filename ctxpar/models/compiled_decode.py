@@ -50,7 +50,12 @@ from ctxpar.models.compiled_experts import (
 )
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, head_dim / 2)
+Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions (n,) -> cos, sin (n, rot / 2)
+
+
+def _turned(rotary: Rotary) -> int:
+    """The dims of each head ``rotary`` turns: its tables' width twice."""
+    return 2 * rotary(torch.zeros(1, dtype=torch.int64))[0].shape[-1]
 
 
 class _Layer(ctypes.Structure):
@@ -68,6 +73,7 @@ class _Layer(ctypes.Structure):
         ("attn_out_norm", _ptr),  # (hidden,) each; null: none
         ("mlp_out_norm", _ptr),
         ("local_rope", _i64),
+        ("rot", _i64),  # each Q, K head's first rot dims turn (rot < head_dim: a partial rotary factor's)
         ("experts", _ptr),  # an _Experts in the MLP's place; null: the dense gate_up, down
     ]
 
@@ -142,8 +148,7 @@ class CompiledDecode:
             return None
         if not all(attn_kernels.usable(c, step.shape.head_dim) for c in kv_caches):  # read in place
             return None
-        if 2 * step.rotary(torch.zeros(1, dtype=torch.int64))[0].shape[-1] != step.shape.head_dim:
-            return None  # the loop's rope turns whole heads; a partial rotary factor's (Phi-4-mini) runs the forward
+        rot, local_rot = (0 if r is None else _turned(r) for r in (step.rotary, step.local_rotary))
         records: list[_Layer] = []
         kept: list[Any] = []
         for layer, cache in zip(step.layers, kv_caches):
@@ -155,7 +160,8 @@ class CompiledDecode:
             norms = (layer.input_norm, layer.post_norm)
             heads = (address(layer.q_norm), address(layer.k_norm))
             sandwich = (address(layer.attn_out_norm), address(layer.mlp_out_norm))
-            fields = (address(cache), layer.window or 0, *heads, *sandwich, int(layer.local_rope), experts)
+            rope = (int(layer.local_rope), local_rot if layer.local_rope else rot)
+            fields = (address(cache), layer.window or 0, *heads, *sandwich, *rope, experts)
             records.append(_Layer(*(address(w) for w in norms), *projections, *fields))
         if kv_quant is None:
             runs, fmt = None, _Cache(-1, 0, 0, 0, None, 0.0, 0.0)
@@ -180,7 +186,7 @@ class CompiledDecode:
         h = embedding(input_ids, m.embed, m.norm.weight.dtype).contiguous()  # (n, hidden)
         if m.embed_scale is not None:
             h.mul_(m.embed_scale.to(h.dtype))
-        cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, head_dim / 2) each
+        cos, sin = (t.contiguous() for t in m.rotary(positions))  # (n, rot / 2) each
         local_cos, local_sin = (
             (None, None) if m.local_rotary is None else (t.contiguous() for t in m.local_rotary(positions))
         )

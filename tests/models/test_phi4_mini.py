@@ -6,8 +6,8 @@ rotary_dim. A tiny random checkpoint of that shape, and its GGUF files, against 
 tests/models/test_gguf_families.py checks the Llama family (its tolerances and comparison; the prompt
 outgrows the original context, so both engines turn by the long factors: tests/models/test_longrope.py).
 The rope of the whole head is another model: the checkpoint read so gives logprobs far off. The
-compiled decode loop turns whole heads, so it declines the model and the forward serves its decodes;
-two ranks give the bits of one, P = D = 2 its tokens.
+compiled decode loop turns each head's first 3/4 by the forward's kernel, so its steps are the
+forward's bits; two ranks give the bits of one, P = D = 2 its tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from ctxpar.models.loader import _read_config, load_model
 from helpers.llama_cpp import gguf_of
 from helpers.reference import SingleSequence
-from tests.models.test_compiled_decode import run
+from tests.models.test_compiled_decode import PARAMS, run
 from tests.models.test_gguf_families import (
     COMMON,
     IDS,
@@ -150,11 +150,14 @@ def test_a_whole_head_rope_is_another_model(phi4) -> None:
     assert (got.argmax(-1) != want.argmax(-1)).sum() >= len(IDS) // 4
 
 
-def test_the_compiled_loop_declines_and_the_forward_decodes(phi4, monkeypatch) -> None:
+def test_compiled_steps_are_the_forward_bits(phi4, monkeypatch) -> None:
+    """The loop serves every decode step and turns the partial rope as the forward does (a loop
+    that turned whole heads gives other logprobs)."""
     hf, _ = phi4
-    eager, _, _ = run(hf, monkeypatch, dtype="float32", enforce_eager=True)
+    eager, eager_calls, _ = run(hf, monkeypatch, dtype="float32", enforce_eager=True)
     got, calls, built = run(hf, monkeypatch, dtype="float32")
-    assert not built and calls == 0
+    assert eager_calls == 0 and built
+    assert calls >= PARAMS.max_tokens - 1  # every step after the prefill: decodes only
     assert got == eager
 
 
