@@ -130,6 +130,11 @@ class Linear(nn.Linear):
     whose result for a row never depends on the rows beside it, where PyTorch's GEMMs pick
     their blocking, and so their summation order, by the number of rows."""
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight comes from the checkpoint. nn.Linear's random fill would
+        write 4 bytes a weight that loading then replaces, so a model of quantized experts
+        needed float32 memory for all of them while it loaded."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 

@@ -6,6 +6,8 @@ where the CPU has AMX-BF16); bf16's order of summation; and the packings' index 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar.kernels import panels
-from ctxpar.layers.linear import PanelWeight, can_pack, linear, pack_weight, packed
+from ctxpar.layers.linear import Linear, PanelWeight, can_pack, linear, pack_weight, packed
 from ctxpar.machine import cpu_info
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -214,3 +216,20 @@ def test_no_rows_or_no_outputs() -> None:
     assert linear(torch.zeros(0, 5), w).shape == (0, 3)
     empty = PanelWeight(w.data[:0], 0)
     assert linear(torch.randn(2, 5), empty).shape == (2, 0)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's resident memory from /proc")
+def test_a_linear_leaves_its_weight_unwritten_until_loading() -> None:
+    """Every weight comes from the checkpoint: a Linear built for a GiB of float32 weight
+    (a MoE layer's experts, most of which a GGUF keeps as blocks) must not write it,
+    as nn.Linear's random fill would (a Qwen3-30B-A3B needed ~120 GB to load)."""
+    before = _resident_bytes()
+    layer = Linear(16384, 16384, bias=False)  # 1 GiB of float32
+    grown = _resident_bytes() - before
+    assert layer.weight.shape == (16384, 16384)
+    assert grown < 64 * 2**20, f"building the layer made {grown / 2**20:.0f} MiB resident"
