@@ -52,7 +52,10 @@ from tests.models.test_phi4_mini import phi4  # noqa: F401
 from tests.models.test_sliding_window import transformers_logprobs as sliding_window_reference
 
 N_CTX = 64  # over IDS, and over longrope's original context (32): its long factors, as ctxpar's
-DRIFT = 1e-2  # llama.cpp from transformers: fp16 GELU is ~3e-3, a wrong window or rope nats
+DRIFT = 1e-2  # llama.cpp from transformers: float rounding ~1e-5, a wrong window or rope nats
+# Gemma's: llama.cpp computes GELU in fp16, whose error grows with the activations (the peaked
+# models' final norm makes their logits sharp: 0.025 nats), still far below a wrong feature's.
+GEMMA_DRIFT = 5e-2
 V2_REFUSED = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
@@ -139,7 +142,7 @@ def test_f32_files_match_llama_cpp(request, interpreter: Path, fixture: str, nam
     hf, files = model(request, fixture, name)
     theirs = llama_cpp_logprobs(interpreter, files["f32"])
     drift = (theirs - transformers_logprobs(hf).double()).abs().max().item()
-    assert drift < DRIFT, f"llama.cpp is {drift:.3g} nats from transformers"
+    assert drift < (GEMMA_DRIFT if fixture == "gemmas" else DRIFT), f"llama.cpp is {drift:.3g} nats from transformers"
     assert_close(ctxpar_logprobs(files["f32"]).double(), theirs, TOL + drift)
 
 
