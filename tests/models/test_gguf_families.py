@@ -155,9 +155,15 @@ def test_f32_files_match_transformers_on_the_checkpoint(families, name: str) -> 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "qwen3"])  # transformers reads no mistral GGUF
 def test_q8_0_files_match_transformers_on_their_weights(families, name: str) -> None:
     hf, files = families[name]
-    want = transformers_logprobs(hf, files["q8_0"])
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"]), want, TOL, TIE)
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"], "gguf"), want, QUANT_TOL, QUANT_GAP)
+    assert_q8_0_file_matches_transformers(hf, files["q8_0"])
+
+
+def assert_q8_0_file_matches_transformers(hf: Path, q8_0: Path) -> None:
+    """A Q8_0 file dequantized (fp32's bounds) and with its blocks kept (int8 activations'
+    bounds) against transformers on the file's own weights (its GGUF loader)."""
+    want = transformers_logprobs(hf, q8_0)
+    assert_close_at_the_top(ctxpar_logprobs(q8_0), want, TOL, TIE)
+    assert_close_at_the_top(ctxpar_logprobs(q8_0, "gguf"), want, QUANT_TOL, QUANT_GAP)
 
 
 def assert_ranks_give_the_bits_of_one(path: str) -> None:

@@ -24,11 +24,10 @@ from ctxpar.models.loader import _read_config
 from helpers.llama_cpp import gguf_of
 from tests.models.test_gemma import GEMMA, LINEAR, peaked
 from tests.models.test_gguf_families import (
-    QUANT_GAP,
-    QUANT_TOL,
     TIE,
     TOL,
     assert_close_at_the_top,
+    assert_q8_0_file_matches_transformers,
     ctxpar_logprobs,
     transformers_logprobs,
 )
@@ -80,6 +79,4 @@ def test_the_files_describe_the_checkpoints(gemmas) -> None:
 def test_the_files_match_transformers(gemmas, name: str) -> None:
     hf, files = gemmas[name]
     assert_close_at_the_top(ctxpar_logprobs(files["f32"]), transformers_logprobs(hf), TOL, TIE)
-    want = transformers_logprobs(hf, files["q8_0"])
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"]), want, TOL, TIE)
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"], "gguf"), want, QUANT_TOL, QUANT_GAP)
+    assert_q8_0_file_matches_transformers(hf, files["q8_0"])

@@ -21,11 +21,10 @@ from ctxpar.models.loader import _read_config
 from helpers.llama_cpp import gguf_of
 from tests.models.test_gguf_families import (
     COMMON,
-    QUANT_GAP,
-    QUANT_TOL,
     TIE,
     TOL,
     assert_close_at_the_top,
+    assert_q8_0_file_matches_transformers,
     assert_ranks_give_the_bits_of_one,
     ctxpar_logprobs,
     peaked,
@@ -64,9 +63,7 @@ def test_the_checkpoint_and_its_files_match_transformers(phi3) -> None:
     want = transformers_logprobs(hf)
     assert_close_at_the_top(ctxpar_logprobs(hf), want, TOL, TIE)
     assert_close_at_the_top(ctxpar_logprobs(files["f32"]), want, TOL, TIE)
-    want = transformers_logprobs(hf, files["q8_0"])
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"]), want, TOL, TIE)
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"], "gguf"), want, QUANT_TOL, QUANT_GAP)
+    assert_q8_0_file_matches_transformers(hf, files["q8_0"])
 
 
 @pytest.mark.multiprocess

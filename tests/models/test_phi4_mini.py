@@ -25,11 +25,10 @@ from tests.models.test_compiled_decode import PARAMS, run
 from tests.models.test_gguf_families import (
     COMMON,
     IDS,
-    QUANT_GAP,
-    QUANT_TOL,
     TIE,
     TOL,
     assert_close_at_the_top,
+    assert_q8_0_file_matches_transformers,
     assert_ranks_give_the_bits_of_one,
     ctxpar_logprobs,
     transformers_logprobs,
@@ -115,9 +114,7 @@ def test_the_checkpoint_and_its_files_match_transformers(phi4) -> None:
     want = transformers_logprobs(hf)
     assert_close_at_the_top(ctxpar_logprobs(hf), want, TOL, TIE)
     assert_close_at_the_top(ctxpar_logprobs(files["f32"]), want, TOL, TIE)
-    want = transformers_logprobs(hf, files["q8_0"])  # the file's own weights, by transformers' GGUF loader
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"]), want, TOL, TIE)
-    assert_close_at_the_top(ctxpar_logprobs(files["q8_0"], "gguf"), want, QUANT_TOL, QUANT_GAP)
+    assert_q8_0_file_matches_transformers(hf, files["q8_0"])
 
 
 def test_prefill_then_decode_match_transformers(phi4) -> None:
