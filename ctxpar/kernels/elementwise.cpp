@@ -130,6 +130,34 @@ void rope(T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, int64_t
   }
 }
 
+// A head's run of NV whole vectors, turned in registers (hadamard_f32): the stages of
+// strides below W pair lanes of one vector (a lane permutation, then a + b or b - a by
+// lane), the wider ones pair whole vectors.
+template <int NV>
+void hadamard_runs(float* x, int64_t x_stride, int64_t runs, int64_t heads, float scale) {
+  veci lane;
+  for (int j = 0; j < W; ++j) lane[j] = j;
+#pragma omp parallel for if (runs * NV * W >= PARALLEL_FLOATS)
+  for (int64_t i = 0; i < runs; ++i) {
+    float* r = x + i / heads * x_stride + i % heads * NV * W;
+    vec v[NV];
+    for (int k = 0; k < NV; ++k) {
+      v[k] = loadv<vec>(r + k * W);
+      for (int h = 1; h < W; h *= 2) {  // lane j pairs with lane j ^ h: (a, b) = (v[j], v[j + h]) at bit h 0
+        const vec partner = __builtin_shuffle(v[k], lane ^ h);
+        v[k] = (lane & h) ? partner - v[k] : v[k] + partner;
+      }
+    }
+    for (int h = 1; h < NV; h *= 2)
+      for (int s = 0; s < NV; s += 2 * h)
+        for (int j = s; j < s + h; ++j) {
+          const vec a = v[j], b = v[j + h];
+          v[j] = a + b, v[j + h] = a - b;
+        }
+    for (int k = 0; k < NV; ++k) storev(r + k * W, v[k] * scale);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -198,11 +226,17 @@ void rope_partial_bf16(BF16* x, int64_t x_stride, int64_t n, int64_t heads, int6
 // normalised), then times scale (a power of two: exact). Stage h turns the pairs
 // (j, j + h) of each block of 2h into (a + b, a - b): the order of
 // ctxpar.layers.kv_rotation's PyTorch path, so the two give the same bits.
-// W head runs at a time are transposed into a (dim, W) tile, one run a lane, so every
-// stage is whole-vector sums and differences (within a run the small strides would
-// need shuffles); each value still takes the same operations in the same order.
+// Heads of 1 to 16 whole vectors are turned in registers (hadamard_runs); others go
+// W runs at a time through a (dim, W) tile, one run a lane, so that every stage is
+// whole-vector sums and differences. Either way each value takes the same operations
+// in the same order.
 void hadamard_f32(float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, float scale) {
   const int64_t runs = n * heads, tiles = (runs + W - 1) / W;
+  if (dim == W) return hadamard_runs<1>(x, x_stride, runs, heads, scale);
+  if (dim == 2 * W) return hadamard_runs<2>(x, x_stride, runs, heads, scale);
+  if (dim == 4 * W) return hadamard_runs<4>(x, x_stride, runs, heads, scale);
+  if (dim == 8 * W) return hadamard_runs<8>(x, x_stride, runs, heads, scale);
+  if (dim == 16 * W) return hadamard_runs<16>(x, x_stride, runs, heads, scale);
 #pragma omp parallel if (runs * dim >= PARALLEL_FLOATS)
   {
     std::vector<float> tile(dim * W);

@@ -9,7 +9,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace {
+
+using widest::vec;
+using widest::veci;
+using widest::W;
+typedef int8_t bytes __attribute__((vector_size(W)));  // W int8 codes
 
 // The float8 code (sign, exponent bits, `mant` mantissa bits, bias `bias`) nearest
 // to v, |v| at most the largest finite value (the caller clamps): the step between
@@ -25,6 +32,36 @@ uint8_t to_fp8(float v, int mant, int bias) {
   if (k == 2 << mant) k = 1 << mant, ++e;  // rounded up to the next power of two
   if (k < (1 << mant)) return sign | uint8_t(k);        // subnormal: exponent field 0
   return sign | uint8_t(((e + bias) << mant) | (k - (1 << mant)));
+}
+
+// x[0, len) * inv, clamped to +-127 and rounded to nearest (ties to even) into int8
+// codes: the scalar steps of kv_quantize, W lanes at a time where whole vectors fit.
+// Adding and taking away 1.5 * 2^23 rounds a float of magnitude below 2^22 to an
+// integer as nearbyint does (the sum's unit is 1), and the integer converts exactly.
+void int8_codes(const float* x, int64_t len, float inv, uint8_t* out) {
+  constexpr float ROUND = 12582912.0f;
+  int64_t i = 0;
+  for (; i + W <= len; i += W) {
+    vec v = loadv<vec>(x + i) * inv;
+    v = v < -127.0f ? vec{} - 127.0f : v;
+    v = v > 127.0f ? vec{} + 127.0f : v;
+    const bytes codes = __builtin_convertvector(__builtin_convertvector((v + ROUND) - ROUND, veci), bytes);
+    std::memcpy(out + i, &codes, sizeof codes);
+  }
+  for (; i < len; ++i) out[i] = uint8_t(int8_t(std::nearbyint(std::clamp(x[i] * inv, -127.0f, 127.0f))));
+}
+
+// The largest |x[i]| of x[0, len).
+float abs_max(const float* x, int64_t len) {
+  vec top = {};
+  int64_t i = 0;
+  for (; i + W <= len; i += W) {
+    const vec v = loadv<vec>(x + i), a = v < 0.0f ? -v : v;
+    top = top < a ? a : top;
+  }
+  float amax = hmax(top);
+  for (; i < len; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
 }
 
 }  // namespace
@@ -44,14 +81,11 @@ void kv_quantize(const float* x, int64_t n, int64_t x_stride, const int64_t* run
     std::memset(row, 0, row_bytes);
     int64_t at = 0;
     for (int64_t r = 0; r < num_runs; ++r) {
-      float amax = 0.0f;
-      for (int64_t i = at; i < at + runs[r]; ++i) amax = std::max(amax, std::fabs(xt[i]));
-      const float scale = amax / qmax, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      const float scale = abs_max(xt + at, runs[r]) / qmax, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
       std::memcpy(row + scale_offset + 4 * r, &scale, sizeof scale);
-      for (int64_t i = at; i < at + runs[r]; ++i) {
-        const float v = std::clamp(xt[i] * inv, -qmax, qmax);
-        row[i] = code == 0 ? uint8_t(int8_t(std::nearbyint(v))) : to_fp8(v, code == 1 ? 3 : 2, code == 1 ? 7 : 15);
-      }
+      if (code == 0) int8_codes(xt + at, runs[r], inv, row + at);
+      for (int64_t i = at; code != 0 && i < at + runs[r]; ++i)
+        row[i] = to_fp8(std::clamp(xt[i] * inv, -qmax, qmax), code == 1 ? 3 : 2, code == 1 ? 7 : 15);
       at += runs[r];
     }
   }

@@ -2,15 +2,19 @@
 against float64 attention over the same cache dequantized (from its bytes, by
 helpers.attention_reference.dequantize64): exact up to float32 rounding, for
 every code type, GQA and MLA's latent rows in decode, causal and unmasked
-prefill, native and AVX2 builds."""
+prefill, native and AVX2 builds; and the quantizer's and the heads' turn's kernels
+against their PyTorch paths, bit for bit, in both builds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxpar.kernels import attention_kernels as attn_kernels
+from ctxpar.kernels import elementwise
+from ctxpar.layers import kv_rotation
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 from helpers.attention_reference import TOL, dequantize64, paged, reference
 
@@ -110,3 +114,25 @@ def test_prefill_over_quantized_rows(name, kv_heads, group, chunk, context, caus
         got, got_lse = (out, lse) if i is None else (out[i : i + 1], lse[i : i + 1])
         torch.testing.assert_close(got.double(), want, **TOL)
         torch.testing.assert_close(got_lse.double(), want_lse, **TOL)
+
+
+@pytest.mark.parametrize("runs", [(64,) * 6, (512, 64), (24, 8, 3)])  # whole vectors, MLA's, and tails
+def test_int8_quantizer_writes_pytorchs_bytes(runs, march) -> None:
+    """kv_quantize's int8 vectors round as PyTorch does (ties to even, the clamp at
+    +-127), codes and scales, in runs of whole vectors and with a tail of single lanes."""
+    quant = KVQuant.of("int8", (sum(runs),), runs)
+    g = torch.Generator().manual_seed(len(runs))
+    x = torch.randn(33, sum(runs), generator=g) * torch.exp(2 * torch.randn(33, sum(runs), generator=g))
+    x[1] = 0.0  # a token of zeros: scale 0
+    x[2, :5] = torch.tensor([127.0, 2.5, -0.5, -3.5, 126.5]) * x[2, : runs[0]].abs().max() / 127  # ties
+    assert torch.equal(quant.quantize(x), quant.quantize_torch(x))
+
+
+@pytest.mark.parametrize("dim", [2, 8, 16, 32, 64, 128, 256])  # under, one to 16 (AVX2: 32) vectors
+def test_turn_kernel_gives_the_pytorch_paths_bits(dim, march) -> None:
+    """hadamard_f32's in-register runs (heads of whole vectors) and its tiles (narrower
+    heads, and wider ones) compute each value as kv_rotation's PyTorch path does."""
+    x = torch.randn(7, 5, dim, generator=torch.Generator().manual_seed(dim))
+    got = x.clone()
+    elementwise.hadamard_(got, 0.125)
+    assert torch.equal(got, kv_rotation._turn_torch(x.view(-1, dim).clone(), 0.125).view(x.shape))
