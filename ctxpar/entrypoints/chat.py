@@ -124,6 +124,9 @@ def render_chat(
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise CtxparError(f"a message must be a dict with a 'role' string and 'content', got {m!r}")
         messages.append({**m, "content": template_content(m.get("content"), chat_template_content_format)})
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
+    # Imported here: jinja2 is tens of ms of a start that may never render a chat.
+    from ctxpar.entrypoints.chat_template import apply_chat_template
+
+    text = apply_chat_template(tokenizer, messages, template, **kwargs)  # transformers' text, without transformers
     # The template writes BOS and friends itself: the tokenizer must add no more.
     return TokensPrompt(prompt=text, prompt_token_ids=list(tokenizer.encode(text, add_special_tokens=False)))

@@ -53,7 +53,7 @@ from ctxpar.models.gguf_file import GGUFFile, GGUFTensor
 from ctxpar.models.gguf_mla import joined_kv_b
 from ctxpar.paths import cache_dir, cache_root, make_private, tree_refusal, warn_refused
 
-FORMAT_VERSION = 4  # bump when the cached layout changes
+FORMAT_VERSION = 5  # bump when the cached layout changes
 MARKER = "ctxpar_gguf.json"
 
 # Architectures whose GGUF config transformers does not read (its tokenizer it does).

@@ -9,10 +9,12 @@ which ``snapshot`` saves there as that class holds it once loaded (its special
 tokens added, its post-processor set), with the few facts the engine reads of the
 class. ``GGUFTokenizer`` loads that snapshot with the ``tokenizers`` library alone
 and answers what the engine asks before and while it generates (encode, decode,
-the special tokens' ids, the chat template's text) as ``TokenizersBackend`` does:
-the same library object in the same state. Everything else a caller may ask of a
-Hugging Face tokenizer (``apply_chat_template``, ``__call__``, what xgrammar
-reads) is the ``TokenizersBackend`` itself, built on first use (``hf``).
+the special tokens' ids, the chat template's text and the special tokens it is
+given, which entrypoints/chat_template.py renders without transformers) as
+``TokenizersBackend`` does: the same library object in the same state. Everything
+else a caller may ask of a Hugging Face tokenizer (``apply_chat_template``,
+``__call__``, what xgrammar reads) is the ``TokenizersBackend`` itself, built on
+first use (``hf``).
 
 Where the class transformers picks is another one, or its decode would clean up
 spaces in Python (``clean_up_tokenization_spaces`` on a non-BPE model), no snapshot
@@ -46,6 +48,7 @@ def snapshot(out_dir: Path) -> None:
         return
     facts = {name: getattr(tok, name) for name in _FACTS}
     facts["split_special_tokens"] = bool(tok.split_special_tokens)
+    facts["special_tokens_map"] = dict(tok.special_tokens_map)  # bos_token, eos_token, ... as the template sees them
     tok.backend_tokenizer.save(str(out_dir / SNAPSHOT))  # read back by from_file: no JSON round trip in Python
     (out_dir / FACTS).write_text(json.dumps(facts))
 
@@ -84,6 +87,8 @@ class GGUFTokenizer:
         self.pad_token_id: int | None = facts["pad_token_id"]
         self.unk_token_id: int | None = facts["unk_token_id"]
         self.chat_template: str | None = facts["chat_template"]
+        # {"bos_token": "<s>", ...}: the named special tokens, as transformers gives them to a chat template.
+        self.special_tokens_map: dict[str, str] = facts["special_tokens_map"]
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 

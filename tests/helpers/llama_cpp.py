@@ -36,10 +36,22 @@ def _cache() -> Path:
 @functools.cache
 def converter() -> Path:
     """convert_hf_to_gguf.py, downloaded once; the test skips, saying why, where it cannot be."""
-    root = _cache() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
-    script = root / _VENDOR / "convert_hf_to_gguf.py"
-    if script.is_file():
-        return script
+    root = _unpacked("", _PARTS)
+    return root / _VENDOR / "convert_hf_to_gguf.py"
+
+
+@functools.cache
+def chat_templates() -> Path:
+    """llama.cpp's models/templates: the chat templates of many model families as their
+    tokenizer_config.json files ship them (its README names each source), from the same sdist."""
+    return _unpacked("-templates", ("models/templates/",)) / _VENDOR / "models" / "templates"
+
+
+def _unpacked(suffix: str, parts: tuple[str, ...]) -> Path:
+    """The sdist's ``parts`` (under vendor/llama.cpp) in the cache, downloaded and unpacked once."""
+    root = _cache() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}{suffix}"
+    if root.is_dir():
+        return root
     _cache().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=_cache()) as tmp:
         got = subprocess.run(
@@ -50,18 +62,18 @@ def converter() -> Path:
         )
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if got.returncode or not sdists:
-            pytest.skip(f"cannot download the llama-cpp-python sdist (llama.cpp's converter): {got.stderr[-500:]}")
+            pytest.skip(f"cannot download the llama-cpp-python sdist (llama.cpp's files): {got.stderr[-500:]}")
         unpacked = Path(tmp) / "unpacked"
         with tarfile.open(sdists[0]) as tar:
             top = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/"
-            members = [m for m in tar.getmembers() if m.name.removeprefix(top + _VENDOR).startswith(_PARTS)]
+            members = [m for m in tar.getmembers() if m.name.removeprefix(top + _VENDOR).startswith(parts)]
             tar.extractall(unpacked, members=members, filter="data")
         try:
             os.rename(unpacked / top, root)
         except OSError:  # another process put it there first
-            if not script.is_file():
+            if not root.is_dir():
                 raise
-    return script
+    return root
 
 
 def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
