@@ -11,6 +11,7 @@ import torch
 from ctxpar.costmodel import hardware_calibration as cal
 from ctxpar.costmodel.rates import Rates
 from ctxpar.entrypoints.cli.main import build_parser
+from helpers.calibration import SMALL_LAYERS, small_rank_figures
 
 KV = "kv_read_bandwidth"
 
@@ -71,15 +72,6 @@ def test_the_q4_weight_is_a_gguf_q4_0_weight_as_the_engine_loads_it() -> None:
     assert torch.allclose(linear(x, w), x @ dense.T, rtol=0.05, atol=0.05)
 
 
-SMALL_LAYERS = ((64, [(256, 64)]), (128, [(128, 128), (64, 256)]))  # WEIGHT_LAYERS' form, small
-# ELEMENTWISE_LAYERS' form, small: Llama configs of two widths.
-SMALL_CONFIG = {"intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64}
-SMALL_ELEMENTWISE_LAYERS = (
-    (64, SMALL_CONFIG | {"hidden_size": 64, "num_key_value_heads": 2}),
-    (128, SMALL_CONFIG | {"hidden_size": 128, "num_key_value_heads": 2, "head_dim": 64}),
-)
-
-
 def test_projection_rates_cover_every_weight_dtype_and_layer_width(monkeypatch) -> None:
     """Every dtype's GEMM and weight read rates, the read over each layer of WEIGHT_LAYERS,
     the first of which is the dtype's own rate (the profile's, and old profiles' only one)."""
@@ -126,13 +118,7 @@ def test_a_lead_is_the_rank_with_every_core(monkeypatch) -> None:
 
     from ctxpar.costmodel import load_hardware
 
-    monkeypatch.setattr(cal, "BUDGET_S", 0.02)
-    small_shapes = (("GEMM_SHAPES", [(64, 64, 64)]), ("ATTN_SHAPE", (64, 4, 16)), ("KV_SHAPE", (256, 8, 2, 64)))
-    for name, small in (*small_shapes, ("READ_BYTES", 1 << 20)):
-        monkeypatch.setattr(cal, name, small)
-    monkeypatch.setattr(cal, "WEIGHT_LAYERS", SMALL_LAYERS)
-    monkeypatch.setattr(cal, "ELEMENTWISE_LAYERS", SMALL_ELEMENTWISE_LAYERS)
-    monkeypatch.setattr(cal, "ELEMENTWISE_TOKENS", 32)
+    small_rank_figures(monkeypatch)
     asked = []
     host_overhead = lambda *args: asked.append(args) or ((1.5e-3, 16e-6) if args[0] == "fp32" else (2.5e-3, 90e-6))
     before = torch.get_num_threads()

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from ctxpar import cli
-from ctxpar.costmodel import hardware_calibration as cal
 from ctxpar.costmodel import load_hardware, load_model_shape
 from ctxpar.costmodel.link_calibration import measure_shaped_link
 from ctxpar.errors import RankFailure
+from helpers.calibration import small_rank_figures
 
 pytestmark = pytest.mark.multiprocess  # ranks in namespaces, and calibrate's local ones
 
@@ -31,7 +31,7 @@ def our_namespaces() -> list[str]:
 
 
 def test_calibrate_saves_the_shaped_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(cal, "BUDGET_S", 0.02)  # the rank's figures: not what this test is about
+    small_rank_figures(monkeypatch)  # the rank's figures: not what this test is about
     out = tmp_path / "profile.json"
     code = cli.main(["calibrate", "--device", "cpu", "--threads", "1", "--link", "1gbit", "--out", str(out)])
     printed = capsys.readouterr().out
