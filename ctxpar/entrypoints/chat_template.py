@@ -1,11 +1,9 @@
 """Chat templates rendered with jinja2 alone, as transformers renders them.
 
-``tokenizer.apply_chat_template(..., tokenize=False)`` imports transformers (~2 s of
-CPU on a small machine) the first time a chat is rendered; a GGUF's tokenizer is read
-without it (models/gguf_tokenizer.py), so the first chat of ``ctxpar generate --chat``,
-``LLM.chat`` or the server would pay that import alone. ``apply_chat_template`` here
-gives the same text, character for character, as transformers 5's
-``PreTrainedTokenizerBase.apply_chat_template`` and ``render_jinja_template``
+A GGUF's tokenizer is read without transformers (models/gguf_tokenizer.py); its
+``apply_chat_template`` would import transformers (seconds of a start) on the first
+chat of ``ctxpar generate --chat``, ``LLM.chat`` or the server. ``apply_chat_template``
+here gives the same text, character for character, as transformers 5's
 (transformers/tokenization_utils_base.py, transformers/utils/chat_template_utils.py):
 
 - the same sandbox: jinja2's ImmutableSandboxedEnvironment with trim_blocks and
@@ -78,19 +76,12 @@ def apply_chat_template(
     """The text ``tokenizer.apply_chat_template(messages, chat_template=..., tokenize=False, ...)``
     gives, rendered here (transformers is not imported) unless ``_needs_transformers``."""
     if _needs_transformers(tokenizer, tools, kwargs):
-        return str(
-            tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                tokenize=False,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, tokenize=False, tools=tools, documents=documents, **options, **kwargs
         )
-    template = chat_template if chat_template is not None else tokenizer.chat_template
+        return str(text)
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if template is None:
         raise CtxparError("this model's tokenizer has no chat template; pass chat_template=...")
     if continue_final_message and add_generation_prompt:
@@ -105,7 +96,7 @@ def apply_chat_template(
 def _needs_transformers(tokenizer: Any, tools: list[Any] | None, kwargs: dict[str, Any]) -> bool:
     """Whether transformers must render: what this module does not reproduce (see its docstring)."""
     return (
-        not isinstance(tokenizer.chat_template, (str, type(None)))  # named templates, picked by transformers
+        not isinstance(getattr(tokenizer, "chat_template", None), (str, type(None)))  # named ones: transformers picks
         or any(callable(t) and not isinstance(t, dict) for t in tools or ())
         or any(name in kwargs for name in TRANSFORMERS_ONLY)
     )

@@ -115,6 +115,17 @@ CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
         {},
     ),
     "documents": ([{"role": "user", "content": "A?"}], {"documents": [{"title": "T", "text": "X"}]}),
+    "parts_continue": (
+        [
+            {"role": "user", "content": [{"type": "text", "text": "A?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "The answer is "}]},
+        ],
+        {"add_generation_prompt": False, "continue_final_message": True},
+    ),
+    "reasoning_continue": (
+        [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "", "reasoning_content": "Let me "}],
+        {"add_generation_prompt": False, "continue_final_message": "reasoning_content"},
+    ),
 }
 
 
@@ -166,6 +177,19 @@ def test_the_special_tokens_and_variables_reach_the_template() -> None:
     assert ref[0] == "ok" and ours == ref
     ref, ours = both(template, [{"role": "user", "content": "x"}], bos_token="override")  # the caller's win
     assert ref[1].startswith("override|") and ours == ref
+
+
+def test_the_sandboxs_extensions_and_globals_render_as_transformers() -> None:
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% if m.role == 'skip' %}{% continue %}"
+        "{% endif %}{% generation %}[{{ m.content }}]{% endgeneration %}\n  {% endfor %}"
+        "{% set ns = namespace(n=0, self=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}{{ ns.self }}"
+        "{{ dict(a=1, b=[2, '<3>']) | tojson(ensure_ascii=True, sort_keys=True, separators=(',', ':')) }}"
+        "{{ dict.fromkeys(['x', 'y'], 0) | tojson }}{{ strftime_now('%Y') }}{{ messages | length }}"
+    )
+    messages = [{"role": "skip", "content": "s"}, {"role": "user", "content": "ü"}, {"role": "user", "content": "b"}]
+    ref, ours = both(template, messages)
+    assert ref[0] == "ok" and "[ü]" in ref[1] and "[b]" not in ref[1] and ours == ref
 
 
 def test_tools_given_as_functions_are_rendered_by_transformers() -> None:
