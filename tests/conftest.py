@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.compiler_cache import keep, write_cached_compiler
 from helpers.models import save_tiny_model, tiny_configs
 
 
@@ -32,6 +33,24 @@ def hf_smollm2():
 
     p = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def cached_cxx(tmp_path_factory) -> str:
+    """A ``$CXX`` for the tests that make the kernel library build again in a fresh directory:
+    g++, whose builds are kept and given again for the same command (helpers/compiler_cache.py),
+    starting with the library this session has built for this CPU."""
+    import os
+    import subprocess
+
+    from ctxpar.kernels import build
+
+    cxx, store = os.environ.get("CXX", "g++"), tmp_path_factory.mktemp("cxx")
+    lib, flags = build.library(), [*build.FLAGS, f"-march={build.target_cpu()}"]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    if lib is not None and Path(lib._name).name == build.library_name(flags, version):  # the sources' own
+        keep(store, cxx, [*flags, *map(str, build.SOURCES), "-o", "library.so"], Path(lib._name))
+    return str(write_cached_compiler(store, cxx))
 
 
 @pytest.fixture(params=["native", "haswell"])

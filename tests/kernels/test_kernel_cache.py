@@ -21,9 +21,11 @@ OTHER_UID = 12345  # a user other than the test's (CI runs as root, which may ch
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cached_cxx: str) -> Iterator[Path]:
     """The library not yet loaded, the cache in tmp_path/cache, the system's
-    temporary directory tmp_path/tmp; yields tmp_path."""
+    temporary directory tmp_path/tmp; yields tmp_path. Each test's build runs
+    through ``cached_cxx``: g++ once, its library copied for the next tests."""
+    monkeypatch.setenv("CXX", cached_cxx)
     monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))

@@ -243,11 +243,14 @@ def test_bench_kernels_quant_prints_rates_against_the_peak(
     assert re.search(r"int8 peak: \d+ GOP/s on \d+ threads", out)
 
 
-def test_unwritable_cache_builds_once_in_the_temporary_directory(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_unwritable_cache_builds_once_in_the_temporary_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, cached_cxx: str
+) -> None:
     """A cache that cannot be written (here: under a regular file) is no failure:
     the library goes to a directory of this user's under the temporary one. That
     fresh directory gets one library, reused by the next load (one build: each
-    takes seconds)."""
+    takes seconds). The build runs through ``cached_cxx`` (g++ once a session)."""
+    monkeypatch.setenv("CXX", cached_cxx)
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("CTXPAR_CACHE", str(blocker / "cache"))
