@@ -151,7 +151,7 @@ def test_ids_texts_and_special_tokens_are_transformers(files, label: str, tmp_pa
     for skip in (True, False):
         assert tok.decode(mixed, skip_special_tokens=skip) == ref.decode(mixed, skip_special_tokens=skip)
         assert tok.decode(mixed[4], skip_special_tokens=skip) == ref.decode(mixed[4], skip_special_tokens=skip)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template"):
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template", "special_tokens_map"):
         assert getattr(tok, name) == getattr(ref, name), name
 
 
