@@ -32,7 +32,9 @@
 //   - the VNNI loop the rows left over (every row without AMX), a few at a time against
 //     two laid-out tiles side by side, or one;
 //   - a call of fewer than DIRECT_ROWS rows (a decode step) reads the weight where it
-//     lies (direct_rows): laying out a tile for one row would cost more than using it.
+//     lies (direct_rows, DIRECT_GROUP rows a pass over a tile): laying out a tile costs
+//     more than a few rows' use of it; a GGUF file's tiles are laid out from windows of
+//     its blocks (pack_window).
 
 #pragma once
 
@@ -56,7 +58,8 @@ namespace tiles {
 constexpr int64_t QB = 32;  // weights per block
 constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
 constexpr int MR = 8;       // activation rows per pass of the VNNI loop over a tile
-constexpr int64_t DIRECT_ROWS = 4;  // fewer rows than this read the weight in place (direct_rows)
+constexpr int64_t DIRECT_ROWS = 7;  // fewer rows than this read the weight in place (direct_rows)
+constexpr int64_t DIRECT_GROUP = 3;  // rows a direct_rows pass takes: its registers' worth
 constexpr int64_t SLICE_BLOCKS = 64;  // blocks of its rows a tile holds at once without AMX: 32 KB, in L1
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // codes of a row block without AMX (rows_per_block)
 
@@ -458,11 +461,17 @@ inline void regroup(const Window& win, const __m512i picks[4], int h_m, __m512i 
   out[1] = _mm512_permutex2var_epi16(low, win.by_pair[1], high);
 }
 
-// R rows' activations as direct_rows reads them (R <= DIRECT_ROWS - 1).
+// Block k's 16 halves of regroup's words, as floats.
+inline __m512 halves(const __m512i words[2], int64_t k) {
+  const __m512i v = words[k / 2];
+  return _mm512_cvtph_ps(k % 2 ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+
+// R rows' activations as direct_rows reads them (R <= DIRECT_GROUP).
 struct DirectRows {
-  const int8_t *xq[DIRECT_ROWS], *xk[DIRECT_ROWS];
-  const float *xd[DIRECT_ROWS], *xs[DIRECT_ROWS];
-  const int32_t* xz[DIRECT_ROWS];  // null: no zero
+  const int8_t *xq[DIRECT_GROUP], *xk[DIRECT_GROUP];
+  const float *xd[DIRECT_GROUP], *xs[DIRECT_GROUP];
+  const int32_t* xz[DIRECT_GROUP];  // null: no zero
 };
 
 // R rows against rows [o0, o0 + rows) of the weight read where they lie, for a few
@@ -492,10 +501,6 @@ void direct_rows(const PartView<S>& w, int64_t group, int64_t in, int64_t o0, in
   auto offset = [&](int64_t b) {
     if (gathered) return gather_floats(w.o + o0 * w.o_row + b * w.o_col, o_at, keep);
     return _mm512_loadu_ps(tile.offsets.data() + b * T);
-  };
-  auto halves = [](const __m512i* words, int64_t k) {  // block k's 16 halves of a window's picks, as floats
-    const __m512i v = words[k / 2];
-    return _mm512_cvtph_ps(k % 2 ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
   };
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
   __m512 sum[R];  // the rows' accumulators, in registers until the end
@@ -616,6 +621,86 @@ inline void direct_codes(const int8_t* xq, int64_t in, int8_t* xk) {
     int8_t* quad = xk + (b / 4) * 4 * QB;
     std::copy(xq + b * QB, xq + b * QB + 16, quad + (b % 4) * 16);
     std::copy(xq + b * QB + 16, xq + (b + 1) * QB, quad + 64 + (b % 4) * 16);
+  }
+}
+
+// pack_q and pack_columns for a GGUF file's blocks that `win` reads (Window): a load's
+// blocks of each of the 16 rows come in two 64-byte windows, one byte permute gathers
+// their q bytes and one word permute their d (and m), and a 16 x 16 dword transpose
+// turns the 16 rows' q into the tile's vectors. pack_q's per-block loads of 16 bytes and
+// pack_columns' gather per block cost several times more, which a call of a few rows
+// (a decode step of 4 or more) pays in full. The tile's bytes are pack_q's, its floats
+// the same halves converted, so vnni_rows computes the same bits from either.
+// Prefetches the same blocks of the `next_rows` rows from `next_o` (the tile this thread
+// packs after the next, as direct_rows does for the next).
+template <typename S>
+void pack_window(const PartView<S>& w, const Window& win, int64_t bits, int64_t zero, bool biased, int64_t in,
+                 int64_t o0, int64_t rows, int64_t next_o, int64_t next_rows, Tile& tile) {
+  const int64_t bytes = QB * bits / 8, per_load = bits == 4 ? 4 : 2, nb = in / QB;
+  tile.q.resize(nb * 8 * T * 4);
+  tile.scales.resize(nb * T);
+  tile.offsets.resize(w.o ? nb * T : 0);
+  const __mmask16 keep = __mmask16((1u << rows) - 1);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i s_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.s_row)));
+  const __m512i o_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.o_row)));
+  const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
+  const __m512i flip = _mm512_set1_epi8(char(biased ? 0x80 : 0));
+  for (int64_t b0 = 0; b0 < nb; b0 += per_load) {
+    const int64_t blocks = std::min(per_load, nb - b0);
+    const bool windowed = win.on && blocks == per_load;
+    const int64_t span = (blocks - 1) * w.q_block + bytes - 1;
+    for (int64_t o = 0; o < next_rows; ++o) {
+      const char* ahead = reinterpret_cast<const char*>(w.block(next_o + o, b0));
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      if (span >= 64) _mm_prefetch(ahead + span, _MM_HINT_T0);
+    }
+    __m512 r[T];  // row o's q bytes of the load's blocks, as transpose16 moves them
+    __m512i picks[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t o = 0; o < T; ++o) {
+      __m512i q = _mm512_setzero_si512();
+      if (o < rows && windowed) {
+        const uint8_t* start = w.block(o0 + o, b0) - win.lead;
+        const __m512i a = _mm512_loadu_si512(start), b = _mm512_loadu_si512(start + win.tail);
+        q = window_q(win, a, b);
+        picks[o / 4] = _mm512_mask_permutexvar_epi16(picks[o / 4], __mmask32(0xFFu << (8 * (o % 4))), win.pick_at, a);
+      } else if (o < rows) {
+        q = load_blocks(w, o0 + o, b0, blocks, bytes);
+      }
+      r[o] = _mm512_castsi512_ps(q);
+    }
+    transpose16(r);  // r[k]: dword k of the 16 rows
+    for (int64_t k = 0; k < 16; ++k) {
+      const __m512i d = _mm512_castps_si512(r[k]);
+      if (bits == 4) {  // dword k: block b0 + k / 4, weights 4 (k % 4).. in the low nibbles, 16 + 4 (k % 4).. high
+        if (k / 4 >= blocks) break;
+        __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + (b0 + k / 4) * 8 * T * 4);
+        _mm512_storeu_si512(q + k % 4, _mm512_sub_epi8(_mm512_and_si512(d, low), z));
+        _mm512_storeu_si512(q + 4 + k % 4, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d, 4), low), z));
+      } else {  // dword k: block b0 + k / 8, weights 4 (k % 8)..
+        if (k / 8 >= blocks) break;
+        __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + (b0 + k / 8) * 8 * T * 4);
+        _mm512_storeu_si512(q + k % 8, _mm512_xor_si512(d, flip));
+      }
+    }
+    if (windowed) {
+      __m512i words[2];
+      regroup(win, picks, 0, words);
+      for (int64_t k = 0; k < blocks; ++k)
+        _mm512_storeu_ps(tile.scales.data() + (b0 + k) * T, halves(words, k));
+      if (w.o) {
+        regroup(win, picks, 1, words);
+        for (int64_t k = 0; k < blocks; ++k)
+          _mm512_storeu_ps(tile.offsets.data() + (b0 + k) * T, halves(words, k));
+      }
+    } else {
+      for (int64_t k = 0; k < blocks; ++k) {
+        const int64_t b = b0 + k;
+        _mm512_storeu_ps(tile.scales.data() + b * T, gather_floats(w.s + o0 * w.s_row + b * w.s_col, s_at, keep));
+        if (w.o)
+          _mm512_storeu_ps(tile.offsets.data() + b * T, gather_floats(w.o + o0 * w.o_row + b * w.o_col, o_at, keep));
+      }
+    }
   }
 }
 
@@ -839,28 +924,33 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
     for (int64_t m = r0; m < r1; ++m) direct_codes(xq + m * in, in, xk.data() + (m - r0) * xk_row);
   }
   if (direct) {
-    static_assert(DIRECT_ROWS == 4, "direct_rows is instantiated for 1 to 3 rows");
     using Fn = void (*)(const PartView<S>&, int64_t, int64_t, int64_t, int64_t, int64_t, const Tile&, const Window&,
                         const DirectRows&, __m512*);
+    static_assert(DIRECT_GROUP == 3, "direct_rows is instantiated for 1 to 3 rows");
     static constexpr Fn fns[2][3] = {{direct_rows<S, 1, 4>, direct_rows<S, 2, 4>, direct_rows<S, 3, 4>},
                                      {direct_rows<S, 1, 8>, direct_rows<S, 2, 8>, direct_rows<S, 3, 8>}};
-    const Fn fn = fns[bits == 8][r1 - r0 - 1];
     const Window win = window_of(w, bits, group);
-    const int64_t nb = in / QB;
-    DirectRows x{};
+    const int64_t nb = in / QB, passes = (r1 - r0 + DIRECT_GROUP - 1) / DIRECT_GROUP;
+    DirectRows x[(DIRECT_ROWS + DIRECT_GROUP - 2) / DIRECT_GROUP]{};  // pass p: rows r0 + 3p..
     for (int64_t m = r0; m < r1; ++m) {
-      const int64_t i = m - r0;
-      x.xq[i] = xq + m * in, x.xk[i] = xk.data() + i * xk_row, x.xd[i] = xd + m * nb, x.xs[i] = xs + m * nb;
-      x.xz[i] = xz ? xz + m * nb : nullptr;
+      DirectRows& g = x[(m - r0) / DIRECT_GROUP];
+      const int64_t i = (m - r0) % DIRECT_GROUP;
+      g.xq[i] = xq + m * in, g.xk[i] = xk.data() + (m - r0) * xk_row, g.xd[i] = xd + m * nb, g.xs[i] = xs + m * nb;
+      g.xz[i] = xz ? xz + m * nb : nullptr;
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles_n; ++t) {
       const int64_t o0 = t * T, cols = std::min(T, w.rows - o0);
       if (!gathers_scales(w)) pack_columns(w, group, in, o0, cols, tile);
-      const int64_t next_rows = std::clamp<int64_t>(w.rows - o0 - T, 0, T);
-      __m512 acc[DIRECT_ROWS - 1];
-      fn(w, group, in, o0, cols, next_rows, tile, win, x, acc);
-      for (int64_t m = r0; m < r1; ++m) store_rows(&acc[m - r0], 1, o0, cols, bias, out, out_features, m);
+      // The first pass brings the tile in from memory (and the next one's lines ahead of
+      // it); the later ones find it in L1 or L2.
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t m0 = r0 + p * DIRECT_GROUP, rows = std::min(DIRECT_GROUP, r1 - m0);
+        const int64_t next_rows = p == 0 ? std::clamp<int64_t>(w.rows - o0 - T, 0, T) : 0;
+        __m512 acc[DIRECT_GROUP];
+        fns[bits == 8][rows - 1](w, group, in, o0, cols, next_rows, tile, win, x[p], acc);
+        for (int64_t m = 0; m < rows; ++m) store_rows(&acc[m], 1, o0, cols, bias, out, out_features, m0 + m);
+      }
     }
     return;
   }
@@ -874,6 +964,8 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
   const bool biased = bits == 8 && !amx;
   const int32_t tile_zero = signed_tile ? 0 : biased ? 128 : int32_t(zero);
   const Tile* const laid[2] = {&tiles[0], &tiles[1]};
+  // A GGUF file's blocks, read by windows where the CPU can (pack_window).
+  const Window win = gathers_scales(w) ? window_of(w, bits, group) : Window{};
   for (int64_t kb0 = 0; kb0 < nb; kb0 += slice) {
     const int64_t blocks = std::min(slice, nb - kb0), width = blocks * QB;
     const bool last = kb0 + blocks == nb;
@@ -887,8 +979,14 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
       __mmask16 keep[2];
       for (int64_t c = 0; c < c_n; ++c) {
         o0[c] = (p * side + c) * T, cols[c] = std::min(T, w.rows - o0[c]), keep[c] = __mmask16((1u << cols[c]) - 1);
-        pack_columns(ws, group, width, o0[c], cols[c], tiles[c]);
-        pack_q(ws, bits, signed_tile ? zero : 0, biased, width, o0[c], cols[c], tiles[c]);
+        if (win.on) {
+          const int64_t next_o = o0[c] + side * T, next_rows = std::clamp<int64_t>(w.rows - next_o, 0, T);
+          pack_window(ws, win, bits, signed_tile ? zero : 0, biased, width, o0[c], cols[c], next_o, next_rows,
+                      tiles[c]);
+        } else {
+          pack_columns(ws, group, width, o0[c], cols[c], tiles[c]);
+          pack_q(ws, bits, signed_tile ? zero : 0, biased, width, o0[c], cols[c], tiles[c]);
+        }
       }
       const int64_t tile_bits = signed_tile || (bits == 8 && !biased) ? 8 : 4;  // 4: unsigned bytes
       int64_t m0 = r0;
