@@ -25,6 +25,7 @@ from ctxpar.model_args import ModelArgs, from_config_json
 from ctxpar.models import gguf, loader
 from ctxpar.models.loader import default_model_path
 from helpers.deepseek_configs import tiny_deepseek_configs
+from helpers.kernel_builds import share_kernel_library
 from helpers.models import tiny_configs
 
 HEAVY = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor")
@@ -237,6 +238,7 @@ def test_a_load_imports_no_model_config_module_and_generates_as_before(
     assert mine == before
 
     script = LOAD.format(heavy=HEAVY, prompt=PROMPT)
+    share_kernel_library(tmp_path / "cache")  # the process's subject is its imports, not a kernel build
     env = {**os.environ, "CTXPAR_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-c", script, str(tiny_gguf), str(hf_dir)], env=env, capture_output=True, text=True
