@@ -12,6 +12,8 @@ trained here (``sentencepiece_model``).
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
 import io
 import os
 import random
@@ -77,14 +79,44 @@ def _unpacked(suffix: str, parts: tuple[str, ...]) -> Path:
 
 
 def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
-    """``hf_dir`` converted by llama.cpp's converter into ``out`` at ``outtype`` (f32, q8_0, ...)."""
-    done = subprocess.run(
-        [sys.executable, str(converter()), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0 and out.is_file(), done.stderr[-3000:]
+    """``hf_dir`` converted by llama.cpp's converter into ``out`` at ``outtype`` (f32, q8_0, ...).
+    The converter's file is kept in the test cache under what it is made of (``_conversion_key``)
+    and copied from there for the same checkpoint again: each conversion starts a Python that
+    imports torch, seconds apiece, and the suite's tiny checkpoints are seeded, the same each run."""
+    kept = _cache() / "converted" / f"{_conversion_key(hf_dir, outtype)}.gguf"
+    if not kept.is_file():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run(
+            [sys.executable, str(converter()), str(hf_dir), "--outfile", str(tmp), "--outtype", outtype],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0 and tmp.is_file(), done.stderr[-3000:]
+        os.replace(tmp, kept)
+    shutil.copyfile(kept, out)
     return out
+
+
+def _conversion_key(hf_dir: Path, outtype: str) -> str:
+    """What the converter's output depends on: the checkpoint's directory name (it names the
+    model), every file in it (names and bytes), the outtype, the converter's version and the
+    versions of the packages it runs on."""
+    versions = [_version(p) for p in _CONVERTER_PACKAGES]
+    key = hashlib.sha256(repr([hf_dir.name, outtype, LLAMA_CPP_PYTHON, *versions]).encode())
+    for path in sorted(p for p in hf_dir.rglob("*") if p.is_file()):
+        key.update(str(path.relative_to(hf_dir)).encode() + b"\0" + path.read_bytes())
+    return key.hexdigest()[:32]
+
+
+_CONVERTER_PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "sentencepiece", "safetensors")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 @functools.cache
