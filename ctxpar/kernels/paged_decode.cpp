@@ -11,22 +11,25 @@
 // a key outside it; a soft cap passes each scaled logit x through cap · tanh(x / cap).
 //
 // Work is cut into tasks of (row, run of at most CHUNK keys), every KV head of
-// the run in one task, so one long row still keeps every thread busy and a
-// task reads its keys' cache rows whole and in order (prefetched ahead); each
-// task leaves a partial (out, lse) per query head and a second pass merges a
-// row's runs exactly by log-sum-exp.
+// the run in one task, so one long row still keeps every thread busy; each task
+// leaves a partial (out, lse) per query head and a second pass merges a row's runs
+// exactly by log-sum-exp. The cut depends on a row's length only, so a row's bits
+// never depend on the threads or on the other rows.
 //
-// A decode step is bound by the bytes it reads and, once those are in cache,
-// by converting and multiplying them, so the inner loops are register-blocked
-// over the G query heads that share a KV head (GQA's group): eight keys are
-// converted to floats once per vector of eight of their values and multiplied
-// into G x 8 accumulators (scores), and a value vector once into G x 8 output
-// accumulators (weighted values), instead of once per query head. A quantized
-// cache's codes (kv_codes.h) are read as they are: a key's scale multiplies its
-// eight-key block of dot products, a value's scale is folded into its softmax
-// weight. Where the group is large (MLA: every query head shares the one
-// latent key), a run of keys is dequantized once into floats instead.
-//
+// A task first loads one byte of every cache line of its run's rows, all at once:
+// the misses overlap one another, where software prefetches ahead of the products
+// (spread or in bursts) measured slower on AMD's cores; the passes then read the run
+// (256 rows of a 1B model's int8 cache: 278 KB) from the core's L2. Those passes are
+// bound by converting and multiplying, so their loops are register-blocked over the
+// G query heads that share a KV head (GQA's group, up to 4 at a time): a key's vector
+// of L values (L = 16 with AVX-512, else 8) is converted to floats once and multiplied
+// into G x KB accumulators, G x KB = L, which one transposing add tree reduces to the
+// G x KB scores; a value vector is converted once into G x W output accumulators. A
+// quantized cache's codes (kv_codes.h) are read as they are: a key's scale multiplies
+// its dot products, a value's scale is folded into its softmax weight. Where the group
+// is large (MLA: every query head shares the one latent key), a run of keys is
+// dequantized once into floats instead.
+
 // The cache is addressed by strides, so one kernel serves
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
 //   MLA  (num_slots, E) latents: slot_stride E, head_stride 0, v_offset 0
@@ -38,8 +41,13 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "kv_codes.h"
 #include "online_softmax.h"
@@ -47,7 +55,9 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // keys per task, at most (a multiple of 8)
+using V = widest::vec;                 // the widest vector of floats: 16 lanes (AVX-512) or 8
+constexpr int L = int(widest::W);      // its lanes
+constexpr int64_t CHUNK = 256;         // keys per task, at most (a multiple of L)
 // A row shorter than MIN_TASKS runs of CHUNK keys is cut into MIN_TASKS runs of at least
 // MIN_RUN keys: a decode step's short rows would otherwise be one task each, read
 // from memory by one core while the others wait. The cut depends on the row's length
@@ -58,17 +68,43 @@ inline int64_t run_keys(int64_t keys) {
   const int64_t even = (keys + MIN_TASKS - 1) / MIN_TASKS;
   return std::clamp((even + 7) / 8 * 8, MIN_RUN, CHUNK);
 }
-// Query heads blocked per pass over the keys: 3 x 8 accumulators fit AVX-512's 32
-// vector registers; with 16 (AVX2) one head a pass keeps them out of memory.
-#if defined(__AVX512VL__)
-constexpr int G_MAX = 3;
+// Query heads blocked per pass over the keys: a GQA group of up to 4 (Llama's) converts
+// each key once; with 16 vector registers (AVX2) blocks of 2 keep the accumulators in them.
+#if defined(__AVX512F__)
+constexpr int G_MAX = 4;
 #else
-constexpr int G_MAX = 1;
+constexpr int G_MAX = 2;
 #endif
-constexpr int64_t PREFETCH = 16;  // keys ahead whose cache rows are prefetched
 
-// Eight vectors -> one vector of their horizontal sums (a transposing add tree).
-inline v8 reduce8(const v8* a) {
+// L codes (or floats, or bf16) from p as floats; int8 on AVX-512 in one widening.
+template <typename T>
+inline V loadw(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return loadv<V>(p);
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    return loadv<V>(reinterpret_cast<const BF16*>(p));
+  } else {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, int8_t>)
+      return (V)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    else
+      return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return load8(p);
+#endif
+  }
+}
+// Loads of the vector type VV: L lanes or eight.
+template <typename VV, typename T>
+inline VV load_as(const T* p) {
+  if constexpr (sizeof(VV) == sizeof(V))
+    return loadw(p);
+  else
+    return load8(p);
+}
+
+// L vectors -> one vector of their horizontal sums, lane k = a[k]'s (a transposing add tree).
+inline v8 reduce_lanes(const v8* a) {
   v8 t[4], u[2];
   for (int i = 0; i < 4; ++i)
     t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
@@ -79,49 +115,89 @@ inline v8 reduce8(const v8* a) {
   return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
+#if defined(__AVX512F__)
+inline v16 reduce_lanes(const v16* a) {
+  v16 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+#endif
 
-// Dot products of G query heads (rows of q, `stride` apart, scaled) with eight keys over
-// their values [c0, c1): out[j] = the eight keys' sums for head j.
-template <int G, typename T>
-inline void dots(const float* q, int64_t stride, const T* const* k, int64_t c0, int64_t c1, v8* out) {
-  v8 acc[G][8] = {};
-  for (int64_t c = c0; c < c1; c += 8)
-    for (int i = 0; i < 8; ++i) {
-      const v8 kc = load8(k[i] + c);  // converted once for the G heads
-      for (int j = 0; j < G; ++j) acc[j][i] += load8(q + j * stride + c) * kc;
+// Keys a dot-product block of vectors VV takes for G query heads: the G x KB partial sums
+// fill the lanes of one reduction (G = 3 leaves a quarter of them 0).
+template <int G, typename VV>
+constexpr int KEYS_PER = int(sizeof(VV) / sizeof(float)) / (G == 3 ? 4 : G);
+
+// Dot products of G query heads (rows of q, `stride` apart, scaled) with KEYS_PER<G, VV> keys
+// (key i at rows[i] + offset) over their values [c0, c1) in vectors VV (L lanes, or 8
+// where a width is an odd multiple of 8), into scores (head j's row at scores + j * CHUNK):
+// each key is loaded and converted once for the G heads.
+template <int G, typename VV, typename T>
+inline void dots(const float* q, int64_t stride, const T* const* rows, int64_t offset, int64_t c0, int64_t c1,
+                 float* scores) {
+  constexpr int lanes = sizeof(VV) / sizeof(float), KB = KEYS_PER<G, VV>;
+  VV acc[lanes];  // lane j * KB + i: head j's partial sums with key i
+  for (int k = 0; k < lanes; ++k) acc[k] = VV{};
+  int64_t c = c0;
+  do {  // c0 < c1: no empty path, which would keep the accumulators in memory
+    VV qc[G];
+    for (int j = 0; j < G; ++j) qc[j] = load_as<VV>(q + j * stride + c);
+    for (int i = 0; i < KB; ++i) {
+      const VV kc = load_as<VV>(rows[i] + offset + c);
+      for (int j = 0; j < G; ++j) acc[j * KB + i] += qc[j] * kc;
     }
-  for (int j = 0; j < G; ++j) out[j] = reduce8(acc[j]);
+    c += lanes;
+  } while (c < c1);
+  float sums[lanes];
+  storev(sums, reduce_lanes(acc));
+  for (int j = 0; j < G; ++j) std::memcpy(scores + j * CHUNK, sums + j * KB, KB * sizeof(float));
 }
 
-// out_j[0, 8W) += sum_s w_j[s] * v[s][c, c + 8W) for G heads, the G x W accumulators in registers.
-template <int G, int W, typename T>
-inline void weighted_values(const float* w, int64_t w_stride, const T* const* v, int64_t n, int64_t c, float* out,
+// out_j[0, W lanes) += sum_s w_j[s] * v[s][c, ...) for G heads, value s at rows[s] + offset;
+// the G x W accumulators (vectors VV) in registers.
+template <int G, int W, typename VV, typename T>
+inline void weighted_values(const float* w, const T* const* rows, int64_t offset, int64_t n, int64_t c, float* out,
                             int64_t out_stride) {
-  v8 acc[G][W] = {};
-  for (int64_t s = 0; s < n; ++s)
+  constexpr int lanes = sizeof(VV) / sizeof(float);
+  VV acc[G][W] = {};
+  for (int64_t s = 0; s < n; ++s) {
+    const T* v = rows[s] + offset + c;
     for (int i = 0; i < W; ++i) {
-      const v8 vc = load8(v[s] + c + 8 * i);
-      for (int j = 0; j < G; ++j) acc[j][i] += w[j * w_stride + s] * vc;
+      const VV vc = load_as<VV>(v + lanes * i);
+      for (int j = 0; j < G; ++j) acc[j][i] += w[j * CHUNK + s] * vc;
     }
+  }
   for (int j = 0; j < G; ++j) std::memcpy(out + j * out_stride, acc[j], sizeof acc[j]);
 }
 
-// Widths of up to 64 values a pass, in 8-value steps (W <= 8 / G keeps G x W registers).
+// Any width (a multiple of 8): W vectors a pass while G x W accumulators fit the registers.
 template <int G, typename T>
-void weighted_values_any(const float* w, int64_t w_stride, const T* const* v, int64_t n, int64_t value_dim,
+void weighted_values_any(const float* w, const T* const* rows, int64_t offset, int64_t n, int64_t value_dim,
                          float* out, int64_t out_stride) {
-  constexpr int W = G == 1 ? 8 : 4;
+  constexpr int W = G_MAX == 4 ? (G <= 2 ? 8 : 4) : (G == 1 ? 8 : 4);
   int64_t c = 0;
-  for (; c + 8 * W <= value_dim; c += 8 * W)
-    weighted_values<G, W>(w, w_stride, v, n, c, out + c, out_stride);
-  for (; c < value_dim; c += 8) weighted_values<G, 1>(w, w_stride, v, n, c, out + c, out_stride);
+  for (; c + W * L <= value_dim; c += W * L)
+    weighted_values<G, W, V>(w, rows, offset, n, c, out + c, out_stride);
+  for (; c + L <= value_dim; c += L) weighted_values<G, 1, V>(w, rows, offset, n, c, out + c, out_stride);
+  if (c < value_dim) weighted_values<G, 1, v8>(w, rows, offset, n, c, out + c, out_stride);
 }
 
-// Calls f(std::integral_constant<int, G>{}) for a block of G = 1, 2 or 3 query heads
+// Calls f(std::integral_constant<int, G>{}) for a block of G = 1 to 4 query heads
 // (the blocked loops' G must be a constant for their accumulators to be registers).
 template <typename F>
 inline void with_group(int64_t G, F&& f) {
-  if (G == 3)
+  if (G == 4)
+    f(std::integral_constant<int, 4>{});
+  else if (G == 3)
     f(std::integral_constant<int, 3>{});
   else if (G == 2)
     f(std::integral_constant<int, 2>{});
@@ -133,88 +209,144 @@ struct Task {
   int64_t row, first, last;  // keys [first, last) of the row's slots
 };
 
-// Keys [first, first + n8) of `slots` of one KV head of a quantized cache, dequantized
-// (codes times their scales) into kd (n8 x dim) and, unless the value is the key's
-// start under the same scale (MLA's latent), vd (n8 x value_dim); keys and values
-// point at each key's and value's floats. Padding past n repeats key n - 1.
+// A task's float scratch: scores (and scores2, of [split, dim)), weights (heads x CHUNK),
+// tops (heads), the keys' and values' scales (kv_heads x CHUNK).
+struct Buffers {
+  float *scores, *scores2, *weights, *tops, *sk, *sk2, *sv;
+};
+
+// A thread's scratch, kept between calls: a decode step makes one call a layer, and
+// a dozen fresh allocations each would cost more than a short row's attention.
 template <typename T>
-void dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t n8, int64_t head, int64_t dim,
-                     int64_t value_dim, int64_t slot_stride, int64_t head_stride, int64_t v_offset, const Scales& sc,
-                     float* kd, float* vd, const float** keys, const float** values) {
+struct Scratch {
+  std::vector<float> qs, scores, scores2, weights, tops, sk, sk2, sv, kd;
+  std::vector<const T*> rows;        // each key's cache row
+  std::vector<const float*> frows;   // each key's dequantized row (kd)
+  Buffers buffers() {
+    return {scores.data(), scores2.data(), weights.data(), tops.data(), sk.data(), sk2.data(), sv.data()};
+  }
+};
+
+// One task's keys as the passes read them: key s of KV head h at rows[s] + h * head_stride,
+// its value v_offset further; n keys, nL (n rounded up to L) of rows, the padding
+// repeating key n - 1. sc: where a quantized row's scales are (null: unscaled);
+// split: a key's values [0, split) and [split, dim) have scales of their own.
+template <typename T>
+struct Keys {
+  const T* const* rows;
+  int64_t n, nL, head_stride, v_offset, split, row_bytes;  // row_bytes: each row's, read ahead (0: none)
+  const Scales* sc;
+};
+
+// Keys [first, first + nL) of `slots` of one KV head of a quantized cache, dequantized
+// (codes times their scales) into kd, a row per key: the key's dim floats, then its
+// value's value_dim unless the value is the key's start under the same scale (MLA's
+// latent). Returns the rows' value offset.
+template <typename T>
+int64_t dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t nL, int64_t head, int64_t dim,
+                        int64_t value_dim, int64_t slot_stride, int64_t head_stride, int64_t v_offset,
+                        const Scales& sc, float* kd, const float** rows) {
   const bool shared = v_offset == 0 && sc.value == 0 && value_dim <= sc.split;
-  for (int64_t s = 0; s < n8; ++s) {
+  const int64_t stride = shared ? dim : dim + value_dim;
+  for (int64_t s = 0; s < nL; ++s) {
     const T* row = cache + slots[std::min(s, n - 1)] * slot_stride;
     const T* key = row + head * head_stride;
     const int64_t i = head * sc.head;
     const float k0 = scale_at(row, sc, i), k1 = sc.split < dim ? scale_at(row, sc, i + 1) : 0.0f;
-    float* ks = kd + s * dim;
+    float* ks = kd + s * stride;
     for (int64_t c = 0; c < dim; c += 8) storev(ks + c, load8(key + c) * (c < sc.split ? k0 : k1));
-    keys[s] = ks;
-    if (shared) {
-      values[s] = ks;
-      continue;
-    }
-    float* vs = vd + s * value_dim;
+    rows[s] = ks;
+    if (shared) continue;
     const float v0 = scale_at(row, sc, sc.value + i);
-    for (int64_t c = 0; c < value_dim; c += 8) storev(vs + c, load8(key + v_offset + c) * v0);
-    values[s] = vs;
+    for (int64_t c = 0; c < value_dim; c += 8) storev(ks + dim + c, load8(key + v_offset + c) * v0);
   }
+  return shared ? 0 : dim;
 }
 
-// One KV head's g query heads over n keys (n8: n rounded up to 8, the padding
-// pointing at key n - 1): q (g x dim, scaled to log2 units), keys/values pointers
-// to T. sk/sk2/sv: per key, the scales of the key's values [0, split) and
-// [split, dim) and of its value (null: unscaled). cap > 0: scores soft-capped at cap
-// (log2 units). Leaves out (g x value_dim) and lse (g) for the run; scores and weights
-// are g x CHUNK scratch, tops g.
+// The `kv` KV heads of a task, each with its g query heads: q (kv * g x dim, scaled to log2
+// units), cap > 0: scores soft-capped at cap (log2 units). Leaves out (kv * g x value_dim)
+// and lse (kv * g) for the run. Three passes: the scores of every head, block by block of
+// L keys in slot order; the softmax of each query head; the weighted values, KV head by
+// KV head.
 template <typename T>
-void heads_over(const float* q, int64_t g, int64_t dim, int64_t value_dim, int64_t split, const T* const* keys,
-                const T* const* values, const float* sk, const float* sk2, const float* sv, int64_t n, int64_t n8,
-                float cap, float* scores, float* weights, float* tops, float* out, float* lse) {
-  for (int64_t j0 = 0; j0 < g; j0 += G_MAX) {
-    const int64_t G = std::min<int64_t>(G_MAX, g - j0);
-    for (int64_t s = 0; s < n8; s += 8) {
-      v8 d[G_MAX], d2[G_MAX];
-      with_group(G, [&](auto group) {
-        dots<group.value>(q + j0 * dim, dim, keys + s, 0, split, d);
-        if (split < dim) dots<group.value>(q + j0 * dim, dim, keys + s, split, dim, d2);
+void heads_over(const float* q, int64_t g, int64_t kv, int64_t dim, int64_t value_dim, const Keys<T>& K, float cap,
+                const Buffers& w, float* out, float* lse) {
+  const int64_t n = K.n, nL = K.nL, split = K.split, heads = kv * g;
+  const Scales* sc = K.sc;
+  // Local copies of the pointers: the compiler keeps them in registers through the stores.
+  float *const scores = w.scores, *const scores2 = w.scores2, *const weights = w.weights, *const tops = w.tops;
+  float *const sk = w.sk, *const sk2 = w.sk2, *const sv = w.sv;
+  if (K.row_bytes) {  // the run's rows into cache first: every line's load at once, overlapping
+    uint8_t touched = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* row = reinterpret_cast<const uint8_t*>(K.rows[i]);
+      for (int64_t b = 0; b < K.row_bytes; b += 64) touched ^= row[b];
+      touched ^= row[K.row_bytes - 1];
+    }
+    asm volatile("" : : "r"(touched));  // kept: the loads are what is wanted
+  }
+  for (int64_t s = 0; s < nL; s += L) {
+    if (sc)  // every head's scales of the block's keys
+      for (int64_t a = s; a < std::min(s + L, n); ++a)
+        for (int64_t h = 0; h < kv; ++h) {
+          sk[h * CHUNK + a] = scale_at(K.rows[a], *sc, h * sc->head);
+          if (split < dim) sk2[h * CHUNK + a] = scale_at(K.rows[a], *sc, h * sc->head + 1);
+          sv[h * CHUNK + a] = scale_at(K.rows[a], *sc, sc->value + h * sc->head);
+        }
+    for (int64_t h = 0; h < kv; ++h) {
+      for (int64_t j0 = 0; j0 < g; j0 += G_MAX)
+        with_group(std::min<int64_t>(G_MAX, g - j0), [&](auto group) {
+          const int64_t hq = h * g + j0;
+          auto block = [&](auto vector, int64_t c0, int64_t c1, float* into) {
+            using VV = decltype(vector);
+            constexpr int KB = KEYS_PER<group.value, VV>;
+            for (int64_t i = s; i < s + L; i += KB)
+              dots<group.value, VV>(q + hq * dim, dim, K.rows + i, h * K.head_stride, c0, c1, into + i);
+          };
+          for (auto [c0, c1, into] : {std::tuple{int64_t(0), split, scores}, std::tuple{split, dim, scores2}}) {
+            if (c0 == c1) continue;
+            if ((c1 - c0) % L == 0)
+              block(V{}, c0, c1, into + hq * CHUNK);
+            else
+              block(v8{}, c0, c1, into + hq * CHUNK);
+          }
+        });
+    }
+  }
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const int64_t h = hq / g;
+    float* sj = scores + hq * CHUNK;
+    for (int64_t s = 0; s < nL; s += L) {
+      V x = loadv<V>(sj + s);
+      if (sc) x *= loadv<V>(sk + h * CHUNK + s);  // a key's scale multiplies its dot products
+      if (split < dim) x += loadv<V>(scores2 + hq * CHUNK + s) * loadv<V>(sk2 + h * CHUNK + s);
+      if (cap > 0.0f) x = online_softmax::soft_capped<V, widest::veci>(x, cap);
+      storev(sj + s, x);
+    }
+    for (int64_t s = n; s < nL; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
+    V top_v = loadv<V>(sj);
+    for (int64_t s = L; s < nL; s += L) top_v = top_v < loadv<V>(sj + s) ? loadv<V>(sj + s) : top_v;
+    const float top = tops[hq] = hmax(top_v);
+    V total_v = {};
+    float* wj = weights + hq * CHUNK;
+    for (int64_t s = 0; s < nL; s += L) {
+      const V e = exp2_nonpositive<V, widest::veci>(loadv<V>(sj + s) - top);
+      total_v += e;
+      storev(wj + s, sc ? e * loadv<V>(sv + h * CHUNK + s) : e);  // a value's scale rides on its weight
+    }
+    lse[hq] = hsum(total_v);  // the softmax's sum for now, its log below
+  }
+  for (int64_t h = 0; h < kv; ++h)
+    for (int64_t j0 = 0; j0 < g; j0 += G_MAX)
+      with_group(std::min<int64_t>(G_MAX, g - j0), [&](auto group) {
+        const int64_t hq = h * g + j0;
+        weighted_values_any<group.value>(weights + hq * CHUNK, K.rows, h * K.head_stride + K.v_offset, n,
+                                         value_dim, out + hq * value_dim, value_dim);
       });
-      for (int64_t j = 0; j < G; ++j) {
-        v8 sc = d[j];
-        if (sk) sc *= load8(sk + s);
-        if (split < dim) sc += sk2 ? d2[j] * load8(sk2 + s) : d2[j];
-        storev(scores + (j0 + j) * CHUNK + s, sc);
-      }
-    }
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    float* sj = scores + j * CHUNK;
-    if (cap > 0.0f)
-      for (int64_t s = 0; s < n8; s += 8) storev(sj + s, online_softmax::soft_capped<v8, v8i>(load8(sj + s), cap));
-    for (int64_t s = n; s < n8; ++s) sj[s] = -INFINITY;  // padding: weight exp(-inf) = 0
-    v8 top8 = load8(sj);
-    for (int64_t s = 8; s < n8; s += 8) top8 = top8 < load8(sj + s) ? load8(sj + s) : top8;
-    const float top = tops[j] = hmax(top8);
-    v8 total8 = {};
-    float* wj = weights + j * CHUNK;
-    for (int64_t s = 0; s < n8; s += 8) {
-      const v8 e = exp2_nonpositive<v8, v8i>(load8(sj + s) - top);
-      total8 += e;
-      storev(wj + s, sv ? e * load8(sv + s) : e);  // a value's scale rides on its weight
-    }
-    lse[j] = hsum(total8);  // the softmax's sum for now, its log below
-  }
-  for (int64_t j0 = 0; j0 < g; j0 += G_MAX) {
-    const int64_t G = std::min<int64_t>(G_MAX, g - j0);
-    with_group(G, [&](auto group) {
-      weighted_values_any<group.value>(weights + j0 * CHUNK, CHUNK, values, n, value_dim, out + j0 * value_dim,
-                                       value_dim);
-    });
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    const float total = lse[j];
-    for (int64_t i = 0; i < value_dim; ++i) out[j * value_dim + i] /= total;
-    lse[j] = (tops[j] + std::log2(total)) * LN2;
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const float total = lse[hq];
+    for (int64_t i = 0; i < value_dim; ++i) out[hq * value_dim + i] /= total;
+    lse[hq] = (tops[hq] + std::log2(total)) * LN2;
   }
 }
 
@@ -245,66 +377,46 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
 
 #pragma omp parallel if (n_tasks > 1)  // one run of keys (a row of at most MIN_RUN): a team would only wait
   {
-    // Scratch kept per thread between calls: a decode step makes one call a layer, and
-    // a dozen fresh allocations each would cost more than a short row's attention.
-    static thread_local std::vector<float> qs, scores, weights, tops, sk, sk2, sv, kd, vd;
-    static thread_local std::vector<const T*> keys, values;
-    static thread_local std::vector<const float*> fkeys, fvalues;
+    static thread_local Scratch<T> scratch;
     auto at_least = [](auto& v, int64_t size) {
       if (int64_t(v.size()) < size) v.resize(size);
     };
-    at_least(qs, heads * dim);
-    for (auto* v : {&scores, &weights}) at_least(*v, g * CHUNK);
-    for (auto* v : {&sk, &sk2, &sv}) at_least(*v, CHUNK);
-    at_least(tops, g);
-    at_least(keys, CHUNK);
-    at_least(values, CHUNK);
-    if (dequantize) {  // a run's dequantized keys and values (MLA's 256 x 576 floats)
-      at_least(kd, CHUNK * dim);
-      at_least(vd, CHUNK * value_dim);
-      at_least(fkeys, CHUNK);
-      at_least(fvalues, CHUNK);
-    }
-    const int64_t row_bytes = slot_stride * int64_t(sizeof(T));
+    at_least(scratch.qs, heads * dim);
+    for (auto* v : {&scratch.scores, &scratch.weights}) at_least(*v, heads * CHUNK);
+    if (split < dim) at_least(scratch.scores2, heads * CHUNK);
+    for (auto* v : {&scratch.sk, &scratch.sk2, &scratch.sv}) at_least(*v, kv_heads * CHUNK);
+    at_least(scratch.tops, heads);
+    at_least(scratch.rows, CHUNK);
+    at_least(scratch.frows, CHUNK);
+    if (dequantize) at_least(scratch.kd, CHUNK * (dim + value_dim));  // a run's keys and values (MLA's 256 x 576)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
-      const int64_t n = task.last - task.first, n8 = (n + 7) / 8 * 8;
+      const int64_t n = task.last - task.first, nL = (n + L - 1) / L * L;
       const int64_t* ts = slots + task.first;
       const float* qt = q + task.row * heads * dim;
-      for (int64_t i = 0; i < heads * dim; ++i) qs[i] = qt[i] * (scale * LOG2E);  // scores in log2 units (vec.h)
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        float* o = part_out.data() + (t * heads + h * g) * value_dim;
-        float* l = part_lse.data() + t * heads + h * g;
-        const float* qh = qs.data() + h * g * dim;
-        if (dequantize) {
-          dequantize_task(cache, ts, n, n8, h, dim, value_dim, slot_stride, head_stride, v_offset, *sc, kd.data(),
-                          vd.data(), fkeys.data(), fvalues.data());
-          heads_over(qh, g, dim, value_dim, dim, fkeys.data(), fvalues.data(), nullptr, nullptr, nullptr, n, n8, cap,
-                     scores.data(), weights.data(), tops.data(), o, l);
-          continue;
+      // scores in log2 units (vec.h)
+      for (int64_t i = 0; i < heads * dim; ++i) scratch.qs[i] = qt[i] * (scale * LOG2E);
+      float* o = part_out.data() + t * heads * value_dim;
+      float* l = part_lse.data() + t * heads;
+      const Buffers buffers = scratch.buffers();
+      if (dequantize) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t offset = dequantize_task(cache, ts, n, nL, h, dim, value_dim, slot_stride, head_stride,
+                                                 v_offset, *sc, scratch.kd.data(), scratch.frows.data());
+          const Keys<float> K{scratch.frows.data(), n, nL, 0, offset, dim, 0, nullptr};
+          heads_over(scratch.qs.data() + h * g * dim, g, 1, dim, value_dim, K, cap, buffers, o + h * g * value_dim,
+                     l + h * g);
         }
-        for (int64_t s = 0; s < n8; ++s) {  // padding up to a multiple of 8 reads the last key again
-          const T* row = cache + ts[std::min(s, n - 1)] * slot_stride;
-          if (h == 0 && s + PREFETCH < n) {  // the whole row: every KV head's key and value, and the scales
-            const char* ahead = reinterpret_cast<const char*>(cache + ts[s + PREFETCH] * slot_stride);
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-          }
-          keys[s] = row + h * head_stride;
-          values[s] = keys[s] + v_offset;
-          if constexpr (quantized) {
-            sk[s] = scale_at(row, *sc, h * sc->head);
-            if (split < dim) sk2[s] = scale_at(row, *sc, h * sc->head + 1);
-            sv[s] = scale_at(row, *sc, sc->value + h * sc->head);
-          }
-        }
-        heads_over(qh, g, dim, value_dim, split, keys.data(), values.data(), quantized ? sk.data() : nullptr,
-                   quantized ? sk2.data() : nullptr, quantized ? sv.data() : nullptr, n, n8, cap, scores.data(),
-                   weights.data(), tops.data(), o, l);
+        continue;
       }
+      for (int64_t s = 0; s < nL; ++s) scratch.rows[s] = cache + ts[std::min(s, n - 1)] * slot_stride;
+      const Keys<T> K{scratch.rows.data(), n, nL, head_stride, v_offset, split, slot_stride * int64_t(sizeof(T)),
+                      quantized ? sc : nullptr};
+      heads_over(scratch.qs.data(), g, kv_heads, dim, value_dim, K, cap, buffers, o, l);
     }
 
-    // Merge each row's runs per query head: out = sum_c exp(lse_c - L) out_c, L = logsumexp_c lse_c.
+    // Merge each row's runs per query head: out = sum_c exp(lse_c - Z) out_c, Z = logsumexp_c lse_c.
 #pragma omp for
     for (int64_t bh = 0; bh < rows * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads, t0 = first_task[b], t1 = first_task[b + 1];
