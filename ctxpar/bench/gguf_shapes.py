@@ -16,9 +16,11 @@ model's, and the MoE shapes keep a few of their layers (their names say how many
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -224,8 +226,9 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     if name not in SHAPES or fmt not in FORMATS:
         raise CtxparError(f"unknown shape {name!r} or format {fmt!r}: shapes {list(SHAPES)}, formats {list(FORMATS)}")
     s, block = SHAPES[name], FORMATS[fmt][0]
-    reader = gguf.GGUFReader(tokenizer_from)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    stat = tokenizer_from.stat()
+    tokenizer = _tokenizer_fields(tokenizer_from.resolve(), stat.st_mtime_ns, stat.st_size)
+    vocab = next(len(value) for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens")
     layout = tensors(s, vocab)
     widths = sorted({dims[-1] for _, dims, fill in layout if fill == BLOCKS})
     fits = [f for f, (n, _) in FORMATS.items() if all(w % n == 0 for w in widths)]
@@ -239,7 +242,8 @@ def write_gguf(name: str, fmt: str, path: Path, tokenizer_from: Path, seed: int 
     # special tokens (</s>, <unk>, <s>, <|endoftext|>) to mark them, which SmolLM2's vocabulary has not.
     w.add_name(re.sub("phi-?3", "phi 3", f"{name} (random weights)", flags=re.IGNORECASE))
     _add_metadata(w, s, vocab)
-    _copy_tokenizer(reader, w)
+    for key, value, kind, sub_type in tokenizer:
+        w.add_key_value(key, value, kind, sub_type=sub_type)
     kind, nbytes = gguf.GGMLQuantizationType[fmt], FORMATS[fmt][1]
     for tname, dims, fill in layout:
         if fill == BLOCKS:
@@ -306,15 +310,18 @@ def _add_metadata(w, s: Shape, vocab: int) -> None:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
 
 
-def _copy_tokenizer(reader, w) -> None:
-    """Every tokenizer.* field of ``reader`` (SmolLM2's vocabulary, merges, special ids, chat template)."""
+@functools.lru_cache(maxsize=1)
+def _tokenizer_fields(path: Path, mtime_ns: int, size: int) -> list[tuple[str, Any, Any, Any]]:
+    """(key, value, type, array element type) of every tokenizer.* field of the GGUF at ``path``
+    (SmolLM2's vocabulary, merges, special ids, chat template); kept for the same file (path,
+    mtime and size) because gguf-py takes seconds to parse 49K tokens and as many merges, and
+    benchmarks and tests write several files from one."""
+    import gguf
     from gguf import GGUFValueType
 
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), kind)
+    fields = []
+    for key, field in gguf.GGUFReader(path).fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            fields.append((key, field.contents(), kind, field.types[-1] if kind == GGUFValueType.ARRAY else None))
+    return fields
