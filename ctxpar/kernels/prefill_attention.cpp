@@ -14,8 +14,10 @@
 //       scores = Q · K^T        M x BK  (K^T packed once per call, D x S)
 //       [soft cap]; mask the block's future keys (diagonal blocks only) and the
 //       window's past ones
-//       online softmax: row max, rescale, p = 2^(score - max), scores in log2 units
-//       O += P · V              M x Dv  (V rows read in place)
+//       online softmax: row max, rescale, p = 2^(score - max), scores in log2 units,
+//       p = 0 exactly for a key the row does not see
+//       O += P · V              M x Dv  (V rows read in place; a tile of rows up to the
+//                                        last key one of them sees)
 //     out = O / row sums,  lse = (max + log2(row sums)) ln 2
 //
 // Both products run as tiles of ROWS rows x 4 vectors whose accumulators stay
@@ -40,13 +42,16 @@ namespace {
 
 using widest::vec;  // AVX-512: 32 registers of 16 floats, tiles of 6 x 4 vectors (24 accumulators);
 using widest::W;    // else 16 registers of 8 floats, tiles of 3 x 4 vectors (12 accumulators)
+using widest::veci;
 constexpr int64_t ROWS = W == 16 ? 6 : 3;
 constexpr int64_t TILE = 4 * W;  // columns of a tile
 // Chosen by measurement (2 threads, AVX-512, 9/3 heads of 64, 2048 queries
-// after 0 and 4096 keys): 6-row tiles beat 4-row ones by 1.2x; BK 128 and
-// BQ 16 or 64 were within noise of these.
+// after 0 and 4096 keys): 6-row tiles beat 4-row ones by 1.2x; BK 128 was within
+// noise of 64. A quantized cache's blocks are dequantized once per task: 64 queries
+// a task (not 32) halve that, 1.1x at 2048 tokens (1 thread, 9/3 heads of 64).
+// Which queries share a task changes no bit of theirs (online_softmax.h).
 constexpr int64_t BK = 64;  // keys per block (a multiple of TILE)
-constexpr int64_t BQ = 32;  // queries per task
+constexpr int64_t BQ = 64;  // queries per task, at most
 
 // c[r][0, TILE) = (c[r][0, TILE) * keep[r] if keep) + sum_d a[r][d] * b(d)[0, TILE)
 // for r < ROWS: a and c row-major with strides lda and ldc, b(d) the address of
@@ -73,23 +78,57 @@ inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, con
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// W codes from p as floats (load8's, eight at a time).
+template <typename T>
+inline vec load_codes(const T* p) {
+#ifdef __AVX512F__
+  const v8 lo = load8(p), hi = load8(p + 8);
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return load8(p);
+#endif
+}
+
+// Stage b of a W x W transpose (transpose below): rows i and i + b (i & b == 0) swap
+// their off-diagonal b x b blocks, one two-vector permutation a row.
+template <int b>
+inline void transpose_stage(vec* r) {
+  veci lane;
+  for (int j = 0; j < W; ++j) lane[j] = j;
+  const veci high = (lane & b) != 0;  // lanes of the right-hand block
+  const veci take_low = high ? lane - b + int(W) : lane, take_high = high ? lane + int(W) : lane + b;
+  for (int i = 0; i < W; ++i)
+    if (!(i & b)) {
+      const vec x = r[i], y = r[i + b];
+      r[i] = __builtin_shuffle(x, y, take_low), r[i + b] = __builtin_shuffle(x, y, take_high);
+    }
+  if constexpr (b > 1) transpose_stage<b / 2>(r);
+}
+
+// Rows r[0, W) of a W x W block, transposed in place: log2(W) stages.
+inline void transpose(vec* r) { transpose_stage<W / 2>(r); }
+
 // Keys [s0, s0 + keys) of KV head h of a quantized cache, dequantized: K^T into
 // kt (dim x BK, padding keys 0) and V into vb (keys x value_dim). k: the rows
 // (k_stride bytes apart, K of head h at h * dim, scales as `sc`), v = k + V's offset.
+// K goes W keys by W dims at a time: dequantized a key a row, then transposed in
+// registers (a scalar store per value cost more than the products it feeds).
 template <typename T>
 void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int64_t keys, int64_t h, int64_t dim,
                       int64_t value_dim, const Scales& sc, float* kt, float* vb) {
-  for (int64_t s = 0; s < BK; ++s) {
-    if (s >= keys) {
-      for (int64_t d = 0; d < dim; ++d) kt[d * BK + s] = 0.0f;
-      continue;
+  for (int64_t s1 = 0; s1 < BK; s1 += W)
+    for (int64_t d0 = 0; d0 < dim; d0 += W) {
+      vec r[W];
+      for (int64_t s = 0; s < W; ++s) {
+        const T* row = k + (s0 + s1 + s) * k_stride;
+        r[s] = s1 + s < keys ? load_codes(row + h * dim + d0) * scale_at(row, sc, h * sc.head) : vec{};
+      }
+      transpose(r);
+      for (int64_t d = 0; d < W; ++d) storev(kt + (d0 + d) * BK + s1, r[d]);
     }
+  for (int64_t s = 0; s < keys; ++s) {
     const T* row = k + (s0 + s) * k_stride;
-    const float ks = scale_at(row, sc, h * sc.head), vs = scale_at(row, sc, sc.value + h * sc.head);
-    for (int64_t d = 0; d < dim; d += 8) {
-      const v8 x = load8(row + h * dim + d) * ks;
-      for (int i = 0; i < 8; ++i) kt[(d + i) * BK + s] = x[i];
-    }
+    const float vs = scale_at(row, sc, sc.value + h * sc.head);
     for (int64_t d = 0; d < value_dim; d += 8) {
       const v8 x = load8(v + (s0 + s) * k_stride + h * value_dim + d) * vs;
       std::memcpy(vb + s * value_dim + d, &x, sizeof x);
@@ -100,8 +139,9 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
 // T float, or a quantized cache's codes with its scales `sc` (null for float):
 // prefill_attention_f32 / prefill_attention_quant below.
 // with_counts and variant (a window or a soft cap) template arguments: the causal path's loops
-// compile as they did before counts and variants existed (a run-time test of them there changed
-// how the compiler contracted its float steps, and so a quantized cache's bits).
+// test neither at run time. Every path weighs a key a row does not see exactly 0 (zero_unseen),
+// so that P · V may stop at the last key a tile's rows see, and a row's bits depend neither on
+// the rows beside it nor on how many keys the call holds past its own.
 template <bool with_counts, bool variant, typename T>
 void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, int64_t heads, int64_t kv_heads,
                   int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
@@ -121,11 +161,12 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
     return 0;
   };
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
-  const int64_t S_pad = round_up(S, BK), M = round_up(BQ * g, ROWS), M_vec = round_up(M, W);
+  const int64_t bq = std::min(BQ, L);  // a short chunk's task pads no rows for queries it lacks
+  const int64_t S_pad = round_up(S, BK), M = round_up(bq * g, ROWS), M_vec = round_up(M, W);
   // Float keys: K^T per KV head, zero-padded to whole blocks, packed once per call:
   // (kv_heads, dim, S_pad). Quantized keys are dequantized block by block instead.
   std::vector<float> kt(quantized ? 0 : kv_heads * dim * S_pad, 0.0f);
-  const int64_t q_blocks = (L + BQ - 1) / BQ;
+  const int64_t q_blocks = (L + bq - 1) / bq;
 
 #pragma omp parallel
   {
@@ -146,7 +187,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t nb = 0; nb < q_blocks; ++nb)
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t i0 = (q_blocks - 1 - nb) * BQ, n = std::min(BQ, L - i0);
+        const int64_t i0 = (q_blocks - 1 - nb) * bq, n = std::min(bq, L - i0);
         std::fill(qb.begin(), qb.end(), 0.0f);  // padding rows score 0 and are never written out
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j)
@@ -183,15 +224,19 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           };
           if constexpr (variant)
             if (soft_cap > 0.0f) online_softmax::cap_scores(scores.data(), M, BK, 1.0f, soft_cap * LOG2E);
-          online_softmax::block<with_counts || variant, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
+          online_softmax::block<true, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
                                              [&](int64_t m, int64_t s, vec p) {
                                                storev(scores.data() + m * BK + s, p);
                                                return p;
                                              });
-          for (int64_t m = 0; m < M; m += ROWS)
+          // P · V over the keys some row of the tile sees: past them every weight is exactly 0.
+          for (int64_t m = 0; m < M; m += ROWS) {
+            int64_t depth = 0;
+            for (int64_t r = 0; r < ROWS; ++r) depth = std::max(depth, seen(m + r));
             for (int64_t c = 0; c < value_dim; c += TILE)
-              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, keys,
+              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, depth,
                            rescale.data() + m, o.data() + m * value_dim + c, value_dim);  // O rescaled as loaded
+          }
         }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
