@@ -21,7 +21,8 @@ loaded file's are: per case its GOP/s (2 per multiply-add), their fraction of th
 int8 peak measured in the same run (kernels.quant.int8_peak_ops: the dot-product
 instructions alone, in registers, on every thread), and the time of the same
 product in bf16 through oneDNN (``F.linear``), the runs interleaved. ``--kv-decode``
-times instead the decode attention over an int8 KV cache at 2K-16K keys (kv_decode.py).
+times instead the decode attention over an int8 KV cache at 2K-16K keys (kv_decode.py),
+``--kv-prefill`` a layer's prefill attention over each KV-cache format (kv_prefill.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from ctxpar import kernels
 from ctxpar.bench.gguf_shapes import random_blocks
 from ctxpar.bench.kv_decode import run_kv_decode
+from ctxpar.bench.kv_prefill import run_kv_prefill
 from ctxpar.bench.machine_line import describe_machine
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
@@ -77,12 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-decode", action="store_true", help="the decode attention over an int8 KV cache at 2K-16K keys instead"
     )
+    parser.add_argument(
+        "--kv-prefill", action="store_true", help="a layer's prefill attention over each KV-cache format instead"
+    )
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[16, 512, 2048], help="--quant: token rows")
     parser.add_argument("--formats", nargs="+", choices=["Q4_0", "Q8_0"], default=["Q4_0"], help="--quant: blocks")
     parser.add_argument(
         "--per-core",
         action="store_true",
-        help="--quant, --kv-decode: one thread, timed by its CPU time (a core's figures, whatever else runs)",
+        help="--quant, --kv-decode, --kv-prefill: one thread, timed by its CPU time (a core's figures)",
     )
     parser.add_argument(
         "--march",
@@ -234,11 +239,14 @@ def _quant_projections(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.march:  # before the library's first load, which builds it for the target named here
         os.environ[MARCH_ENV] = args.march
-    if args.kv_decode or args.quant:
+    if args.kv_decode or args.kv_prefill or args.quant:
         if not kernels.available():
             raise CtxparError("ctxpar's kernels are not available here (CTXPAR_KERNELS=0, or no C++ compiler)")
         if args.kv_decode:
             run_kv_decode(args)
+            return
+        if args.kv_prefill:
+            run_kv_prefill(args)
             return
         print(f"{describe_machine()}; kernels built for -march={target_cpu()}")
         _quant_projections(args)
