@@ -209,6 +209,9 @@ def tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from ctxpar.bench.gguf_shapes import Shape, write_gguf
 
     monkeypatch.setitem(gguf_shapes.SHAPES, "tiny", Shape(256, 2, 4, 2, 64, 512, 10000.0, tied=False))
+    # The kernel library loaded from the usual cache, and put in this one for the fresh process below:
+    # its subject is a load's imports, not a kernel build.
+    share_kernel_library(tmp_path / "cache")
     monkeypatch.setenv("CTXPAR_CACHE", str(tmp_path / "cache"))
     return write_gguf("tiny", "Q4_0", tmp_path / "tiny.gguf", default_model_path())
 
@@ -238,7 +241,6 @@ def test_a_load_imports_no_model_config_module_and_generates_as_before(
     assert mine == before
 
     script = LOAD.format(heavy=HEAVY, prompt=PROMPT)
-    share_kernel_library(tmp_path / "cache")  # the process's subject is its imports, not a kernel build
     env = {**os.environ, "CTXPAR_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-c", script, str(tiny_gguf), str(hf_dir)], env=env, capture_output=True, text=True
