@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <omp.h>
+
 #include "kv_codes.h"
 #include "online_softmax.h"
 #include "vec.h"
@@ -161,7 +163,10 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
     return 0;
   };
   const float scale_log2 = scale * LOG2E;  // scores in log2 units (vec.h)
-  const int64_t bq = std::min(BQ, L);  // a short chunk's task pads no rows for queries it lacks
+  // Fewer queries a task where that leaves each thread under two tasks (a short chunk), and no
+  // padding rows for queries a chunk lacks.
+  const int64_t threads = omp_get_max_threads();
+  const int64_t bq = std::min(BQ, std::max<int64_t>(1, (L * kv_heads + 2 * threads - 1) / (2 * threads)));
   const int64_t S_pad = round_up(S, BK), M = round_up(bq * g, ROWS), M_vec = round_up(M, W);
   // Float keys: K^T per KV head, zero-padded to whole blocks, packed once per call:
   // (kv_heads, dim, S_pad). Quantized keys are dequantized block by block instead.
