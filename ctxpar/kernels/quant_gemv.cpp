@@ -54,6 +54,17 @@ namespace {
 
 constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
+constexpr int LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // 4 bits, AVX2: lane i of 8 blocks' vector holds block LANE[i]
+constexpr int NR = 2;       // output rows a pass of the packed 4-bit loop takes together (packed_q4)
+constexpr int64_t PACKED_ROWS = 16;  // 4 bits, AVX2: rows from which packing the weights pays (rows_q4)
+constexpr int64_t PACKED_PASS = 64;  // and the fewest rows a pass then takes: each output row is packed once a pass
+
+// f(std::integral_constant<int, mr>) for a run-time mr in 1..top: the row loops unroll.
+template <int top = MR, typename F>
+inline void with_rows(int mr, F&& f) {
+  if (mr == top) return f(std::integral_constant<int, top>());
+  if constexpr (top > 1) with_rows<top - 1>(mr, f);
+}
 
 // x (n, in) -> xq (n, in) int8, xd (n, in/QB) scales, xs (n, in/QB) = xd * sum(q) per block,
 // xz (n, in/QB) -zero * sum(q) where asked (zero 8's integer term: sum (q - 8) x = sum q x + xz),
@@ -186,25 +197,113 @@ inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const flo
 }
 
 #if defined(__AVX2__)
-// The 4-bit weights two blocks at a time: blocks 2p and 2p+1 (32 bytes, one load apiece),
-// whose low nibbles are both blocks' first 16 weights and high nibbles their last 16;
-// the activations are paired to match (quantize_rows' xp). One load, one shift, two
-// ands, two maddubs (an s16 lane sums 4 products: < 2^13), one madd, one convert and
-// one fused multiply-add serve two blocks, whose scales (weight x activation, for 8
-// blocks at once) one permute spreads over their halves of the vector. Half the
-// instructions of a block at a time: the kernel is compute-bound on AVX2.
-template <typename S, int mr>
-void row_dot_q4(const PartView<S>& wt, int64_t o, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
-                const float* xs, int64_t m0, int64_t in, float* res) {
-  const int64_t nb = in / QB, pairs = nb / 2;
+// The 4-bit weights (groups of 32: one scale a block), 8 blocks at a time. A row's arithmetic
+// is one code whatever computes its integers: per 8 blocks, a vector of their 8 integer sums
+// (exact), converted once and fused-multiply-added with the 8 blocks' weight x activation
+// scales into the row's one accumulator, lane i holding block LANE[i] of the 8; the blocks
+// past the last 8 in a float after; then the accumulator's lanes summed (hsum8), the tail and
+// the offsets term. Two ways to the same integers:
+//   direct (few rows, rows_q4): the weights as stored, two blocks a 32-byte load, whose
+//     sums three hadds gather into the 8 (hadd's order is LANE's);
+//   packed (many rows, packed_q4): each output row's weights unpacked to bytes and transposed
+//     once a pass (pack_row_q4), and the activations once a call (transpose_rows), so that
+//     vector k of 8 blocks holds weights 4k..4k+3 of each in lane i's block: 8 dot products
+//     of full vectors make the 8 sums with no reduction, and the float steps, one convert,
+//     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them.
+
+// 8 rows of 8 int32 (row i: lane i's block, 32 bytes) -> row k = lane i's int32 k, for every i.
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+    r[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+  }
+}
+
+// Output row o's 4-bit weights as packed_q4 reads them: per 8 blocks, 8 vectors of 32 bytes.
+template <typename S>
+inline void pack_row_q4(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    __m256i r[8];
+    for (int i = 0; i < 8; ++i) r[i] = load_block<4>(w.block(o, b + LANE[i]));
+    transpose8(r);
+    for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + (b + k) * 4 * 8), r[k]);
+  }
+}
+
+// The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
+// xt is not null their codes (n, in) as pack_row_q4 packs the weights (the blocks past the
+// last 8 as they are).
+inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int8_t* xt, float* xdl) {
+  const int64_t nb = in / QB;
+  for (int64_t m = 0; m < n; ++m) {
+    const int8_t* q = xq + m * in;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      for (int i = 0; i < 8; ++i) xdl[m * nb + b + i] = xd[m * nb + b + LANE[i]];
+      if (!xt) continue;
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
+      transpose8(r);
+      for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
+    }
+    if (xt) std::copy(q + b * QB, q + in, xt + m * in + b * QB);
+  }
+}
+
+// 8 blocks' weight scales (ws: stored in block order) in LANE's order.
+inline __m256 lane_scales(const float* ws) {
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(ws), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+
+// One 8 blocks' step of a row: acc += float(sums) * (weight scales * activation scales), all lane-ordered.
+inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xd)), acc);
+}
+
+// The rows' results from their accumulators: the blocks past the last 8 one at a time (their
+// codes as stored in xq), the lanes' sum, the offsets term.
+template <int mr>
+inline void finish_q4(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
+                      int64_t m0, int64_t in, const __m256* acc, float* res) {
+  const int64_t nb = in / QB;
+  for (int m = 0; m < mr; ++m) {
+    const int64_t r = m0 + m;
+    float tail = 0.0f;
+    for (int64_t b = nb / 8 * 8; b < nb; ++b) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      const float sum = hsum8(_mm256_cvtepi32_ps(block_dot<4>(load_block<4>(wt.block(0, b)), x)));  // exact
+      tail = std::fma(sum, wt.scale(0, b) * xd[r * nb + b], tail);
+    }
+    res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, zero, xs + r * nb, nb);
+  }
+}
+
+// Rows [m0, m0 + mr) against output row wt (row_floats'), the weights as stored; xp the
+// paired codes (quantize_rows), xdl transpose_rows'.
+template <int mr>
+void rows_q4(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
+             const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
-  __m256 acc[2][mr];
-  for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  auto pair = [&](int64_t p, __m256i spread, const __m256* scales, __m256* a) __attribute__((always_inline)) {
-    const uint8_t *first = wt.block(o, 2 * p), *second = wt.block(o, 2 * p + 1);
+  __m256 acc[mr];
+  for (int m = 0; m < mr; ++m) acc[m] = _mm256_setzero_ps();
+  // Pair p's sums, lanes 0-3 block 2p's quarters and 4-7 block 2p + 1's, for each row.
+  auto pair = [&](int64_t p, __m256i* v) __attribute__((always_inline)) {
+    const uint8_t *first = wt.block(0, 2 * p), *second = wt.block(0, 2 * p + 1);
     _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
     const __m256i w = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second), reinterpret_cast<const __m128i*>(first));
     const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -213,46 +312,75 @@ void row_dot_q4(const PartView<S>& wt, int64_t o, float zero, const int8_t* xq, 
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
 #if defined(CTXPAR_DPBUSD)
-      const __m256 s = _mm256_cvtepi32_ps(CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb));
+      v[m] = CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
 #else
-      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
-      const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      v[m] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones);
 #endif
-      a[m] = _mm256_fmadd_ps(s, _mm256_permutevar8x32_ps(scales[m], spread), a[m]);
     }
   };
-  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  int64_t p = 0;
-  for (; p + 4 <= pairs; p += 4) {  // 8 blocks: their scales in one vector a row
-    __m256 scales[mr];
-    const __m256 wv = load8_ps(wt.s + o * wt.s_row + 2 * p * wt.s_col, wt.s_col);
-    for (int m = 0; m < mr; ++m) scales[m] = _mm256_mul_ps(wv, _mm256_loadu_ps(xd + (m0 + m) * nb + 2 * p));
-    pair(p, spread[0], scales, acc[0]);
-    pair(p + 1, spread[1], scales, acc[1]);
-    pair(p + 2, spread[2], scales, acc[0]);
-    pair(p + 3, spread[3], scales, acc[1]);
-  }
-  for (; p < pairs; ++p) {  // fewer than 8 blocks left: their two scales a pair
-    __m256 scales[mr];
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    __m256i v0[mr], v1[mr], h01[mr];
+    pair(b / 2, v0);
+    pair(b / 2 + 1, v1);
+    for (int m = 0; m < mr; ++m) h01[m] = _mm256_hadd_epi32(v0[m], v1[m]);
+    pair(b / 2 + 2, v0);
+    pair(b / 2 + 3, v1);
+    const __m256 ws = lane_scales(wt.s + b);
     for (int m = 0; m < mr; ++m) {
-      const float* d = xd + (m0 + m) * nb + 2 * p;
-      scales[m] = _mm256_setr_ps(wt.scale(o, 2 * p) * d[0], wt.scale(o, 2 * p + 1) * d[1], 0, 0, 0, 0, 0, 0);
-    }
-    pair(p, spread[0], scales, acc[0]);
-  }
-  float tail[mr] = {};
-  if (nb % 2) {  // an odd last block alone, its weights as one block (16 bytes)
-    const int64_t b = nb - 1;
-    const __m256i w = load_block<4>(wt.block(o, b));
-    for (int m = 0; m < mr; ++m) {
-      const int64_t r = m0 + m;
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      tail[m] = hsum8(_mm256_cvtepi32_ps(block_dot<4>(w, x))) * wt.scale(o, b) * xd[r * nb + b];
+      const __m256i sums = _mm256_hadd_epi32(h01[m], _mm256_hadd_epi32(v0[m], v1[m]));  // lane i: block LANE[i]
+      acc[m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[m]);
     }
   }
-  for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
+  finish_q4<mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
+}
+
+// The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
+// res[j][m]) from the codes as packed (transpose_rows' xt): every load of the codes serves nr
+// rows' dot products, and every load of the weights mr rows'.
+template <int mr, int nr>
+void packed_q4(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
+               const int8_t* xt, const float* xd, const float* xdl, const float* xs, int64_t m0, int64_t in,
+               float (*res)[MR]) {
+  const int64_t nb = in / QB;
+#if !defined(CTXPAR_DPBUSD)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[nr][mr];
+  for (int j = 0; j < nr; ++j)
+    for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones,
+    // whose 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once.
+    __m256i s[nr][mr];
+    for (int j = 0; j < nr; ++j)
+      for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      __m256i w[nr];
+      for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
+      for (int m = 0; m < mr; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
+        for (int j = 0; j < nr; ++j) {
+#if defined(CTXPAR_DPBUSD)
+          s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
+#else
+          s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
+#endif
+        }
+      }
+    }
+    for (int j = 0; j < nr; ++j) {
+      const __m256 ws = lane_scales(wt[j].s + b);
+      for (int m = 0; m < mr; ++m) {
+#if defined(CTXPAR_DPBUSD)
+        const __m256i sums = s[j][m];
+#else
+        const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
+#endif
+        acc[j][m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[j][m]);
+      }
+    }
+  }
+  for (int j = 0; j < nr; ++j) finish_q4<mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
 }
 #endif
 
@@ -264,10 +392,7 @@ void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const 
              const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
 #if defined(__AVX2__)
-  if constexpr (bits == 4) {
-    row_dot_q4<S, mr>(wt, o, zero, xq, xp, xd, xs, m0, in, res);
-    return;
-  }
+  (void)xp;
   // Two accumulators a row, for even and odd blocks: one would chain every block's
   // fused multiply-add on the previous one's latency.
   __m256 acc[2][mr];
@@ -332,10 +457,12 @@ constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int
 // Output row o of a part with its scales and offsets as contiguous floats (the same values),
 // in a buffer of the calling thread's: every pass of MR activation rows over the row reads
 // them, and a GGUF file's lie a block apart as halves, one scalar load and convert each,
-// which cost about a third of a prefill's time read in place.
+// which cost about a third of a prefill's time read in place. slot: which of the thread's NR
+// buffers.
 template <typename S>
-PartView<float> row_floats(const PartView<S>& w, int64_t o, int64_t group, int64_t in) {
-  static thread_local std::vector<float> buf;
+PartView<float> row_floats(const PartView<S>& w, int64_t o, int64_t group, int64_t in, int slot) {
+  static thread_local std::vector<float> bufs[NR];
+  std::vector<float>& buf = bufs[slot];
   const int64_t ng = in / group, nb = in / QB;
   buf.resize(ng + nb);
   for (int64_t j = 0; j < ng; ++j) buf[j] = w.scale(o, j);
@@ -382,26 +509,84 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
                        std::min(n, r0 + row_block), bias ? bias + col : nullptr, out + col);
   }
 #else
+#if defined(__AVX2__)
+  // 4 bits: the packed dot products (rows_q4's note) where the rows repay packing each output
+  // row's weights once a pass; either way a row's bits.
+  const bool packed = bits == 4 && n >= PACKED_ROWS;
+  static thread_local std::vector<int8_t> xt_buf;
+  static thread_local std::vector<float> xdl_buf;
+  if (bits == 4 && int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
+  if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
+  int8_t* xt = xt_buf.data();
+  float* xdl = xdl_buf.data();
+#else
   static const auto table4 = row_table<float, 4>(std::make_integer_sequence<int, MR>());
+  const bool packed = false;
+#endif
   static const auto table8 = row_table<float, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
-  quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, xp);
-  // Rows a pass takes (MRs): their codes, ~256 KB, stay in L2 while every output's weight row
-  // meets them; all of a prefill's rows at once would stream from L3 again for each output.
-  const int64_t pass = std::max<int64_t>(MR, (int64_t(1) << 18) / in / MR * MR);
+  quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
+#if defined(__AVX2__)
+  if (bits == 4) transpose_rows(xq, xd, n, in, packed ? xt : nullptr, xdl);
+#endif
+  // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
+  // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
+  // would stream from L3 again for each output.
+  const int64_t pass = std::max<int64_t>(packed ? PACKED_PASS : MR, (int64_t(1) << 18) / in / MR * MR);
   for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k) {
     const PartView<S> w(parts[k]);
     for (int64_t r0 = 0; r0 < n; r0 += pass) {
       const int64_t r1 = std::min(n, r0 + pass);
+      // Output o's results for rows [m0, m0 + mr).
+      auto store = [&](int64_t o, int64_t m0, int mr, const float* res) __attribute__((always_inline)) {
+        for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
+      };
 #pragma omp parallel for schedule(static)
-      for (int64_t o = 0; o < w.rows; ++o) {
-        const PartView<float> row = row_floats(w, o, group, in);
-        for (int64_t m0 = r0; m0 < r1; m0 += MR) {
-          const int mr = int(std::min<int64_t>(MR, r1 - m0));
-          float res[MR];
-          (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
-          for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
+      for (int64_t o0 = 0; o0 < w.rows; o0 += NR) {
+        const int nr = int(std::min<int64_t>(NR, w.rows - o0));
+#if defined(__AVX2__)
+        if (packed) {
+          static thread_local std::vector<uint8_t> packed_buf[NR];  // the output rows' weights packed
+          const PartView<float> first = row_floats(w, o0, group, in, 0);
+          const PartView<float> rows[NR] = {first, nr > 1 ? row_floats(w, o0 + 1, group, in, 1) : first};
+          const uint8_t* packs[NR];
+          for (int j = 0; j < nr; ++j) {
+            packed_buf[j].resize(in);
+            pack_row_q4(rows[j], 0, nb, packed_buf[j].data());
+            packs[j] = packed_buf[j].data();
+          }
+          for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+            const int mr = int(std::min<int64_t>(MR, r1 - m0));
+            float res[NR][MR];
+            with_rows(mr, [&](auto m) {
+              if (nr == NR)
+                packed_q4<m(), NR>(rows, packs, float(zero), xq, xt, xd, xdl, xs, m0, in, res);
+              else
+                packed_q4<m(), 1>(rows, packs, float(zero), xq, xt, xd, xdl, xs, m0, in, res);
+            });
+            for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);
+          }
+          continue;
+        }
+#endif
+        // One output row at a time: its floats read, then its products, whose prefetches
+        // bring the next row's first blocks for the next row's floats.
+        for (int64_t o = o0; o < o0 + nr; ++o) {
+          const PartView<float> row = row_floats(w, o, group, in, 0);
+          for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+            const int mr = int(std::min<int64_t>(MR, r1 - m0));
+            float res[MR];
+#if defined(__AVX2__)
+            if (bits == 4)
+              with_rows(mr, [&](auto m) { rows_q4<m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
+            else
+              table8[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
+#else
+            (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
+#endif
+            store(o, m0, mr, res);
+          }
         }
       }
     }
