@@ -56,7 +56,7 @@ constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
 constexpr int LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // 4 bits, AVX2: lane i of 8 blocks' vector holds block LANE[i]
 constexpr int NR = 2;       // output rows a pass of the packed 4-bit loop takes together (packed_q4)
-constexpr int64_t PACKED_ROWS = 16;  // 4 bits, AVX2: rows from which packing the weights pays (rows_q4)
+constexpr int64_t PACKED_ROWS = 16;  // 4 bits, AVX2: rows from which packing the weights pays (packed_q4)
 // and the fewest columns (measured on Zen 5): any with VNNI's dot products; with maddubs 4096,
 // below which the direct loop is ~10% faster.
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -526,7 +526,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   }
 #else
 #if defined(__AVX2__)
-  // 4 bits: the packed dot products (rows_q4's note) where the rows repay packing each output
+  // 4 bits: the packed dot products ("The 4-bit weights" above) where the rows repay packing each output
   // row's weights once a pass; either way a row's bits.
   const bool packed = bits == 4 && n >= PACKED_ROWS && in >= PACKED_COLS;
   static thread_local std::vector<int8_t> xt_buf;
