@@ -255,10 +255,16 @@ struct RowGroups {
       for (int64_t j = 0; j < 8; ++j) std::memcpy(c + (b * 8 + j) * MR, q + b * QB + 4 * j, 4);
       xd[at + b * MR] = row_xd[b];
       if (row_xs) xs[at + b * MR] = row_xs[b];
+      // Each 8 codes' sum, +128 each (as unsigned bytes), in a 64-bit lane: a group of 16 is two lanes.
+      const __m256i eights = _mm256_sad_epu8(
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QB)), _mm256_set1_epi8(char(0x80))),
+          _mm256_setzero_si256());
+      const int64_t lane[4] = {_mm256_extract_epi64(eights, 0), _mm256_extract_epi64(eights, 1),
+                               _mm256_extract_epi64(eights, 2), _mm256_extract_epi64(eights, 3)};
       for (int64_t g = 0; g < per_block; ++g) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < group; ++i) sum += q[b * QB + g * group + i];
-        sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = sum;
+        int64_t sum = -128 * group;
+        for (int64_t k = g * group / 8; k < (g + 1) * group / 8; ++k) sum += lane[k];
+        sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = int32_t(sum);
       }
     }
   }
@@ -283,10 +289,14 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
   constexpr int D = 8 / G;  // dwords of a group
   const bool offsets = !tiles[0]->offsets.empty();
   const int64_t at = group * rows.nb * MR + kb0 * MR;  // the group's block kb0
-  const int32_t* codes = rows.codes.data() + at * 8;
-  const float* xd = rows.xd.data() + at;
-  const float* xs = offsets ? rows.xs.data() + at : nullptr;
-  const int32_t* code_sums = rows.sums.data() + at * G;
+  const int32_t* __restrict codes = rows.codes.data() + at * 8;
+  const float* __restrict xd = rows.xd.data() + at;
+  const float* __restrict xs = offsets ? rows.xs.data() + at : nullptr;
+  const int32_t* __restrict code_sums = rows.sums.data() + at * G;
+  // The tiles' arrays, read once: the loop then keeps their addresses in registers.
+  const uint8_t* q[C];
+  const float *scales[C], *offs[C];
+  for (int c = 0; c < C; ++c) q[c] = tiles[c]->q.data(), scales[c] = tiles[c]->scales.data(), offs[c] = tiles[c]->offsets.data();
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int m = 0; m < R; ++m)
@@ -307,7 +317,7 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
         __mmask64 negative[C];
 #pragma GCC unroll 2
         for (int c = 0; c < C; ++c) {
-          w[c] = _mm512_loadu_si512(tiles[c]->q.data() + (b * 8 + j) * T * 4);
+          w[c] = _mm512_loadu_si512(q[c] + (b * 8 + j) * T * 4);
           if constexpr (BITS == 8) {  // dpbusd multiplies unsigned by signed: |w| by x with w's sign
             negative[c] = _mm512_movepi8_mask(w[c]);
             w[c] = _mm512_abs_epi8(w[c]);
@@ -328,14 +338,14 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
       }
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) {
-        const __m512 scale = _mm512_loadu_ps(tiles[c]->scales.data() + (b * G + g) * T);
+        const __m512 scale = _mm512_loadu_ps(scales[c] + (b * G + g) * T);
 #pragma GCC unroll 16
         for (int m = 0; m < R; ++m) acc[m][c] = scale_add(s[m][c], scale, xd[b * MR + m], acc[m][c]);
       }
     }
 #pragma GCC unroll 2
     for (int c = 0; offsets && c < C; ++c) {
-      const __m512 offset = _mm512_loadu_ps(tiles[c]->offsets.data() + b * T);
+      const __m512 offset = _mm512_loadu_ps(offs[c] + b * T);
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m) acc[m][c] = offset_add(offset, xs[b * MR + m], acc[m][c]);
     }
@@ -1006,9 +1016,12 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
           for (int64_t c = 0; c < c_n; ++c)
             acc[m * c_n + c] =
                 kb0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep[c], out + (m0 + m) * out_features + o0[c]);
-        for (int64_t m = m0 + MR; kb0 > 0 && m < std::min(r1, m0 + 2 * MR); ++m)  // the next group's sums
+        // The next group's lines of `out` (its sums so far, or where it stores), for writing: a
+        // wide projection's rows lie a few KB apart, and a store that waits for its line to come
+        // from L3 holds up the units.
+        for (int64_t m = m0 + MR; m < std::min(r1, m0 + 2 * MR); ++m)
           for (int64_t c = 0; c < c_n; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(out + m * out_features + o0[c]), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(out + m * out_features + o0[c]), _MM_HINT_ET0);
         rows_fn[mr - 1](laid, row_groups, m0 / MR, kb0, blocks, tile_zero, acc);
         for (int64_t c = 0; c < c_n; ++c) {
           __m512 tile_acc[MR];
