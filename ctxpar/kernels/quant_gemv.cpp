@@ -517,7 +517,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
     for (int64_t m = 0; m < n; ++m) {
       quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, zero,
                     xz ? xz + m * nb : nullptr, nullptr);
-      if (grouped) row_groups.set_row(m, xq + m * in, xd + m * nb, xs + m * nb, group);
+      if (grouped) row_groups.set_row(m, xq + m * in, xd + m * nb, xs + m * nb, group, tiles::vnni_zero(bits, zero));
     }
     for (int64_t r0 = 0; r0 < n; r0 += row_block)
       for (int64_t k = 0, col = 0; k < num_parts; col += parts[k].rows, ++k)

@@ -225,9 +225,14 @@ inline bool gathers_scales(const PartView<S>& w) {
   return w.s_col != 1 && w.s_row < far && (!w.o || (w.o_col != 1 && w.o_row < far));
 }
 
+// The zero vnni_rows' tiles are offset by where not 0 (product's tile_zero): 128 on 8 bits'
+// biased tile, else the weight's (Q4_0's 8), which set_row folds into the rows' sums.
+inline int32_t vnni_zero(int64_t bits, int64_t zero) { return bits == 8 ? 128 : int32_t(zero); }
+
 // The activations as vnni_rows reads them, MR rows at a time (a row group):
 // codes[group][b][j][m] the four codes 4j..4j+3 of block b of row m of the group, xd and
-// xs [group][b][m], and sums [group][b][g][m] each group's (of 16 or 32) sum of codes, so
+// xs [group][b][m], and sums [group][b][g][m] each group's (of 16 or 32) sum of codes times
+// -zero (vnni_zero: the integer vnni_rows' tiles are offset by), so
 // that a weight vector's MR broadcasts read one line and a group's loads need one
 // pointer each, not MR.
 struct RowGroups {
@@ -248,7 +253,7 @@ struct RowGroups {
   }
 
   // Row m's codes q (in) and per-block values (in / 32; xs null: no offsets).
-  void set_row(int64_t m, const int8_t* q, const float* row_xd, const float* row_xs, int64_t group) {
+  void set_row(int64_t m, const int8_t* q, const float* row_xd, const float* row_xs, int64_t group, int32_t zero) {
     const int64_t per_block = QB / group, at = (m / MR) * nb * MR + m % MR;
     int32_t* c = codes.data() + (m / MR) * nb * 8 * MR + m % MR;
     for (int64_t b = 0; b < nb; ++b) {
@@ -264,7 +269,7 @@ struct RowGroups {
       for (int64_t g = 0; g < per_block; ++g) {
         int64_t sum = -128 * group;
         for (int64_t k = g * group / 8; k < (g + 1) * group / 8; ++k) sum += lane[k];
-        sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = int32_t(sum);
+        sums[(((m / MR) * nb + b) * per_block + g) * MR + m % MR] = -zero * int32_t(sum);
       }
     }
   }
@@ -280,9 +285,9 @@ struct RowGroups {
 // so the units take one or two a cycle while each waits out its latency; the float steps
 // come once per group. The template arguments let every loop unroll and keep the sums
 // and (but for a few, at 8 x 2) the accumulators in registers.
-// zero: each group's sum starts from -zero x the sum of its codes: 8 on Q4_0's unsigned
-// tile (the nibbles as stored), the integer AMX finds on the signed tile; 128 on a biased
-// 8-bit tile (pack_q), the signed weights' integer.
+// zero: each group's sum starts from -zero x the sum of its codes (rows.sums, set_row's
+// zero; 0: from 0): 8 on Q4_0's unsigned tile (the nibbles as stored), the integer AMX
+// finds on the signed tile; 128 on a biased 8-bit tile (pack_q), the signed weights' integer.
 template <int C, int R, int G, int BITS>
 void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t kb0, int64_t nb, int32_t zero,
                __m512* sums) {
@@ -310,7 +315,7 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
       for (int m = 0; m < R; ++m)
 #pragma GCC unroll 2
         for (int c = 0; c < C; ++c)
-          s[m][c] = zero ? _mm512_set1_epi32(-zero * code_sums[(b * G + g) * MR + m]) : _mm512_setzero_si512();
+          s[m][c] = zero ? _mm512_set1_epi32(code_sums[(b * G + g) * MR + m]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int j = g * D; j < (g + 1) * D; ++j) {
         __m512i w[C];
@@ -972,6 +977,7 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
   const int64_t slice = amx ? nb : SLICE_BLOCKS, side = amx ? 1 : 2;
   // 8 bits without AMX: a biased tile, which vnni_rows takes as it takes nibbles (unsigned).
   const bool biased = bits == 8 && !amx;
+  // (where not 0, vnni_zero's: the rows' sums hold it)
   const int32_t tile_zero = signed_tile ? 0 : biased ? 128 : int32_t(zero);
   const Tile* const laid[2] = {&tiles[0], &tiles[1]};
   // A GGUF file's blocks, read by windows where the CPU can (pack_window).
