@@ -113,14 +113,69 @@ inline int quantize_block(const float* v, int8_t* q, float* d) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// quantize_block's arithmetic on a row's blocks (in / 32 <= 1024): its maxima two blocks
+// to a vector (each 256-bit half one block's, reduced in the same order), its divisions
+// 16 blocks at a time, each block's codes in two vectors; the same values, fewer instructions.
+inline void quantize_row(const float* v, int64_t nb, int8_t* q, float* xd, float* xs, int64_t zero, int32_t* xz) {
+  alignas(64) float amax[1024], inv[1024];
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512 top = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const __m512 pair = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(v + b * QB + 8 * j)),
+                                             _mm256_loadu_ps(v + (b + 1) * QB + 8 * j), 1);
+      top = _mm512_max_ps(top, _mm512_and_ps(pair, abs_mask));
+    }
+    __m512 t = _mm512_max_ps(top, _mm512_shuffle_f32x4(top, top, 0xB1));  // 128-bit lanes 1, 0, 3, 2
+    t = _mm512_max_ps(t, _mm512_permute_ps(t, 0xEE));                     // movehl in each 128-bit lane
+    t = _mm512_max_ps(t, _mm512_movehdup_ps(t));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, t);
+    amax[b] = lanes[0], amax[b + 1] = lanes[8];
+  }
+  if (b < nb) amax[b] = 0.0f;  // an odd last block: quantize_block takes it below
+  for (int64_t k = 0; k < nb; k += 16) {
+    const __mmask16 keep = __mmask16(nb - k >= 16 ? 0xFFFF : (1u << (nb - k)) - 1);
+    const __m512 d = _mm512_div_ps(_mm512_maskz_loadu_ps(keep, amax + k), _mm512_set1_ps(127.0f));
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    _mm512_mask_storeu_ps(xd + k, keep, d);
+    _mm512_mask_storeu_ps(inv + k, keep, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), d));
+  }
+  for (int64_t c = 0; c < nb; ++c) {
+    int sum;
+    if (c == b) {  // the odd last block
+      sum = quantize_block(v + c * QB, q + c * QB, xd + c);
+    } else {
+      const __m512 id = _mm512_set1_ps(inv[c]);
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + c * QB), id));
+      const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + c * QB + 16), id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c * QB), _mm512_cvtsepi32_epi8(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + c * QB + 16), _mm512_cvtsepi32_epi8(hi));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+    }
+    xs[c] = xd[c] * float(sum);
+    if (xz) xz[c] = -int32_t(zero) * sum;
+  }
+}
+#endif
+
 void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8_t* xq, float* xd, float* xs,
                    int64_t zero, int32_t* xz, int8_t* xp) {
   const int64_t nb = in / QB;
   for (int64_t m = 0; m < n; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
-      xs[m * nb + b] = xd[m * nb + b] * float(sum);
-      if (xz) xz[m * nb + b] = -int32_t(zero) * sum;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (nb <= 1024) {
+      quantize_row(x + m * x_stride, nb, xq + m * in, xd + m * nb, xs + m * nb, zero, xz ? xz + m * nb : nullptr);
+    } else
+#endif
+    {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int sum = quantize_block(x + m * x_stride + b * QB, xq + m * in + b * QB, xd + m * nb + b);
+        xs[m * nb + b] = xd[m * nb + b] * float(sum);
+        if (xz) xz[m * nb + b] = -int32_t(zero) * sum;
+      }
     }
     for (int64_t b = 0; xp && b < nb; ++b) {
       const int8_t* q = xq + m * in + b * QB;
