@@ -16,7 +16,7 @@ rate in GFLOP/s (4 x head width per visible query-key pair: q·k and p·v).
 ``--march haswell`` (or another GCC CPU name) builds and times the kernels of
 that CPU's code path (AVX2's, AVX-VNNI's with ``alderlake``) on this one.
 ``--quant`` times instead the block-quantized projections (kernels/quant_gemv.cpp)
-at Llama-3.2-1B's and Llama-3-8B's widths, GGUF blocks read where they lie as a
+at SmolLM2-135M's, Llama-3.2-1B's and Llama-3-8B's widths (``--models``), GGUF blocks read where they lie as a
 loaded file's are: per case its GOP/s (2 per multiply-add), their fraction of the
 int8 peak measured in the same run (kernels.quant.int8_peak_ops: the dot-product
 instructions alone, in registers, on every thread), and the time of the same
@@ -64,6 +64,7 @@ PROJECTION_CASES = ((1, 30), (16, 30), (64, 30), (2048, 2))  # (tokens, layers):
 HIDDEN, INTER = 576, 1536
 # A layer's projections (out, in) at real widths: QKV, O, gate|up, down.
 QUANT_SHAPES = {
+    "SmolLM2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "1B": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
     "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
 }
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[16, 512, 2048], help="--quant: token rows")
     parser.add_argument("--formats", nargs="+", choices=["Q4_0", "Q8_0"], default=["Q4_0"], help="--quant: blocks")
+    parser.add_argument(
+        "--models", nargs="+", choices=list(QUANT_SHAPES), default=list(QUANT_SHAPES), help="--quant: whose widths"
+    )
     parser.add_argument(
         "--per-core",
         action="store_true",
@@ -207,8 +211,8 @@ def _quant_projections(args: argparse.Namespace) -> None:
     rng, peaks = np.random.default_rng(0), [_int8_peak(clock)]
     print(f"{'rows x (out, in)':>38} |  int8 ms | GOP/s | of peak |  bf16 ms | bf16 / int8 time")
     for fmt in args.formats:
-        for model, shapes in QUANT_SHAPES.items():
-            for name, (out, cols) in shapes.items():
+        for model in args.models:
+            for name, (out, cols) in QUANT_SHAPES[model].items():
                 w = QuantWeight.in_place(random_blocks(fmt, out, cols, rng), fmt)
                 w_bf16 = torch.randn(out, cols, dtype=torch.bfloat16)
                 for n in args.rows:
