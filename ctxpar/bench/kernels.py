@@ -41,7 +41,7 @@ from ctxpar import kernels
 from ctxpar.bench.gguf_shapes import random_blocks
 from ctxpar.bench.kv_decode import run_kv_decode
 from ctxpar.bench.kv_prefill import run_kv_prefill
-from ctxpar.bench.machine_line import describe_machine
+from ctxpar.bench.machine_line import describe_machine, kernel_clock
 from ctxpar.checks import positive_int
 from ctxpar.errors import CtxparError
 from ctxpar.kernels import attention_kernels as attn_kernels
@@ -205,9 +205,7 @@ def _quant_projections(args: argparse.Namespace) -> None:
     interleaved. --per-core: on one thread, each timed by the thread's CPU time."""
     if quant.int8_peak_ops(1) == 0:
         raise CtxparError("this CPU has no int8 dot products (AVX2 or wider): nothing to measure against")
-    clock = time.thread_time if args.per_core else time.perf_counter
-    if args.per_core:
-        torch.set_num_threads(1)
+    clock = kernel_clock(args.per_core)
     rng, peaks = np.random.default_rng(0), [_int8_peak(clock)]
     print(f"{'rows x (out, in)':>38} |  int8 ms | GOP/s | of peak |  bf16 ms | bf16 / int8 time")
     for fmt in args.formats:

@@ -14,11 +14,10 @@ timed by its CPU time (a core's figure whatever else the machine runs).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from ctxpar.bench.machine_line import describe_machine
+from ctxpar.bench.machine_line import describe_machine, kernel_clock
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers.kv_quant import KVQuant, default_runs
 
@@ -47,9 +46,7 @@ def _step(layers: int, heads: int, kv_heads: int, dim: int, keys: int, g: torch.
 
 
 def run_kv_decode(args: argparse.Namespace) -> None:
-    clock = time.thread_time if args.per_core else time.perf_counter
-    if args.per_core:
-        torch.set_num_threads(1)
+    clock = kernel_clock(args.per_core)
     print(describe_machine())
     print(
         f"{torch.get_num_threads()} thread(s), {'CPU' if args.per_core else 'wall'} time; one decode row's attention "

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from ctxpar.bench.machine_line import describe_machine
+from ctxpar.bench.machine_line import describe_machine, kernel_clock
 from ctxpar.kernels import attention_kernels as attn_kernels
 from ctxpar.layers import kv_rotation
 from ctxpar.layers.kv_quant import KVQuant, default_runs
@@ -56,9 +55,7 @@ def _cases(n: int, g: torch.Generator) -> dict[str, tuple[Callable[[], object], 
 
 
 def run_kv_prefill(args: argparse.Namespace) -> None:
-    clock = time.thread_time if args.per_core else time.perf_counter
-    if args.per_core:
-        torch.set_num_threads(1)
+    clock = kernel_clock(args.per_core)
     print(describe_machine())
     print(
         f"{torch.get_num_threads()} thread(s), {'CPU' if args.per_core else 'wall'} time; one layer's causal prefill "

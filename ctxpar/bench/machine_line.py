@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 from ctxpar.machine import cpu_info
 
@@ -18,3 +20,14 @@ def describe_machine() -> str:
     have = [f for f in RELEVANT_FLAGS if f in flags] or ["unknown"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(have)}; load average {load:.1f}"
+
+
+def kernel_clock(per_core: bool) -> Callable[[], float]:
+    """The clock a kernel benchmark times with: per_core, PyTorch on one thread and the
+    thread's CPU time (what a core gives, whatever else the machine runs); else wall time."""
+    if not per_core:
+        return time.perf_counter
+    import torch  # here: the machine line is printed by benchmarks that never load torch
+
+    torch.set_num_threads(1)
+    return time.thread_time
