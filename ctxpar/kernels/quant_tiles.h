@@ -164,6 +164,19 @@ void columns(const S* m, int64_t stride, int64_t step, int64_t rows, int64_t col
     for (int64_t o = 0; o < 16; ++o) out[c0 * T + o] = o < rows ? to_float(m[o * stride + c0]) : 0.0f;
 }
 
+// Dword j of one block of the tile's 16 rows (d: lane o row o's) into the block's 8 tile
+// vectors q: 4 bits (j < 4), weights 4j..4j+3 from the low nibbles into q[j] and 16 + 4j..
+// from the high ones into q[4 + j], each less z; 8 bits (j < 8), the bytes xor flip into q[j].
+inline void put_dword(__m512i* q, int64_t bits, int64_t j, __m512i d, __m512i z, __m512i flip) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  if (bits == 4) {
+    _mm512_storeu_si512(q + j, _mm512_sub_epi8(_mm512_and_si512(d, low), z));
+    _mm512_storeu_si512(q + 4 + j, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d, 4), low), z));
+  } else {
+    _mm512_storeu_si512(q + j, _mm512_xor_si512(d, flip));
+  }
+}
+
 // The integers of rows [o0, o0 + rows) of the weight into `tile` (rows < 16: the rest zero);
 // zero 8 (Q4_0): the nibbles less 8, signed bytes as an 8-bit weight's; biased (8 bits):
 // w + 128 (the sign bit flipped), unsigned bytes as dpbusd's first operand takes them.
@@ -172,22 +185,15 @@ void pack_q(const PartView<S>& w, int64_t bits, int64_t zero, bool biased, int64
             Tile& tile) {
   const int64_t nb = in / QB;
   tile.q.resize(nb * 8 * T * 4);
-  const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
-  const __m512i bias = _mm512_set1_epi8(char(biased ? 0x80 : 0));
+  const __m512i z = _mm512_set1_epi8(char(zero)), flip = _mm512_set1_epi8(char(biased ? 0x80 : 0));
   for (int64_t b = 0; b < nb; ++b) {
     __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + b * 8 * T * 4);
     const uint8_t* src = w.block(o0, b);
-    __m512i d[4];
-    gather_dwords(src, w.q_row, rows, d);
-    if (bits == 4) {  // byte i holds weight i (low nibble) and weight 16 + i (high)
-      for (int j = 0; j < 4; ++j) {
-        _mm512_storeu_si512(q + j, _mm512_sub_epi8(_mm512_and_si512(d[j], low), z));
-        _mm512_storeu_si512(q + 4 + j, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d[j], 4), low), z));
-      }
-    } else {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + j, _mm512_xor_si512(d[j], bias));
-      gather_dwords(src + 16, w.q_row, rows, d);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(q + 4 + j, _mm512_xor_si512(d[j], bias));
+    // 4 bits: byte i holds weight i (low nibble) and weight 16 + i (high); 8 bits: two halves of 16 bytes.
+    for (int64_t half = 0; half < (bits == 4 ? 1 : 2); ++half) {
+      __m512i d[4];
+      gather_dwords(src + 16 * half, w.q_row, rows, d);
+      for (int j = 0; j < 4; ++j) put_dword(q, bits, 4 * half + j, d[j], z, flip);
     }
   }
 }
@@ -225,8 +231,8 @@ inline bool gathers_scales(const PartView<S>& w) {
   return w.s_col != 1 && w.s_row < far && (!w.o || (w.o_col != 1 && w.o_row < far));
 }
 
-// The zero vnni_rows' tiles are offset by where not 0 (product's tile_zero): 128 on 8 bits'
-// biased tile, else the weight's (Q4_0's 8), which set_row folds into the rows' sums.
+// The integer vnni_rows' tiles are offset by where they are (product's `zeroed`): 128 on 8
+// bits' biased tile, else the weight's zero (Q4_0's 8), which set_row folds into the rows' sums.
 inline int32_t vnni_zero(int64_t bits, int64_t zero) { return bits == 8 ? 128 : int32_t(zero); }
 
 // The activations as vnni_rows reads them, MR rows at a time (a row group):
@@ -285,11 +291,11 @@ struct RowGroups {
 // so the units take one or two a cycle while each waits out its latency; the float steps
 // come once per group. The template arguments let every loop unroll and keep the sums
 // and (but for a few, at 8 x 2) the accumulators in registers.
-// zero: each group's sum starts from -zero x the sum of its codes (rows.sums, set_row's
-// zero; 0: from 0): 8 on Q4_0's unsigned tile (the nibbles as stored), the integer AMX
-// finds on the signed tile; 128 on a biased 8-bit tile (pack_q), the signed weights' integer.
+// zeroed: each group's sum starts from rows.sums, -zero x the sum of its codes (set_row's
+// zero, vnni_zero), else from 0: 8 on Q4_0's unsigned tile (the nibbles as stored), 128 on
+// a biased 8-bit tile (pack_q), the signed weights' integer; a signed tile (AMX's) has none.
 template <int C, int R, int G, int BITS>
-void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t kb0, int64_t nb, int32_t zero,
+void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, int64_t kb0, int64_t nb, bool zeroed,
                __m512* sums) {
   constexpr int D = 8 / G;  // dwords of a group
   const bool offsets = !tiles[0]->offsets.empty();
@@ -315,7 +321,7 @@ void vnni_rows(const Tile* const* tiles, const RowGroups& rows, int64_t group, i
       for (int m = 0; m < R; ++m)
 #pragma GCC unroll 2
         for (int c = 0; c < C; ++c)
-          s[m][c] = zero ? _mm512_set1_epi32(code_sums[(b * G + g) * MR + m]) : _mm512_setzero_si512();
+          s[m][c] = zeroed ? _mm512_set1_epi32(code_sums[(b * G + g) * MR + m]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int j = g * D; j < (g + 1) * D; ++j) {
         __m512i w[C];
@@ -655,12 +661,8 @@ void pack_window(const PartView<S>& w, const Window& win, int64_t bits, int64_t 
   tile.q.resize(nb * 8 * T * 4);
   tile.scales.resize(nb * T);
   tile.offsets.resize(w.o ? nb * T : 0);
-  const __mmask16 keep = __mmask16((1u << rows) - 1);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i s_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.s_row)));
-  const __m512i o_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(w.o_row)));
-  const __m512i low = _mm512_set1_epi8(0x0F), z = _mm512_set1_epi8(char(zero));
-  const __m512i flip = _mm512_set1_epi8(char(biased ? 0x80 : 0));
+  const __m512i z = _mm512_set1_epi8(char(zero)), flip = _mm512_set1_epi8(char(biased ? 0x80 : 0));
+  const int64_t dwords = bits == 4 ? 4 : 8;  // a block's dwords of integers
   for (int64_t b0 = 0; b0 < nb; b0 += per_load) {
     const int64_t blocks = std::min(per_load, nb - b0);
     const bool windowed = win.on && blocks == per_load;
@@ -684,19 +686,10 @@ void pack_window(const PartView<S>& w, const Window& win, int64_t bits, int64_t 
       }
       r[o] = _mm512_castsi512_ps(q);
     }
-    transpose16(r);  // r[k]: dword k of the 16 rows
-    for (int64_t k = 0; k < 16; ++k) {
-      const __m512i d = _mm512_castps_si512(r[k]);
-      if (bits == 4) {  // dword k: block b0 + k / 4, weights 4 (k % 4).. in the low nibbles, 16 + 4 (k % 4).. high
-        if (k / 4 >= blocks) break;
-        __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + (b0 + k / 4) * 8 * T * 4);
-        _mm512_storeu_si512(q + k % 4, _mm512_sub_epi8(_mm512_and_si512(d, low), z));
-        _mm512_storeu_si512(q + 4 + k % 4, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(d, 4), low), z));
-      } else {  // dword k: block b0 + k / 8, weights 4 (k % 8)..
-        if (k / 8 >= blocks) break;
-        __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + (b0 + k / 8) * 8 * T * 4);
-        _mm512_storeu_si512(q + k % 8, _mm512_xor_si512(d, flip));
-      }
+    transpose16(r);  // r[k]: dword k of the 16 rows, dword k % dwords of block b0 + k / dwords
+    for (int64_t k = 0; k < blocks * dwords; ++k) {
+      __m512i* q = reinterpret_cast<__m512i*>(tile.q.data() + (b0 + k / dwords) * 8 * T * 4);
+      put_dword(q, bits, k % dwords, _mm512_castps_si512(r[k]), z, flip);
     }
     if (windowed) {
       __m512i words[2];
@@ -708,13 +701,9 @@ void pack_window(const PartView<S>& w, const Window& win, int64_t bits, int64_t 
         for (int64_t k = 0; k < blocks; ++k)
           _mm512_storeu_ps(tile.offsets.data() + (b0 + k) * T, halves(words, k));
       }
-    } else {
-      for (int64_t k = 0; k < blocks; ++k) {
-        const int64_t b = b0 + k;
-        _mm512_storeu_ps(tile.scales.data() + b * T, gather_floats(w.s + o0 * w.s_row + b * w.s_col, s_at, keep));
-        if (w.o)
-          _mm512_storeu_ps(tile.offsets.data() + b * T, gather_floats(w.o + o0 * w.o_row + b * w.o_col, o_at, keep));
-      }
+    } else {  // the row's last blocks (fewer than a load's): gathered, as pack_columns does
+      columns(w.s + o0 * w.s_row + b0 * w.s_col, w.s_row, w.s_col, rows, blocks, tile.scales.data() + b0 * T);
+      if (w.o) columns(w.o + o0 * w.o_row + b0 * w.o_col, w.o_row, w.o_col, rows, blocks, tile.offsets.data() + b0 * T);
     }
   }
 }
@@ -888,7 +877,7 @@ inline void store_rows(const __m512* acc, int mr, int64_t o0, int64_t cols, cons
     _mm512_mask_storeu_ps(out + (m0 + m) * out_features + o0, keep, _mm512_add_ps(acc[m], b));
 }
 
-using VnniFn = void (*)(const Tile* const*, const RowGroups&, int64_t, int64_t, int64_t, int32_t, __m512*);
+using VnniFn = void (*)(const Tile* const*, const RowGroups&, int64_t, int64_t, int64_t, bool, __m512*);
 
 // vnni_rows over C tiles for 1..MR rows (index: rows - 1), G groups a block, BITS-bit integers.
 template <int C, int G, int BITS, int... R>
@@ -977,8 +966,8 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
   const int64_t slice = amx ? nb : SLICE_BLOCKS, side = amx ? 1 : 2;
   // 8 bits without AMX: a biased tile, which vnni_rows takes as it takes nibbles (unsigned).
   const bool biased = bits == 8 && !amx;
-  // (where not 0, vnni_zero's: the rows' sums hold it)
-  const int32_t tile_zero = signed_tile ? 0 : biased ? 128 : int32_t(zero);
+  // Whether the tile's integers are offset (by vnni_zero's, which the rows' sums hold).
+  const bool zeroed = !signed_tile && (biased || zero != 0);
   const Tile* const laid[2] = {&tiles[0], &tiles[1]};
   // A GGUF file's blocks, read by windows where the CPU can (pack_window).
   const Window win = gathers_scales(w) ? window_of(w, bits, group) : Window{};
@@ -1028,7 +1017,7 @@ void product(const PartView<S>& w, int64_t zero, int64_t bits, int64_t group, in
         for (int64_t m = m0 + MR; m < std::min(r1, m0 + 2 * MR); ++m)
           for (int64_t c = 0; c < c_n; ++c)
             _mm_prefetch(reinterpret_cast<const char*>(out + m * out_features + o0[c]), _MM_HINT_ET0);
-        rows_fn[mr - 1](laid, row_groups, m0 / MR, kb0, blocks, tile_zero, acc);
+        rows_fn[mr - 1](laid, row_groups, m0 / MR, kb0, blocks, zeroed, acc);
         for (int64_t c = 0; c < c_n; ++c) {
           __m512 tile_acc[MR];
           for (int m = 0; m < mr; ++m) tile_acc[m] = acc[m * c_n + c];
