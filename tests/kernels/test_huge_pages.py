@@ -7,13 +7,15 @@ where the kernel's transparent huge pages are on ("always" or "madvise").
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ctxpar.kernels import huge_pages
-from ctxpar.kernels.huge_pages import HUGE_PAGE, HugeArena, huge_empty, huge_zeros, on_huge_pages
+from ctxpar.kernels.huge_pages import HUGE_PAGE, HugeArena, fault_in_background, huge_empty, huge_zeros, on_huge_pages
 from ctxpar.layers.linear import shared_tensors
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.loader import load_model
@@ -95,6 +97,53 @@ def test_kv_caches_are_advised_huge():
     for c in caches:
         assert c.shape == (4096, 2, 3, 64) and int(c.count_nonzero()) == 0
         assert "hg" in mapping_of(c.data_ptr())["VmFlags"].split()
+
+
+def rss_kib(t: torch.Tensor) -> int:
+    return int(mapping_of(t.data_ptr())["Rss"].split()[0])
+
+
+def test_a_cache_is_faulted_in_behind_the_steps_with_its_bytes_kept():
+    """The background thread makes every page of the mapping, and bytes written
+    before and while it runs stay as they were written (the advice never writes)."""
+    t = huge_zeros((4, HUGE_PAGE), torch.uint8)  # 4 layers of one huge page each
+    t[1, :100] = torch.arange(100, dtype=torch.uint8)  # a step that ran before
+    assert rss_kib(t) < 4 * HUGE_PAGE // 1024  # untouched pages are not made yet
+    thread = fault_in_background(t, 4)
+    assert thread is not None
+    t[3, 5:50] = 9  # a step that runs meanwhile
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert rss_kib(t) >= 4 * HUGE_PAGE // 1024
+    want = torch.zeros(4, HUGE_PAGE, dtype=torch.uint8)
+    want[1, :100] = torch.arange(100, dtype=torch.uint8)
+    want[3, 5:50] = 9
+    assert torch.equal(t, want)
+
+
+def test_the_fault_in_thread_lets_its_cache_go():
+    """An engine that closes frees its cache at once, not once every page is made: the
+    thread holds the cache only while the kernel works on one page."""
+    t = huge_zeros((2, 512 * HUGE_PAGE), torch.uint8)  # 2 GiB: seconds to make whole
+    raw = t.untyped_storage().data_ptr()
+    thread = fault_in_background(t, 2)
+    assert thread is not None
+    del t
+    deadline = time.monotonic() + 1.0
+    while raw in huge_pages._LIVE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert raw not in huge_pages._LIVE  # unmapped
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert fault_in_background(torch.zeros(4, 8), 4) is None  # not huge_empty's memory: left alone
+
+
+def test_kv_caches_are_faulted_in_on_allocation():
+    caches = allocate_kv_caches(2, 16384, (2, 3, 64), torch.float32, torch.device("cpu"))  # 2 x 24 MiB
+    for thread in [t for t in threading.enumerate() if t.name == "kv-fault-in"]:
+        thread.join(timeout=60)
+    assert rss_kib(caches) >= caches.numel() * 4 // 1024
+    assert int(caches.count_nonzero()) == 0
 
 
 @pytest.fixture(scope="module")
