@@ -99,6 +99,8 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
+    # SmolLM2-135M's shape with a 128K context (the model's own is 8K): its decode after 16K tokens.
+    "smollm2-135m": Shape(576, 30, 9, 3, 64, 1536, 100000.0, tied=True),
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, 500000.0, tied=True),
     "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 128, 8960, 1000000.0, tied=True, arch="qwen2"),
     "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, 1000000.0, tied=True, arch="qwen3"),

@@ -1,7 +1,7 @@
 """ctxpar against llama.cpp on GGUFs of real models' shapes (random weights):
 loading (cold and warm), peak memory, time to first token and decode.
 
-Each file is written once (bench/gguf_shapes.py: Llama 3.2 1B and 3 8B, Qwen2.5
+Each file is written once (bench/gguf_shapes.py: SmolLM2 135M (a 128K context), Llama 3.2 1B and 3 8B, Qwen2.5
 1.5B, Qwen3 1.7B, Qwen3-30B-A3B's layers, Phi-3-mini, Gemma 3 1B, DeepSeek-V2-Lite,
 at Q4_0, Q8_0 or Q4_K, each in its family's own GGUF architecture; SmolLM2's
 vocabulary), into ``--dir``. Each
