@@ -15,7 +15,7 @@
 // Each is read through strides (quant_part.h), so a GGUF file's blocks serve where
 // they lie, and a fused projection is a list of such parts.
 // zero: 0, or 8 for GGUF's Q4_0 as the file holds it (4 bits, groups of 32, no
-// offsets): weight i = scale * (q[i] - 8). The AVX-512 paths (quant_tiles.h) take
+// offsets): weight i = scale * (q[i] - 8). The AVX-512 paths (quant_product.h) take
 // sum (q - 8) x in integers; the others add the offset term -8 * scale per block, as
 // they would from an offsets array holding -8 * scale (the same floats: -8 is exact).
 //
@@ -28,7 +28,7 @@
 // |qx| <= 127 twice is < 2^12, and the 8-bit path multiplies |q| <= 128 by
 // |qx| <= 127 (llama.cpp's sign trick: maddubs(|q|, sign(qx, q))), twice
 // 32512 < 32767. Without AVX2 (the library is built per CPU, -march=native) a
-// scalar loop computes the same integers. With AVX-512 VNNI, quant_tiles.h takes
+// scalar loop computes the same integers. With AVX-512 VNNI, quant_product.h takes
 // every call instead (16 outputs a vector, AMX-INT8 for groups of 16 rows).
 
 #include <algorithm>
@@ -46,7 +46,7 @@
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include "quant_tiles.h"  // every row count on these CPUs
+#include "quant_product.h"  // every row count on these CPUs
 #define CTXPAR_TILES 1
 #endif
 
