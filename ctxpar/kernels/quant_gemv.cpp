@@ -54,9 +54,9 @@ namespace {
 
 constexpr int64_t QB = 32;  // weights per block
 constexpr int MR = 4;       // activation rows per pass over a weight row (it stays in L1 between passes)
-constexpr int LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // 4 bits, AVX2: lane i of 8 blocks' vector holds block LANE[i]
-constexpr int NR = 2;       // output rows a pass of the packed 4-bit loop takes together (packed_q4)
-constexpr int64_t PACKED_ROWS = 16;  // 4 bits, AVX2: rows from which packing the weights pays (packed_q4)
+constexpr int LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // AVX2, a scale a block: lane i of 8 blocks' vector holds block LANE[i]
+constexpr int NR = 2;       // output rows a pass of the packed loop takes together (packed_rows)
+constexpr int64_t PACKED_ROWS = 16;  // AVX2: rows from which packing the weights pays (packed_rows)
 // and the fewest columns (measured on Zen 5): any with VNNI's dot products; with maddubs 4096,
 // below which the direct loop is ~10% faster.
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -259,19 +259,23 @@ inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const flo
 }
 
 #if defined(__AVX2__)
-// The 4-bit weights (groups of 32: one scale a block), 8 blocks at a time. A row's arithmetic
-// is one code whatever computes its integers: per 8 blocks, a vector of their 8 integer sums
+// Weights with one scale a block (4 bits; 8 bits in groups of 32), 8 blocks at a time. A row's
+// arithmetic is one code whatever computes its integers: per 8 blocks, a vector of their 8 integer sums
 // (exact), converted once and fused-multiply-added with the 8 blocks' weight x activation
 // scales into the row's one accumulator, lane i holding block LANE[i] of the 8; the blocks
 // past the last 8 in a float after; then the accumulator's lanes summed (hsum8), the tail and
 // the offsets term. Two ways to the same integers:
-//   direct (few rows, rows_q4): the weights as stored, two blocks a 32-byte load, whose
-//     sums three pairwise sums (pair_sums) gather into the 8, in LANE's order;
-//   packed (many rows, packed_q4): each output row's weights unpacked to bytes and transposed
-//     once a pass (pack_row_q4), and the activations once a call (transpose_rows), so that
+//   direct (few rows, rows_lanes): the weights as stored (4 bits: two blocks a 32-byte load;
+//     8 bits: a block's halves added), whose sums three pairwise sums (pair_sums) gather
+//     into the 8, in LANE's order;
+//   packed (many rows, packed_rows): each output row's weights unpacked to bytes and transposed
+//     once a pass (pack_row), and the activations once a call (transpose_rows), so that
 //     vector k of 8 blocks holds weights 4k..4k+3 of each in lane i's block: 8 dot products
 //     of full vectors make the 8 sums with no reduction, and the float steps, one convert,
-//     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them.
+//     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them. 8-bit
+//     weights are packed biased to unsigned (q + 128, VNNI's u8 operand), and 128 times each
+//     block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of biased bytes
+//     could saturate, so 8 bits take the direct way there.
 
 // hadd_epi32(a, b): in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3], as two shuffles
 // and an add (a few percent faster than hadd where decode rows wait on it).
@@ -300,22 +304,27 @@ inline void transpose8(__m256i r[8]) {
   }
 }
 
-// Output row o's 4-bit weights as packed_q4 reads them: per 8 blocks, 8 vectors of 32 bytes.
-template <typename S>
-inline void pack_row_q4(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
+// Output row o's weights as packed_rows reads them: per 8 blocks, 8 vectors of 32 bytes
+// (8 bits: biased to unsigned).
+template <int bits, typename S>
+inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
+  const __m256i bias = _mm256_set1_epi8(bits == 8 ? char(0x80) : 0);
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
     __m256i r[8];
-    for (int i = 0; i < 8; ++i) r[i] = load_block<4>(w.block(o, b + LANE[i]));
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_xor_si256(load_block<bits>(w.block(o, b + LANE[i])), bias);
     transpose8(r);
     for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + (b + k) * 4 * 8), r[k]);
   }
 }
 
 // The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
-// xt is not null their codes (n, in) as pack_row_q4 packs the weights (the blocks past the
-// last 8 as they are).
-inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int8_t* xt, float* xdl) {
+// xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
+// last 8 as they are), and where xc is not null each block's sum of codes in LANE's order
+// (the biased 8-bit weights' correction).
+inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int8_t* xt, float* xdl,
+                           int32_t* xc) {
   const int64_t nb = in / QB;
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < n; ++m) {
     const int8_t* q = xq + m * in;
     int64_t b = 0;
@@ -324,6 +333,10 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
       if (!xt) continue;
       __m256i r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
+      for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16);
+        xc[m * nb + b + i] = int32_t(hsum8(_mm256_cvtepi32_ps(sums)));  // exact: |sum| <= 4064
+      }
       transpose8(r);
       for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
     }
@@ -343,16 +356,16 @@ inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
 
 // The rows' results from their accumulators: the blocks past the last 8 one at a time (their
 // codes as stored in xq), the lanes' sum, the offsets term.
-template <int mr>
-inline void finish_q4(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
-                      int64_t m0, int64_t in, const __m256* acc, float* res) {
+template <int bits, int mr>
+inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
+                        int64_t m0, int64_t in, const __m256* acc, float* res) {
   const int64_t nb = in / QB;
   for (int m = 0; m < mr; ++m) {
     const int64_t r = m0 + m;
     float tail = 0.0f;
     for (int64_t b = nb / 8 * 8; b < nb; ++b) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      const float sum = hsum8(_mm256_cvtepi32_ps(block_dot<4>(load_block<4>(wt.block(0, b)), x)));  // exact
+      const float sum = hsum8(_mm256_cvtepi32_ps(block_dot<bits>(load_block<bits>(wt.block(0, b)), x)));  // exact
       tail = std::fma(sum, wt.scale(0, b) * xd[r * nb + b], tail);
     }
     res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, zero, xs + r * nb, nb);
@@ -360,10 +373,10 @@ inline void finish_q4(const PartView<float>& wt, float zero, const int8_t* xq, c
 }
 
 // Rows [m0, m0 + mr) against output row wt (row_floats'), the weights as stored; xp the
-// paired codes (quantize_rows), xdl transpose_rows'.
-template <int mr>
-void rows_q4(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
-             const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
+// paired codes (quantize_rows; 4 bits), xdl transpose_rows'.
+template <int bits, int mr>
+void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
+                const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
@@ -375,6 +388,16 @@ void rows_q4(const PartView<float>& wt, float zero, const int8_t* xq, const int8
   auto pair = [&](int64_t p, __m256i* v) __attribute__((always_inline)) {
     const uint8_t *first = wt.block(0, 2 * p), *second = wt.block(0, 2 * p + 1);
     _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+    if constexpr (bits == 8) {  // a block's two halves of 4 sums added: [2p's | 2p + 1's]
+      const __m256i w0 = load_block<8>(first), w1 = load_block<8>(second);
+      for (int m = 0; m < mr; ++m) {
+        const int8_t* x = xq + (m0 + m) * in + 2 * p * QB;
+        const __m256i d0 = block_dot<8>(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+        const __m256i d1 = block_dot<8>(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QB)));
+        v[m] = _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20), _mm256_permute2x128_si256(d0, d1, 0x31));
+      }
+      return;
+    }
     const __m256i w = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second), reinterpret_cast<const __m128i*>(first));
     const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
     for (int m = 0; m < mr; ++m) {
@@ -401,16 +424,16 @@ void rows_q4(const PartView<float>& wt, float zero, const int8_t* xq, const int8
       acc[m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[m]);
     }
   }
-  finish_q4<mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
+  finish_rows<bits, mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
-// res[j][m]) from the codes as packed (transpose_rows' xt): every load of the codes serves nr
-// rows' dot products, and every load of the weights mr rows'.
-template <int mr, int nr>
-void packed_q4(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
-               const int8_t* xt, const float* xd, const float* xdl, const float* xs, int64_t m0, int64_t in,
-               float (*res)[MR]) {
+// res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits: xc its code sums): every
+// load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
+template <int bits, int mr, int nr>
+void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
+                 const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
+                 int64_t in, float (*res)[MR]) {
   const int64_t nb = in / QB;
 #if !defined(CTXPAR_DPBUSD)
   const __m256i ones = _mm256_set1_epi16(1);
@@ -442,15 +465,19 @@ void packed_q4(const PartView<float>* wt, const uint8_t* const* packed, float ze
       const __m256 ws = lane_scales(wt[j].s + b);
       for (int m = 0; m < mr; ++m) {
 #if defined(CTXPAR_DPBUSD)
-        const __m256i sums = s[j][m];
+        __m256i sums = s[j][m];
+        if constexpr (bits == 8)  // (q + 128) x summed: take 128 x back off
+          sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(
+                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + (m0 + m) * nb + b)), 7));
 #else
+        static_assert(bits == 4, "biased bytes' pairs could saturate maddubs");
         const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
 #endif
         acc[j][m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[j][m]);
       }
     }
   }
-  for (int j = 0; j < nr; ++j) finish_q4<mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
+  for (int j = 0; j < nr; ++j) finish_rows<bits, mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
 }
 #endif
 
@@ -581,15 +608,24 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   }
 #else
 #if defined(__AVX2__)
-  // 4 bits: the packed dot products ("The 4-bit weights" above) where the rows repay packing each output
-  // row's weights once a pass; either way a row's bits.
+  // A scale a block: the 8-lane paths ("Weights with one scale a block" above), packed where the
+  // rows repay packing each output row's weights once a pass (8 bits: with VNNI); either way a
+  // row's bits.
+  const bool lanes = bits == 4 || group == QB;
+#if defined(CTXPAR_DPBUSD)
+  const bool packed = lanes && n >= PACKED_ROWS && in >= PACKED_COLS;
+#else
   const bool packed = bits == 4 && n >= PACKED_ROWS && in >= PACKED_COLS;
+#endif
   static thread_local std::vector<int8_t> xt_buf;
   static thread_local std::vector<float> xdl_buf;
-  if (bits == 4 && int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
+  static thread_local std::vector<int32_t> xc_buf;
+  if (lanes && int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
   if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
+  if (packed && bits == 8 && int64_t(xc_buf.size()) < n * nb) xc_buf.resize(n * nb);
   int8_t* xt = xt_buf.data();
   float* xdl = xdl_buf.data();
+  int32_t* xc = packed && bits == 8 ? xc_buf.data() : nullptr;
 #else
   static const auto table4 = row_table<float, 4>(std::make_integer_sequence<int, MR>());
   const bool packed = false;
@@ -599,7 +635,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
 #if defined(__AVX2__)
-  if (bits == 4) transpose_rows(xq, xd, n, in, packed ? xt : nullptr, xdl);
+  if (lanes) transpose_rows(xq, xd, n, in, packed ? xt : nullptr, xdl, xc);
 #endif
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
   // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
@@ -624,17 +660,26 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
           const uint8_t* packs[NR];
           for (int j = 0; j < nr; ++j) {
             packed_buf[j].resize(in);
-            pack_row_q4(rows[j], 0, nb, packed_buf[j].data());
+            if (bits == 4)
+              pack_row<4>(rows[j], 0, nb, packed_buf[j].data());
+            else
+              pack_row<8>(rows[j], 0, nb, packed_buf[j].data());
             packs[j] = packed_buf[j].data();
           }
           for (int64_t m0 = r0; m0 < r1; m0 += MR) {
             const int mr = int(std::min<int64_t>(MR, r1 - m0));
             float res[NR][MR];
             with_rows(mr, [&](auto m) {
-              if (nr == NR)
-                packed_q4<m(), NR>(rows, packs, float(zero), xq, xt, xd, xdl, xs, m0, in, res);
-              else
-                packed_q4<m(), 1>(rows, packs, float(zero), xq, xt, xd, xdl, xs, m0, in, res);
+              auto run = [&](auto b) {
+                if (nr == NR)
+                  packed_rows<b(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                else
+                  packed_rows<b(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+              };
+#if defined(CTXPAR_DPBUSD)
+              if (bits == 8) return run(std::integral_constant<int, 8>());
+#endif
+              run(std::integral_constant<int, 4>());
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);
           }
@@ -650,7 +695,9 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             float res[MR];
 #if defined(__AVX2__)
             if (bits == 4)
-              with_rows(mr, [&](auto m) { rows_q4<m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
+              with_rows(mr, [&](auto m) { rows_lanes<4, m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
+            else if (lanes)
+              with_rows(mr, [&](auto m) { rows_lanes<8, m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
             else
               table8[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
 #else

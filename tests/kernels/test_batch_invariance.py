@@ -37,8 +37,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the compi
 
 SETTINGS = settings(max_examples=15, deadline=None)
 # The quantized paths: native (AMX-INT8's tiles where the CPU has them), AVX-512 VNNI
-# without AMX (on a CPU with AMX), AVX2, scalar.
-BUILDS = ["native", *VNNI_BUILD, "haswell", "x86-64"]
+# without AMX (on a CPU with AMX), AVX-VNNI's 256-bit dot products, AVX2, scalar.
+BUILDS = ["native", *VNNI_BUILD, *(["alderlake"] if "avx_vnni" in cpu_info().flags else []), "haswell", "x86-64"]
 # bf16's paths: native (AMX's tiles where the CPU has AMX-BF16), AVX-512 BF16's dot
 # products without AMX (cooperlake), AVX2's widened pairs.
 BF16_BUILDS = ["native", *(["cooperlake"] if "avx512_bf16" in cpu_info().flags else []), "haswell"]
