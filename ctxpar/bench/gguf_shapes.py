@@ -130,7 +130,7 @@ SHAPES: dict[str, Shape] = {
     "llama-3-8b": Shape(4096, 32, 32, 8, 128, 14336, 500000.0, tied=False),
 }
 # name: (weights per block, bytes per block); the block's byte layout is ggml-common.h's.
-FORMATS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+FORMATS = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # How a tensor is filled: norms with 1, biases and routers with float32 noise, the rest with blocks.
 ONES, NOISE, BLOCKS = "ones", "noise", "blocks"
 Tensor = tuple[str, tuple[int, ...], str]  # (gguf name, dims outermost first: the last a row, fill)
@@ -202,6 +202,8 @@ def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> n
         raw[:, :, 0:2] = _halves(SCALE / 4.6, raw.shape[:2])
     elif fmt == "Q8_0":  # d * q, q uniform in -128..127: std 74 d
         raw[:, :, 0:2] = _halves(SCALE / 74, raw.shape[:2])
+    elif fmt == "Q6_K":  # d * sc * (q - 32): int8 sc (std 74) at bytes 192..207, q - 32 std 18.5, d last
+        raw[:, :, 208:210] = _halves(SCALE / (74 * 18.5), raw.shape[:2])
     else:  # Q4_K: d * sc * q - dmin * m, 6-bit sc and m (~32), q in 0..15
         raw[:, :, 0:2] = _halves(SCALE / (32 * 4.6), raw.shape[:2])
         raw[:, :, 2:4] = _halves(SCALE * 7.5 / (32 * 4.6), raw.shape[:2])  # dmin = 7.5 d: mean ~0

@@ -53,7 +53,8 @@ from ctxpar.layers.attention.paged import gqa_paged_attention
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
-from ctxpar.layers.quant_linear import QuantWeight, quant_linear
+from ctxpar.layers.quant_blocks import decode
+from ctxpar.layers.quant_linear import BLOCK_FIELDS, QuantWeight, quant_linear
 from ctxpar.layers.rotary import apply_rotary_
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -84,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-prefill", action="store_true", help="a layer's prefill attention over each KV-cache format instead"
     )
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[16, 512, 2048], help="--quant: token rows")
-    parser.add_argument("--formats", nargs="+", choices=["Q4_0", "Q8_0"], default=["Q4_0"], help="--quant: blocks")
+    parser.add_argument(
+        "--formats", nargs="+", choices=["Q4_0", "Q8_0", "Q6_K"], default=["Q4_0"], help="--quant: blocks"
+    )
     parser.add_argument(
         "--models", nargs="+", choices=list(QUANT_SHAPES), default=list(QUANT_SHAPES), help="--quant: whose widths"
     )
@@ -211,7 +214,13 @@ def _quant_projections(args: argparse.Namespace) -> None:
     for fmt in args.formats:
         for model in args.models:
             for name, (out, cols) in QUANT_SHAPES[model].items():
-                w = QuantWeight.in_place(random_blocks(fmt, out, cols, rng), fmt)
+                raw = random_blocks(fmt, out, cols, rng)
+                # Q6_K is decoded to 8-bit codes in groups of 16, as a GGUF's loader does.
+                w = (
+                    QuantWeight.in_place(raw, fmt)
+                    if fmt in BLOCK_FIELDS
+                    else QuantWeight.from_decoded(decode(raw, fmt, cols))
+                )
                 w_bf16 = torch.randn(out, cols, dtype=torch.bfloat16)
                 for n in args.rows:
                     x = torch.randn(n, cols)

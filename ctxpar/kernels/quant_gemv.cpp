@@ -197,6 +197,11 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t n, int64_t in, int8
 #elif defined(__AVXVNNI__)
 #define CTXPAR_DPBUSD _mm256_dpbusd_avx_epi32
 #endif
+#if defined(CTXPAR_DPBUSD)
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
 
 // The 8 int32 sums of a block, lane j = weights 4j..4j+3 (lanes 0-3: the first 16 weights).
 template <int bits>
@@ -319,9 +324,10 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
 
 // The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
 // xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
-// last 8 as they are), and where xc is not null each block's sum of codes in LANE's order
-// (the biased 8-bit weights' correction).
-inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int8_t* xt, float* xdl,
+// last 8 as they are), and where xc is not null 128 times each group's sum of codes (the
+// biased 8-bit weights' correction), G groups a block: per 8 blocks, G runs of 8 in LANE's order (G = 2:
+// the blocks' first halves, then their second), nb * G a row.
+inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int G, int8_t* xt, float* xdl,
                            int32_t* xc) {
   const int64_t nb = in / QB;
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
@@ -334,8 +340,14 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
       __m256i r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
       for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16);
-        xc[m * nb + b + i] = int32_t(hsum8(_mm256_cvtepi32_ps(sums)));  // exact: |sum| <= 4064
+        alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 codes
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16));
+        const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
+        int32_t* c = xc + (m * nb + b) * G + i;
+        if (G == 1)
+          c[0] = 128 * (first + second);
+        else
+          c[0] = 128 * first, c[8] = 128 * second;
       }
       transpose8(r);
       for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
@@ -344,9 +356,18 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
   }
 }
 
-// 8 blocks' weight scales (ws: stored in block order) in LANE's order.
-inline __m256 lane_scales(const float* ws) {
-  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(ws), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+// Blocks [b, b + 8)'s weight scales (s: a row's, G a block in block order) in LANE's order:
+// ws[g] their groups g (G = 2: first halves, second halves).
+template <int G>
+inline void lane_scales(const float* s, int64_t b, __m256* ws) {
+  if constexpr (G == 1) {
+    ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
+    const __m256 v0 = _mm256_loadu_ps(s + 2 * b), v1 = _mm256_loadu_ps(s + 2 * b + 8);
+    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
+    ws[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0x88), order);
+    ws[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0xDD), order);
+  }
 }
 
 // One 8 blocks' step of a row: acc += float(sums) * (weight scales * activation scales), all lane-ordered.
@@ -356,7 +377,7 @@ inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
 
 // The rows' results from their accumulators: the blocks past the last 8 one at a time (their
 // codes as stored in xq), the lanes' sum, the offsets term.
-template <int bits, int mr>
+template <int bits, int G, int mr>
 inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
                         int64_t m0, int64_t in, const __m256* acc, float* res) {
   const int64_t nb = in / QB;
@@ -365,8 +386,15 @@ inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq,
     float tail = 0.0f;
     for (int64_t b = nb / 8 * 8; b < nb; ++b) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      const float sum = hsum8(_mm256_cvtepi32_ps(block_dot<bits>(load_block<bits>(wt.block(0, b)), x)));  // exact
-      tail = std::fma(sum, wt.scale(0, b) * xd[r * nb + b], tail);
+      alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 weights
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), block_dot<bits>(load_block<bits>(wt.block(0, b)), x));
+      const float first = float(sums[0] + sums[1] + sums[2] + sums[3]), second = float(sums[4] + sums[5] + sums[6] + sums[7]);
+      if constexpr (G == 1) {
+        tail = std::fma(first + second, wt.scale(0, b) * xd[r * nb + b], tail);  // exact integers
+      } else {
+        tail = std::fma(first, wt.scale(0, 2 * b) * xd[r * nb + b], tail);
+        tail = std::fma(second, wt.scale(0, 2 * b + 1) * xd[r * nb + b], tail);
+      }
     }
     res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, zero, xs + r * nb, nb);
   }
@@ -374,7 +402,7 @@ inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq,
 
 // Rows [m0, m0 + mr) against output row wt (row_floats'), the weights as stored; xp the
 // paired codes (quantize_rows; 4 bits), xdl transpose_rows'.
-template <int bits, int mr>
+template <int bits, int G, int mr>
 void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
                 const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
@@ -384,17 +412,22 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
 #endif
   __m256 acc[mr];
   for (int m = 0; m < mr; ++m) acc[m] = _mm256_setzero_ps();
-  // Pair p's sums, lanes 0-3 block 2p's quarters and 4-7 block 2p + 1's, for each row.
-  auto pair = [&](int64_t p, __m256i* v) __attribute__((always_inline)) {
+  // Pair p's sums, lanes 0-3 block 2p's quarters and 4-7 block 2p + 1's, for each row (v[g][m]:
+  // group g's, G = 2: the blocks' halves apart).
+  auto pair = [&](int64_t p, __m256i (*v)[mr]) __attribute__((always_inline)) {
     const uint8_t *first = wt.block(0, 2 * p), *second = wt.block(0, 2 * p + 1);
     _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
-    if constexpr (bits == 8) {  // a block's two halves of 4 sums added: [2p's | 2p + 1's]
+    if constexpr (bits == 8) {  // a block's halves of 4 sums: [2p's | 2p + 1's], added (G = 1) or apart
       const __m256i w0 = load_block<8>(first), w1 = load_block<8>(second);
       for (int m = 0; m < mr; ++m) {
         const int8_t* x = xq + (m0 + m) * in + 2 * p * QB;
         const __m256i d0 = block_dot<8>(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
         const __m256i d1 = block_dot<8>(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QB)));
-        v[m] = _mm256_add_epi32(_mm256_permute2x128_si256(d0, d1, 0x20), _mm256_permute2x128_si256(d0, d1, 0x31));
+        const __m256i h0 = _mm256_permute2x128_si256(d0, d1, 0x20), h1 = _mm256_permute2x128_si256(d0, d1, 0x31);
+        if constexpr (G == 1)
+          v[0][m] = _mm256_add_epi32(h0, h1);
+        else
+          v[0][m] = h0, v[1][m] = h1;
       }
       return;
     }
@@ -405,32 +438,35 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
 #if defined(CTXPAR_DPBUSD)
-      v[m] = CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
+      v[0][m] = CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
 #else
-      v[m] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones);
+      v[0][m] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones);
 #endif
     }
   };
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
-    __m256i v0[mr], v1[mr], h01[mr];
+    __m256i v0[G][mr], v1[G][mr], h01[G][mr];
     pair(b / 2, v0);
     pair(b / 2 + 1, v1);
-    for (int m = 0; m < mr; ++m) h01[m] = pair_sums(v0[m], v1[m]);
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < mr; ++m) h01[g][m] = pair_sums(v0[g][m], v1[g][m]);
     pair(b / 2 + 2, v0);
     pair(b / 2 + 3, v1);
-    const __m256 ws = lane_scales(wt.s + b);
-    for (int m = 0; m < mr; ++m) {
-      const __m256i sums = pair_sums(h01[m], pair_sums(v0[m], v1[m]));  // lane i: block LANE[i]
-      acc[m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[m]);
-    }
+    __m256 ws[G];
+    lane_scales<G>(wt.s, b, ws);
+    for (int m = 0; m < mr; ++m)
+      for (int g = 0; g < G; ++g) {
+        const __m256i sums = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
+        acc[m] = fold8(sums, ws[g], xdl + (m0 + m) * nb + b, acc[m]);
+      }
   }
-  finish_rows<bits, mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
+  finish_rows<bits, G, mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
 // res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits: xc its code sums): every
 // load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
-template <int bits, int mr, int nr>
+template <int bits, int G, int mr, int nr>
 void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
                  const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
                  int64_t in, float (*res)[MR]) {
@@ -442,81 +478,58 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
   for (int j = 0; j < nr; ++j)
     for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
-    // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones,
-    // whose 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once.
-    __m256i s[nr][mr];
-    for (int j = 0; j < nr; ++j)
-      for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {
-      __m256i w[nr];
-      for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
-      for (int m = 0; m < mr; ++m) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
-        for (int j = 0; j < nr; ++j) {
+    __m256 ws[nr][G];
+    for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, b, ws[j]);
+    // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
+    for (int g = 0; g < G; ++g) {
+      // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones,
+      // whose 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once.
+      __m256i s[nr][mr];
+      for (int j = 0; j < nr; ++j)
+        for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
+      for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) {
+        __m256i w[nr];
+        for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
+        for (int m = 0; m < mr; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
+          for (int j = 0; j < nr; ++j) {
 #if defined(CTXPAR_DPBUSD)
-          s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
+            s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
 #else
-          s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
+            s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
 #endif
+          }
         }
       }
-    }
-    for (int j = 0; j < nr; ++j) {
-      const __m256 ws = lane_scales(wt[j].s + b);
-      for (int m = 0; m < mr; ++m) {
+      for (int j = 0; j < nr; ++j)
+        for (int m = 0; m < mr; ++m) {
 #if defined(CTXPAR_DPBUSD)
-        __m256i sums = s[j][m];
-        if constexpr (bits == 8)  // (q + 128) x summed: take 128 x back off
-          sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(
-                                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + (m0 + m) * nb + b)), 7));
+          __m256i sums = s[j][m];
+          if constexpr (bits == 8) {  // (q + 128) x summed: take 128 x back off
+            const int32_t* c = xc + ((m0 + m) * nb + b) * G + g * 8;
+            sums = _mm256_sub_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+          }
 #else
-        static_assert(bits == 4, "biased bytes' pairs could saturate maddubs");
-        const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
+          static_assert(bits == 4, "biased bytes' pairs could saturate maddubs");
+          const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
 #endif
-        acc[j][m] = fold8(sums, ws, xdl + (m0 + m) * nb + b, acc[j][m]);
-      }
+          acc[j][m] = fold8(sums, ws[j][g], xdl + (m0 + m) * nb + b, acc[j][m]);
+        }
     }
   }
-  for (int j = 0; j < nr; ++j) finish_rows<bits, mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
+  for (int j = 0; j < nr; ++j) finish_rows<bits, G, mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
 }
 #endif
 
-// Output o for rows [m0, m0 + mr). mr is a template argument so that every loop over the
-// rows unrolls and the accumulators stay in registers (indexed by a run-time row
-// count they live on the stack, and each block's update waits on a store and a load).
+#if !defined(__AVX2__)
+// Output o for rows [m0, m0 + mr), without AVX2: the same integers, a scalar loop. mr is a
+// template argument so that every loop over the rows unrolls and the accumulators stay in
+// registers.
 template <typename S, int bits, int mr>
 void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const int8_t* xq, const int8_t* xp,
              const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
-#if defined(__AVX2__)
-  (void)xp;
-  // Two accumulators a row, for even and odd blocks: one would chain every block's
-  // fused multiply-add on the previous one's latency.
-  __m256 acc[2][mr];
-  for (int m = 0; m < mr; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  auto step = [&](int64_t b, __m256* a) __attribute__((always_inline)) {
-    // A row's blocks stream past once: ask for them ~1 KB ahead (a few percent here).
-    _mm_prefetch(reinterpret_cast<const char*>(wt.block(o, b)) + 1024, _MM_HINT_T0);
-    const __m256i w = load_block<bits>(wt.block(o, b));
-    const __m256 sw = group == QB ? _mm256_set1_ps(wt.scale(o, b))
-                                  : _mm256_set_m128(_mm_set1_ps(wt.scale(o, 2 * b + 1)), _mm_set1_ps(wt.scale(o, 2 * b)));
-    for (int m = 0; m < mr; ++m) {
-      const int64_t r = m0 + m;
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      const __m256 s = _mm256_cvtepi32_ps(block_dot<bits>(w, x));
-      a[m] = _mm256_fmadd_ps(s, _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * nb + b])), a[m]);
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    step(b, acc[0]);
-    step(b + 1, acc[1]);
-  }
-  if (b < nb) step(b, acc[0]);
-  for (int m = 0; m < mr; ++m)
-    res[m] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
-#else
-  (void)xp;  // the paired activations serve the AVX2 path only
+  (void)xp;  // the paired activations serve the AVX2 paths only
   float acc[mr] = {};
   for (int64_t b = 0; b < nb; ++b) {
     int q[QB];
@@ -539,7 +552,6 @@ void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const 
     }
   }
   for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
-#endif
 }
 
 template <typename S>
@@ -550,6 +562,7 @@ template <typename S, int bits, int... R>
 constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
   return {row_dot<S, bits, R + 1>...};
 }
+#endif
 
 // Output row o of a part with its scales and offsets as contiguous floats (the same values),
 // in a buffer of the calling thread's: every pass of MR activation rows over the row reads
@@ -608,34 +621,35 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   }
 #else
 #if defined(__AVX2__)
-  // A scale a block: the 8-lane paths ("Weights with one scale a block" above), packed where the
-  // rows repay packing each output row's weights once a pass (8 bits: with VNNI); either way a
-  // row's bits.
-  const bool lanes = bits == 4 || group == QB;
-#if defined(CTXPAR_DPBUSD)
-  const bool packed = lanes && n >= PACKED_ROWS && in >= PACKED_COLS;
-#else
-  const bool packed = bits == 4 && n >= PACKED_ROWS && in >= PACKED_COLS;
-#endif
+  // The 8-lane paths ("8 blocks at a time" above), G groups a block, packed where the rows repay
+  // packing each output row's weights once a pass (8 bits: with VNNI); either way a row's bits.
+  const int G = group == QB ? 1 : 2;
+  const bool packed = (bits == 4 || VNNI) && n >= PACKED_ROWS && in >= PACKED_COLS;
   static thread_local std::vector<int8_t> xt_buf;
   static thread_local std::vector<float> xdl_buf;
   static thread_local std::vector<int32_t> xc_buf;
-  if (lanes && int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
+  if (int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
   if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
-  if (packed && bits == 8 && int64_t(xc_buf.size()) < n * nb) xc_buf.resize(n * nb);
+  if (packed && bits == 8 && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
   int8_t* xt = xt_buf.data();
   float* xdl = xdl_buf.data();
   int32_t* xc = packed && bits == 8 ? xc_buf.data() : nullptr;
+  // f(bits, G) as constants: (4, 1), (8, 1) or (8, 2).
+  auto with_kind = [&](auto f) __attribute__((always_inline)) {
+    if (bits == 4) return f(std::integral_constant<int, 4>(), std::integral_constant<int, 1>());
+    if (G == 1) return f(std::integral_constant<int, 8>(), std::integral_constant<int, 1>());
+    f(std::integral_constant<int, 8>(), std::integral_constant<int, 2>());
+  };
 #else
   static const auto table4 = row_table<float, 4>(std::make_integer_sequence<int, MR>());
+  static const auto table8 = row_table<float, 8>(std::make_integer_sequence<int, MR>());
   const bool packed = false;
 #endif
-  static const auto table8 = row_table<float, 8>(std::make_integer_sequence<int, MR>());
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
 #if defined(__AVX2__)
-  if (lanes) transpose_rows(xq, xd, n, in, packed ? xt : nullptr, xdl, xc);
+  transpose_rows(xq, xd, n, in, G, packed ? xt : nullptr, xdl, xc);
 #endif
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
   // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
@@ -670,16 +684,14 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             const int mr = int(std::min<int64_t>(MR, r1 - m0));
             float res[NR][MR];
             with_rows(mr, [&](auto m) {
-              auto run = [&](auto b) {
-                if (nr == NR)
-                  packed_rows<b(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
-                else
-                  packed_rows<b(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
-              };
-#if defined(CTXPAR_DPBUSD)
-              if (bits == 8) return run(std::integral_constant<int, 8>());
-#endif
-              run(std::integral_constant<int, 4>());
+              with_kind([&](auto b, auto g) {
+                if constexpr (b() == 4 || VNNI) {  // 8 bits are packed with VNNI only (see packed above)
+                  if (nr == NR)
+                    packed_rows<b(), g(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                  else
+                    packed_rows<b(), g(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                }
+              });
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);
           }
@@ -694,12 +706,11 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             const int mr = int(std::min<int64_t>(MR, r1 - m0));
             float res[MR];
 #if defined(__AVX2__)
-            if (bits == 4)
-              with_rows(mr, [&](auto m) { rows_lanes<4, m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
-            else if (lanes)
-              with_rows(mr, [&](auto m) { rows_lanes<8, m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res); });
-            else
-              table8[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
+            with_rows(mr, [&](auto m) {
+              with_kind([&](auto b, auto g) {
+                rows_lanes<b(), g(), m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res);
+              });
+            });
 #else
             (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
 #endif

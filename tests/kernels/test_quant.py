@@ -289,14 +289,16 @@ def test_wide_rows_and_many_rows_keep_each_rows_bits(name: str, build: str) -> N
 
 
 @pytest.mark.skipif("avx_vnni" not in cpu_info().flags, reason="this CPU cannot run an AVX-VNNI build")
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"])
 def test_avx_vnni_build_computes_the_avx2_builds_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """AVX-VNNI's dpbusd (the alderlake build) and AVX2's maddubs + madd (haswell) find the
     same integer sums, and the float steps are one code: the same bits, for a decode
     step's row and for more rows than a pass of the rows takes (quant_gemv.cpp: ~256 KB
-    of codes, 60 rows at these 4,192 columns), the file's blocks in place and laid out."""
-    rng = np.random.default_rng(340 + ["Q4_0", "Q4_1", "Q8_0", "Q4_K"].index(name))
-    cols = 32 * 131 if name != "Q4_K" else 256 * 17
+    of codes, 60 rows at these 4,192 columns), the file's blocks in place and laid out.
+    At 150 rows the AVX-VNNI build packs every format's weights (8 bits biased, Q6_K's and
+    Q3_K's two scales a block) while the AVX2 build packs only 4 bits."""
+    rng = np.random.default_rng(340 + ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"].index(name))
+    cols = 32 * 131 if not name.endswith("_K") else 256 * 17
     raw = random_blocks(name, 37, cols, rng)
     weights = [QuantWeight.from_decoded(decode(raw, name, cols))]
     if name in IN_PLACE:
