@@ -45,7 +45,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -103,34 +103,41 @@ inline VV load_as(const T* p) {
     return load8(p);
 }
 
-// L vectors -> one vector of their horizontal sums, lane k = a[k]'s (a transposing add tree).
-inline v8 reduce_lanes(const v8* a) {
-  v8 t[4], u[2];
-  for (int i = 0; i < 4; ++i)
-    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-  for (int i = 0; i < 2; ++i)
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+// L vectors -> one vector of their horizontal sums, lane k = a[k]'s (a transposing add tree);
+// VV: 8 or 16 lanes of floats, or of int32 (the integer scores' exact sums).
+template <typename VV>
+inline VV reduce_lanes(const VV* a) {
+  if constexpr (sizeof(VV) == 32) {
+    VV t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+      t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; ++i)
+      u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  } else {
+    VV t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i)
+      t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14,
+                                     30) +
+             __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                     31);
+    for (int i = 0; i < 4; ++i)
+      u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                     29) +
+             __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                     31);
+    for (int i = 0; i < 2; ++i)
+      w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                     27) +
+             __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                     31);
+    return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
 }
-#if defined(__AVX512F__)
-inline v16 reduce_lanes(const v16* a) {
-  v16 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i)
-    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  for (int i = 0; i < 4; ++i)
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(w[0], w[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-#endif
 
 // Keys a dot-product block of vectors VV takes for G query heads: the G x KB partial sums
 // fill the lanes of one reduction (G = 3 leaves a quarter of them 0).
@@ -159,6 +166,101 @@ inline void dots(const float* q, int64_t stride, const T* const* rows, int64_t o
   } while (c < c1);
   float sums[lanes];
   storev(sums, reduce_lanes(acc));
+  for (int j = 0; j < G; ++j) std::memcpy(scores + j * CHUNK, sums + j * KB, KB * sizeof(float));
+}
+
+// The int8 cache's scores in integers: a query head's q as int16 codes (quantize_query),
+// a key's int8 codes widened to int16, multiplied in pairs and summed into int32 lanes
+// (AVX-512 VNNI's vpdpwssd, AVX-VNNI's 256-bit one, AVX2's vpmaddwd + vpaddd, or
+// plain code). |q code| <= 32767 and |key code| <= 127, so a head of D <= 512 values sums
+// to under 2^31 (no wrap, and vpmaddwd never saturates): every build's sum is the same
+// exact integer, whatever its vector width and reduction order.
+namespace codes {
+#if defined(__AVX512BW__)
+constexpr int IW = 32;  // int16 lanes a vector
+#else
+constexpr int IW = 16;
+#endif
+typedef int16_t vs __attribute__((vector_size(2 * IW)));  // IW codes
+typedef int32_t vi __attribute__((vector_size(2 * IW)));  // IW / 2 sums of pairs
+typedef float vf __attribute__((vector_size(2 * IW)));    // the sums as floats
+
+// `count` (a multiple of 8) int8 codes at p, widened; lanes past them 0 (IW at most).
+inline vs widen(const int8_t* p, int64_t count) {
+#if defined(__AVX512BW__)
+  if (count >= 32) return (vs)_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vs)_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((1u << count) - 1, p));  // the bytes past count unread
+#elif defined(__AVX2__)
+  if (count >= 16) return (vs)_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vs)_mm256_zextsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vs v = {};
+  for (int64_t i = 0; i < std::min<int64_t>(count, IW); ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+// acc + the sums of the pairs of products q * k, lane i = q[2i] k[2i] + q[2i+1] k[2i+1].
+inline vi madd(vi acc, vs q, vs k) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)q, (__m512i)k);
+#elif defined(__AVX512BW__)
+  return acc + (vi)_mm512_madd_epi16((__m512i)q, (__m512i)k);
+#elif defined(__AVXVNNI__)
+  return (vi)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)q, (__m256i)k);
+#elif defined(__AVX2__)
+  return acc + (vi)_mm256_madd_epi16((__m256i)q, (__m256i)k);
+#else
+  for (int i = 0; i < IW / 2; ++i) acc[i] += int32_t(q[2 * i]) * k[2 * i] + int32_t(q[2 * i + 1]) * k[2 * i + 1];
+  return acc;
+#endif
+}
+}  // namespace codes
+
+// A query head's dim values x_i = q_i * pre (log2 units, as the float path's) -> int16 codes
+// round(x_i / m * 32767) (ties to even; m = max |x_i|, so |code| <= 32767) and the scale
+// m / 32767, codes past dim 0 up to `padded`. Each row and head once, from its own values
+// only: the codes never depend on how the row's keys are cut into tasks. A zero head gets
+// codes 0 and scale 0 (scores 0, as the float path's); a NaN or infinite value, codes 0
+// and scale NaN (NaN scores, as the float path's).
+inline void quantize_query(const float* q, int64_t dim, int64_t padded, float pre, int16_t* codes, float* scale) {
+  float top = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float x = q[i] * pre;
+    finite = finite && std::isfinite(x);
+    top = std::max(top, std::fabs(x));
+  }
+  std::fill(codes, codes + padded, int16_t(0));
+  if (!finite || top == 0.0f) {
+    *scale = finite ? 0.0f : NAN;
+    return;
+  }
+  for (int64_t i = 0; i < dim; ++i) codes[i] = int16_t(std::nearbyint(q[i] * pre / top * 32767.0f));
+  *scale = top / 32767.0f;
+}
+
+// The integer dots: G query heads' codes (rows of q, `stride` apart, zero past dim to a
+// whole vector) with KEYS_PER keys' int8 codes (key i at rows[i] + offset), into scores
+// (head j's row at scores + j * CHUNK) as floats of the exact int32 sums; each key's codes
+// are widened once for the G heads.
+template <int G>
+inline void dots_int(const int16_t* q, int64_t stride, const int8_t* const* rows, int64_t offset, int64_t dim,
+                     float* scores) {
+  using namespace codes;
+  constexpr int lanes = IW / 2, KB = lanes / (G == 3 ? 4 : G);
+  vi acc[lanes];  // lane j * KB + i: head j's partial sums with key i
+  for (int k = 0; k < lanes; ++k) acc[k] = vi{};
+  for (int64_t c = 0; c < dim; c += IW) {
+    vs qc[G];
+    for (int j = 0; j < G; ++j) std::memcpy(&qc[j], q + j * stride + c, sizeof(vs));
+    for (int i = 0; i < KB; ++i) {
+      const vs kc = widen(rows[i] + offset + c, dim - c);
+      for (int j = 0; j < G; ++j) acc[j * KB + i] = madd(acc[j * KB + i], qc[j], kc);
+    }
+  }
+  float sums[lanes];
+  storev(sums, __builtin_convertvector(reduce_lanes(acc), vf));
   for (int j = 0; j < G; ++j) std::memcpy(scores + j * CHUNK, sums + j * KB, KB * sizeof(float));
 }
 
@@ -263,14 +365,23 @@ int64_t dequantize_task(const T* cache, const int64_t* slots, int64_t n, int64_t
   return shared ? 0 : dim;
 }
 
-// The `kv` KV heads of a task, each with its g query heads: q (kv * g x dim, scaled to log2
-// units), cap > 0: scores soft-capped at cap (log2 units). Leaves out (kv * g x value_dim)
+// A task's queries: kv * g heads of dim floats (scaled to log2 units), or, where codes is
+// not null, of int16 codes (quantize_query) `padded` apart with a scale each.
+struct Queries {
+  const float* values;
+  const int16_t* codes;
+  const float* scales;
+  int64_t padded;
+};
+
+// The `kv` KV heads of a task, each with its g query heads (q), cap > 0: scores
+// soft-capped at cap (log2 units). Leaves out (kv * g x value_dim)
 // and lse (kv * g) for the run. Three passes: the scores of every head, block by block of
 // L keys in slot order; the softmax of each query head; the weighted values, KV head by
 // KV head.
 template <typename T>
-void heads_over(const float* q, int64_t g, int64_t kv, int64_t dim, int64_t value_dim, const Keys<T>& K, float cap,
-                const Buffers& w, float* out, float* lse) {
+void heads_over(const Queries& q, int64_t g, int64_t kv, int64_t dim, int64_t value_dim, const Keys<T>& K,
+                float cap, const Buffers& w, float* out, float* lse) {
   const int64_t n = K.n, nL = K.nL, split = K.split, heads = kv * g;
   const Scales* sc = K.sc;
   // Local copies of the pointers: the compiler keeps them in registers through the stores.
@@ -297,11 +408,19 @@ void heads_over(const float* q, int64_t g, int64_t kv, int64_t dim, int64_t valu
       for (int64_t j0 = 0; j0 < g; j0 += G_MAX)
         with_group(std::min<int64_t>(G_MAX, g - j0), [&](auto group) {
           const int64_t hq = h * g + j0;
+          if constexpr (std::is_same_v<T, int8_t>)
+            if (q.codes) {
+              constexpr int KB = codes::IW / 2 / (group.value == 3 ? 4 : group.value);
+              for (int64_t i = s; i < s + L; i += KB)
+                dots_int<group.value>(q.codes + hq * q.padded, q.padded, K.rows + i, h * K.head_stride, dim,
+                                      scores + hq * CHUNK + i);
+              return;
+            }
           auto block = [&](auto vector, int64_t c0, int64_t c1, float* into) {
             using VV = decltype(vector);
             constexpr int KB = KEYS_PER<group.value, VV>;
             for (int64_t i = s; i < s + L; i += KB)
-              dots<group.value, VV>(q + hq * dim, dim, K.rows + i, h * K.head_stride, c0, c1, into + i);
+              dots<group.value, VV>(q.values + hq * dim, dim, K.rows + i, h * K.head_stride, c0, c1, into + i);
           };
           for (auto [c0, c1, into] : {std::tuple{int64_t(0), split, scores}, std::tuple{split, dim, scores2}}) {
             if (c0 == c1) continue;
@@ -318,6 +437,7 @@ void heads_over(const float* q, int64_t g, int64_t kv, int64_t dim, int64_t valu
     float* sj = scores + hq * CHUNK;
     for (int64_t s = 0; s < nL; s += L) {
       V x = loadv<V>(sj + s);
+      if (q.codes) x *= q.scales[hq];                 // an integer sum times q's scale
       if (sc) x *= loadv<V>(sk + h * CHUNK + s);  // a key's scale multiplies its dot products
       if (split < dim) x += loadv<V>(scores2 + hq * CHUNK + s) * loadv<V>(sk2 + h * CHUNK + s);
       if (cap > 0.0f) x = online_softmax::soft_capped<V, widest::veci>(x, cap);
@@ -327,13 +447,20 @@ void heads_over(const float* q, int64_t g, int64_t kv, int64_t dim, int64_t valu
     V top_v = loadv<V>(sj);
     for (int64_t s = L; s < nL; s += L) top_v = top_v < loadv<V>(sj + s) ? loadv<V>(sj + s) : top_v;
     const float top = tops[hq] = hmax(top_v);
-    V total_v = {};
+    // The sum in 16 lanes whatever the vectors' width (two vectors of 8 alternate) and the
+    // padding's weights exactly 0: the same bits in every build, as the integer scores are.
+    constexpr int PARTS = 16 / L;
+    V totals[PARTS] = {};
     float* wj = weights + hq * CHUNK;
     for (int64_t s = 0; s < nL; s += L) {
-      const V e = exp2_nonpositive<V, widest::veci>(loadv<V>(sj + s) - top);
-      total_v += e;
+      const V x = loadv<V>(sj + s);
+      V e = exp2_nonpositive<V, widest::veci>(x - top);
+      e = x == V{} - INFINITY ? V{} : e;
+      totals[s / L % PARTS] += e;
       storev(wj + s, sc ? e * loadv<V>(sv + h * CHUNK + s) : e);  // a value's scale rides on its weight
     }
+    V total_v = totals[0];
+    for (int p = 1; p < PARTS; ++p) total_v += totals[p];
     lse[hq] = hsum(total_v);  // the softmax's sum for now, its log below
   }
   for (int64_t h = 0; h < kv; ++h)
@@ -359,9 +486,16 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
             float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1;
   const int64_t g = heads / kv_heads;  // query heads per KV head
+  // An int8 key with one scale takes the integer scores (codes above) whatever its group,
+  // so that every build (whose G_MAX differ) takes them; MLA's latent, whose rope key has
+  // a scale of its own, stays on floats.
+  const bool integer = std::is_same_v<T, int8_t> && sc->split >= dim && dim <= 512;
   // A large group converts each code g / G_MAX times in place: dequantize the run once instead.
-  const bool dequantize = quantized && g > 2 * G_MAX;
+  const bool dequantize = quantized && !integer && g > 2 * G_MAX;
   const int64_t split = quantized && !dequantize ? std::min(sc->split, dim) : dim;
+  const int64_t padded = (dim + codes::IW - 1) / codes::IW * codes::IW;
+  std::vector<int16_t> q_codes(integer ? rows * heads * padded : 0);
+  std::vector<float> q_scales(integer ? rows * heads : 0);
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(rows + 1);
   for (int64_t b = 0; b < rows; ++b) {
@@ -389,6 +523,11 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
     at_least(scratch.rows, CHUNK);
     at_least(scratch.frows, CHUNK);
     if (dequantize) at_least(scratch.kd, CHUNK * (dim + value_dim));  // a run's keys and values (MLA's 256 x 576)
+    if (integer) {
+#pragma omp for
+      for (int64_t bh = 0; bh < rows * heads; ++bh)
+        quantize_query(q + bh * dim, dim, padded, scale * LOG2E, q_codes.data() + bh * padded, &q_scales[bh]);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) {
       const Task& task = tasks[t];
@@ -396,7 +535,8 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
       const int64_t* ts = slots + task.first;
       const float* qt = q + task.row * heads * dim;
       // scores in log2 units (vec.h)
-      for (int64_t i = 0; i < heads * dim; ++i) scratch.qs[i] = qt[i] * (scale * LOG2E);
+      if (!integer)
+        for (int64_t i = 0; i < heads * dim; ++i) scratch.qs[i] = qt[i] * (scale * LOG2E);
       float* o = part_out.data() + t * heads * value_dim;
       float* l = part_lse.data() + t * heads;
       const Buffers buffers = scratch.buffers();
@@ -405,15 +545,18 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
           const int64_t offset = dequantize_task(cache, ts, n, nL, h, dim, value_dim, slot_stride, head_stride,
                                                  v_offset, *sc, scratch.kd.data(), scratch.frows.data());
           const Keys<float> K{scratch.frows.data(), n, nL, 0, offset, dim, 0, nullptr};
-          heads_over(scratch.qs.data() + h * g * dim, g, 1, dim, value_dim, K, cap, buffers, o + h * g * value_dim,
-                     l + h * g);
+          const Queries qh{scratch.qs.data() + h * g * dim, nullptr, nullptr, 0};
+          heads_over(qh, g, 1, dim, value_dim, K, cap, buffers, o + h * g * value_dim, l + h * g);
         }
         continue;
       }
       for (int64_t s = 0; s < nL; ++s) scratch.rows[s] = cache + ts[std::min(s, n - 1)] * slot_stride;
       const Keys<T> K{scratch.rows.data(), n, nL, head_stride, v_offset, split, slot_stride * int64_t(sizeof(T)),
                       quantized ? sc : nullptr};
-      heads_over(scratch.qs.data(), g, kv_heads, dim, value_dim, K, cap, buffers, o, l);
+      const int64_t first = task.row * heads;
+      const Queries queries{scratch.qs.data(), integer ? q_codes.data() + first * padded : nullptr,
+                            integer ? q_scales.data() + first : nullptr, padded};
+      heads_over(queries, g, kv_heads, dim, value_dim, K, cap, buffers, o, l);
     }
 
     // Merge each row's runs per query head: out = sum_c exp(lse_c - Z) out_c, Z = logsumexp_c lse_c.
