@@ -29,6 +29,19 @@
 // its dot products, a value's scale is folded into its softmax weight. Where the group
 // is large (MLA: every query head shares the one latent key), a run of keys is
 // dequantized once into floats instead.
+//
+// An int8 key's scores are integer dot products, on the units built for them: each
+// query head's q (log2 units) is rounded once per row to int16 codes and a scale,
+// max |q| / 32767 (quantize_query), and a key's codes, widened to int16 once for the G
+// heads, multiply them in pairs into int32 lanes (vpdpwssd: one instruction for 32
+// values, where floats take a conversion of every code and a multiply-add per 16). The
+// sums are exact integers, so the scores do not depend on the vectors' width or the
+// order of the adds; with the softmax's sum kept in 16 lanes in every build, an
+// AVX-512, an AVX-VNNI and an AVX2 CPU give a row the same bits. The cost is q's
+// rounding: a score moves by at most max |q| / 65534 times the key's L1 norm
+// (tests/helpers/int8_scores.py derives its tolerance from that). The weighted values
+// stay float multiply-adds: a weight rounded to int16 per run would drop a key whose
+// weight is under 2^-16 of the run's largest.
 
 // The cache is addressed by strides, so one kernel serves
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
