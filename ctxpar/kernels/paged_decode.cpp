@@ -40,8 +40,9 @@
 // AVX-512, an AVX-VNNI and an AVX2 CPU give a row the same bits. The cost is q's
 // rounding: a score moves by at most max |q| / 65534 times the key's L1 norm
 // (tests/helpers/int8_scores.py derives its tolerance from that). The weighted values
-// stay float multiply-adds: a weight rounded to int16 per run would drop a key whose
-// weight is under 2^-16 of the run's largest.
+// stay float multiply-adds: the same sums in vpdpwssd (a run's weights rounded to int16,
+// two keys' value codes interleaved in pairs) measured slower on Zen 5, and would round
+// to 0 a weight under 2^-16 of its run's largest.
 
 // The cache is addressed by strides, so one kernel serves
 //   GQA  (num_slots, 2, Hk, D):  slot_stride 2*Hk*D, head_stride D, v_offset Hk*D
