@@ -189,7 +189,7 @@ inline void dots(const float* q, int64_t stride, const T* const* rows, int64_t o
 // plain code). |q code| <= 32767 and |key code| <= 127, so a head of D <= 512 values sums
 // to under 2^31 (no wrap, and vpmaddwd never saturates): every build's sum is the same
 // exact integer, whatever its vector width and reduction order.
-namespace codes {
+namespace int_dots {
 #if defined(__AVX512BW__)
 constexpr int IW = 32;  // int16 lanes a vector
 #else
@@ -229,7 +229,7 @@ inline vi madd(vi acc, vs q, vs k) {
   return acc;
 #endif
 }
-}  // namespace codes
+}  // namespace int_dots
 
 // A query head's dim values x_i = q_i * pre (log2 units, as the float path's) -> int16 codes
 // round(x_i / m * 32767) (ties to even; m = max |x_i|, so |code| <= 32767) and the scale
@@ -261,7 +261,7 @@ inline void quantize_query(const float* q, int64_t dim, int64_t padded, float pr
 template <int G>
 inline void dots_int(const int16_t* q, int64_t stride, const int8_t* const* rows, int64_t offset, int64_t dim,
                      float* scores) {
-  using namespace codes;
+  using namespace int_dots;
   constexpr int lanes = IW / 2, KB = lanes / (G == 3 ? 4 : G);
   vi acc[lanes];  // lane j * KB + i: head j's partial sums with key i
   for (int k = 0; k < lanes; ++k) acc[k] = vi{};
@@ -424,7 +424,7 @@ void heads_over(const Queries& q, int64_t g, int64_t kv, int64_t dim, int64_t va
           const int64_t hq = h * g + j0;
           if constexpr (std::is_same_v<T, int8_t>)
             if (q.codes) {
-              constexpr int KB = codes::IW / 2 / (group.value == 3 ? 4 : group.value);
+              constexpr int KB = int_dots::IW / 2 / (group.value == 3 ? 4 : group.value);
               for (int64_t i = s; i < s + L; i += KB)
                 dots_int<group.value>(q.codes + hq * q.padded, q.padded, K.rows + i, h * K.head_stride, dim,
                                       scores + hq * CHUNK + i);
@@ -507,7 +507,7 @@ void attend(const float* q, const T* cache, const int64_t* slots, const int64_t*
   // A large group converts each code g / G_MAX times in place: dequantize the run once instead.
   const bool dequantize = quantized && !integer && g > 2 * G_MAX;
   const int64_t split = quantized && !dequantize ? std::min(sc->split, dim) : dim;
-  const int64_t padded = (dim + codes::IW - 1) / codes::IW * codes::IW;
+  const int64_t padded = (dim + int_dots::IW - 1) / int_dots::IW * int_dots::IW;
   std::vector<int16_t> q_codes(integer ? rows * heads * padded : 0);
   std::vector<float> q_scales(integer ? rows * heads : 0);
   std::vector<Task> tasks;
