@@ -190,7 +190,8 @@ inline void dots(const float* q, int64_t stride, const T* const* rows, int64_t o
 // to under 2^31 (no wrap, and vpmaddwd never saturates): every build's sum is the same
 // exact integer, whatever its vector width and reduction order.
 namespace int_dots {
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)  // 32 int16 lanes, and masked 256-bit loads
+#define INT_DOTS_512 1
 constexpr int IW = 32;  // int16 lanes a vector
 #else
 constexpr int IW = 16;
@@ -201,7 +202,7 @@ typedef float vf __attribute__((vector_size(2 * IW)));    // the sums as floats
 
 // `count` (a multiple of 8) int8 codes at p, widened; lanes past them 0 (IW at most).
 inline vs widen(const int8_t* p, int64_t count) {
-#if defined(__AVX512BW__)
+#if defined(INT_DOTS_512)
   if (count >= 32) return (vs)_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return (vs)_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((1u << count) - 1, p));  // the bytes past count unread
 #elif defined(__AVX2__)
@@ -216,9 +217,9 @@ inline vs widen(const int8_t* p, int64_t count) {
 
 // acc + the sums of the pairs of products q * k, lane i = q[2i] k[2i] + q[2i+1] k[2i+1].
 inline vi madd(vi acc, vs q, vs k) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(INT_DOTS_512) && defined(__AVX512VNNI__)
   return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)q, (__m512i)k);
-#elif defined(__AVX512BW__)
+#elif defined(INT_DOTS_512)
   return acc + (vi)_mm512_madd_epi16((__m512i)q, (__m512i)k);
 #elif defined(__AVXVNNI__)
   return (vi)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)q, (__m256i)k);
