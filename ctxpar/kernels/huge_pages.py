@@ -15,10 +15,10 @@ A model's weights are written straight into such memory as they are read
 (``HugeArena``), so that they are not laid out once and then copied there:
 ``on_huge_pages`` tells a weight that is there already from one to move.
 
-A KV cache's pages are made ahead of the steps that write them
-(``fault_in_background``): a page's first touch clears it, which on a VM also
-makes the host back it, and a prefill that wrote the first rows of fresh pages
-spent that in its step while its other thread waited.
+A KV cache's pages are made ahead of the steps that write them (``FaultIn``):
+a page's first touch clears it, which on a VM also makes the host back it, and
+a prefill that wrote the first rows of fresh pages spent that in its step while
+its other thread waited.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # bytes: each of a HugeArena's tensors starts on a cache line
 ARENA_CHUNK = 256 << 20  # bytes a HugeArena maps at a time (more for a larger tensor)
+KV_AHEAD = 256 << 20  # bytes of a KV cache made beyond the steps' reach (SmolLM2's int8: ~23K tokens)
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: make pages writable now, their bytes left as they are
 
@@ -88,43 +89,71 @@ class HugeArena:
         return self._chunk[start : start + nbytes].view(dtype).view(shape)
 
 
-def fault_in_background(t: torch.Tensor, stripes: int) -> threading.Thread | None:
-    """Make the pages of ``t`` (of ``huge_empty``'s memory) now, on a thread that runs only
-    on otherwise idle CPUs (SCHED_IDLE), so the steps that first write them need not.
+class FaultIn:
+    """Makes the pages of a cache ``t`` (of ``huge_empty``'s memory) ahead of the steps that
+    write them, on a thread that runs only on otherwise idle CPUs (SCHED_IDLE).
 
     ``t`` is cut into ``stripes`` equal parts along its first dimension (a KV cache's
-    layers) and one huge page of each part is made in turn, from the parts' starts: the
-    order in which the block manager hands out blocks (lowest id first) and a step writes
-    a block's rows in every layer. The advice (MADV_POPULATE_WRITE) leaves bytes as they
-    are, so steps may write the cache meanwhile. The thread holds ``t`` only while the
-    kernel works on one page, so a closed engine's cache is freed at once, and it stops
-    once ``t`` is gone or where the OS lacks the advice.
-    Returns the thread (None: not memory of ``huge_empty``, nothing to do)."""
-    if not on_huge_pages(t) or t.shape[0] % stripes:
-        return None
-    ref = weakref.ref(t)
-    start, part = t.data_ptr(), t.numel() * t.element_size() // stripes
-    thread = threading.Thread(target=_fault_in, args=(ref, start, part, stripes), name="kv-fault-in", daemon=True)
-    thread.start()
-    return thread
+    layers), each ``rows`` rows along its second (its slots). The steps say how many rows
+    of each part they have reached (``advance``: the block manager hands out blocks lowest
+    id first, and a step writes a block's rows in every layer); the thread keeps ``ahead``
+    bytes in all (at least a huge page of each part) beyond that made, one huge page of
+    each part in turn, so memory
+    is committed as the cache is used, never all of it at once. The advice
+    (MADV_POPULATE_WRITE) leaves bytes as they are, so steps may write meanwhile. The
+    thread holds ``t`` only while the kernel works on one page, so a closed engine's cache
+    is freed at once; it ends then, or where the OS lacks the advice."""
 
+    def __init__(self, t: torch.Tensor, stripes: int, ahead: int) -> None:
+        self._ref = weakref.ref(t)
+        self._start, self.part = t.data_ptr(), t.numel() * t.element_size() // stripes
+        self._stripes, self.ahead = stripes, max(HUGE_PAGE, ahead // stripes)
+        self.row_bytes = self.part // t.shape[1]
+        self.wanted = 0  # bytes of each part the thread is to have made
+        self.made = 0  # bytes of each part it has made
+        self._wake = threading.Condition()
+        self.advance(0)
+        self.thread = threading.Thread(target=self._run, name="kv-fault-in", daemon=True)
+        self.thread.start()
 
-def _fault_in(ref: weakref.ref[torch.Tensor], start: int, part: int, stripes: int) -> None:
-    madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread alone
-    except (AttributeError, OSError):
-        return  # at normal priority it would take CPU from the steps: they make the pages as before
-    for offset in range(0, part, HUGE_PAGE):
-        for stripe in range(stripes):
-            t = ref()  # alive for the call: its mapping cannot go while the kernel works on it
-            if t is None:
-                return
-            lo = start + stripe * part + offset
-            hi = start + stripe * part + min(offset + HUGE_PAGE, part)
-            lo, hi = lo - lo % PAGE, -(-hi // PAGE) * PAGE  # within the mapping: it starts on a huge page
-            failed = madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0
-            del t
-            if failed:
-                return  # an OS without the advice: the steps make the pages as before
+    @classmethod
+    def of(cls, t: torch.Tensor, stripes: int, ahead: int) -> FaultIn | None:
+        """A FaultIn of ``t``, or None where it is not ``huge_empty``'s memory (nothing to do)."""
+        if not on_huge_pages(t) or t.shape[0] % stripes:
+            return None
+        return cls(t, stripes, ahead)
+
+    def advance(self, rows: int) -> None:
+        """The steps have reached ``rows`` rows of every part: keep ``ahead`` bytes beyond made."""
+        want = min(self.part, rows * self.row_bytes + self.ahead)
+        if want > self.wanted:
+            with self._wake:
+                self.wanted = want
+                self._wake.notify()
+
+    def _run(self) -> None:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread alone
+        except (AttributeError, OSError):
+            return  # at normal priority it would take CPU from the steps: they make the pages as before
+        while True:
+            with self._wake:
+                while self.made >= self.wanted:  # wakes now and then to see whether the cache is gone
+                    if not self._wake.wait(timeout=1.0) and self._ref() is None:
+                        return
+                want = self.wanted
+            for offset in range(self.made, want, HUGE_PAGE):
+                for stripe in range(self._stripes):
+                    t = self._ref()  # alive for the call: its mapping cannot go while the kernel works on it
+                    if t is None:
+                        return
+                    lo = self._start + stripe * self.part + offset
+                    hi = self._start + stripe * self.part + min(offset + HUGE_PAGE, self.part)
+                    lo, hi = lo - lo % PAGE, -(-hi // PAGE) * PAGE  # within the mapping: it starts on a huge page
+                    failed = madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0
+                    del t
+                    if failed:
+                        return  # an OS without the advice: the steps make the pages as before
+            self.made = max(self.made, -(-want // HUGE_PAGE) * HUGE_PAGE)

@@ -16,7 +16,7 @@ import torch
 
 from ctxpar.checks import machine_memory_bytes
 from ctxpar.errors import CtxparError
-from ctxpar.kernels.huge_pages import fault_in_background, huge_zeros
+from ctxpar.kernels.huge_pages import huge_zeros
 from ctxpar.layers.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
@@ -104,15 +104,12 @@ def allocate_kv_caches(
 ) -> torch.Tensor:
     """(num_layers, num_slots, *kv_entry_shape) of `dtype`, or with `quant` (num_layers, num_slots,
     row_bytes) uint8 rows, zeroed; on the CPU in huge pages (a decode step reads each row's whole
-    context), made by a thread on idle CPUs ahead of the steps that write them. One allocation:
-    element i is layer i's cache, and a slot's entries of every layer move in one indexing op (a
-    led step's broadcast)."""
+    context). One allocation: element i is layer i's cache, and a slot's entries of every layer
+    move in one indexing op (a led step's broadcast)."""
     shape = (num_layers, num_slots, *kv_entry_shape) if quant is None else (num_layers, num_slots, quant.row_bytes)
     dtype = dtype if quant is None else torch.uint8
     if device.type == "cpu":
-        cache = huge_zeros(shape, dtype)
-        fault_in_background(cache, num_layers)
-        return cache
+        return huge_zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

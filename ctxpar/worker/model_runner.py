@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ctxpar.kernels.huge_pages import KV_AHEAD, FaultIn
 from ctxpar.layers.attention_metadata import AttentionMetadataBuilder
 from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.kv_quant import KVQuant
@@ -85,6 +86,8 @@ class ModelRunner:
             self.kv_quant,
         )
         self.kv_caches = list(self.kv_stack.unbind(0))  # per layer (slots, *entry): views of the stack
+        # On the CPU its pages are made on idle CPUs ahead of the blocks the steps reach (_check_slots).
+        self.fault_in = FaultIn.of(self.kv_stack, model.num_kv_layers, KV_AHEAD)
         self.metadata = AttentionMetadataBuilder(self.kv_caches, self.kv_quant, device)
         # Steps of decodes through the model's fast decode step, where it has one (enforce_eager:
         # never): one compiled call on the CPU, replays of CUDA graphs on a GPU.
@@ -206,7 +209,10 @@ class ModelRunner:
         of each row, or under DCP this rank's share of them."""
         seq_lens = plan.num_computed_tokens + plan.num_scheduled_tokens
         needed = seq_lens if self.shard is None else self.shard.local_len(seq_lens)
-        check_block_tables(plan.block_tables, needed, self.block_size, self.kv_stack.shape[1] // self.block_size)
+        num_blocks = self.kv_stack.shape[1] // self.block_size
+        top = check_block_tables(plan.block_tables, needed, self.block_size, num_blocks)
+        if self.fault_in is not None and top < num_blocks - 1:  # the last: a window's null block, never written
+            self.fault_in.advance((top + 1) * self.block_size)
 
     def _split_ranks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
         """The policy's groups of ranks for this step's split rows (None: all ranks)."""

@@ -14,15 +14,14 @@ from ctxpar.layers.step_description import token_rows_positions as token_rows_po
 from ctxpar.layers.step_description import token_slots as token_slots
 
 
-def check_block_tables(
-    block_tables: Sequence[np.ndarray], needed: np.ndarray, block_size: int, num_blocks: int
-) -> None:
+def check_block_tables(block_tables: Sequence[np.ndarray], needed: np.ndarray, block_size: int, num_blocks: int) -> int:
     """Raise ValueError unless every row's slots lie in the cache: its block ids
     in [0, num_blocks), and its table holding at least ``needed[r]`` slots (the
     places in its cache that the step reads or writes). Every slot of a step is
     a table's block times block_size plus an offset below block_size, so this
     bounds them all; the C++ kernels index the cache with them unchecked, so the
-    runner checks once per step, before any kernel, in a few vectorized ops."""
+    runner checks once per step, before any kernel, in a few vectorized ops.
+    Returns the highest block id a table names (-1: none)."""
     lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     short = np.flatnonzero(lengths * block_size < needed)
     if len(short):
@@ -31,13 +30,14 @@ def check_block_tables(
             f"step plan: row {r}'s block table holds {lengths[r] * block_size} slots, the step uses {needed[r]}"
         )
     if not lengths.any():
-        return
+        return -1
     ids = np.concatenate(block_tables)
     if ids.dtype.kind not in "iu":
         raise ValueError(f"step plan: block ids must be integers, got {ids.dtype}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_blocks:
         raise ValueError(f"step plan: block id {lo if lo < 0 else hi} outside the KV cache's {num_blocks} blocks")
+    return hi
 
 
 def rank_order(owner: np.ndarray, num_ranks: int) -> tuple[np.ndarray, int]:

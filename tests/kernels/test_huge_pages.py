@@ -7,7 +7,6 @@ where the kernel's transparent huge pages are on ("always" or "madvise").
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from ctxpar.kernels import huge_pages
-from ctxpar.kernels.huge_pages import HUGE_PAGE, HugeArena, fault_in_background, huge_empty, huge_zeros, on_huge_pages
+from ctxpar.kernels.huge_pages import HUGE_PAGE, FaultIn, HugeArena, huge_empty, huge_zeros, on_huge_pages
 from ctxpar.layers.linear import shared_tensors
 from ctxpar.layers.weight_arena import place_on_huge_pages
 from ctxpar.models.loader import load_model
@@ -103,19 +102,33 @@ def rss_kib(t: torch.Tensor) -> int:
     return int(mapping_of(t.data_ptr())["Rss"].split()[0])
 
 
-def test_a_cache_is_faulted_in_behind_the_steps_with_its_bytes_kept():
-    """The background thread makes every page of the mapping, and bytes written
-    before and while it runs stay as they were written (the advice never writes)."""
-    t = huge_zeros((4, HUGE_PAGE), torch.uint8)  # 4 layers of one huge page each
+def made_pages(fault_in: FaultIn) -> None:
+    """Wait until the fault-in thread has made what it was asked for."""
+    deadline = time.monotonic() + 60
+    while fault_in.made < fault_in.wanted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fault_in.made >= fault_in.wanted, "the fault-in thread did not make its pages"
+
+
+def test_a_cache_is_faulted_in_ahead_of_the_steps_with_its_bytes_kept():
+    """The thread makes the pages the steps are about to reach, ``ahead`` beyond, not the
+    whole cache; bytes written before and while it runs stay as they were written (the
+    advice never writes)."""
+    t = huge_zeros((4, 8 * HUGE_PAGE), torch.uint8)  # 4 layers of 8 huge pages, 1-byte rows
     t[1, :100] = torch.arange(100, dtype=torch.uint8)  # a step that ran before
-    assert rss_kib(t) < 4 * HUGE_PAGE // 1024  # untouched pages are not made yet
-    thread = fault_in_background(t, 4)
-    assert thread is not None
+    assert rss_kib(t) < 2 * HUGE_PAGE // 1024  # untouched pages are not made yet
+    fault_in = FaultIn.of(t, 4, 4 * HUGE_PAGE)  # a huge page of each layer ahead
+    assert fault_in is not None
     t[3, 5:50] = 9  # a step that runs meanwhile
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert rss_kib(t) >= 4 * HUGE_PAGE // 1024
-    want = torch.zeros(4, HUGE_PAGE, dtype=torch.uint8)
+    made_pages(fault_in)
+    assert 4 * HUGE_PAGE // 1024 <= rss_kib(t) < 8 * HUGE_PAGE // 1024  # the first page of each layer only
+    fault_in.advance(2 * HUGE_PAGE)  # the steps reached two pages' rows of every layer: three made
+    made_pages(fault_in)
+    assert 12 * HUGE_PAGE // 1024 <= rss_kib(t) < 16 * HUGE_PAGE // 1024
+    fault_in.advance(100 * HUGE_PAGE)  # past the end: the whole cache, no further
+    made_pages(fault_in)
+    assert rss_kib(t) >= 32 * HUGE_PAGE // 1024
+    want = torch.zeros(4, 8 * HUGE_PAGE, dtype=torch.uint8)
     want[1, :100] = torch.arange(100, dtype=torch.uint8)
     want[3, 5:50] = 9
     assert torch.equal(t, want)
@@ -126,24 +139,16 @@ def test_the_fault_in_thread_lets_its_cache_go():
     thread holds the cache only while the kernel works on one page."""
     t = huge_zeros((2, 512 * HUGE_PAGE), torch.uint8)  # 2 GiB: seconds to make whole
     raw = t.untyped_storage().data_ptr()
-    thread = fault_in_background(t, 2)
-    assert thread is not None
+    fault_in = FaultIn.of(t, 2, 4 * 512 * HUGE_PAGE)
+    assert fault_in is not None
     del t
     deadline = time.monotonic() + 1.0
     while raw in huge_pages._LIVE and time.monotonic() < deadline:
         time.sleep(0.01)
     assert raw not in huge_pages._LIVE  # unmapped
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert fault_in_background(torch.zeros(4, 8), 4) is None  # not huge_empty's memory: left alone
-
-
-def test_kv_caches_are_faulted_in_on_allocation():
-    caches = allocate_kv_caches(2, 16384, (2, 3, 64), torch.float32, torch.device("cpu"))  # 2 x 24 MiB
-    for thread in [t for t in threading.enumerate() if t.name == "kv-fault-in"]:
-        thread.join(timeout=60)
-    assert rss_kib(caches) >= caches.numel() * 4 // 1024
-    assert int(caches.count_nonzero()) == 0
+    fault_in.thread.join(timeout=60)
+    assert not fault_in.thread.is_alive()
+    assert FaultIn.of(torch.zeros(4, 8), 4, HUGE_PAGE) is None  # not huge_empty's memory: left alone
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +200,17 @@ def test_an_engine_keeps_its_weights_and_caches_on_huge_pages(model_dir):
         assert "hg" in mapping_of(getattr(holder, attr).data_ptr())["VmFlags"].split()
         cache = llm.engine.executor.runner.target.kv_caches[0]
         assert "hg" in mapping_of(cache.data_ptr())["VmFlags"].split()
+
+
+def test_an_engines_steps_advance_its_kv_fault_in(model_dir):
+    """The model runner tells the thread how far its steps' block tables reach."""
+    from ctxpar import LLM, SamplingParams
+
+    # The default 1 GiB cache: more than KV_AHEAD, so the thread is asked for part of it.
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, block_size=16) as llm:
+        runner = llm.engine.executor.runner.target
+        fault_in = runner.fault_in
+        assert fault_in is not None and fault_in.wanted == fault_in.ahead  # before any step
+        llm.generate([{"prompt_token_ids": list(range(1, 40))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        # Blocks 0-2 (40 slots of 16): three blocks' rows reached in every layer.
+        assert fault_in.wanted == min(fault_in.part, 3 * 16 * fault_in.row_bytes + fault_in.ahead)
