@@ -32,6 +32,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -39,6 +41,10 @@
 #include "kv_codes.h"
 #include "online_softmax.h"
 #include "vec.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -110,14 +116,13 @@ inline void transpose_stage(vec* r) {
 // Rows r[0, W) of a W x W block, transposed in place: log2(W) stages.
 inline void transpose(vec* r) { transpose_stage<W / 2>(r); }
 
-// Keys [s0, s0 + keys) of KV head h of a quantized cache, dequantized: K^T into
-// kt (dim x BK, padding keys 0) and V into vb (keys x value_dim). k: the rows
-// (k_stride bytes apart, K of head h at h * dim, scales as `sc`), v = k + V's offset.
-// K goes W keys by W dims at a time: dequantized a key a row, then transposed in
+// Keys [s0, s0 + keys) of KV head h of a quantized cache, dequantized into kt
+// (dim x BK, padding keys 0). k: the rows (k_stride bytes apart, K of head h at h * dim,
+// scales as `sc`). W keys by W dims at a time: dequantized a key a row, then transposed in
 // registers (a scalar store per value cost more than the products it feeds).
 template <typename T>
-void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int64_t keys, int64_t h, int64_t dim,
-                      int64_t value_dim, const Scales& sc, float* kt, float* vb) {
+void dequantize_keys(const T* k, int64_t k_stride, int64_t s0, int64_t keys, int64_t h, int64_t dim,
+                     const Scales& sc, float* kt) {
   for (int64_t s1 = 0; s1 < BK; s1 += W)
     for (int64_t d0 = 0; d0 < dim; d0 += W) {
       vec r[W];
@@ -128,6 +133,12 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
       transpose(r);
       for (int64_t d = 0; d < W; ++d) storev(kt + (d0 + d) * BK + s1, r[d]);
     }
+}
+
+// The same keys' values dequantized into vb (keys x value_dim); v = k + V's offset.
+template <typename T>
+void dequantize_values(const T* k, const T* v, int64_t k_stride, int64_t s0, int64_t keys, int64_t h,
+                       int64_t value_dim, const Scales& sc, float* vb) {
   for (int64_t s = 0; s < keys; ++s) {
     const T* row = k + (s0 + s) * k_stride;
     const float vs = scale_at(row, sc, sc.value + h * sc.head);
@@ -136,6 +147,128 @@ void dequantize_block(const T* k, const T* v, int64_t k_stride, int64_t s0, int6
       std::memcpy(vb + s * value_dim + d, &x, sizeof x);
     }
   }
+}
+
+// v, rounded on its own: the compiler may not fuse the product that made it into an add
+// that follows (one FMA on one build, a multiply and an add on another, or where the
+// vector width changes which products meet which adds).
+inline vec rounded_apart(vec v) {
+  __asm__("" : "+m"(v));
+  return v;
+}
+
+// Int8 keys' scores as integer dot products. A lane of veci holds a pair of int16 (two
+// dims, the lower first), and dot_pairs adds a.lo · b.lo + a.hi · b.hi to each lane of acc:
+// AVX-512 VNNI's vpdpwssd, AVX-VNNI's 256-bit one, else vpmaddwd + vpaddd. They compute
+// the same int32: no product pair saturates (q's codes stop at +-32767, so never
+// -32768 · -32768), no sum overflows (MAX_INT_DIM), and integer sums do not depend on
+// their order, so every build gets the same scores.
+typedef int16_t pairs __attribute__((vector_size(sizeof(vec))));           // 2W int16: W pairs
+typedef int16_t halves __attribute__((vector_size(sizeof(vec) / 2)));      // W int16
+typedef int8_t codes __attribute__((vector_size(sizeof(vec) / 2)));        // 2W int8
+// A score's sum: dim / 2 pairs of at most 2 · 32767 · 128 each, under 2^31 - 1 up to 512 dims.
+constexpr int64_t MAX_INT_DIM = 512;
+
+inline veci dot_pairs(veci acc, veci a, veci b) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return (veci)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return (veci)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16((__m512i)a, (__m512i)b));
+#elif !defined(__AVX512F__) && defined(__AVXVNNI__)
+  return (veci)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)a, (__m256i)b);
+#elif !defined(__AVX512F__) && defined(__AVX2__)
+  return (veci)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16((__m256i)a, (__m256i)b));
+#else
+  const pairs x = (pairs)a, y = (pairs)b;
+  for (int j = 0; j < W; ++j) acc[j] += int32_t(x[2 * j]) * y[2 * j] + int32_t(x[2 * j + 1]) * y[2 * j + 1];
+  return acc;
+#endif
+}
+
+// Row x (dim floats) as int16 codes (pairs of dims as int32 words) and their scale,
+// max |x| / 32767: a function of the row alone, so a query gets the same codes whatever
+// task, chunk or rank holds it. A row of zeros gets scale 0; one with a NaN or an
+// infinity codes 0 and scale NaN (its scores NaN, as float products would make them).
+inline float quantize_row(const float* x, int64_t dim, int32_t* out) {
+  float top = 0.0f;
+  bool finite = true;
+  for (int64_t d = 0; d < dim; ++d) {
+    finite = finite && std::isfinite(x[d]);
+    top = std::max(top, std::fabs(x[d]));
+  }
+  if (!finite || top == 0.0f) {
+    std::fill(out, out + dim / 2, 0);
+    return finite ? 0.0f : NAN;
+  }
+  for (int64_t d = 0; d < dim; d += W) {
+    // x / top lies in [-1, 1] (no overflow where top is tiny); adding and taking away
+    // 1.5 · 2^23 rounds to the nearest integer, ties to even, which float holds exactly.
+    const vec t = rounded_apart(loadv<vec>(x + d) / top * 32767.0f);
+    const halves c = __builtin_convertvector(__builtin_convertvector((t + 12582912.0f) - 12582912.0f, veci), halves);
+    std::memcpy(out + d / 2, &c, sizeof c);
+  }
+  return top / 32767.0f;
+}
+
+// Keys [s0, s0 + keys) of KV head h's int8 codes widened to int16 pairs: word p of kp's
+// row of key s, kp[p * BK + s], holds dims 2p and 2p + 1 (padding keys 0), so the products
+// broadcast a query's pair against W keys at once and no score needs a horizontal sum; ks
+// (BK) the keys' scales. W keys by W pairs at a time: widened a key a row, then transposed
+// in registers as dequantize_keys does (32-bit words move as floats do).
+inline void pack_key_pairs(const int8_t* k, int64_t k_stride, int64_t s0, int64_t keys, int64_t h, int64_t dim,
+                           const Scales& sc, int32_t* kp, float* ks) {
+  for (int64_t s1 = 0; s1 < BK; s1 += W)
+    for (int64_t d0 = 0; d0 < dim; d0 += 2 * W) {
+      vec r[W];
+      for (int64_t s = 0; s < W; ++s) {
+        r[s] = vec{};
+        if (s1 + s < keys) {
+          codes c;
+          std::memcpy(&c, k + (s0 + s1 + s) * k_stride + h * dim + d0, sizeof c);
+          const pairs wide = __builtin_convertvector(c, pairs);
+          std::memcpy(&r[s], &wide, sizeof wide);
+        }
+      }
+      transpose(r);
+      for (int64_t p = 0; p < W; ++p) std::memcpy(kp + (d0 / 2 + p) * BK + s1, &r[p], sizeof(vec));
+    }
+  for (int64_t s = 0; s < BK; ++s) ks[s] = s < keys ? scale_at(k + (s0 + s) * k_stride, sc, h * sc.head) : 0.0f;
+}
+
+// Scores of ROWS query rows against TILE keys: c[r][0, TILE) = float(sum_p a[r][p] · b(p))
+// · a_scale[r] · b_scale[0, TILE), a's rows of pairs lda words apart, b's rows (kp's) BK
+// words apart.
+inline void tile_scores(const int32_t* a, int64_t lda, const float* a_scale, const int32_t* b, const float* b_scale,
+                        int64_t pairs_n, float* c, int64_t ldc) {
+  veci acc[ROWS][4] = {};
+  for (int64_t p = 0; p < pairs_n; ++p) {
+    veci bp[4];
+    for (int i = 0; i < 4; ++i) std::memcpy(&bp[i], b + p * BK + i * W, sizeof(veci));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const veci ar = veci{} + a[r * lda + p];
+      for (int i = 0; i < 4; ++i) acc[r][i] = dot_pairs(acc[r][i], ar, bp[i]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int i = 0; i < 4; ++i)
+      storev(c + r * ldc + i * W, __builtin_convertvector(acc[r][i], vec) * a_scale[r] * loadv<vec>(b_scale + i * W));
+}
+
+// Row sums as 16 partial sums on every build (lane j adds the weights of keys j, j + 16,
+// ...), so that a row's total, and so its output, is the same float whatever the build's
+// vector width. add: the weights of W keys [s, s + W) of a row whose sums are `sums`,
+// after the block's rescale at its first key; to_totals: the W partial sums that
+// online_softmax::finish reduces as vec.h's hsum reduces the 16.
+inline void add_sums(float* sums, int64_t s, float rescale, vec p) {
+  if (s == 0)
+    for (int64_t i = 0; i < 16; i += W) storev(sums + i, rounded_apart(loadv<vec>(sums + i) * rescale));
+  storev(sums + s % 16, loadv<vec>(sums + s % 16) + p);
+}
+inline void to_totals(const float* sums, float* totals) {
+  if constexpr (W == 16)
+    storev(totals, loadv<vec>(sums));
+  else
+    storev(totals, loadv<vec>(sums) + loadv<vec>(sums + 8));
 }
 
 // T float, or a quantized cache's codes with its scales `sc` (null for float):
@@ -149,7 +282,10 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
                   int64_t dim, int64_t value_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
                   const int64_t* counts, const int64_t* firsts, const Scales* sc, float scale, float soft_cap,
                   float* out, float* lse) {
-  constexpr bool quantized = sizeof(T) == 1;
+  constexpr bool quantized = sizeof(T) == 1, int8 = std::is_same_v<T, int8_t>;
+  // int8 keys' scores are integer dot products (pack_key_pairs, tile_scores) where their
+  // int32 sums cannot overflow; else keys are floats or dequantized to them.
+  const bool integer = int8 && dim <= MAX_INT_DIM;
   // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key);
   // from its first (a window's), or key 0. A task's padding rows (i >= L) read the last
   // query's; they are never written out.
@@ -183,24 +319,40 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
     }
 
-    std::vector<float> qb(M * dim), scores(M * BK), o(M * value_dim);
+    std::vector<float> qb(integer ? 0 : M * dim), scores(M * BK), o(M * value_dim), sums(M * 16);
     std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
     const online_softmax::Rows rows{top.data(), block_top.data(), rescale.data(), totals.data()};
     std::vector<const float*> v_rows(BK);
-    std::vector<float> kt_block(quantized ? dim * BK : 0), v_block(quantized ? BK * value_dim : 0);
+    std::vector<float> kt_block(quantized && !integer ? dim * BK : 0), v_block(quantized ? BK * value_dim : 0);
+    // int8 keys: the task's queries as int16 pairs (M, dim / 2) with a scale a row (times
+    // scale_log2), and a block's keys as pairs (dim / 2, BK) with a scale a key.
+    std::vector<int32_t> qi(integer ? M * dim / 2 : 0), kp(integer ? dim / 2 * BK : 0);
+    std::vector<float> q_scale(integer ? M : 0), k_scale(integer ? BK : 0);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t nb = 0; nb < q_blocks; ++nb)
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t i0 = (q_blocks - 1 - nb) * bq, n = std::min(bq, L - i0);
-        std::fill(qb.begin(), qb.end(), 0.0f);  // padding rows score 0 and are never written out
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t d = 0; d < dim; ++d)
-              qb[(i * g + j) * dim + d] = q[(i0 + i) * q_stride + (h * g + j) * dim + d] * scale_log2;
+        // Padding rows score 0 and are never written out.
+        if (integer) {
+          std::fill(qi.begin(), qi.end(), 0), std::fill(q_scale.begin(), q_scale.end(), 0.0f);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < g; ++j) {
+              const int64_t m = i * g + j;
+              q_scale[m] = quantize_row(q + (i0 + i) * q_stride + (h * g + j) * dim, dim, qi.data() + m * dim / 2);
+              q_scale[m] *= scale_log2;
+            }
+        } else {
+          std::fill(qb.begin(), qb.end(), 0.0f);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < g; ++j)
+              for (int64_t d = 0; d < dim; ++d)
+                qb[(i * g + j) * dim + d] = q[(i0 + i) * q_stride + (h * g + j) * dim + d] * scale_log2;
+        }
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
+        std::fill(sums.begin(), sums.end(), 0.0f);
 
         int64_t last_pos = -1, first_pos = S;  // the task's queries see keys from, up to here
         for (int64_t i = 0; i < n; ++i) {
@@ -212,7 +364,10 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           const float* kt_s0 = kt.data() + h * dim * S_pad + s0;  // row d of K^T at kt_s0 + d * kt_ld
           int64_t kt_ld = S_pad;
           if constexpr (quantized) {
-            dequantize_block(k, v, k_stride, s0, keys, h, dim, value_dim, *sc, kt_block.data(), v_block.data());
+            if constexpr (int8)
+              if (integer) pack_key_pairs(k, k_stride, s0, keys, h, dim, *sc, kp.data(), k_scale.data());
+            if (!integer) dequantize_keys(k, k_stride, s0, keys, h, dim, *sc, kt_block.data());
+            dequantize_values(k, v, k_stride, s0, keys, h, value_dim, *sc, v_block.data());
             kt_s0 = kt_block.data(), kt_ld = BK;
             for (int64_t s = 0; s < keys; ++s) v_rows[s] = v_block.data() + s * value_dim;
           } else {
@@ -220,8 +375,12 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           }
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
-              tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
-                           nullptr, scores.data() + m * BK + c, BK);
+              if (integer)
+                tile_scores(qi.data() + m * dim / 2, dim / 2, q_scale.data() + m, kp.data() + c, k_scale.data() + c,
+                            dim / 2, scores.data() + m * BK + c, BK);
+              else
+                tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
+                             nullptr, scores.data() + m * BK + c, BK);
           auto seen = [&](int64_t m) { return std::min(keys, std::max<int64_t>(0, seen_by(i0 + m / g) - s0)); };
           auto first = [&](int64_t m) -> int64_t {
             if constexpr (variant) return std::min(BK, std::max<int64_t>(0, first_of(i0 + m / g) - s0));
@@ -232,7 +391,8 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           online_softmax::block<true, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
                                              [&](int64_t m, int64_t s, vec p) {
                                                storev(scores.data() + m * BK + s, p);
-                                               return p;
+                                               add_sums(sums.data() + m * 16, s, rescale[m], p);
+                                               return vec{};  // summed in `sums` instead
                                              });
           // P · V over the keys some row of the tile sees: past them every weight is exactly 0.
           for (int64_t m = 0; m < M; m += ROWS) {
@@ -246,6 +406,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
             const int64_t m = i * g + j, row = (i0 + i) * heads + h * g + j;
+            to_totals(sums.data() + m * 16, totals.data() + m * W);
             online_softmax::finish(o.data() + m * value_dim, value_dim, rows, m, out + row * value_dim,
                                    lse ? lse + row : nullptr);
           }
