@@ -45,3 +45,25 @@ def dequantize64(rows: torch.Tensor, codes: torch.dtype, runs: tuple[int, ...]) 
     values = rows[:, :width].contiguous().view(codes).double()
     scales = rows[:, offset : offset + 4 * len(runs)].contiguous().view(torch.float32).double()
     return values * scales.repeat_interleave(torch.tensor(runs), dim=1)
+
+
+def int8_query_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """How far the prefill kernel over int8 rows may be from exact attention over the rows'
+    values, beyond float32 rounding: it rounds each query row to int16 codes, a step of
+    max|q| / 32767 (kernels/prefill_attention.cpp), so an element of q moves by at most half
+    a step, 2^-16 of the row's max|q| (1% more for the float quotient rounded before the
+    integer: 32767 · 2^-24 of a step), and a score by at most delta = scale · that · sum_d |k_d|.
+    The log-sum-exp then moves by at most delta and each softmax weight by a factor within
+    e^(+-2 delta), so the output, a weighted mean of the values, by at most
+    (e^(2 delta) - 1) · max|v|. q (L, H, D); k, v (S, Hk, D*) -> bounds on out (L, H, 1) and lse (L, H)."""
+    group = q.shape[1] // k.shape[1]
+    key_sums = k.double().abs().sum(-1).amax(0).repeat_interleave(group)  # (H,) largest sum_d |k_d|
+    v_max = v.double().abs().amax((0, 2)).repeat_interleave(group)  # (H,)
+    delta = 1.01 * scale * q.double().abs().amax(-1) / 2**16 * key_sums  # (L, H)
+    return (torch.expm1(2 * delta) * v_max)[..., None], delta
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 0.0) -> None:
+    """|got - want| <= TOL's float32 rounding + bound, elementwise (bound broadcast to want)."""
+    err, limit = (got.double() - want).abs(), TOL["atol"] + TOL["rtol"] * want.abs() + bound
+    assert bool((err <= limit).all()), f"{int((err > limit).sum())} elements past the bound, by {(err - limit).max()}"
