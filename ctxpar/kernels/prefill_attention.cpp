@@ -153,7 +153,13 @@ void dequantize_values(const T* k, const T* v, int64_t k_stride, int64_t s0, int
 // that follows (one FMA on one build, a multiply and an add on another, or where the
 // vector width changes which products meet which adds).
 inline vec rounded_apart(vec v) {
-  __asm__("" : "+m"(v));
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(v));  // in its register: costs no instruction
+#elif defined(__AVX__)
+  __asm__("" : "+x"(v));
+#else
+  __asm__("" : "+m"(v));  // two SSE registers: through memory
+#endif
   return v;
 }
 
@@ -185,26 +191,41 @@ inline veci dot_pairs(veci acc, veci a, veci b) {
 #endif
 }
 
-// Row x (dim floats) as int16 codes (pairs of dims as int32 words) and their scale,
-// max |x| / 32767: a function of the row alone, so a query gets the same codes whatever
-// task, chunk or rank holds it. A row of zeros gets scale 0; one with a NaN or an
-// infinity codes 0 and scale NaN (its scores NaN, as float products would make them).
-inline float quantize_row(const float* x, int64_t dim, int32_t* out) {
-  float top = 0.0f;
-  bool finite = true;
-  for (int64_t d = 0; d < dim; ++d) {
-    finite = finite && std::isfinite(x[d]);
-    top = std::max(top, std::fabs(x[d]));
+// t rounded to the nearest integer, ties to even (|t| < 2^22): cvtps2dq under the default
+// rounding mode; elsewhere adding and taking away 1.5 · 2^23, which float holds exactly.
+inline veci nearest(vec t) {
+#if defined(__AVX512F__)
+  return (veci)_mm512_cvtps_epi32((__m512)t);
+#elif defined(__AVX__)
+  return (veci)_mm256_cvtps_epi32((__m256)t);
+#else
+  return __builtin_convertvector((t + 12582912.0f) - 12582912.0f, veci);
+#endif
+}
+
+// Row x (n floats, n a multiple of W) as int16 codes (pairs as int32 words) and their
+// scale, max |x| / 32767: a function of the row alone, so a query gets the same codes
+// whatever task, chunk or rank holds it (and a row of weights the same whatever rows share
+// its tile). A row of zeros gets scale 0; one with a NaN or an infinity codes 0 and scale
+// NaN (its results NaN, as float products would make them).
+inline float quantize_row(const float* x, int64_t n, int32_t* out) {
+  vec tops{}, bad{};
+  for (int64_t d = 0; d < n; d += W) {
+    const vec v = loadv<vec>(x + d), a = v < 0 ? -v : v;
+    tops = tops < a ? a : tops;
+    bad += v - v;  // NaN where any lane is NaN or infinite
   }
-  if (!finite || top == 0.0f) {
-    std::fill(out, out + dim / 2, 0);
-    return finite ? 0.0f : NAN;
+  const float top = hmax(tops);
+  if (hsum(bad) != 0.0f || top == 0.0f) {
+    std::fill(out, out + n / 2, 0);
+    return top == 0.0f ? 0.0f : NAN;
   }
-  for (int64_t d = 0; d < dim; d += W) {
-    // x / top lies in [-1, 1] (no overflow where top is tiny); adding and taking away
-    // 1.5 · 2^23 rounds to the nearest integer, ties to even, which float holds exactly.
-    const vec t = rounded_apart(loadv<vec>(x + d) / top * 32767.0f);
-    const halves c = __builtin_convertvector(__builtin_convertvector((t + 12582912.0f) - 12582912.0f, veci), halves);
+  // x / top · 32767 lies in [-32767, 32767] (up to its float rounding); x · (32767 / top)
+  // where that quotient is finite (top over ~1e-34), else divided.
+  const float inv = 32767.0f / top;
+  for (int64_t d = 0; d < n; d += W) {
+    const vec t = rounded_apart(std::isinf(inv) ? loadv<vec>(x + d) / top * 32767.0f : loadv<vec>(x + d) * inv);
+    const halves c = __builtin_convertvector(nearest(t), halves);
     std::memcpy(out + d / 2, &c, sizeof c);
   }
   return top / 32767.0f;
@@ -235,23 +256,40 @@ inline void pack_key_pairs(const int8_t* k, int64_t k_stride, int64_t s0, int64_
   for (int64_t s = 0; s < BK; ++s) ks[s] = s < keys ? scale_at(k + (s0 + s) * k_stride, sc, h * sc.head) : 0.0f;
 }
 
-// Scores of ROWS query rows against TILE keys: c[r][0, TILE) = float(sum_p a[r][p] · b(p))
-// · a_scale[r] · b_scale[0, TILE), a's rows of pairs lda words apart, b's rows (kp's) BK
-// words apart.
-inline void tile_scores(const int32_t* a, int64_t lda, const float* a_scale, const int32_t* b, const float* b_scale,
-                        int64_t pairs_n, float* c, int64_t ldc) {
+// The value pairs of keys [s0, s0 + keys) of KV head h, for P · V: word c of vp's row p,
+// vp[p * value_dim + c], holds dim c of keys 2p and 2p + 1 (a missing key's 0), so the
+// products broadcast a row's weights of two keys against W dims at once. v = k + V's offset.
+inline void pack_value_pairs(const int8_t* v, int64_t k_stride, int64_t s0, int64_t keys, int64_t h,
+                             int64_t value_dim, int32_t* vp) {
+  typedef int8_t lane_codes __attribute__((vector_size(W)));
+  typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
+  for (int64_t s = 0; s < keys; s += 2)
+    for (int64_t c = 0; c < value_dim; c += W) {
+      lane_codes lo, hi{};
+      std::memcpy(&lo, v + (s0 + s) * k_stride + h * value_dim + c, sizeof lo);
+      if (s + 1 < keys) std::memcpy(&hi, v + (s0 + s + 1) * k_stride + h * value_dim + c, sizeof hi);
+      const vecu word = (__builtin_convertvector(lo, vecu) & 0xFFFFu) | (__builtin_convertvector(hi, vecu) << 16);
+      std::memcpy(vp + s / 2 * value_dim + c, &word, sizeof word);
+    }
+}
+
+// A tile of integer products: acc[r][i] = sum_p a[r][p] · b(p)[i W, (i + 1) W) for r < ROWS,
+// i < 4, over `depth` pairs (a's rows of pairs lda words apart, b(p) the address of the
+// right operand's row p of pairs); out(r, i, acc[r][i]) takes each W lanes.
+template <typename Rows, typename Out>
+inline void tile_pairs(const int32_t* a, int64_t lda, Rows b, int64_t depth, Out out) {
   veci acc[ROWS][4] = {};
-  for (int64_t p = 0; p < pairs_n; ++p) {
+  for (int64_t p = 0; p < depth; ++p) {
+    const int32_t* bp_row = b(p);
     veci bp[4];
-    for (int i = 0; i < 4; ++i) std::memcpy(&bp[i], b + p * BK + i * W, sizeof(veci));
+    for (int i = 0; i < 4; ++i) std::memcpy(&bp[i], bp_row + i * W, sizeof(veci));
     for (int64_t r = 0; r < ROWS; ++r) {
-      const veci ar = veci{} + a[r * lda + p];
+      const veci ar = veci{} + a[r * lda + p];  // a row's pair, broadcast
       for (int i = 0; i < 4; ++i) acc[r][i] = dot_pairs(acc[r][i], ar, bp[i]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
-    for (int i = 0; i < 4; ++i)
-      storev(c + r * ldc + i * W, __builtin_convertvector(acc[r][i], vec) * a_scale[r] * loadv<vec>(b_scale + i * W));
+    for (int i = 0; i < 4; ++i) out(r, i, acc[r][i]);
 }
 
 // Row sums as 16 partial sums on every build (lane j adds the weights of keys j, j + 16,
@@ -328,6 +366,10 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
     // scale_log2), and a block's keys as pairs (dim / 2, BK) with a scale a key.
     std::vector<int32_t> qi(integer ? M * dim / 2 : 0), kp(integer ? dim / 2 * BK : 0);
     std::vector<float> q_scale(integer ? M : 0), k_scale(integer ? BK : 0);
+    // And for P · V: each row's weights of the block times the values' scales, as int16
+    // pairs (M, BK / 2) with a scale a row; the block's values as pairs of keys (BK / 2, value_dim).
+    std::vector<int32_t> wi(integer ? M * BK / 2 : 0), vp(integer ? BK / 2 * value_dim : 0);
+    std::vector<float> w_scale(integer ? M : 0), v_scale(integer ? BK : 0);
     // Later query blocks see more keys: hand them out first, so the threads finish together.
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t nb = 0; nb < q_blocks; ++nb)
@@ -365,9 +407,16 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           int64_t kt_ld = S_pad;
           if constexpr (quantized) {
             if constexpr (int8)
-              if (integer) pack_key_pairs(k, k_stride, s0, keys, h, dim, *sc, kp.data(), k_scale.data());
-            if (!integer) dequantize_keys(k, k_stride, s0, keys, h, dim, *sc, kt_block.data());
-            dequantize_values(k, v, k_stride, s0, keys, h, value_dim, *sc, v_block.data());
+              if (integer) {
+                pack_key_pairs(k, k_stride, s0, keys, h, dim, *sc, kp.data(), k_scale.data());
+                pack_value_pairs(v, k_stride, s0, keys, h, value_dim, vp.data());
+                for (int64_t s = 0; s < BK; ++s)
+                  v_scale[s] = s < keys ? scale_at(k + (s0 + s) * k_stride, *sc, sc->value + h * sc->head) : 0.0f;
+              }
+            if (!integer) {
+              dequantize_keys(k, k_stride, s0, keys, h, dim, *sc, kt_block.data());
+              dequantize_values(k, v, k_stride, s0, keys, h, value_dim, *sc, v_block.data());
+            }
             kt_s0 = kt_block.data(), kt_ld = BK;
             for (int64_t s = 0; s < keys; ++s) v_rows[s] = v_block.data() + s * value_dim;
           } else {
@@ -376,8 +425,12 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
           for (int64_t m = 0; m < M; m += ROWS)
             for (int64_t c = 0; c < BK; c += TILE)
               if (integer)
-                tile_scores(qi.data() + m * dim / 2, dim / 2, q_scale.data() + m, kp.data() + c, k_scale.data() + c,
-                            dim / 2, scores.data() + m * BK + c, BK);
+                tile_pairs(qi.data() + m * dim / 2, dim / 2, [&](int64_t p) { return kp.data() + p * BK + c; },
+                           dim / 2, [&](int64_t r, int i, veci acc) {
+                             const vec ks = loadv<vec>(k_scale.data() + c + i * W);
+                             storev(scores.data() + (m + r) * BK + c + i * W,
+                                    __builtin_convertvector(acc, vec) * q_scale[m + r] * ks);
+                           });
               else
                 tile_product(qb.data() + m * dim, dim, [&](int64_t d) { return kt_s0 + d * kt_ld + c; }, dim,
                              nullptr, scores.data() + m * BK + c, BK);
@@ -390,17 +443,29 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             if (soft_cap > 0.0f) online_softmax::cap_scores(scores.data(), M, BK, 1.0f, soft_cap * LOG2E);
           online_softmax::block<true, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
                                              [&](int64_t m, int64_t s, vec p) {
-                                               storev(scores.data() + m * BK + s, p);
+                                               // Integer P · V: the weights times the values' scales.
+                                               storev(scores.data() + m * BK + s,
+                                                      integer ? p * loadv<vec>(v_scale.data() + s) : p);
                                                add_sums(sums.data() + m * 16, s, rescale[m], p);
                                                return vec{};  // summed in `sums` instead
                                              });
+          if (integer)
+            for (int64_t m = 0; m < M; ++m) w_scale[m] = quantize_row(scores.data() + m * BK, BK, wi.data() + m * BK / 2);
           // P · V over the keys some row of the tile sees: past them every weight is exactly 0.
           for (int64_t m = 0; m < M; m += ROWS) {
             int64_t depth = 0;
             for (int64_t r = 0; r < ROWS; ++r) depth = std::max(depth, seen(m + r));
             for (int64_t c = 0; c < value_dim; c += TILE)
-              tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, depth,
-                           rescale.data() + m, o.data() + m * value_dim + c, value_dim);  // O rescaled as loaded
+              if (integer)  // O rescaled, plus the sums at the row's scale, each rounded on its own
+                tile_pairs(wi.data() + m * BK / 2, BK / 2, [&](int64_t p) { return vp.data() + p * value_dim + c; },
+                           (depth + 1) / 2, [&](int64_t r, int i, veci acc) {
+                             float* dst = o.data() + (m + r) * value_dim + c + i * W;
+                             storev(dst, rounded_apart(loadv<vec>(dst) * rescale[m + r]) +
+                                             rounded_apart(__builtin_convertvector(acc, vec) * w_scale[m + r]));
+                           });
+              else
+                tile_product(scores.data() + m * BK, BK, [&](int64_t s) { return v_rows[s] + c; }, depth,
+                             rescale.data() + m, o.data() + m * value_dim + c, value_dim);  // O rescaled as loaded
           }
         }
         for (int64_t i = 0; i < n; ++i)

@@ -47,20 +47,39 @@ def dequantize64(rows: torch.Tensor, codes: torch.dtype, runs: tuple[int, ...]) 
     return values * scales.repeat_interleave(torch.tensor(runs), dim=1)
 
 
-def int8_query_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """How far the prefill kernel over int8 rows may be from exact attention over the rows'
-    values, beyond float32 rounding: it rounds each query row to int16 codes, a step of
-    max|q| / 32767 (kernels/prefill_attention.cpp), so an element of q moves by at most half
-    a step, 2^-16 of the row's max|q| (1% more for the float quotient rounded before the
-    integer: 32767 · 2^-24 of a step), and a score by at most delta = scale · that · sum_d |k_d|.
-    The log-sum-exp then moves by at most delta and each softmax weight by a factor within
-    e^(+-2 delta), so the output, a weighted mean of the values, by at most
-    (e^(2 delta) - 1) · max|v|. q (L, H, D); k, v (S, Hk, D*) -> bounds on out (L, H, 1) and lse (L, H)."""
-    group = q.shape[1] // k.shape[1]
-    key_sums = k.double().abs().sum(-1).amax(0).repeat_interleave(group)  # (H,) largest sum_d |k_d|
-    v_max = v.double().abs().amax((0, 2)).repeat_interleave(group)  # (H,)
-    delta = 1.01 * scale * q.double().abs().amax(-1) / 2**16 * key_sums  # (L, H)
-    return (torch.expm1(2 * delta) * v_max)[..., None], delta
+def int8_bounds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, seen: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far the prefill kernel over int8 rows (kernels/prefill_attention.cpp) may be from
+    exact attention over the rows' values, beyond float32 rounding. q (L, H, D); k, v (S, Hk,
+    D*) the values; seen (L, S): which keys each query sees (default: the bottom-right causal
+    mask, as ``reference``) -> bounds on out (L, H, Dv) and lse (L, H).
+
+    Its queries are rounded to int16 codes, a step of max|q| / 32767 a row: an element moves
+    by at most half a step, 2^-16 of max|q| (1% more for the float quotient rounded before
+    the integer), so a score by at most delta = scale · that · sum_d |k_d|. The log-sum-exp
+    then moves by at most delta and each softmax weight by a factor within e^(+-2 delta): the
+    output, a weighted mean of the values, by at most (e^(2 delta) - 1) · max|v|.
+    P · V rounds each row's weights of a block of 64 keys (p_s times the value's scale c_s) to
+    int16 codes, a step of the block's largest: with P_s the softmax weights, dim d of the
+    output moves by at most 2^-16 · sum over blocks of max_s (P_s c_s) · sum_s |v_s,d| / c_s,
+    times e^(2 delta) for the weights' own error. A value's scale is max_d |v_s,d| / 127 (the
+    quantizer's code of the largest is 127)."""
+    (L, H, _), (S, Hk, _) = q.shape, k.shape
+    q, k, v = q.double(), k.double().repeat_interleave(H // Hk, 1), v.double().repeat_interleave(H // Hk, 1)
+    if seen is None:
+        seen = torch.arange(S)[None, :] <= (S - L + torch.arange(L))[:, None]
+    delta = 1.01 * scale * q.abs().amax(-1) / 2**16 * k.abs().sum(-1).amax(0)  # (L, H)
+    scores = torch.einsum("lhd,shd->lhs", q, k).masked_fill(~seen[:, None, :], float("-inf")) * scale
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)  # (L, H, S)
+    c = v.abs().amax(-1) / 127  # (S, H)
+    blocks = -(-S // 64)
+    pad = (0, blocks * 64 - S)
+    w_max = torch.nn.functional.pad(weights * c.T, pad).view(L, H, blocks, 64).amax(-1)  # (L, H, blocks)
+    codes = (v.abs() / c[..., None]).nan_to_num(0.0)  # (S, H, Dv) |codes|
+    code_sums = torch.nn.functional.pad(codes.permute(1, 2, 0), pad).view(H, -1, blocks, 64).sum(-1)  # (H, Dv, blocks)
+    pv = torch.einsum("lhb,hdb->lhd", w_max, code_sums) * 1.01 / 2**16 * torch.exp(2 * delta)[..., None]
+    return torch.expm1(2 * delta)[..., None] * v.abs().amax((0, 2))[:, None] + pv, delta
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 0.0) -> None:
