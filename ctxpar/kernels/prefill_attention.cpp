@@ -242,9 +242,10 @@ inline float quantize_row(const float* x, int64_t n, int32_t* out) {
     bad += v - v;  // NaN where any lane is NaN or infinite
   }
   const float top = hmax(tops);
-  if (hsum(bad) != 0.0f || top == 0.0f) {
+  const bool finite = hsum(bad) == 0.0f;
+  if (!finite || top == 0.0f) {
     std::fill(out, out + n / 2, 0);
-    return top == 0.0f ? 0.0f : NAN;
+    return finite ? 0.0f : NAN;
   }
   // x / top · 32767 lies in [-32767, 32767] (up to its float rounding); x · (32767 / top)
   // where that quotient is finite (top over ~1e-34), else divided.

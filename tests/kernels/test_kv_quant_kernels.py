@@ -188,7 +188,7 @@ def test_int8_prefill_at_the_int32_sums_edge(D, march) -> None:
 
 def test_int8_prefill_queries_of_zeros_and_of_nan(march) -> None:
     """A query of zeros (scale 0) weighs its keys alike: the mean of the values it sees. One
-    with a NaN gets NaN, and the queries beside it the bits they get without it."""
+    with a NaN or an infinity gets NaN, and the queries beside it the bits they get without it."""
     L, S = 20, 30
     q, rows, quant = int8_case(L, S, 1, 2, 64, seed=3)
     q[4, 0] = 0.0
@@ -201,11 +201,12 @@ def test_int8_prefill_queries_of_zeros_and_of_nan(march) -> None:
     assert_within(clean[4:5], want, bound)
     assert_within(clean_lse[4:5], want_lse, lse_bound)
     assert_within(clean[4, 0], kv[: S - L + 5, 1, 0].mean(0), bound[0, 0])
-    q[7, 1, 5] = float("nan")
+    q[7, 1, 5], q[9, 0] = float("nan"), 0.0
+    q[9, 0, 3] = float("inf")  # a query of zeros but an infinity: NaN too, not a query of zeros
     out, lse = attn_kernels.prefill_attention_quant(q, rows, quant, 0.125)
-    assert out[7, 1].isnan().all() and lse[7, 1].isnan()
+    assert out[7, 1].isnan().all() and lse[7, 1].isnan() and out[9, 0].isnan().all() and lse[9, 0].isnan()
     others = torch.ones(L, 2, dtype=torch.bool)
-    others[7, 1] = False
+    others[7, 1] = others[9, 0] = False
     assert torch.equal(out[others], clean[others]) and torch.equal(lse[others], clean_lse[others])
 
 
