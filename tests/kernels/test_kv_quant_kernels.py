@@ -201,8 +201,8 @@ def test_int8_prefill_queries_of_zeros_and_of_nan(march) -> None:
     assert_within(clean[4:5], want, bound)
     assert_within(clean_lse[4:5], want_lse, lse_bound)
     assert_within(clean[4, 0], kv[: S - L + 5, 1, 0].mean(0), bound[0, 0])
-    q[7, 1, 5], q[9, 0] = float("nan"), 0.0
-    q[9, 0, 3] = float("inf")  # a query of zeros but an infinity: NaN too, not a query of zeros
+    q[7, 1, 5], q[9, 0] = float("inf"), 0.0
+    q[9, 0, 3] = float("nan")  # a query of zeros but a NaN: NaN too, not a query of zeros
     out, lse = attn_kernels.prefill_attention_quant(q, rows, quant, 0.125)
     assert out[7, 1].isnan().all() and lse[7, 1].isnan() and out[9, 0].isnan().all() and lse[9, 0].isnan()
     others = torch.ones(L, 2, dtype=torch.bool)
