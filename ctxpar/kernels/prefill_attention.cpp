@@ -175,7 +175,7 @@ void dequantize_values(const T* k, const T* v, int64_t k_stride, int64_t s0, int
   }
 }
 
-// v, rounded on its own: the compiler may not fuse the product that made it into an add
+// v as computed, rounded: the compiler may not fuse the product that made it into an add
 // that follows (one FMA on one build, a multiply and an add on another, or where the
 // vector width changes which products meet which adds).
 inline vec rounded_apart(vec v) {
@@ -189,12 +189,12 @@ inline vec rounded_apart(vec v) {
   return v;
 }
 
-// Int8 keys' scores as integer dot products. A lane of veci holds a pair of int16 (two
-// dims, the lower first), and dot_pairs adds a.lo · b.lo + a.hi · b.hi to each lane of acc:
+// int8 blocks' products as integer dot products. A lane of veci holds a pair of int16 (two
+// dims, or two keys; the lower first), and dot_pairs adds a.lo · b.lo + a.hi · b.hi to each lane of acc:
 // AVX-512 VNNI's vpdpwssd, AVX-VNNI's 256-bit one, else vpmaddwd + vpaddd. They compute
 // the same int32: no product pair saturates (q's codes stop at +-32767, so never
-// -32768 · -32768), no sum overflows (MAX_INT_DIM), and integer sums do not depend on
-// their order, so every build gets the same scores.
+// -32768 · -32768), no sum overflows (MAX_INT_DIM; P · V's 64 keys a block are far
+// under it), and integer sums do not depend on their order, so every build gets the same.
 typedef int16_t pairs __attribute__((vector_size(sizeof(vec))));           // 2W int16: W pairs
 typedef int16_t halves __attribute__((vector_size(sizeof(vec) / 2)));      // W int16
 typedef int8_t codes __attribute__((vector_size(sizeof(vec) / 2)));        // 2W int8
@@ -348,8 +348,8 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
                   const int64_t* counts, const int64_t* firsts, const Scales* sc, float scale, float soft_cap,
                   float* out, float* lse) {
   constexpr bool quantized = sizeof(T) == 1, int8 = std::is_same_v<T, int8_t>;
-  // int8 keys' scores are integer dot products (pack_key_pairs, tile_scores) where their
-  // int32 sums cannot overflow; else keys are floats or dequantized to them.
+  // int8 blocks: both products integer dot products (pack_key_pairs, pack_value_pairs,
+  // tile_pairs) where the scores' int32 sums cannot overflow; else floats, or dequantized.
   const bool integer = int8 && dim <= MAX_INT_DIM;
   // Keys query i sees: its count, or up to offset + i (bottom-right causal, or every key);
   // from its first (a window's), or key 0. A task's padding rows (i >= L) read the last
@@ -388,7 +388,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
     std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
     const online_softmax::Rows rows{top.data(), block_top.data(), rescale.data(), totals.data()};
     std::vector<const float*> v_rows(BK);
-    std::vector<float> kt_block(quantized && !integer ? dim * BK : 0), v_block(quantized ? BK * value_dim : 0);
+    std::vector<float> kt_block(quantized && !integer ? dim * BK : 0), v_block(quantized && !integer ? BK * value_dim : 0);
     // int8 keys: the task's queries as int16 pairs (M, dim / 2) with a scale a row (times
     // scale_log2), and a block's keys as pairs (dim / 2, BK) with a scale a key.
     std::vector<int32_t> qi(integer ? M * dim / 2 : 0), kp(integer ? dim / 2 * BK : 0);
@@ -443,9 +443,9 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             if (!integer) {
               dequantize_keys(k, k_stride, s0, keys, h, dim, *sc, kt_block.data());
               dequantize_values(k, v, k_stride, s0, keys, h, value_dim, *sc, v_block.data());
+              kt_s0 = kt_block.data(), kt_ld = BK;
+              for (int64_t s = 0; s < keys; ++s) v_rows[s] = v_block.data() + s * value_dim;
             }
-            kt_s0 = kt_block.data(), kt_ld = BK;
-            for (int64_t s = 0; s < keys; ++s) v_rows[s] = v_block.data() + s * value_dim;
           } else {
             for (int64_t s = 0; s < keys; ++s) v_rows[s] = v + (s0 + s) * v_stride + h * value_dim;
           }
