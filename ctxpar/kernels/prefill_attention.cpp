@@ -50,10 +50,11 @@
 // addition has no order, so every instruction set finds the same sums; with the
 // row sums kept as 16 partial sums on every vector width (add_sums) and no product
 // fused into an add on one build but not another (rounded_apart), the haswell,
-// alderlake and AVX-512 builds give the same bits. Measured on a 2-core Zen 5
-// (1 thread, 9/3 and 32/8 heads of 64, 512 and 2048 tokens): 1.1-1.25x the
-// dequantizing path, most of it from the scores; P · V's integer products save
-// about what rounding the weights costs.
+// alderlake and AVX-512 builds give the same bits. Chosen by measurement on a
+// 2-core Zen 5 (1 thread, 9/3 and 32/8 heads of 64, 512 and 2048 tokens): 1.1-1.25x
+// the speed of dequantizing the blocks to floats, most of it from the scores (P · V's
+// integer products add 1.05-1.1x: rounding the weights costs much of what they save);
+// the integer products are then about three quarters of the kernel's time.
 
 #include <algorithm>
 #include <cmath>
