@@ -320,9 +320,9 @@ inline void tile_pairs(const int32_t* a, int64_t lda, Rows b, int64_t depth, Out
     for (int i = 0; i < 4; ++i) out(r, i, acc[r][i]);
 }
 
-// Row sums as 16 partial sums on every build (lane j adds the weights of keys j, j + 16,
-// ...), so that a row's total, and so its output, is the same float whatever the build's
-// vector width. add: the weights of W keys [s, s + W) of a row whose sums are `sums`,
+// int8 blocks' row sums as 16 partial sums on every build (lane j adds the weights of keys
+// j, j + 16, ...), so that a row's total, and so its output, is the same float whatever
+// the build's vector width (float and fp8 blocks keep online_softmax's W sums). add: the weights of W keys [s, s + W) of a row whose sums are `sums`,
 // after the block's rescale at its first key; to_totals: the W partial sums that
 // online_softmax::finish reduces as vec.h's hsum reduces the 16.
 inline void add_sums(float* sums, int64_t s, float rescale, vec p) {
@@ -385,7 +385,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             for (int64_t d = 0; d < dim; ++d) kt[(h * dim + d) * S_pad + s] = k[s * k_stride + h * dim + d];
     }
 
-    std::vector<float> qb(integer ? 0 : M * dim), scores(M * BK), o(M * value_dim), sums(M * 16);
+    std::vector<float> qb(integer ? 0 : M * dim), scores(M * BK), o(M * value_dim), sums(integer ? M * 16 : 0);
     std::vector<float> top(M_vec), totals(M * W), rescale(M_vec), block_top(M_vec, 0.0f);
     const online_softmax::Rows rows{top.data(), block_top.data(), rescale.data(), totals.data()};
     std::vector<const float*> v_rows(BK);
@@ -422,7 +422,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(top.begin(), top.end(), -INFINITY);
         std::fill(totals.begin(), totals.end(), 0.0f);
-        std::fill(sums.begin(), sums.end(), 0.0f);
+        std::fill(sums.begin(), sums.end(), 0.0f);  // int8 blocks' row sums (add_sums)
 
         int64_t last_pos = -1, first_pos = S;  // the task's queries see keys from, up to here
         for (int64_t i = 0; i < n; ++i) {
@@ -471,11 +471,15 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
             if (soft_cap > 0.0f) online_softmax::cap_scores(scores.data(), M, BK, 1.0f, soft_cap * LOG2E);
           online_softmax::block<true, false>(scores.data(), M, M_vec, BK, 1.0f, first, seen, rows,
                                              [&](int64_t m, int64_t s, vec p) {
-                                               // Integer P · V: the weights times the values' scales.
-                                               storev(scores.data() + m * BK + s,
-                                                      integer ? p * loadv<vec>(v_scale.data() + s) : p);
+                                               if (!integer) {
+                                                 storev(scores.data() + m * BK + s, p);
+                                                 return p;
+                                               }
+                                               // Integer P · V's weights: times the values' scales;
+                                               // the row's sums in `sums` instead.
+                                               storev(scores.data() + m * BK + s, p * loadv<vec>(v_scale.data() + s));
                                                add_sums(sums.data() + m * 16, s, rescale[m], p);
-                                               return vec{};  // summed in `sums` instead
+                                               return vec{};
                                              });
           if (integer)
             for (int64_t m = 0; m < M; ++m) w_scale[m] = quantize_row(scores.data() + m * BK, BK, wi.data() + m * BK / 2);
@@ -499,7 +503,7 @@ void prefill_impl(const float* q, const T* k, const T* v, int64_t L, int64_t S, 
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < g; ++j) {
             const int64_t m = i * g + j, row = (i0 + i) * heads + h * g + j;
-            to_totals(sums.data() + m * 16, totals.data() + m * W);
+            if (integer) to_totals(sums.data() + m * 16, totals.data() + m * W);
             online_softmax::finish(o.data() + m * value_dim, value_dim, rows, m, out + row * value_dim,
                                    lse ? lse + row : nullptr);
           }
