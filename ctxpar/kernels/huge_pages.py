@@ -23,6 +23,7 @@ its other thread waited.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
 import mmap
@@ -111,10 +112,12 @@ class FaultIn:
         self.row_bytes = self.part // t.shape[1]
         self.wanted = 0  # bytes of each part the thread is to have made
         self.made = 0  # bytes of each part it has made
+        self._stopped = False
         self._wake = threading.Condition()
         self.advance(0)
         self.thread = threading.Thread(target=self._run, name="kv-fault-in", daemon=True)
         self.thread.start()
+        _RUNNING.add(self)
 
     @classmethod
     def of(cls, t: torch.Tensor, stripes: int, ahead: int) -> FaultIn | None:
@@ -131,6 +134,13 @@ class FaultIn:
                 self.wanted = want
                 self._wake.notify()
 
+    def stop(self) -> None:
+        """End the thread and wait for it (at most one page's call)."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self.thread.join(timeout=10)
+
     def _run(self) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -140,14 +150,16 @@ class FaultIn:
             return  # at normal priority it would take CPU from the steps: they make the pages as before
         while True:
             with self._wake:
-                while self.made >= self.wanted:  # wakes now and then to see whether the cache is gone
+                while self.made >= self.wanted and not self._stopped:  # wakes now and then: is the cache gone?
                     if not self._wake.wait(timeout=1.0) and self._ref() is None:
                         return
+                if self._stopped:
+                    return
                 want = self.wanted
             for offset in range(self.made, want, HUGE_PAGE):
                 for stripe in range(self._stripes):
                     t = self._ref()  # alive for the call: its mapping cannot go while the kernel works on it
-                    if t is None:
+                    if t is None or self._stopped:
                         return
                     lo = self._start + stripe * self.part + offset
                     hi = self._start + stripe * self.part + min(offset + HUGE_PAGE, self.part)
@@ -157,3 +169,15 @@ class FaultIn:
                     if failed:
                         return  # an OS without the advice: the steps make the pages as before
             self.made = max(self.made, -(-want // HUGE_PAGE) * HUGE_PAGE)
+
+
+# The threads of this process, stopped at exit: a daemon thread still in a foreign call when the
+# interpreter finalizes is unwound by force there, which aborts the process (a rank that exits
+# with a code would die of SIGABRT instead).
+_RUNNING: weakref.WeakSet[FaultIn] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for fault_in in list(_RUNNING):
+        fault_in.stop()
