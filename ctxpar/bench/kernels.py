@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 # The layers' entry points, not the public API: the kernels are what is timed, one at a time.
 from ctxpar import kernels
-from ctxpar.bench.gguf_shapes import random_blocks
+from ctxpar.bench.gguf_shapes import FORMATS, random_blocks
 from ctxpar.bench.kv_decode import run_kv_decode
 from ctxpar.bench.kv_prefill import run_kv_prefill
 from ctxpar.bench.machine_line import describe_machine, kernel_clock
@@ -54,7 +54,7 @@ from ctxpar.layers.forward_context import ForwardContext
 from ctxpar.layers.linear import linear, packed
 from ctxpar.layers.norm import RMSNorm
 from ctxpar.layers.quant_blocks import decode
-from ctxpar.layers.quant_linear import BLOCK_FIELDS, QuantWeight, quant_linear
+from ctxpar.layers.quant_linear import QuantWeight, has_fields, quant_linear
 from ctxpar.layers.rotary import apply_rotary_
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -208,6 +208,10 @@ def _quant_projections(args: argparse.Namespace) -> None:
     interleaved. --per-core: on one thread, each timed by the thread's CPU time."""
     if quant.int8_peak_ops(1) == 0:
         raise CtxparError("this CPU has no int8 dot products (AVX2 or wider): nothing to measure against")
+    for fmt in args.formats:
+        block = FORMATS[fmt][0]
+        if bad := [m for m in args.models if any(cols % block for _, cols in QUANT_SHAPES[m].values())]:
+            raise CtxparError(f"{fmt}'s blocks of {block} weights do not divide {' '.join(bad)}'s widths; drop them")
     clock = kernel_clock(args.per_core)
     rng, peaks = np.random.default_rng(0), [_int8_peak(clock)]
     print(f"{'rows x (out, in)':>38} |  int8 ms | GOP/s | of peak |  bf16 ms | bf16 / int8 time")
@@ -218,7 +222,7 @@ def _quant_projections(args: argparse.Namespace) -> None:
                 # Q6_K is decoded to 8-bit codes in groups of 16, as a GGUF's loader does.
                 w = (
                     QuantWeight.in_place(raw, fmt)
-                    if fmt in BLOCK_FIELDS
+                    if has_fields(fmt, cols)
                     else QuantWeight.from_decoded(decode(raw, fmt, cols))
                 )
                 w_bf16 = torch.randn(out, cols, dtype=torch.bfloat16)
