@@ -99,8 +99,7 @@ class FaultIn:
     of each part they have reached (``advance``: the block manager hands out blocks lowest
     id first, and a step writes a block's rows in every layer); the thread keeps ``ahead``
     bytes in all (at least a huge page of each part) beyond that made, one huge page of
-    each part in turn, so memory
-    is committed as the cache is used, never all of it at once. The advice
+    each part in turn, so memory is committed as the cache is used, never all at once. The advice
     (MADV_POPULATE_WRITE) leaves bytes as they are, so steps may write meanwhile. The
     thread holds ``t`` only while the kernel works on one page, so a closed engine's cache
     is freed at once; it ends then, or where the OS lacks the advice."""

@@ -211,8 +211,12 @@ class ModelRunner:
         needed = seq_lens if self.shard is None else self.shard.local_len(seq_lens)
         num_blocks = self.kv_stack.shape[1] // self.block_size
         top = check_block_tables(plan.block_tables, needed, self.block_size, num_blocks)
-        if self.fault_in is not None and top < num_blocks - 1:  # the last: a window's null block, never written
-            self.fault_in.advance((top + 1) * self.block_size)
+        if self.fault_in is None:
+            return
+        if top == num_blocks - 1:  # the cache's last block: a window's null block (never written) or a real one
+            ids = np.concatenate(plan.block_tables)
+            top = int(ids[ids < top].max(initial=-1))
+        self.fault_in.advance((top + 1) * self.block_size)
 
     def _split_ranks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
         """The policy's groups of ranks for this step's split rows (None: all ranks)."""
