@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ctxpar.engine.sample.sampler import Sampler, apply_filters, compute_logprobs
+from ctxpar.engine.sample.sampler import Sampler, apply_filters, compute_logprobs, pick, top_p_filter
 from ctxpar.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -129,3 +129,50 @@ def test_compute_logprobs_includes_an_unlikely_sampled_token():
     assert list(lp) == [4, 0, 1]  # the sampled token first, then the top-n, as vLLM orders them
     assert math.isclose(lp[4].logprob, math.log(0.05), abs_tol=1e-5)
     assert [v.rank for v in lp.values()] == [5, 1, 2]
+
+
+def test_pick_never_lands_on_a_zero_weight():
+    # u = 0 must skip leading zeros; the largest uniform a float64 draw gives, trailing ones.
+    w = torch.tensor([0.0, 0.0, 2.0, 0.0, 3.0, 0.0, 0.0])
+    assert pick(w, 0.0) == 2
+    assert pick(w, 1 - 2**-53) == 4
+    assert pick(w, 0.4) == 4  # u x 5 = 2.0: the running total at index 2 no longer exceeds it
+    assert pick(w, math.nextafter(0.4, 0)) == 2
+
+
+def test_pick_is_the_inverse_of_the_running_total():
+    # Every index is chosen on its share of [0, 1), for unnormalised weights too (points a
+    # hair inside each share: u x sum at an edge itself may round to either side).
+    gen = torch.Generator().manual_seed(3)
+    w = torch.rand(40, generator=gen) * (torch.rand(40, generator=gen) > 0.3)  # some zeros
+    edges = (torch.cumsum(w.double(), 0) / w.double().sum()).tolist()
+    lo = 0.0
+    for i, hi in enumerate(edges):
+        if hi > lo:
+            for u in (lo + 1e-9 * (hi - lo), (lo + hi) / 2, hi - 1e-9 * (hi - lo)):
+                assert pick(w, u) == i, (i, u)
+        lo = hi
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_pick_refuses_what_is_not_a_distribution(bad):
+    with pytest.raises(RuntimeError, match="inf, nan or element < 0"):
+        pick(torch.tensor([0.2, bad, 0.3]), 0.5)
+    with pytest.raises(RuntimeError, match="sums to 0"):
+        pick(torch.zeros(4), 0.5)
+
+
+@pytest.mark.parametrize("scale, top_p", [(0.5, 0.9), (3.0, 0.9), (3.0, 0.5), (8.0, 0.95), (8.0, 0.2)])
+def test_top_p_cut_matches_a_full_sort(scale, top_p):
+    # The nucleus found over growing top-k candidates equals the rule applied to the whole
+    # sorted vocabulary; flat rows (scale 0.5) need thousands of candidates, peaked ones few.
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    x = torch.randn(20_000, generator=gen) * scale
+    probs = torch.softmax(x.double(), 0)
+    order = torch.argsort(probs, descending=True)
+    before = torch.cumsum(probs[order], 0) - probs[order]
+    expected = torch.zeros_like(x, dtype=torch.bool)
+    expected[order[before < top_p]] = True
+    got = top_p_filter(x, top_p)
+    assert torch.equal(torch.isfinite(got), expected)
+    assert torch.equal(got[expected], x[expected])

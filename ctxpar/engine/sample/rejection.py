@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxpar.engine.request import Request
-from ctxpar.engine.sample.sampler import TokenHistory, apply_filters, apply_logits_processing, logprobs_of
+from ctxpar.engine.sample.sampler import TokenHistory, apply_filters, apply_logits_processing, draw_token, logprobs_of
 from ctxpar.outputs import Logprob
 from ctxpar.sampling_params import SamplingParams
 
@@ -128,7 +128,7 @@ def verify_row(
             continue
         probs = torch.softmax(apply_filters(x, params), dim=-1)  # (V,) p_i
         if i == k:  # every draft kept: the bonus token, from p_k
-            out.append(int(torch.multinomial(probs, 1, generator=generator)))
+            out.append(draw_token(probs, generator))
             return out
         draft = drafts[i]
         q = float(draft_probs[i, draft]) if draft_probs is not None else 1.0
@@ -144,6 +144,6 @@ def verify_row(
         # above always keeps; kept as a guard against rounding.
         if float(residual.sum()) <= 0.0:
             residual = probs
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        out.append(draw_token(residual, generator))
         return out
     raise AssertionError("unreachable: the last position always returns")

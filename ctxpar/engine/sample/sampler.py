@@ -15,6 +15,7 @@ distribution), top-k, top-p and a draw.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,25 +81,64 @@ def apply_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Keep a token if the mass of the tokens strictly more likely than it
-        # is still below top_p: the smallest set that reaches top_p. The most
-        # likely token always survives.
-        before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = before >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = top_p_filter(x, params.top_p)
     return x
+
+
+TOP_P_FIRST = 64  # candidates of a top-p cut's first try; a model's nucleus is usually smaller
+
+
+def top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One row's (V,) logits with -inf outside the nucleus: a token is kept if the mass
+    of the tokens ranked before it is still below top_p (the smallest set that reaches
+    top_p; the most likely token always survives).
+
+    The ranking is computed over the k most likely tokens only, k growing 4x until the
+    cut falls inside them: a full sort of a vocabulary costs far more than the few
+    hundred tokens a nucleus usually holds."""
+    probs = torch.softmax(x, dim=-1)  # (V,)
+    v = probs.shape[0]
+    k = min(TOP_P_FIRST, v)
+    while True:
+        top, order = torch.topk(probs, k)  # (k,) descending
+        before = torch.cumsum(top, dim=0) - top  # mass ranked before each candidate
+        if k == v or float(before[-1]) >= top_p:  # the last candidate is cut: all after it are too
+            break
+        k = min(4 * k, v)
+    kept = order[before < top_p]  # the first always: nothing ranks before it, and top_p > 0
+    out = torch.full_like(x, float("-inf"))
+    out[kept] = x[kept]
+    return out
+
+
+def pick(weights: torch.Tensor, u: float) -> int:
+    """The index a uniform ``u`` in [0, 1) selects from a (V,) row of nonnegative weights:
+    the first whose running total exceeds u x the row's sum (inverse transform sampling),
+    so index i is chosen with probability weights[i] / sum, and never one of weight 0.
+
+    The running total is float64: its rounding (~V x 2^-53 of the sum) moves no
+    token's probability measurably."""
+    cdf = torch.cumsum(weights, dim=0, dtype=torch.float64)  # (V,)
+    total = float(cdf[-1])
+    if not (0 < total < math.inf) or bool((weights < 0).any()):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to 0")
+    # u <= 1 - 2^-53, and that times any float64 total rounds to below the total:
+    # some running total always exceeds it.
+    return int(torch.searchsorted(cdf, torch.tensor(u * total, dtype=torch.float64), right=True))
+
+
+def draw_token(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index of a (V,) row of nonnegative weights, with probability weight / sum, from
+    one uniform of the row's generator: torch.multinomial would spend a random number on
+    every entry, which over a vocabulary costs more than all the rest of a row's sampling."""
+    return pick(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Draw one token from a row's (V,) float32 (processed) logits."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(apply_filters(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw_token(torch.softmax(apply_filters(logits, params), dim=-1), generator)
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], n: int) -> list[dict[int, Logprob]]:

@@ -29,7 +29,7 @@ import torch
 
 from ctxpar.engine.request import Request
 from ctxpar.engine.sample.rejection import drafted_history
-from ctxpar.engine.sample.sampler import apply_filters, apply_logits_processing
+from ctxpar.engine.sample.sampler import apply_filters, apply_logits_processing, draw_token
 from ctxpar.worker.step_plan import StepOutput, StepPlan
 
 
@@ -116,7 +116,7 @@ def draw(req: Request, logits: torch.Tensor, probs: weakref.WeakKeyDictionary[Re
     if p.greedy:
         return int(torch.argmax(x))
     q = torch.softmax(apply_filters(x, p), dim=-1)  # (V,)
-    token = int(torch.multinomial(q, 1, generator=req.generator))
+    token = draw_token(q, req.generator)
     previous = probs.get(req)
     probs[req] = q[None] if previous is None else torch.cat([previous, q[None]])
     return token
