@@ -5,12 +5,20 @@ Both servers run at once on loopback (vLLM's from ``--peer-python``, its CPU bui
 with ``--peer-dtype``; ctxpar's with ``--quantization``, ctxpar's default when not
 given; ``--threads N``: each on N cores), neither with a prefix cache. Each level of
 the sweep runs on ctxpar, then on the peer, so the ratios compare runs made under
-the same load: C client threads send the same seeded prompts of random token ids as
-streamed /v1/completions with ``ignore_eos``. Printed per level and server:
-requests/s, TTFT p50 / p90, ITL p50 and the 1-minute load average; then ctxpar /
-peer. With ``--guidellm-venv`` guidellm runs the same level after each of them (its
-synthetic text prompts of the same lengths, C streams, as many requests) and its
-figures are printed beneath ours.
+the same load: C client threads send streamed /v1/completions with ``ignore_eos`` and
+the servers' default sampling (the seeded prompts of random token ids in turn), each
+a new request as soon as its last one ends, for ``--seconds``. A level is measured
+as guidellm measures one: over the requests that end after the first ``--warmup``
+seconds and before the last ``--cooldown`` (the steady state of C streams, not the
+ramp up or down), requests/s as their number over that window, TTFT p50 / p90 and
+ITL p50 over them. Printed per level and server with the 1-minute load average;
+then ctxpar / peer.
+
+With ``--guidellm-venv`` guidellm runs the same level after each of them (its
+synthetic text prompts of the same lengths, C streams, the same seconds, warm-up and
+cool-down): its own figures are printed beneath ours, then guidellm / ours, which
+should be near 1 (guidellm's client shares the CPU with the server and takes a
+little of its time).
 """
 
 from __future__ import annotations
@@ -56,26 +64,31 @@ class LevelFigures:
         )
 
 
-def summarize(timings: list[Timing], elapsed: float) -> LevelFigures:
-    """Requests/s over the level's wall time; TTFT and ITL over requests, a request's ITL
-    its mean gap between tokens, (last - first) / (tokens - 1), as guidellm defines it."""
-    itl = [(t.arrivals[-1] - t.arrivals[0]) / (len(t.arrivals) - 1) for t in timings if len(t.arrivals) > 1]
-    ttft = [t.ttft for t in timings]
+def summarize(timings: list[Timing], start: float, end: float) -> LevelFigures:
+    """The requests whose last token arrived in [start, end]: their number over the window,
+    their TTFT p50 / p90 and ITL p50, a request's ITL its mean gap between tokens,
+    (last - first) / (tokens - 1), as guidellm defines both."""
+    done = [t for t in timings if t.arrivals and start <= t.arrivals[-1] <= end]
+    if not done:
+        raise RuntimeError("no request ended inside the measured window: lengthen --seconds")
+    itl = [(t.arrivals[-1] - t.arrivals[0]) / (len(t.arrivals) - 1) for t in done if len(t.arrivals) > 1]
+    ttft = [t.ttft for t in done]
     return LevelFigures(
-        len(timings), len(timings) / elapsed, percentile(ttft, 50) * 1e3, percentile(ttft, 90) * 1e3,
+        len(done), len(done) / (end - start), percentile(ttft, 50) * 1e3, percentile(ttft, 90) * 1e3,
         percentile(itl, 50) * 1e3,
     )  # fmt: skip
 
 
 def guidellm_figures(report: dict) -> LevelFigures:
-    """The same figures from guidellm's JSON report of one benchmark: requests/s as its
-    successful requests over its duration, its TTFT and ITL distributions' p50 / p90."""
+    """The same figures from guidellm's JSON report of one benchmark: its requests/s (the
+    successful requests that ended in its measured window, over the window), its TTFT and
+    ITL distributions' p50 / p90."""
     [bench] = report["benchmarks"]
     m = bench["metrics"]
-    ok = m["request_totals"]["successful"]
+    req_s = m["requests_per_second"]["successful"]["mean"]
     ttft = m["time_to_first_token_ms"]["successful"]["percentiles"]
     itl = m["inter_token_latency_ms"]["successful"]["percentiles"]
-    return LevelFigures(ok, ok / bench["duration"], ttft["p50"], ttft["p90"], itl["p50"])
+    return LevelFigures(round(req_s * bench["duration"]), req_s, ttft["p50"], ttft["p90"], itl["p50"])
 
 
 def ratio_line(ours: LevelFigures, peer: LevelFigures) -> str:
@@ -106,8 +119,8 @@ def run_guidellm(venv: str, url: str, tokenizer: Path, streams: int, args: argpa
     backend = f"kind=openai_http,target={url},model={NAME},request_format=/v1/completions"
     data = f"kind=synthetic_text,prompt_tokens={args.max_prompt_len},output_tokens={args.output_len}"
     cmd = [str(Path(venv) / "bin" / "guidellm"), "run", "--backend", backend, "--data", data]
-    cmd += ["--profile", f"kind=concurrent,streams={streams}"]
-    cmd += ["--constraint", f"kind=max_requests,count={args.num_prompts}"]
+    cmd += ["--profile", f"kind=concurrent,streams={streams},warmup={args.warmup},cooldown={args.cooldown}"]
+    cmd += ["--constraint", f"kind=max_duration,seconds={args.seconds}"]
     cmd += ["--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}"]
     cmd += ["--disable-console-interactive"]
     run_client(cmd, out.with_suffix(".log"), timeout=args.timeout)
@@ -126,11 +139,13 @@ def run(args: argparse.Namespace) -> None:
     prompts = make_prompts(tokenizer, vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
     work = Path(tempfile.mkdtemp(prefix="ctxpar_bench_serve_"))
     tokenizer.save_pretrained(work / "tokenizer")  # guidellm sizes its prompts with it
-    body = {"model": NAME, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+    # No temperature: each server's default sampling, as guidellm's requests have it.
+    body = {"model": NAME, "max_tokens": args.output_len, "ignore_eos": True, "stream": True}
     bodies = [{**body, "prompt": p, "return_token_ids": True} for p in prompts]
     quant = args.quantization or "ctxpar's default"
     print(
-        f"{len(prompts)} prompts a level of {args.min_prompt_len}-{args.max_prompt_len} tokens x {args.output_len}; "
+        f"{args.seconds} s a level (measured: {args.warmup} s in to {args.cooldown} s before the end) of "
+        f"{len(prompts)} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens x {args.output_len}; "
         f"ctxpar: quantization {quant}; vLLM: {args.peer_dtype}"
     )
     ports = {"ctxpar": free_port(), "vLLM": free_port()}
@@ -145,15 +160,17 @@ def run(args: argparse.Namespace) -> None:
         for c in args.concurrency:
             figures = {}
             for name, port in ports.items():
-                timings, elapsed = sweep_level("127.0.0.1", port, bodies, c, deadline)
-                figures[name] = summarize(timings, elapsed)
+                timings, t0 = sweep_level("127.0.0.1", port, bodies, c, deadline, seconds=args.seconds)
+                figures[name] = summarize(timings, t0 + args.warmup, t0 + args.seconds - args.cooldown)
                 print(figures[name].row(f"{c:<2d} {name}", os.getloadavg()[0]), flush=True)
                 if args.guidellm_venv:
                     url = f"http://127.0.0.1:{port}"
                     report = run_guidellm(
                         args.guidellm_venv, url, work / "tokenizer", c, args, work / f"{name}_{c}.json"
                     )
-                    print(guidellm_figures(report).row(f"{c:<2d}   guidellm", os.getloadavg()[0]), flush=True)
+                    theirs = guidellm_figures(report)
+                    print(theirs.row(f"{c:<2d}   guidellm", os.getloadavg()[0]), flush=True)
+                    print(f"{c:<2d}   guidellm/ours: {ratio_line(theirs, figures[name])}", flush=True)
             print(f"{c:<2d} ctxpar/vLLM: {ratio_line(figures['ctxpar'], figures['vLLM'])}", flush=True)
     finally:
         for proc in procs:

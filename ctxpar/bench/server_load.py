@@ -24,10 +24,12 @@ sent to each in turn (the same load around both): the serving default against
 another budget in one run.
 
 With --peer-python (a venv's Python with vLLM's CPU build) the run is ctxpar serve
-against vLLM's server under the same load instead (serve_peer.py; --guidellm-venv
-runs guidellm beside each level).
+against vLLM's server under the same load instead, each level --seconds long and
+measured in its steady state as guidellm measures it (serve_peer.py; --guidellm-venv
+runs guidellm beside each level and prints how its figures and ours agree).
 
-Traffic goes to loopback only, bounded by N requests per level and --timeout.
+Traffic goes to loopback only, bounded by N requests per level (with --peer-python,
+by --seconds) and --timeout.
 Offline runs first, then the server, so the two never share the CPU.
 """
 
@@ -58,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="C",
         help="client counts of the sweep (default: 1 4 16 64)",
     )
-    p.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests per level (default: 64)")
+    p.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests per level; with --peer-python, the prompts sent in turn (default: 64)")
     p.add_argument("--min-prompt-len", type=positive_int, default=64, metavar="N", help="shortest prompt (default: 64)")
     p.add_argument(
         "--max-prompt-len", type=positive_int, default=512, metavar="N", help="longest prompt (default: 512)"
@@ -79,6 +81,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--guidellm-venv", metavar="DIR", help="with --peer-python: guidellm at each level too")
     p.add_argument(
+        "--seconds",
+        type=positive_int,
+        default=60,
+        metavar="S",
+        help="with --peer-python: each level's length; its N prompts are sent in turn until then (default: 60)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=nonnegative_int,
+        default=10,
+        metavar="S",
+        help="with --peer-python: seconds not measured at a level's start (default: 10)",
+    )
+    p.add_argument(
+        "--cooldown",
+        type=nonnegative_int,
+        default=5,
+        metavar="S",
+        help="with --peer-python: seconds not measured at a level's end (default: 5)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
         nargs="+",
@@ -88,9 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout",
         type=positive_int,
-        default=900,
+        default=3600,
         metavar="S",
-        help="give up on the sweep after S seconds (default: 900)",
+        help="give up on the sweep after S seconds (default: 3600)",
     )
 
 
@@ -135,6 +158,11 @@ def run(args: argparse.Namespace) -> None:
 
         if args.url or args.pcp != 1:
             raise CtxparError("--peer-python starts both servers itself on one rank; drop --url and --pcp")
+        if args.warmup + args.cooldown >= args.seconds:
+            raise CtxparError(
+                f"--warmup {args.warmup} + --cooldown {args.cooldown} leave nothing of --seconds {args.seconds} "
+                "to measure: lengthen --seconds"
+            )
         serve_peer.run(args)
         return
     print(describe_machine())
@@ -170,7 +198,8 @@ def run(args: argparse.Namespace) -> None:
         print(" C  budget  req/s  out tok/s  TTFT p50/p99 ms  ITL p50/p99 ms  identical")
         for c in args.concurrency:
             for b, (port, _) in servers.items():  # interleaved: each budget sees the same load from the others
-                timings, elapsed = sweep_level(url.hostname, port, bodies, c, deadline)
+                timings, t0 = sweep_level(url.hostname, port, bodies, c, deadline)
+                elapsed = time.perf_counter() - t0
                 n_out = sum(len(t.token_ids) for t in timings)
                 ttft = [t.ttft for t in timings]
                 itl = [x for t in timings for x in t.itls()]

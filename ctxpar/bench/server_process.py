@@ -55,25 +55,32 @@ def stream_completion(host: str, port: int, body: dict, timeout: float) -> Timin
         conn.close()
 
 
-def sweep_level(host: str, port: int, bodies: list[dict], clients: int, deadline: float) -> tuple[list[Timing], float]:
-    """Send every body with `clients` threads, each taking the next body when its last one ends."""
-    results: list[Timing | None] = [None] * len(bodies)
+def sweep_level(
+    host: str, port: int, bodies: list[dict], clients: int, deadline: float, seconds: float | None = None
+) -> tuple[list[Timing], float]:
+    """Send bodies with `clients` threads, each taking the next body when its last one ends:
+    every body once, or with ``seconds``, cycling through them until that many seconds have
+    passed (the requests then in flight run to their end). Returns the timings in sending
+    order and the level's start (time.perf_counter)."""
+    results: dict[int, Timing] = {}
     errors: list[BaseException] = []
     lock, next_index = threading.Lock(), [0]
+    t0 = time.perf_counter()
 
     def client() -> None:
         while not errors:
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
-            if i >= len(bodies):
+            if i >= len(bodies) if seconds is None else time.perf_counter() - t0 >= seconds:
                 return
             try:
-                results[i] = stream_completion(host, port, bodies[i], timeout=max(1.0, deadline - time.monotonic()))
+                results[i] = stream_completion(
+                    host, port, bodies[i % len(bodies)], timeout=max(1.0, deadline - time.monotonic())
+                )
             except BaseException as e:  # noqa: BLE001 - reported once below
                 errors.append(e)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for th in threads:
         th.start()
@@ -81,7 +88,7 @@ def sweep_level(host: str, port: int, bodies: list[dict], clients: int, deadline
         th.join(max(0.0, deadline - time.monotonic()))
     if errors or any(th.is_alive() for th in threads):
         raise RuntimeError(f"at concurrency {clients}: {errors[0] if errors else 'the sweep ran past --timeout'}")
-    return [r for r in results if r is not None], time.perf_counter() - t0
+    return [results[i] for i in sorted(results)], t0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -6,6 +6,7 @@ benchmark itself (its "identical" column); here every request must match.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,30 +61,35 @@ def test_guidellm_needs_a_peer(capsys):
 
 
 def test_level_figures_from_stream_timings():
-    """Four requests over a 2 s level: TTFTs 0.1-0.4 s; request i's gaps 10 and 10 (2i + 1) ms,
-    its ITL their mean, 10 (i + 1) ms (the p50 of every gap would be 10 ms)."""
+    """Five requests; the fifth ends after the measured 2 s window and is left out. TTFTs of
+    the four inside 0.1-0.4 s; request i's gaps 10 and 10 (2i + 1) ms, its ITL their mean,
+    10 (i + 1) ms (the p50 of every gap would be 10 ms)."""
     from ctxpar.bench.serve_peer import summarize
     from ctxpar.bench.server_process import Timing
 
     timings = []
     for i in range(4):
-        first = 0.1 * (i + 1)
-        timings.append(Timing(sent=0.0, arrivals=[first, first + 0.01, first + 0.01 + 0.01 * (2 * i + 1)]))
-    f = summarize(timings, elapsed=2.0)
+        first = 1.1 + 0.1 * i
+        timings.append(Timing(sent=1.0, arrivals=[first, first + 0.01, first + 0.01 + 0.01 * (2 * i + 1)]))
+    timings.append(Timing(sent=2.5, arrivals=[2.9, 3.1]))  # in the cool-down
+    f = summarize(timings, start=1.0, end=3.0)
     assert f.requests == 4 and f.req_s == 2.0
     # numpy's linear percentile of 100, 200, 300, 400 ms: p50 midway between 200 and 300, p90 at 370
     assert abs(f.ttft_p50_ms - 250) < 1e-6 and abs(f.ttft_p90_ms - 370) < 1e-6
     assert abs(f.itl_p50_ms - 25) < 1e-6  # the requests' 10, 20, 30, 40 ms
+    with pytest.raises(RuntimeError, match="lengthen --seconds"):
+        summarize(timings, start=5.0, end=6.0)
 
 
 def test_level_figures_from_a_guidellm_report():
     """guidellm's report layout (guidellm 0.8.1's JSON output, trimmed to the fields read):
-    requests/s is its successful requests over the benchmark's duration."""
+    requests/s is its own rate of the requests that ended in its measured window."""
     from ctxpar.bench.serve_peer import guidellm_figures, ratio_line
 
     dist = lambda p50, p90: {"successful": {"median": p50, "percentiles": {"p50": p50, "p90": p90}}}
     metrics = {
-        "request_totals": {"successful": 32, "errored": 0, "incomplete": 0},
+        "request_totals": {"successful": 40, "errored": 0, "incomplete": 0},  # the cool-down's too
+        "requests_per_second": {"successful": {"mean": 0.5}},
         "time_to_first_token_ms": dist(400.0, 900.0),
         "inter_token_latency_ms": dist(20.0, 35.0),
     }
@@ -91,3 +97,45 @@ def test_level_figures_from_a_guidellm_report():
     assert (f.requests, f.req_s, f.ttft_p50_ms, f.ttft_p90_ms, f.itl_p50_ms) == (32, 0.5, 400.0, 900.0, 20.0)
     half = type(f)(32, 0.25, 800.0, 1800.0, 40.0)
     assert ratio_line(f, half) == "req/s 2.00x, TTFT p50 0.50x, p90 0.50x, ITL p50 0.50x"
+
+
+def test_a_timed_level_cycles_its_prompts_until_its_seconds():
+    """A real HTTP server streaming three events a request, 50 ms apart: two clients for
+    1 s send the two bodies in turn, well over two requests, and stop taking new ones."""
+    import http.server
+    import threading
+    import time
+
+    from ctxpar.bench.server_process import sweep_level
+
+    seen: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body["prompt"][0])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for t in range(3):
+                time.sleep(0.05)
+                self.wfile.write(f'data: {{"choices": [{{"token_ids": [{t}]}}]}}\n\n'.encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        bodies = [{"prompt": [7]}, {"prompt": [8]}]
+        t_start = time.perf_counter()
+        timings, t0 = sweep_level("127.0.0.1", server.server_address[1], bodies, 2, time.monotonic() + 30, seconds=1)
+        took = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+    assert t_start <= t0 and 1.0 <= took < 1.5  # the requests in flight at 1 s end, no new ones start
+    assert 8 <= len(timings) == len(seen) <= 14  # ~150 ms a request, two at a time
+    assert seen[:2] in ([7, 8], [8, 7]) and set(seen) == {7, 8} and abs(seen.count(7) - seen.count(8)) <= 2
+    assert all(t.token_ids == [0, 1, 2] for t in timings)
