@@ -60,7 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="C",
         help="client counts of the sweep (default: 1 4 16 64)",
     )
-    p.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests per level; with --peer-python, the prompts sent in turn (default: 64)")
+    p.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="requests per level; with --peer-python, the prompts sent in turn (default: 64)",
+    )
     p.add_argument("--min-prompt-len", type=positive_int, default=64, metavar="N", help="shortest prompt (default: 64)")
     p.add_argument(
         "--max-prompt-len", type=positive_int, default=512, metavar="N", help="longest prompt (default: 512)"

@@ -59,16 +59,16 @@ def test_failing_sampler_leaves_the_other_requests_intact(llm, monkeypatch):
     """C's sampling raises in the step where B decodes and A ends its prompt,
     after both drew their tokens (earlier rows): A and B are unaffected."""
     want = drive(llm)
-    real = sampler_module.sample_row
+    real = sampler_module.apply_filters
     failures = []
 
-    def sample_row(logits, params, generator):
+    def apply_filters(logits, params):
         if params == BAD:  # the engine holds its own copy of the params
             failures.append(1)
             raise Boom("sampling failed")
-        return real(logits, params, generator)
+        return real(logits, params)
 
-    monkeypatch.setattr(sampler_module, "sample_row", sample_row)
+    monkeypatch.setattr(sampler_module, "apply_filters", apply_filters)
     assert drive(llm, add_bad_after=1) == want
     assert failures == [1]
 

@@ -116,12 +116,13 @@ def pick(weights: torch.Tensor, u: float) -> int:
     the first whose running total exceeds u x the row's sum (inverse transform sampling),
     so index i is chosen with probability weights[i] / sum, and never one of weight 0.
 
-    The running total is float64: its rounding (~V x 2^-53 of the sum) moves no
-    token's probability measurably."""
+    The running total is float64: its rounding (~V x 2^-53 of the sum) moves no token's
+    probability measurably. One row at a time: a batch's totals would be a fresh
+    allocation of megabytes, whose first touch costs more than the scans."""
     cdf = torch.cumsum(weights, dim=0, dtype=torch.float64)  # (V,)
     total = float(cdf[-1])
-    if not (0 < total < math.inf) or bool((weights < 0).any()):
-        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to 0")
+    if not 0 < total < math.inf:
+        raise RuntimeError("probability tensor contains either inf or nan, or sums to 0")
     # u <= 1 - 2^-53, and that times any float64 total rounds to below the total:
     # some running total always exceeds it.
     return int(torch.searchsorted(cdf, torch.tensor(u * total, dtype=torch.float64), right=True))
@@ -132,13 +133,6 @@ def draw_token(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     one uniform of the row's generator: torch.multinomial would spend a random number on
     every entry, which over a vocabulary costs more than all the rest of a row's sampling."""
     return pick(weights, float(torch.rand((), dtype=torch.float64, generator=generator)))
-
-
-def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token from a row's (V,) float32 (processed) logits."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    return draw_token(torch.softmax(apply_filters(logits, params), dim=-1), generator)
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: Sequence[int], n: int) -> list[dict[int, Logprob]]:
@@ -206,15 +200,24 @@ class Sampler:
             arg = torch.argmax(logits[plain_greedy], dim=-1).tolist()
             for i, t in zip(plain_greedy, arg):
                 tokens[i] = t
+        drawn: list[int] = []  # the rows that draw, each as tempered and filtered logits
+        rows: list[torch.Tensor] = []
         for i in range(s):
             if greedy[i] and not process[i]:
                 continue
+            x = logits[i]
             if process[i]:
                 assert histories is not None  # checked above
-                x = apply_logits_processing(logits[i], params[i], histories[i])
+                x = apply_logits_processing(x, params[i], histories[i])
+            if greedy[i]:
+                tokens[i] = int(torch.argmax(x))
             else:
-                x = logits[i]
-            tokens[i] = sample_row(x, params[i], generators[i])
+                drawn.append(i)
+                rows.append(apply_filters(x, params[i]))
+        if drawn:  # one softmax for all of them: a row's probabilities are its own either way
+            probs = torch.softmax(torch.stack(rows), dim=-1)  # (d, V)
+            for i, row in zip(drawn, probs):
+                tokens[i] = draw_token(row, generators[i])
         logprobs: list[dict[int, Logprob] | None] = [
             compute_logprobs(logits[i], tokens[i], n_lp[i]) if n_lp[i] is not None else None  # type: ignore[arg-type]
             for i in range(s)
