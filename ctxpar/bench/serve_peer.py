@@ -16,9 +16,9 @@ then ctxpar / peer.
 
 With ``--guidellm-venv`` guidellm runs the same level after each of them (its
 synthetic text prompts of the same lengths, C streams, the same seconds, warm-up and
-cool-down): its own figures are printed beneath ours, then guidellm / ours, which
-should be near 1 (guidellm's client shares the CPU with the server and takes a
-little of its time).
+cool-down): its own figures are printed beneath ours, then guidellm / ours and the
+CPU each client used (the clients share the CPU with the servers: a client that
+takes more of it leaves a server less).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import tempfile
 import time
@@ -127,6 +128,12 @@ def run_guidellm(venv: str, url: str, tokenizer: Path, streams: int, args: argpa
     return json.loads(out.read_text())
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's ended children and theirs (a guidellm run, its workers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
@@ -160,17 +167,25 @@ def run(args: argparse.Namespace) -> None:
         for c in args.concurrency:
             figures = {}
             for name, port in ports.items():
+                cpu = time.process_time()  # this process runs nothing but the client threads meanwhile
                 timings, t0 = sweep_level("127.0.0.1", port, bodies, c, deadline, seconds=args.seconds)
+                ours_cpu = (time.process_time() - cpu) / (time.perf_counter() - t0)
                 figures[name] = summarize(timings, t0 + args.warmup, t0 + args.seconds - args.cooldown)
                 print(figures[name].row(f"{c:<2d} {name}", os.getloadavg()[0]), flush=True)
                 if args.guidellm_venv:
                     url = f"http://127.0.0.1:{port}"
+                    cpu, start = children_cpu(), time.perf_counter()
                     report = run_guidellm(
                         args.guidellm_venv, url, work / "tokenizer", c, args, work / f"{name}_{c}.json"
                     )
+                    their_cpu = (children_cpu() - cpu) / (time.perf_counter() - start)
                     theirs = guidellm_figures(report)
                     print(theirs.row(f"{c:<2d}   guidellm", os.getloadavg()[0]), flush=True)
-                    print(f"{c:<2d}   guidellm/ours: {ratio_line(theirs, figures[name])}", flush=True)
+                    print(
+                        f"{c:<2d}   guidellm/ours: {ratio_line(theirs, figures[name])} "
+                        f"(the clients' CPU: guidellm {their_cpu:.2f} cores, ours {ours_cpu:.2f})",
+                        flush=True,
+                    )
             print(f"{c:<2d} ctxpar/vLLM: {ratio_line(figures['ctxpar'], figures['vLLM'])}", flush=True)
     finally:
         for proc in procs:
