@@ -16,7 +16,8 @@ from ctxpar.bench.catalog import BENCHMARKS
 from ctxpar.checks import fraction
 
 # Options where 0 is meaningful: 0 skips the prefill timing, 0 splits every
-# prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows.
+# prompt, 0 is a seed like any other, 0 spreads every step's unsplit rows, 0
+# measures a serve level from its start or to its end.
 ZERO_ALLOWED = {
     ("throughput", "--prefill-len"),
     ("throughput", "--seed"),
@@ -25,6 +26,8 @@ ZERO_ALLOWED = {
     ("prefix", "--requests"),
     ("prefix", "--seed"),
     ("serve", "--seed"),
+    ("serve", "--warmup"),
+    ("serve", "--cooldown"),
     ("soak", "--seed"),
     ("throughput", "--pcp-spread-min-rows"),
 }
