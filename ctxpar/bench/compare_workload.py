@@ -73,6 +73,9 @@ def _engine(name: str, spec: dict):
 OfflineEngine = tuple[Any, Any, Callable[[str, list[int], Any], object], Callable[[], list[Any]]]
 
 
+KV_BLOCK = 16  # tokens a KV-cache block (the engine's default), so that a cache can be sized in blocks
+
+
 def _ctxpar(name: str, spec: dict) -> OfflineEngine:
     from ctxpar import LLM, SamplingParams
 
@@ -83,6 +86,9 @@ def _ctxpar(name: str, spec: dict) -> OfflineEngine:
         dtype=spec.get("dtype", "float32"),
         quantization=spec.get("quantization"),
         pcp_size=int(name.partition("-p")[2] or 1),
+        # A cache of one request of max_model_len, where the workload runs one at a time (bench sizes).
+        block_size=KV_BLOCK,
+        num_kv_blocks=-(-spec["max_model_len"] // KV_BLOCK) if spec.get("kv_cache_fits_one") else None,
     )
     engine = llm.engine
     assert engine is not None  # just made
