@@ -10,8 +10,6 @@ the queries beside it (how a prompt is chunked, which rows share a decode call).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from ctxpar import kernels
 from ctxpar.layers.attention.backend import KERNELS, TORCH, AttentionBackend, AttentionSpec, DecodeGroup
 from ctxpar.layers.attention.torch_ops import concat_slots
 from ctxpar.layers.kv_quant import KVQuant, default_runs
-from helpers.int8_scores import LOG2E, QMAX
+from helpers.int8_scores import query_rounding_bounds
 
 H, HK, D = 4, 2, 32
 SCALE = D**-0.5
@@ -162,7 +160,7 @@ def test_decode_rows_see_their_last_window_keys(
         want, want_lse = masked_softmax(q[b : b + 1], entries[slots, 0], entries[slots, 1], seen, cap)
         out_tol, lse_tol = TOL, TOL
         if backend is KERNELS and quant is not None:  # the kernel's scores use q rounded to int16
-            out_err, lse_err = int16_query_bound(q[b], entries[slots, 0], entries[slots, 1])
+            out_err, lse_err = (float(x.max()) for x in query_rounding_bounds(q[b], *entries[slots].unbind(1), SCALE))
             out_tol, lse_tol = dict(TOL, atol=2e-5 + out_err), dict(TOL, atol=2e-5 + lse_err)
         torch.testing.assert_close(out[b : b + 1].double(), want, **out_tol)
         torch.testing.assert_close(lse[b : b + 1].double(), want_lse, **lse_tol)
@@ -171,18 +169,6 @@ def test_decode_rows_see_their_last_window_keys(
                 q[b : b + 1], cache, DecodeGroup(torch.arange(1), *concat_slots([slots])), spec, quant
             )
             assert torch.equal(alone[0], out[b : b + 1]) and torch.equal(alone[1], lse[b : b + 1])
-
-
-def int16_query_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
-    """How far the int8 decode path's out and lse may lie from exact attention for query q (H, D)
-    over keys k and values v (S, Hk, D): its scores take q rounded to int16 per head, which moves
-    a score by at most E (tests/helpers/int8_scores.py derives it; a soft cap and a window only
-    shrink or drop scores' moves), so out by (e^(2E) - 1) max|v| and lse by E."""
-    g = q.shape[0] // k.shape[1]
-    top = (q.double() * SCALE * LOG2E).abs().amax(-1)  # (H,) max|x| of each head, log2 units
-    l1 = k.double().abs().sum(-1).repeat_interleave(g, dim=1)  # (S, H) ||k_s||_1 of each head's keys
-    E = float(((top / (2 * QMAX) * (1 + 2**-9))[None] * l1).amax()) / LOG2E
-    return (math.exp(2 * E) - 1) * float(v.abs().amax()), E
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
