@@ -73,12 +73,11 @@ def _engine(name: str, spec: dict):
 OfflineEngine = tuple[Any, Any, Callable[[str, list[int], Any], object], Callable[[], list[Any]]]
 
 
-KV_BLOCK = 16  # tokens a KV-cache block (the engine's default), so that a cache can be sized in blocks
-
-
 def _ctxpar(name: str, spec: dict) -> OfflineEngine:
     from ctxpar import LLM, SamplingParams
+    from ctxpar.config import EngineConfig
 
+    block = EngineConfig.block_size  # the engine's default, which a cache in blocks is counted in
     llm = LLM(
         model=spec["model"],
         enable_prefix_caching=False,
@@ -87,8 +86,7 @@ def _ctxpar(name: str, spec: dict) -> OfflineEngine:
         quantization=spec.get("quantization"),
         pcp_size=int(name.partition("-p")[2] or 1),
         # A cache of one request of max_model_len, where the workload runs one at a time (bench sizes).
-        block_size=KV_BLOCK,
-        num_kv_blocks=-(-spec["max_model_len"] // KV_BLOCK) if spec.get("kv_cache_fits_one") else None,
+        num_kv_blocks=-(-spec["max_model_len"] // block) if spec.get("kv_cache_fits_one") else None,
     )
     engine = llm.engine
     assert engine is not None  # just made
