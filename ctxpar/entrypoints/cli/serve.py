@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import sys
 import threading
 
 from ctxpar.checks import int_arg
@@ -119,14 +118,14 @@ def run(args: argparse.Namespace) -> None:
     from ctxpar import LLM
     from ctxpar.entrypoints.openai.app import ServerState, build_app
     from ctxpar.entrypoints.openai.connections import bounded_h11, reserve_descriptors
-    from ctxpar.entrypoints.openai.shutdown import UVICORN_MARGIN_S, Shutdown
+    from ctxpar.entrypoints.openai.shutdown import UVICORN_MARGIN_S, Shutdown, say
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CtxparError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     limits, access = _limits(args), _access(args)  # refused here, before the model loads, if inconsistent
     reserve_descriptors(limits.max_connections)
     for warning in startup_warnings(args.host, access, args.api_key == os.environ.get("CTXPAR_API_KEY")):
-        print(f"ctxpar: {warning}", file=sys.stderr, flush=True)
+        say(warning)
     with LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args))) as llm:  # closing it stops the ranks
         assert llm.engine is not None  # open: inside its with block
         name = args.served_model_name or args.model or llm.engine.loaded.name
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> None:
 
         thread = threading.Thread(target=http, name="ctxpar-http")
         thread.start()
-        print(f"ctxpar: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        say(f"serving {name} on http://{args.host}:{args.port}/v1")
         state.engine_client.run_engine_loop()  # on the main thread, until the HTTP server has stopped
         thread.join()
     shutdown.finish()  # the ranks are stopped: the watchdog has nothing left to do

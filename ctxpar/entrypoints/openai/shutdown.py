@@ -15,6 +15,10 @@ a thread of its own reads.
 3. At ``grace`` + STOP_MARGIN_S, or at a second signal: whatever is stuck
    (a hung rank, a step that does not end), the rank processes are killed and
    the process exits (status 1), saying so.
+
+What it says goes to stderr, which may be a pipe whose reader is gone (the
+benchmark or supervisor that started the server was killed): a failed write
+must not stop the shutdown (``say``).
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ class Shutdown:
 
     def _watch(self, pipe: int) -> None:
         _next_signal(pipe)
-        print(f"ctxpar: stopping; requests in flight get {self.grace:g} s", file=sys.stderr, flush=True)
         self.server.should_exit = True
+        say(f"stopping; requests in flight get {self.grace:g} s")
         self._timers = [
             _timer(self.grace, self._end_requests),
             _timer(self.grace + STOP_MARGIN_S, self._kill, "did not stop in time"),
@@ -78,10 +82,21 @@ class Shutdown:
     def _kill(self, why: str) -> None:
         if self._done.is_set():
             return
-        print(f"ctxpar: {why}: killing the PCP ranks and exiting", file=sys.stderr, flush=True)
+        say(f"{why}: killing the PCP ranks and exiting")
         for p in multiprocessing.active_children():
             p.kill()
         os._exit(1)
+
+
+def say(message: str) -> None:
+    """``ctxpar: message`` on stderr. If stderr is gone (EPIPE: its reader exited), fd 2 is pointed
+    at /dev/null, so that neither this nor the interpreter's last flush at exit raises."""
+    try:
+        print(f"ctxpar: {message}", file=sys.stderr, flush=True)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
+        os.close(devnull)
 
 
 def _next_signal(pipe: int) -> None:
