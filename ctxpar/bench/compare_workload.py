@@ -8,7 +8,10 @@ file and code. It prints one JSON line: load seconds, the figures, and the
 generated token ids.
 
 Every figure is the best of ``repeat`` runs (the least disturbed one):
-- ttft_<n>: one-token generation of an n-token prompt (prefill + first token)
+- ttft_<n>: one-token generation of an n-token prompt (prefill + first token);
+  where n is also a decode_after length, the decode runs' first tokens instead,
+  timed from the request's submission (a long prompt is then prefilled R times,
+  not 2R: at 16K on an 8B shape a prefill takes minutes)
 - decode_<n>: ms per token after an n-token prompt: the engine is stepped by
   hand and the clock runs from the first token's arrival to the (1 + K)-th's,
   so the prefill (whose run-to-run noise, ~0.3 s at 2K, would swamp K decode
@@ -37,7 +40,7 @@ T = TypeVar("T")
 
 def _engine(name: str, spec: dict):
     """(generate(prompts, max_tokens) -> list of token id lists,
-    decode(prompt, K) -> (seconds for tokens 2..1+K, token ids), seconds to load)."""
+    decode(prompt, K) -> Decoded, seconds to load)."""
     t0 = time.perf_counter()
     if name == "llama.cpp":
         return _llama_cpp(spec, t0)
@@ -49,7 +52,8 @@ def _engine(name: str, spec: dict):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def decode(prompt: list[int], k: int) -> tuple[float, list[int]]:
+    def decode(prompt: list[int], k: int) -> Decoded:
+        sent = time.perf_counter()
         add(
             f"decode-{time.perf_counter_ns()}",
             prompt,
@@ -63,10 +67,13 @@ def _engine(name: str, spec: dict):
             if first is None and tokens:
                 first = time.perf_counter()
         assert first is not None  # the loop ran until tokens came
-        return time.perf_counter() - first, tokens
+        return first - sent, time.perf_counter() - first, tokens
 
     return generate, decode, loaded
 
+
+# One decode run: (seconds to the first token, seconds for tokens 2..1+K, the token ids).
+Decoded = tuple[float, float, list[int]]
 
 # An offline engine of vLLM's API: the LLM, its SamplingParams class, add(request_id, prompt
 # token ids, params) and step() -> the outputs of one engine step.
@@ -120,11 +127,11 @@ def _llama_cpp(spec: dict, t0: float):
     )
     loaded = time.perf_counter() - t0
 
-    def tokens(prompt: list[int], n: int, first: list[float]) -> list[int]:
+    def tokens(prompt: list[int], n: int, arrivals: list[float]) -> list[int]:
         llm.reset()  # no prefix reuse between runs: each prompt is prefilled whole
         out: list[int] = []
         for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            first.append(time.perf_counter())
+            arrivals.append(time.perf_counter())
             out.append(int(token))
             if len(out) == n:  # ignore_eos: only the count stops it
                 return out
@@ -133,10 +140,11 @@ def _llama_cpp(spec: dict, t0: float):
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         return [tokens(p, max_tokens, []) for p in prompts]
 
-    def decode(prompt: list[int], k: int) -> tuple[float, list[int]]:
+    def decode(prompt: list[int], k: int) -> Decoded:
         arrivals: list[float] = []
+        sent = time.perf_counter()
         out = tokens(prompt, 1 + k, arrivals)
-        return time.perf_counter() - arrivals[0], out
+        return arrivals[0] - sent, time.perf_counter() - arrivals[0], out
 
     return generate, decode, loaded
 
@@ -184,12 +192,15 @@ def run(name: str, spec: dict) -> dict:
     generate([prompts[min(prompts)]], 2)  # warm-up: first-call allocations, lazy imports
     figures: dict[str, float] = {}
     tokens: dict[str, list] = {}
-    for n in spec["ttft"]:
-        figures[f"ttft_{n}"] = min(_timed(lambda: generate([prompts[n]], 1))[0] for _ in range(R))
     for n in spec["decode_after"]:
         runs = [decode(prompts[n], K) for _ in range(R)]
-        figures[f"decode_{n}"] = min(dt for dt, _ in runs) / K * 1e3
-        tokens[f"decode_{n}"] = [runs[-1][1]]
+        figures[f"decode_{n}"] = min(dt for _, dt, _ in runs) / K * 1e3
+        tokens[f"decode_{n}"] = [runs[-1][2]]
+        if n in spec["ttft"]:
+            figures[f"ttft_{n}"] = min(first for first, _, _ in runs)
+    for n in spec["ttft"]:
+        if f"ttft_{n}" not in figures:
+            figures[f"ttft_{n}"] = min(_timed(lambda: generate([prompts[n]], 1))[0] for _ in range(R))
     batch = spec.get("batch_prompts")
     if batch:
         best = float("inf")

@@ -18,8 +18,8 @@ def test_workload_runs_ctxpar_and_reports_every_figure(tiny_model_dirs):
     spec = {
         "model": str(tiny_model_dirs["llama"]),
         "max_model_len": 128,
-        "prompts": {"4": [1, 2, 3, 4], "40": list(range(5, 45))},
-        "ttft": [40],
+        "prompts": {"4": [1, 2, 3, 4], "20": list(range(50, 70)), "40": list(range(5, 45))},
+        "ttft": [40, 20],  # 40 from the decode runs' first tokens, 20 by a generate of its own
         "decode_after": [40, 4],
         "decode_tokens": 3,
         "batch_prompts": [[7, 8, 9], list(range(10, 30))],
@@ -28,7 +28,7 @@ def test_workload_runs_ctxpar_and_reports_every_figure(tiny_model_dirs):
         "perplexity": {"text": list(range(3, 90))},
     }
     res = compare_workload.run("ctxpar", spec)
-    assert set(res["figures"]) == {"ttft_40", "decode_40", "decode_4", "batch", "ppl_text"}
+    assert set(res["figures"]) == {"ttft_40", "ttft_20", "decode_40", "decode_4", "batch", "ppl_text"}
     assert all(v > 0 for v in res["figures"].values())
     assert [len(s) for s in res["tokens"]["batch"]] == [5, 5]
     assert [len(s) for s in res["tokens"]["decode_40"]] == [4]
