@@ -37,7 +37,7 @@ inline float to_float(Half h) {
 #endif
 }
 
-// Eight scales as a vector, for quant_gemv.cpp's AVX2 path (which every AVX2 build takes:
+// Eight scales as a vector, for quant_lanes.h's AVX2 path (which every AVX2 build takes:
 // F16C converts eight halves at once, and a build without it converts them one by one).
 #if defined(__AVX2__)
 inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }

@@ -12,7 +12,6 @@
 
 namespace {
 
-constexpr int64_t QB = 32;  // weights per block
 
 // Weights [b * 32, b * 32 + 32) of row o as float32 into y: scale * q, then + offset.
 template <typename S>

@@ -24,6 +24,8 @@
 
 #include "half.h"
 
+constexpr int64_t QB = 32;  // weights per block
+
 extern "C" {
 // One part of a projection: `rows` output rows; scales and offsets float32 or half (the
 // call says which), offsets null where the weight has none.

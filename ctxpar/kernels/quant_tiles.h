@@ -36,6 +36,8 @@
 #include <utility>
 #include <vector>
 
+#include "quant_part.h"
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -44,7 +46,6 @@
 
 namespace tiles {
 
-constexpr int64_t QB = 32;  // weights per block
 constexpr int64_t T = 16;   // outputs per tile: one 512-bit vector of float32
 constexpr int MR = 8;       // activation rows per pass of the VNNI loop over a tile
 constexpr int64_t DIRECT_ROWS = 7;  // fewer rows than this read the weight in place (direct_rows)

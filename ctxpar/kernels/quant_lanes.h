@@ -1,0 +1,398 @@
+// The block-quantized projection (quant_gemv.cpp) on CPUs without AVX-512 VNNI: the 8-lane
+// paths of AVX2 (with AVX-VNNI's dot products where the CPU has them), and a scalar loop
+// without AVX2. Both take the activations as quant_rows.h rounds them.
+
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "half.h"
+#include "quant_part.h"
+
+namespace lanes {
+
+constexpr int MR = 4;  // activation rows per pass over a weight row (it stays in L1 between passes)
+constexpr int LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // AVX2, a scale a block: lane i of 8 blocks' vector holds block LANE[i]
+
+#if defined(__AVX2__)
+// VNNI's u8 x s8 dot product of 4 into s32 (AVX-512 VNNI with VL, or AVX-VNNI).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CTXPAR_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+#if defined(CTXPAR_DPBUSD)
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
+// The 8 int32 sums of a block, lane j = weights 4j..4j+3 (lanes 0-3: the first 16 weights).
+template <int bits>
+inline __m256i block_dot(__m256i w, __m256i x) {
+#if defined(CTXPAR_DPBUSD)
+  if constexpr (bits == 4) return CTXPAR_DPBUSD(_mm256_setzero_si256(), w, x);
+  return CTXPAR_DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  // |q| as unsigned (|-128| = 0x80 reads as 128), the sign moved onto x.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+#endif
+}
+
+template <int bits>
+inline __m256i load_block(const uint8_t* q) {
+  if constexpr (bits == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // high nibbles -> weights 16..31
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(__AVX2__)
+// sum_b a[b * stride] * c[b] over n values, in 8 lanes (the offsets' term: a float dot product).
+template <typename S>
+inline float dot(const S* a, int64_t stride, const float* c, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(load8_ps(a + b * stride, stride), _mm256_loadu_ps(c + b), acc);
+  float s = hsum8(acc);
+  for (; b < n; ++b) s += to_float(a[b * stride]) * c[b];
+  return s;
+}
+#endif
+
+// Row o's offsets term: sum_b offset_b * xs_b, the offsets stored or -zero * the
+// block's scale (zero 8: Q4_0, groups of 32, one scale a block).
+template <typename S>
+inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const float* xs, int64_t nb) {
+#if defined(__AVX2__)
+  if (w.o) return dot(w.o + o * w.o_row, w.o_col, xs, nb);
+  return zero != 0.0f ? -zero * dot(w.s + o * w.s_row, w.s_col, xs, nb) : 0.0f;
+#else
+  if (!w.o && zero == 0.0f) return 0.0f;
+  float off = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) off += (w.o ? w.offset(o, b) : -zero * w.scale(o, b)) * xs[b];
+  return off;
+#endif
+}
+
+#if defined(__AVX2__)
+// Weights with one scale a block (4 bits; 8 bits in groups of 32), 8 blocks at a time. A row's
+// arithmetic is one code whatever computes its integers: per 8 blocks, a vector of their 8 integer sums
+// (exact), converted once and fused-multiply-added with the 8 blocks' weight x activation
+// scales into the row's one accumulator, lane i holding block LANE[i] of the 8; the blocks
+// past the last 8 in a float after; then the accumulator's lanes summed (hsum8), the tail and
+// the offsets term. Two ways to the same integers:
+//   direct (few rows, rows_lanes): the weights as stored (4 bits: two blocks a 32-byte load;
+//     8 bits: a block's halves added), whose sums three pairwise sums (pair_sums) gather
+//     into the 8, in LANE's order;
+//   packed (many rows, packed_rows): each output row's weights unpacked to bytes and transposed
+//     once a pass (pack_row), and the activations once a call (transpose_rows), so that
+//     vector k of 8 blocks holds weights 4k..4k+3 of each in lane i's block: 8 dot products
+//     of full vectors make the 8 sums with no reduction, and the float steps, one convert,
+//     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them. 8-bit
+//     weights are packed biased to unsigned (q + 128, VNNI's u8 operand), and 128 times each
+//     block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of biased bytes
+//     could saturate, so 8 bits take the direct way there.
+
+// hadd_epi32(a, b): in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3], as two shuffles
+// and an add (a few percent faster than hadd where decode rows wait on it).
+inline __m256i pair_sums(__m256i a, __m256i b) {
+  const __m256 x = _mm256_castsi256_ps(a), y = _mm256_castsi256_ps(b);
+  const __m256i even = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0x88)), odd = _mm256_castps_si256(_mm256_shuffle_ps(x, y, 0xDD));
+  return _mm256_add_epi32(even, odd);
+}
+
+// 8 rows of 8 int32 (row i: lane i's block, 32 bytes) -> row k = lane i's int32 k, for every i.
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+    r[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+  }
+}
+
+// Output row o's weights as packed_rows reads them: per 8 blocks, 8 vectors of 32 bytes
+// (8 bits: biased to unsigned).
+template <int bits, typename S>
+inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
+  const __m256i bias = _mm256_set1_epi8(bits == 8 ? char(0x80) : 0);
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    __m256i r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_xor_si256(load_block<bits>(w.block(o, b + LANE[i])), bias);
+    transpose8(r);
+    for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + (b + k) * 4 * 8), r[k]);
+  }
+}
+
+// The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
+// xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
+// last 8 as they are), and where xc is not null -128 times each group's sum of codes (the
+// biased 8-bit weights' correction: packed_rows' sums start from it), G groups a block: per 8 blocks, G runs of 8 in LANE's order (G = 2:
+// the blocks' first halves, then their second), nb * G a row.
+inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int G, int8_t* xt, float* xdl,
+                           int32_t* xc) {
+  const int64_t nb = in / QB;
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < n; ++m) {
+    const int8_t* q = xq + m * in;
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+      for (int i = 0; i < 8; ++i) xdl[m * nb + b + i] = xd[m * nb + b + LANE[i]];
+      if (!xt) continue;
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
+      for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
+        alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 codes
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16));
+        const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
+        int32_t* c = xc + (m * nb + b) * G + i;
+        if (G == 1)
+          c[0] = -128 * (first + second);
+        else
+          c[0] = -128 * first, c[8] = -128 * second;
+      }
+      transpose8(r);
+      for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
+    }
+    if (xt) std::copy(q + b * QB, q + in, xt + m * in + b * QB);
+  }
+}
+
+// Blocks [b, b + 8)'s weight scales (s: a row's, G a block in block order) in LANE's order:
+// ws[g] their groups g (G = 2: first halves, second halves).
+template <int G>
+inline void lane_scales(const float* s, int64_t b, __m256* ws) {
+  if constexpr (G == 1) {
+    ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
+    const __m256 v0 = _mm256_loadu_ps(s + 2 * b), v1 = _mm256_loadu_ps(s + 2 * b + 8);
+    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
+    ws[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0x88), order);
+    ws[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0xDD), order);
+  }
+}
+
+// One 8 blocks' step of a row: acc += float(sums) * (weight scales * activation scales), all lane-ordered.
+inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xd)), acc);
+}
+
+// The rows' results from their accumulators: the blocks past the last 8 one at a time (their
+// codes as stored in xq), the lanes' sum, the offsets term.
+template <int bits, int G, int mr>
+inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
+                        int64_t m0, int64_t in, const __m256* acc, float* res) {
+  const int64_t nb = in / QB;
+  for (int m = 0; m < mr; ++m) {
+    const int64_t r = m0 + m;
+    float tail = 0.0f;
+    for (int64_t b = nb / 8 * 8; b < nb; ++b) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
+      alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 weights
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), block_dot<bits>(load_block<bits>(wt.block(0, b)), x));
+      const float first = float(sums[0] + sums[1] + sums[2] + sums[3]), second = float(sums[4] + sums[5] + sums[6] + sums[7]);
+      if constexpr (G == 1) {
+        tail = std::fma(first + second, wt.scale(0, b) * xd[r * nb + b], tail);  // exact integers
+      } else {
+        tail = std::fma(first, wt.scale(0, 2 * b) * xd[r * nb + b], tail);
+        tail = std::fma(second, wt.scale(0, 2 * b + 1) * xd[r * nb + b], tail);
+      }
+    }
+    res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, zero, xs + r * nb, nb);
+  }
+}
+
+// Rows [m0, m0 + mr) against output row wt (row_floats'), the weights as stored; xp the
+// paired codes (quantize_rows; 4 bits), xdl transpose_rows'.
+template <int bits, int G, int mr>
+void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
+                const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(CTXPAR_DPBUSD)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[mr];
+  for (int m = 0; m < mr; ++m) acc[m] = _mm256_setzero_ps();
+  // Pair p's sums, lanes 0-3 block 2p's quarters and 4-7 block 2p + 1's, for each row (v[g][m]:
+  // group g's, G = 2: the blocks' halves apart).
+  auto pair = [&](int64_t p, __m256i (*v)[mr]) __attribute__((always_inline)) {
+    const uint8_t *first = wt.block(0, 2 * p), *second = wt.block(0, 2 * p + 1);
+    _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+    if constexpr (bits == 8) {  // a block's halves of 4 sums: [2p's | 2p + 1's], added (G = 1) or apart
+      const __m256i w0 = load_block<8>(first), w1 = load_block<8>(second);
+      for (int m = 0; m < mr; ++m) {
+        const int8_t* x = xq + (m0 + m) * in + 2 * p * QB;
+        const __m256i d0 = block_dot<8>(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+        const __m256i d1 = block_dot<8>(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QB)));
+        const __m256i h0 = _mm256_permute2x128_si256(d0, d1, 0x20), h1 = _mm256_permute2x128_si256(d0, d1, 0x31);
+        if constexpr (G == 1)
+          v[0][m] = _mm256_add_epi32(h0, h1);
+        else
+          v[0][m] = h0, v[1][m] = h1;
+      }
+      return;
+    }
+    const __m256i w = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(second), reinterpret_cast<const __m128i*>(first));
+    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    for (int m = 0; m < mr; ++m) {
+      const int8_t* x = xp + (m0 + m) * in + p * 64;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+#if defined(CTXPAR_DPBUSD)
+      v[0][m] = CTXPAR_DPBUSD(CTXPAR_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
+      v[0][m] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones);
+#endif
+    }
+  };
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    __m256i v0[G][mr], v1[G][mr], h01[G][mr];
+    pair(b / 2, v0);
+    pair(b / 2 + 1, v1);
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < mr; ++m) h01[g][m] = pair_sums(v0[g][m], v1[g][m]);
+    pair(b / 2 + 2, v0);
+    pair(b / 2 + 3, v1);
+    __m256 ws[G];
+    lane_scales<G>(wt.s, b, ws);
+    for (int m = 0; m < mr; ++m)
+      for (int g = 0; g < G; ++g) {
+        const __m256i sums = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
+        acc[m] = fold8(sums, ws[g], xdl + (m0 + m) * nb + b, acc[m]);
+      }
+  }
+  finish_rows<bits, G, mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
+}
+
+// The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
+// res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits: xc its code sums): every
+// load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
+template <int bits, int G, int mr, int nr>
+void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
+                 const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
+                 int64_t in, float (*res)[MR]) {
+  const int64_t nb = in / QB;
+#if !defined(CTXPAR_DPBUSD)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[nr][mr];
+  for (int j = 0; j < nr; ++j)
+    for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+    __m256 ws[nr][G];
+    for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, b, ws[j]);
+    // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
+    for (int g = 0; g < G; ++g) {
+      // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones,
+      // whose 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once. 8 bits: (q + 128) x
+      // summed, so each sum starts at -128 x the group's codes (xc): no subtraction after.
+      __m256i s[nr][mr];
+      for (int m = 0; m < mr; ++m) {
+        const __m256i start = bits == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8))
+                                        : _mm256_setzero_si256();
+        for (int j = 0; j < nr; ++j) s[j][m] = start;
+      }
+      for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) {
+        __m256i w[nr];
+        for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
+        for (int m = 0; m < mr; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
+          for (int j = 0; j < nr; ++j) {
+#if defined(CTXPAR_DPBUSD)
+            s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
+#else
+            s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
+#endif
+          }
+        }
+      }
+      for (int j = 0; j < nr; ++j)
+        for (int m = 0; m < mr; ++m) {
+#if defined(CTXPAR_DPBUSD)
+          const __m256i sums = s[j][m];
+#else
+          static_assert(bits == 4, "biased bytes' pairs could saturate maddubs");
+          const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
+#endif
+          acc[j][m] = fold8(sums, ws[j][g], xdl + (m0 + m) * nb + b, acc[j][m]);
+        }
+    }
+  }
+  for (int j = 0; j < nr; ++j) finish_rows<bits, G, mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
+}
+#endif
+
+#if !defined(__AVX2__)
+// Output o for rows [m0, m0 + mr), without AVX2: the same integers, a scalar loop. mr is a
+// template argument so that every loop over the rows unrolls and the accumulators stay in
+// registers.
+template <typename S, int bits, int mr>
+void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const int8_t* xq, const int8_t* xp,
+             const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB;
+  (void)xp;  // the paired activations serve the AVX2 paths only
+  float acc[mr] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    int q[QB];
+    for (int i = 0; i < QB; ++i) {
+      if constexpr (bits == 4) {
+        const uint8_t byte = wt.block(o, b)[i & 15];
+        q[i] = i < 16 ? (byte & 15) : (byte >> 4);
+      } else {
+        q[i] = int8_t(wt.block(o, b)[i]);
+      }
+    }
+    for (int m = 0; m < mr; ++m) {
+      const int64_t r = m0 + m;
+      const int8_t* x = xq + r * in + b * QB;
+      int lo = 0, hi = 0;  // the two halves: groups of 16 have a scale each
+      for (int i = 0; i < 16; ++i) lo += q[i] * x[i];
+      for (int i = 16; i < QB; ++i) hi += q[i] * x[i];
+      const float s0 = wt.scale(o, group == QB ? b : 2 * b), s1 = wt.scale(o, group == QB ? b : 2 * b + 1);
+      acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
+    }
+  }
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
+}
+
+template <typename S>
+using RowFn = void (*)(const PartView<S>&, int64_t, int64_t, float, const int8_t*, const int8_t*, const float*,
+                       const float*, int64_t, int64_t, float*);
+
+template <typename S, int bits, int... R>
+constexpr std::array<RowFn<S>, sizeof...(R)> row_table(std::integer_sequence<int, R...>) {
+  return {row_dot<S, bits, R + 1>...};
+}
+#endif
+
+}  // namespace lanes
