@@ -49,7 +49,10 @@ def _cases(
         cases["bf16 cache (AMX)"] = (lambda: attn_kernels.prefill_attention(qb, kvb[:, 0], kvb[:, 1], dim**-0.5), True)
     q_scale, kv_scale = kv_rotation.scales(dim)
     out = torch.randn(n, heads, dim, generator=g)
-    turned = ((q, q_scale), (kv, kv_scale), (out, q_scale))
+    # In place, as attention turns its inputs, on copies of their own: at these widths a turn is
+    # orthonormal (scale = 1 / sqrt(dim)), so the rounds' repeated turns keep the values' size.
+    assert q_scale == kv_scale == dim**-0.5
+    turned = ((q.clone(), q_scale), (kv.clone(), kv_scale), (out, q_scale))
     cases["turns (q, k|v, out)"] = (lambda: [kv_rotation.turn(x, scale) for x, scale in turned], False)
     int8 = quants["int8"]
     assert int8 is not None

@@ -43,15 +43,33 @@ def scales(head_dim: int) -> tuple[float, float]:
 
 
 def turn(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x (..., heads, dim) -> a new tensor, each head's run times F, then ``scale``."""
+    """x (n, ..., dim), each head's run times F, then ``scale``: turned in place and returned
+    where the kernel takes x as it lies (float32, each token's heads contiguous runs, tokens
+    at one stride: the views of a projection's output that attention is given), else a new
+    tensor. Either way the same bits."""
+    runs = _runs(x)  # (n, heads, dim) of x's own memory, or None
+    if runs is not None and elementwise.usable(runs):
+        elementwise.hadamard_(runs, scale)
+        return x
     shape, dim = x.shape, x.shape[-1]
-    # One contiguous float32 copy (q and the entries come as strided views), (rows, 1, dim): one head a row.
     out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).view(-1, 1, dim)
     if elementwise.usable(out):
         elementwise.hadamard_(out, scale)
     else:
         out = _turn_torch(out.view(-1, dim), scale)
     return out.view(shape).to(x.dtype)
+
+
+def _runs(x: torch.Tensor) -> torch.Tensor | None:
+    """x (n, ..., dim) as (n, heads, dim) without a copy, if float32 with each token's heads
+    one contiguous run after another; else None."""
+    if x.dtype != torch.float32 or x.dim() < 2 or x.stride(-1) != 1:
+        return None
+    try:
+        runs = x.view(x.shape[0], -1, x.shape[-1])
+    except RuntimeError:  # its heads are not evenly strided
+        return None
+    return runs if runs.stride(1) == runs.shape[2] else None
 
 
 def _turn_torch(x: torch.Tensor, scale: float) -> torch.Tensor:

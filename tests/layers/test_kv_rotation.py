@@ -41,6 +41,28 @@ def test_kernel_and_pytorch_give_the_same_bits_and_sylvesters_product(dim: int) 
     torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
 
 
+def test_a_projections_views_turn_in_place_and_nothing_else_moves() -> None:
+    """q and K|V as attention gets them, views of one (n, [q | k | v]) projection output:
+    each turned where it lies (the same bits as the turn of a copy), the rest of the buffer
+    as it was; a view whose heads are not one run after another, and a bf16 one, are left as they
+    are and a new tensor comes back."""
+    n, heads, kv_heads, dim = 6, 4, 2, 64
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(1))
+    before = qkv.clone()
+    q, entries = qkv[:, : heads * dim].view(n, heads, dim), qkv[:, heads * dim :].view(n, 2, kv_heads, dim)
+    q_scale, kv_scale = kv_rotation.scales(dim)
+    want_q, want_kv = kv_rotation.turn(q.clone(), q_scale), kv_rotation.turn(entries.clone(), kv_scale)
+    assert kv_rotation.turn(q, q_scale) is q
+    assert torch.equal(qkv[:, : heads * dim], want_q.view(n, -1)) and torch.equal(qkv[:, heads * dim :], before[:, heads * dim :])
+    assert kv_rotation.turn(entries, kv_scale) is entries and torch.equal(entries, want_kv)
+    k_alone = before[:, heads * dim :].view(n, 2, kv_heads, dim)[:, :, :1]  # its heads not one run after another
+    for x in (k_alone, before.bfloat16()[:, : heads * dim].view(n, heads, dim)):
+        kept = x.clone()
+        got = kv_rotation.turn(x, kv_scale)
+        assert got is not x and torch.equal(x, kept)
+        assert torch.equal(got, kv_rotation.turn(x.contiguous(), kv_scale))
+
+
 def test_only_powers_of_two_turn() -> None:
     assert [d for d in range(1, 130) if kv_rotation.turns(d)] == [2, 4, 8, 16, 32, 64, 128]
     assert GQA(0, 64, 0.125).turns_quantized_heads and not GQA(0, 96, 0.1).turns_quantized_heads
@@ -68,6 +90,6 @@ def test_turned_heads_attend_closer_to_float64(kv_cache_dtype: str) -> None:
     errors = []
     for step in (attend, _attend):
         caches = allocate_kv_caches(1, n, (2, kv_heads, dim), torch.float32, torch.device("cpu"), quant)
-        out = step(q, kv, single_sequence_context(caches, 0, n, quant), gqa)
+        out = step(q.clone(), kv.clone(), single_sequence_context(caches, 0, n, quant), gqa)  # attend turns them
         errors.append((out.double() - want).pow(2).mean().sqrt().item())
     assert errors[0] < 0.95 * errors[1], errors  # measured: int8 0.61x, fp8_e4m3 0.92x, fp8_e5m2 0.89x

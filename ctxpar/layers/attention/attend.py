@@ -93,7 +93,9 @@ class AttentionKind(Protocol):
 def attend(q: torch.Tensor, entries: torch.Tensor, ctx: ForwardContext, kind: AttentionKind) -> torch.Tensor:
     """q: (n, H, Dq) local queries; entries: (n, *E) local KV-cache inputs ->
     (n, H, out_dim) attention output of the local tokens (0 on padding). A quantized
-    cache of a kind that turns its heads stores them turned (ctxpar/layers/kv_rotation.py)."""
+    cache of a kind that turns its heads stores them turned (ctxpar/layers/kv_rotation.py):
+    q and entries are then turned in place where they lie as the kernel takes them (as rope
+    turns them in place before), so they are the caller's to give, not to read again."""
     if ctx.kv_quant is None or not kind.turns_quantized_heads:
         return _attend(q, entries, ctx, kind)
     q_scale, kv_scale = kv_rotation.scales(q.shape[-1])
