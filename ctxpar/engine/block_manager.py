@@ -17,8 +17,11 @@ is computed, the caller registers its hash (``cache_blocks``); a later owner
 whose prompt starts with the same blocks takes them (``cached_prefix`` then
 ``allocate(..., cached=...)``) instead of computing them again. Blocks are reference-counted, so running
 owners share them. A block whose count drops to zero keeps its content and
-hash in the free pool; the pool hands out its least recently freed block
-first, and only then forgets ("evicts") that block's hash. Only full blocks
+hash in the free pool; the pool hands out a block that holds no hash first
+(the most recently freed: the memory last written, still warm, so a pool without
+caching keeps reusing the few blocks its requests need instead of walking the
+whole cache, each first touch a page fault), then its least recently freed
+block, and only then forgets ("evicts") that block's hash. Only full blocks
 whose KV is written are ever registered, so a shared block is never written.
 
 Sliding windows. Given a ``KVWindow`` (kv_window.py: every layer of the model
@@ -231,16 +234,15 @@ class BlockManager:
 
     def free(self, owner: Hashable) -> int:
         """Drop the owner's references; returns how many blocks it held still. A block
-        nobody references joins the pool with its content and hash kept. The
-        table goes in reverse, so a sequence's last blocks are evicted before
-        its first ones, which every longer prefix needs."""
+        nobody references joins the pool with its content and hash kept (``_unreference``).
+        The table goes in reverse, so a sequence's last blocks are evicted before its
+        first ones, which every longer prefix needs, and its first hashless blocks are
+        reused first."""
         table = self._tables.pop(owner, [])
         self._num_registered.pop(owner, None)
         del table[: self._num_unread.pop(owner, 0)]  # given back already
         for block in reversed(table):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None
+            self._unreference(block)
         return len(table)
 
     def truncate(self, owner: Hashable, num_tokens: int) -> int:
@@ -258,11 +260,18 @@ class BlockManager:
         dropped = table[keep:]
         del table[keep:]
         for block in reversed(dropped):
-            self._ref[block] -= 1
-            assert self._ref[block] == 0  # a block past the computed tokens is private
-            self._free[block] = None
-            self._free.move_to_end(block, last=False)
+            assert self._ref[block] == 1 and self._hash[block] is None  # past the computed tokens: private
+            self._unreference(block)
         return len(dropped)
+
+    def _unreference(self, block: int) -> None:
+        """One reference fewer; a block nobody references joins the pool: at its end with
+        a hash (least recently freed first), at its front without one (reused first)."""
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._free[block] = None
+            if self._hash[block] is None:
+                self._free.move_to_end(block, last=False)
 
     def free_unread(self, owner: Hashable, num_computed: int) -> int:
         """With a window, give back the owner's leading blocks that no later read can touch once
@@ -276,9 +285,7 @@ class BlockManager:
         end = min(self.window.unread_blocks(num_computed, self.block_size), len(table))
         for i in range(done, end):
             block, table[i] = table[i], self.null_block
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._free[block] = None
+            self._unreference(block)
         self._num_unread[owner] = max(done, end)
         return max(0, end - done)
 

@@ -148,6 +148,25 @@ def test_lru_eviction_and_last_blocks_first():
     bm.check_integrity()
 
 
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_blocks_without_a_hash_are_reused_first(enable_caching: bool):
+    """A freed block that holds no hash (caching off, or a partial last block) goes back
+    first, before the pool's untouched blocks and its cached ones: one request after
+    another keeps writing the same few blocks, warm memory, and evicts no cached prefix."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_caching=enable_caching)
+    cached = list(bm.allocate("cached", 8))
+    bm.cache_blocks("cached", chain(list(range(8)), 4), 2)
+    bm.free("cached")  # its two blocks stay in the pool with their hashes
+    first = list(bm.allocate("r0", 10))  # 2 full blocks and a partial one
+    bm.free("r0")
+    for i in range(1, 20):
+        table = list(bm.allocate(f"r{i}", 10))  # never registered: no hashes
+        assert table == first  # the same blocks, in the same order
+        bm.free(f"r{i}")
+    assert bm.num_evictions == 0 and bm.cached_prefix(chain(list(range(8)), 4)) == (cached if enable_caching else [])
+    bm.check_integrity()
+
+
 def test_duplicate_prefix_stays_private_and_disabled_caches_nothing():
     bm = BlockManager(num_blocks=4, block_size=2)
     h = chain([1, 2], 2)
