@@ -53,7 +53,8 @@ def test_a_projections_views_turn_in_place_and_nothing_else_moves() -> None:
     q_scale, kv_scale = kv_rotation.scales(dim)
     want_q, want_kv = kv_rotation.turn(q.clone(), q_scale), kv_rotation.turn(entries.clone(), kv_scale)
     assert kv_rotation.turn(q, q_scale) is q
-    assert torch.equal(qkv[:, : heads * dim], want_q.view(n, -1)) and torch.equal(qkv[:, heads * dim :], before[:, heads * dim :])
+    assert torch.equal(qkv[:, : heads * dim], want_q.view(n, -1))
+    assert torch.equal(qkv[:, heads * dim :], before[:, heads * dim :])
     assert kv_rotation.turn(entries, kv_scale) is entries and torch.equal(entries, want_kv)
     k_alone = before[:, heads * dim :].view(n, 2, kv_heads, dim)[:, :, :1]  # its heads not one run after another
     for x in (k_alone, before.bfloat16()[:, : heads * dim].view(n, heads, dim)):
