@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import scratch
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -86,7 +87,7 @@ def _gated_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     n, two_inter = gate_up.shape
     if not gate_up.is_contiguous():
         raise ValueError(f"{name}: gate_up must be contiguous")
-    out = torch.empty(n, two_inter // 2, dtype=gate_up.dtype)
+    out = scratch.empty((n, two_inter // 2), gate_up.dtype)
     _kernel(name, gate_up.dtype)(gate_up.data_ptr(), n, two_inter // 2, out.data_ptr())
     return out
 

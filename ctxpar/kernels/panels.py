@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import scratch
 
 
 def panel_width() -> int:
@@ -49,7 +50,7 @@ def linear_packed(
     bf16_out = packed.dtype == torch.bfloat16 and out_dtype == torch.bfloat16
     if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype == torch.bfloat16 and not bf16_out):
         raise ValueError(f"linear_packed: out_dtype {out_dtype} with a {packed.dtype} packing")
-    out = torch.empty(n, out_features, dtype=torch.bfloat16 if bf16_out else torch.float32)
+    out = scratch.empty((n, out_features), torch.bfloat16 if bf16_out else torch.float32)
     bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
     if packed.dtype == torch.bfloat16:
         if packed.shape[1] != -(-in_features // 2) or x.dtype != torch.bfloat16:

@@ -16,6 +16,7 @@ import ctypes
 import torch
 
 from ctxpar import kernels
+from ctxpar.kernels import scratch
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -81,7 +82,7 @@ def quant_linear(
         raise ValueError(f"quant_linear: x must be float32, a multiple of 32 features; got {x.dtype} {tuple(x.shape)}")
     if bias is not None and bias.numel() != out_features:
         raise ValueError(f"quant_linear: bias has {bias.numel()} values for {out_features} outputs")
-    out = torch.empty(n, out_features, dtype=torch.float32)
+    out = scratch.empty((n, out_features))
     kernels.loaded().quant_linear_f32(
         x.data_ptr(),
         x.stride(0),
