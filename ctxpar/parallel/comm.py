@@ -201,8 +201,15 @@ class PCPGroup:
             dist.broadcast(data, src=0, group=self.control)
 
     def close(self) -> None:
+        """Destroy the groups, and drop this object's references to them now: a gloo group is
+        freed (its worker threads joined, their last works' tensors released) while the
+        interpreter still runs, not during its finalization, where a worker's decref that
+        needs the GIL ends the thread by force and aborts the process."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.sealed = None
+        for name in ("data", "control"):  # a second close finds them gone
+            self.__dict__.pop(name, None)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -98,11 +98,6 @@ def _rank_main(rank: int, sizes: list[int], port: int, jobs: list[Job], plans: l
                 torch.save(saved, os.path.join(out, f"{size}.{j}.{rank}.pt"))
         finally:
             group.close()
-    # Leave without the interpreter's finalization: a gloo worker thread drops its last work
-    # (a gather's tensors) after the wait returned, and a decref that needs the GIL while the
-    # interpreter finalizes ends the thread by force through a destructor: std::terminate,
-    # SIGABRT (seen with CTXPAR_KERNELS=0, where every collective is gloo's). The results are saved.
-    os._exit(0)
 
 
 def run_groups(sizes: list[int], jobs: list[Job], plans: list[StepPlan], out_dir: Path) -> dict[int, list[Result]]:
