@@ -17,6 +17,7 @@ from ctxpar import kernels
 from ctxpar.layers.attention.backend import KERNELS, TORCH, AttentionBackend, AttentionSpec, DecodeGroup
 from ctxpar.layers.attention.torch_ops import concat_slots
 from ctxpar.layers.kv_quant import KVQuant, default_runs
+from helpers.attention_reference import assert_within, int8_bounds
 from helpers.int8_scores import query_rounding_bounds
 
 H, HK, D = 4, 2, 32
@@ -106,7 +107,10 @@ def test_partials_see_their_key_ranges(backend: AttentionBackend, cap: float | N
 @pytest.mark.parametrize("window", [1, 5, 70])
 @pytest.mark.parametrize("cap", CAPS)
 def test_int8_cache_rows_are_read_with_the_window(window: int, cap: float | None) -> None:
-    """The prefill kernel over int8 rows, read in place: the masked softmax of the rows dequantized."""
+    """The prefill kernel over int8 rows, read in place: the masked softmax of the rows
+    dequantized, within the rounding of its integer products (int8_bounds; a soft cap's
+    tanh moves no score by more than its argument moved). Where the CPU's kernel does not
+    take these heads (AVX-512's tiles of 64 values) PyTorch's path answers, exactly."""
     L, S = 60, 150
     q, k, v = qkv(L, S)
     quant = KVQuant.of("int8", (2, HK, D), default_runs((2, HK, D)))
@@ -115,12 +119,14 @@ def test_int8_cache_rows_are_read_with_the_window(window: int, cap: float | None
     kv = quant.dequantize(rows)
     spec = AttentionSpec(SCALE, window, cap)
     out = KERNELS.gqa_prefill_rows(q, rows, quant, spec, torch.empty(L, H, D))
-    want, _ = masked_softmax(q, kv[:, 0], kv[:, 1], window_mask(torch.arange(S - L, S), torch.arange(S), window), cap)
-    torch.testing.assert_close(out.double(), want, **TOL)
+    causal = window_mask(torch.arange(S - L, S), torch.arange(S), window)
+    want, _ = masked_softmax(q, kv[:, 0], kv[:, 1], causal, cap)
+    assert_within(out, want, int8_bounds(q, kv[:, 0], kv[:, 1], SCALE, causal)[0])
     counts, firsts = torch.full((L,), S), torch.arange(L) * 2
     part, _ = KERNELS.gqa_partial_rows(q, rows, quant, spec, counts, firsts)
     seen = (torch.arange(S)[None, :] >= firsts[:, None]) & (torch.arange(S)[None, :] < counts[:, None])
-    torch.testing.assert_close(part.double(), masked_softmax(q, kv[:, 0], kv[:, 1], seen, cap)[0], **TOL)
+    want, _ = masked_softmax(q, kv[:, 0], kv[:, 1], seen, cap)
+    assert_within(part, want, int8_bounds(q, kv[:, 0], kv[:, 1], SCALE, seen)[0])
 
 
 LENGTHS = [1, 7, 64, 150, 300]  # one key, a few, a run, several runs (the kernel cuts rows of 256)
