@@ -103,7 +103,13 @@ def test_prefill_with_int8_activations_stays_close(outputs) -> None:
 
 
 def test_decode_with_int8_activations_stays_close(outputs) -> None:
-    compared = 0
+    """Each path's own greedy decode: the same tokens and close logprobs until the texts
+    part, which only a near tie of the fp32 path's top two may make. Where they part
+    depends on the float rounding of the CPU's kernels, so every one of the fp32 path's
+    tokens is then also scored by the quantized model on the fp32 path's text
+    (teacher-forced, as prompt logprobs: every row takes the one integer path, so a
+    prompt row computes what a decode row would): close logprobs, and its top token
+    wherever the fp32 path's top two are GAP apart."""
     for exact, quant in zip(outputs["none", 1], outputs["gguf", 1]):
         a, b = exact.outputs[0], quant.outputs[0]
         for k, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
@@ -113,9 +119,17 @@ def test_decode_with_int8_activations_stays_close(outputs) -> None:
                 assert top[0] - top[1] < GAP, f"token {k}: {ta} vs {tb} with a gap of {top[0] - top[1]:.2f}"
                 break  # the texts part here: later tokens have different contexts
             assert abs(lp[ta].logprob - b.logprobs[k][tb].logprob) < TOL
-            compared += 1
-    assert compared >= len(PROMPTS) * PARAMS.max_tokens // 2, compared
     assert outputs["gguf", 1][0].outputs[0].text.strip().startswith("Paris")
+    texts = [{"prompt_token_ids": [*o.prompt_token_ids, *o.outputs[0].token_ids]} for o in outputs["none", 1]]
+    with LLM(max_model_len=1024, quantization="gguf", kv_cache_dtype="model") as llm:
+        scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for exact, forced in zip(outputs["none", 1], scored):
+        start, a = len(exact.prompt_token_ids), exact.outputs[0]
+        for k, t in enumerate(a.token_ids):
+            top = sorted((v.logprob for v in a.logprobs[k].values()), reverse=True)
+            got = forced.prompt_logprobs[start + k]
+            assert abs(got[t].logprob - a.logprobs[k][t].logprob) < TOL, (k, got[t], a.logprobs[k][t])
+            assert top[0] - top[1] < GAP or got[t].rank == 1, (k, got, a.logprobs[k])
 
 
 def test_two_ranks_equal_one_rank(outputs) -> None:
