@@ -63,8 +63,10 @@ using activations::quantize_rows;
 using namespace lanes;
 constexpr int NR = 2;       // output rows a pass of the packed loop takes together (packed_rows)
 constexpr int64_t PACKED_ROWS = 16;  // AVX2: rows from which packing the weights pays (packed_rows)
-// and the fewest columns (measured on Zen 5): any with VNNI's dot products; with maddubs 4096,
-// below which the direct loop is ~10% faster.
+// and 4 bits' fewest columns (measured on Zen 5): any with VNNI's dot products; with maddubs
+// 4096, below which the direct loop is ~10% faster. 8 bits are packed at any width: their
+// direct loop's sign trick on every row's codes and its reduction cost more than packing
+// (measured on Zen 3, AVX2 only, at 1B widths).
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr int64_t PACKED_COLS = 0;
 #else
@@ -138,18 +140,19 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
 #else
 #if defined(__AVX2__)
   // The 8-lane paths ("8 blocks at a time" above), G groups a block, packed where the rows repay
-  // packing each output row's weights once a pass (8 bits: with VNNI); either way a row's bits.
+  // packing each output row's weights once a pass; either way a row's bits.
   const int G = group == QB ? 1 : 2;
-  const bool packed = (bits == 4 || VNNI) && n >= PACKED_ROWS && in >= PACKED_COLS;
+  const bool packed = n >= PACKED_ROWS && (bits == 8 || in >= PACKED_COLS);
   static thread_local std::vector<int8_t> xt_buf;
   static thread_local std::vector<float> xdl_buf;
   static thread_local std::vector<int32_t> xc_buf;
   if (int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
   if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
-  if (packed && bits == 8 && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
+  const bool biased = packed && bits == 8 && VNNI;  // packed_rows' code sums (xc)
+  if (biased && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
   int8_t* xt = xt_buf.data();
   float* xdl = xdl_buf.data();
-  int32_t* xc = packed && bits == 8 ? xc_buf.data() : nullptr;
+  int32_t* xc = biased ? xc_buf.data() : nullptr;
   // f(bits, G) as constants: (4, 1), (8, 1) or (8, 2).
   auto with_kind = [&](auto f) __attribute__((always_inline)) {
     if (bits == 4) return f(std::integral_constant<int, 4>(), std::integral_constant<int, 1>());
@@ -201,12 +204,10 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             float res[NR][MR];
             with_rows(mr, [&](auto m) {
               with_kind([&](auto b, auto g) {
-                if constexpr (b() == 4 || VNNI) {  // 8 bits are packed with VNNI only (see packed above)
-                  if (nr == NR)
-                    packed_rows<b(), g(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
-                  else
-                    packed_rows<b(), g(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
-                }
+                if (nr == NR)
+                  packed_rows<b(), g(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                else
+                  packed_rows<b(), g(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
               });
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);

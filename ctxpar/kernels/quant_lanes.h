@@ -109,9 +109,10 @@ inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const flo
 //     vector k of 8 blocks holds weights 4k..4k+3 of each in lane i's block: 8 dot products
 //     of full vectors make the 8 sums with no reduction, and the float steps, one convert,
 //     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them. 8-bit
-//     weights are packed biased to unsigned (q + 128, VNNI's u8 operand), and 128 times each
-//     block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of biased bytes
-//     could saturate, so 8 bits take the direct way there.
+//     weights are packed biased to unsigned with VNNI (q + 128, dpbusd's u8 operand), and 128
+//     times each block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of
+//     biased bytes could saturate, so they are packed as they are and multiplied as |q| by x
+//     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once.
 
 // hadd_epi32(a, b): in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3], as two shuffles
 // and an add (a few percent faster than hadd where decode rows wait on it).
@@ -141,10 +142,10 @@ inline void transpose8(__m256i r[8]) {
 }
 
 // Output row o's weights as packed_rows reads them: per 8 blocks, 8 vectors of 32 bytes
-// (8 bits: biased to unsigned).
+// (8 bits: biased to unsigned with VNNI).
 template <int bits, typename S>
 inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
-  const __m256i bias = _mm256_set1_epi8(bits == 8 ? char(0x80) : 0);
+  const __m256i bias = _mm256_set1_epi8(bits == 8 && VNNI ? char(0x80) : 0);
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
     __m256i r[8];
     for (int i = 0; i < 8; ++i) r[i] = _mm256_xor_si256(load_block<bits>(w.block(o, b + LANE[i])), bias);
@@ -156,8 +157,9 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
 // The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
 // xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
 // last 8 as they are), and where xc is not null -128 times each group's sum of codes (the
-// biased 8-bit weights' correction: packed_rows' sums start from it), G groups a block: per 8 blocks, G runs of 8 in LANE's order (G = 2:
-// the blocks' first halves, then their second), nb * G a row.
+// biased 8-bit weights' correction with VNNI: packed_rows' sums start from it), G groups a
+// block: per 8 blocks, G runs of 8 in LANE's order (G = 2: the blocks' first halves, then
+// their second), nb * G a row.
 inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int G, int8_t* xt, float* xdl,
                            int32_t* xc) {
   const int64_t nb = in / QB;
@@ -295,8 +297,8 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
-// res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits: xc its code sums): every
-// load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
+// res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits with VNNI: xc its code sums):
+// every load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
 template <int bits, int G, int mr, int nr>
 void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
                  const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
@@ -313,25 +315,35 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
     for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, b, ws[j]);
     // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
     for (int g = 0; g < G; ++g) {
-      // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones,
-      // whose 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once. 8 bits: (q + 128) x
-      // summed, so each sum starts at -128 x the group's codes (xc): no subtraction after.
+      // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones:
+      // 4 bits' 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once; 8 bits' pairs
+      // of |q| <= 128 by |x| <= 127 (32512) one at a time. With VNNI, 8 bits: (q + 128) x summed,
+      // so each sum starts at -128 x the group's codes (xc): no subtraction after.
+      constexpr bool biased = bits == 8 && VNNI;
       __m256i s[nr][mr];
       for (int m = 0; m < mr; ++m) {
-        const __m256i start = bits == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8))
-                                        : _mm256_setzero_si256();
+        const __m256i start = biased ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8))
+                                     : _mm256_setzero_si256();
         for (int j = 0; j < nr; ++j) s[j][m] = start;
       }
       for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) {
         __m256i w[nr];
         for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
+#if !defined(CTXPAR_DPBUSD)
+        __m256i magnitude[nr];  // 8 bits: |q|, unsigned (|-128| = 0x80 reads as 128)
+        for (int j = 0; j < nr; ++j) magnitude[j] = bits == 8 ? _mm256_abs_epi8(w[j]) : w[j];
+#endif
         for (int m = 0; m < mr; ++m) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
           for (int j = 0; j < nr; ++j) {
 #if defined(CTXPAR_DPBUSD)
             s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
 #else
-            s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
+            if constexpr (bits == 4)
+              s[j][m] = _mm256_add_epi16(s[j][m], _mm256_maddubs_epi16(w[j], x));
+            else
+              s[j][m] = _mm256_add_epi32(
+                  s[j][m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(x, w[j])), ones));
 #endif
           }
         }
@@ -341,8 +353,7 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
 #if defined(CTXPAR_DPBUSD)
           const __m256i sums = s[j][m];
 #else
-          static_assert(bits == 4, "biased bytes' pairs could saturate maddubs");
-          const __m256i sums = _mm256_madd_epi16(s[j][m], ones);
+          const __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
 #endif
           acc[j][m] = fold8(sums, ws[j][g], xdl + (m0 + m) * nb + b, acc[j][m]);
         }

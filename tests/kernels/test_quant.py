@@ -263,14 +263,19 @@ def test_a_moved_part_is_read_where_it_went() -> None:
     assert torch.equal(quant_linear.quant_linear(x, parts), before)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_1", "Q4_K"])
+WIDE = ["Q4_0", "Q8_0", "Q4_1", "Q4_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("name", WIDE)
 def test_wide_rows_and_many_rows_keep_each_rows_bits(name: str, build: str) -> None:
     """Rows wider than a tile holds at once (quant_tiles.h: 64 blocks a slice without AMX,
     the sums kept between slices) and more rows than a row block: each row's bits are its
     bits alone (a decode step's direct reads of the whole row), the outputs in pairs of
-    tiles and a tile alone (53 = 3 x 16 + 5), and the values are the float64 product's."""
-    rng = np.random.default_rng(330 + ["Q4_0", "Q8_0", "Q4_1", "Q4_K"].index(name))
-    out, cols = 53, 32 * (2 * 64 + 3) if name != "Q4_K" else 256 * 17
+    tiles and a tile alone (53 = 3 x 16 + 5), and the values are the float64 product's.
+    On the AVX2 build the many rows take the packed loop (quant_lanes.h; 8 bits as |q| by
+    x with q's sign, Q6_K's two scales a block) and the one row the direct one."""
+    rng = np.random.default_rng(330 + WIDE.index(name))
+    out, cols = 53, 32 * (2 * 64 + 3) if not name.endswith("_K") else 256 * 17
     raw = random_blocks(name, out, cols, rng)
     w = (
         QuantWeight.in_place(mapped(raw), name)
@@ -295,8 +300,8 @@ def test_avx_vnni_build_computes_the_avx2_builds_bits(name: str, monkeypatch: py
     same integer sums, and the float steps are one code: the same bits, for a decode
     step's row and for more rows than a pass of the rows takes (quant_gemv.cpp: ~256 KB
     of codes, 60 rows at these 4,192 columns), the file's blocks in place and laid out.
-    At 150 rows the AVX-VNNI build packs every format's weights (8 bits biased, Q6_K's and
-    Q3_K's two scales a block) while the AVX2 build packs only 4 bits."""
+    At 150 rows both builds pack every format's weights (8 bits: biased for dpbusd, as
+    |q| by x with q's sign for maddubs; Q6_K's and Q3_K's two scales a block)."""
     rng = np.random.default_rng(340 + ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q3_K"].index(name))
     cols = 32 * 131 if not name.endswith("_K") else 256 * 17
     raw = random_blocks(name, 37, cols, rng)
