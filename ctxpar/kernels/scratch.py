@@ -11,8 +11,9 @@ buffers that no tensor shares any more: every tensor and view of a buffer's memo
 holds a use of its storage, so a storage used by the pool's own reference alone is
 free. A buffer in use is never handed out; a request that no free buffer holds gets
 memory of its own, kept for later while the thread keeps under ``KEPT`` buffers and
-``KEPT_BYTES`` (a rare huge output, prompt logprobs' logits, is not held on to). The contents are whatever was there, as
-torch.empty's are: the kernels write every element of their outputs.
+``KEPT_BYTES`` (a rare huge output, prompt logprobs' logits, is not held on to). The
+contents are whatever was there, as torch.empty's are: the kernels write every element
+of their outputs.
 """
 
 from __future__ import annotations

@@ -204,8 +204,8 @@ def test_two_ranks_give_the_bits_of_one_and_dcp_its_tokens(families, name: str, 
     """P = 2: the bits of P = 1, though each rank routes other tokens beside a token's (Q8_0: its
     blocks kept, the default for a .gguf file). P = D = 2: the same tokens, logprobs within DCP_TOL
     (tests/engine/test_same_bits.py's bound) where the projections are float; with Q8_0's blocks
-    kept, within the int8 activations' bound (QUANT_TOL): DCP's
-    merge rounds a query's attention apart from one rank's, and an activation that lands across
-    a rounding step moves the next projection by a step of its block (0.11 nats on an AVX2 CPU)."""
+    kept, within the int8 activations' bound (QUANT_TOL): DCP's merge rounds a query's attention
+    apart from one rank's, and an activation that lands across a rounding step moves the next
+    projection by a step of its block."""
     tol = DCP_TOL if outtype == "f32" else QUANT_TOL
     assert_ranks_give_the_bits_of_one(str(families[name][1][outtype]), tol)
