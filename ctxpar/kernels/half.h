@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -49,12 +50,27 @@ inline __m256 load8_ps(const Half* p) {
                         to_float(p[5]), to_float(p[6]), to_float(p[7]));
 #endif
 }
-// Eight values `stride` elements apart (a GGUF file's scales lie a block apart): the same floats.
+// Eight values p[order[i] * stride] (a GGUF file's scales lie a block apart; quant_lanes.h
+// reads them in its lanes' order): the same floats, halves converted at once.
+constexpr int IN_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 template <typename S>
-inline __m256 load8_ps(const S* p, int64_t stride) {
-  if (stride == 1) return load8_ps(p);
-  return _mm256_setr_ps(to_float(p[0]), to_float(p[stride]), to_float(p[2 * stride]), to_float(p[3 * stride]),
-                        to_float(p[4 * stride]), to_float(p[5 * stride]), to_float(p[6 * stride]),
-                        to_float(p[7 * stride]));
+inline __m256 load8_ps(const S* p, int64_t stride, const int* order = IN_ORDER) {
+  if (stride == 1 && order == IN_ORDER) return load8_ps(p);
+  const auto at = [&](int i) { return p[order[i] * stride]; };
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<S, Half>) {
+    __m128i h = _mm_cvtsi32_si128(at(0).bits);
+    h = _mm_insert_epi16(h, at(1).bits, 1);
+    h = _mm_insert_epi16(h, at(2).bits, 2);
+    h = _mm_insert_epi16(h, at(3).bits, 3);
+    h = _mm_insert_epi16(h, at(4).bits, 4);
+    h = _mm_insert_epi16(h, at(5).bits, 5);
+    h = _mm_insert_epi16(h, at(6).bits, 6);
+    h = _mm_insert_epi16(h, at(7).bits, 7);
+    return _mm256_cvtph_ps(h);
+  }
+#endif
+  return _mm256_setr_ps(to_float(at(0)), to_float(at(1)), to_float(at(2)), to_float(at(3)), to_float(at(4)),
+                        to_float(at(5)), to_float(at(6)), to_float(at(7)));
 }
 #endif

@@ -15,9 +15,8 @@
 // Each is read through strides (quant_part.h), so a GGUF file's blocks serve where
 // they lie, and a fused projection is a list of such parts.
 // zero: 0, or 8 for GGUF's Q4_0 as the file holds it (4 bits, groups of 32, no
-// offsets): weight i = scale * (q[i] - 8). The AVX-512 paths (quant_product.h) take
-// sum (q - 8) x in integers; the others add the offset term -8 * scale per block, as
-// they would from an offsets array holding -8 * scale (the same floats: -8 is exact).
+// offsets): weight i = scale * (q[i] - 8). Every path takes sum (q - 8) x in integers
+// (sum q x - 8 sum x: each block's -8 * sum of codes beside the codes).
 //
 // The activation row is quantized per block of 32 to int8 the way llama.cpp's
 // Q8 does (d = max|x| / 127, q = round(x / d)), so a block's product is one
@@ -148,11 +147,13 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   static thread_local std::vector<int32_t> xc_buf;
   if (int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
   if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
-  const bool biased = packed && bits == 8 && VNNI;  // packed_rows' code sums (xc)
-  if (biased && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
+  // The codes' share of the sums (xc): -shift x each group's codes, shift 128 for VNNI's biased
+  // packed 8-bit weights, Q4_0's zero 8.
+  const int32_t shift = packed && bits == 8 && VNNI ? 128 : int32_t(zero);
+  if (shift && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
   int8_t* xt = xt_buf.data();
   float* xdl = xdl_buf.data();
-  int32_t* xc = biased ? xc_buf.data() : nullptr;
+  int32_t* xc = shift ? xc_buf.data() : nullptr;
   // f(bits, G) as constants: (4, 1), (8, 1) or (8, 2).
   auto with_kind = [&](auto f) __attribute__((always_inline)) {
     if (bits == 4) return f(std::integral_constant<int, 4>(), std::integral_constant<int, 1>());
@@ -168,7 +169,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
 #if defined(__AVX2__)
-  transpose_rows(xq, xd, n, in, G, packed ? xt : nullptr, xdl, xc);
+  transpose_rows(xq, xd, n, in, G, packed ? xt : nullptr, xdl, xc, shift);
 #endif
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
   // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
@@ -205,9 +206,9 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             with_rows(mr, [&](auto m) {
               with_kind([&](auto b, auto g) {
                 if (nr == NR)
-                  packed_rows<b(), g(), m(), NR>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                  packed_rows<b(), g(), m(), NR>(rows, packs, int(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
                 else
-                  packed_rows<b(), g(), m(), 1>(rows, packs, float(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                  packed_rows<b(), g(), m(), 1>(rows, packs, int(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
               });
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);
@@ -215,24 +216,33 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
           continue;
         }
 #endif
-        // One output row at a time: its floats read, then its products, whose prefetches
-        // bring the next row's first blocks for the next row's floats.
+        // One output row at a time: its products, whose prefetches bring the next row's
+        // first blocks. Its scales are read as stored where one pass of MR rows meets them
+        // (a decode step's), else made floats first (row_floats): the same values.
         for (int64_t o = o0; o < o0 + nr; ++o) {
-          const PartView<float> row = row_floats(w, o, group, in, 0);
-          for (int64_t m0 = r0; m0 < r1; m0 += MR) {
-            const int mr = int(std::min<int64_t>(MR, r1 - m0));
-            float res[MR];
+          auto run = [&](const auto& row) __attribute__((always_inline)) {
+            for (int64_t m0 = r0; m0 < r1; m0 += MR) {
+              const int mr = int(std::min<int64_t>(MR, r1 - m0));
+              float res[MR];
 #if defined(__AVX2__)
-            with_rows(mr, [&](auto m) {
-              with_kind([&](auto b, auto g) {
-                rows_lanes<b(), g(), m()>(row, float(zero), xq, xp, xd, xdl, xs, m0, in, res);
+              with_rows(mr, [&](auto m) {
+                with_kind([&](auto b, auto g) {
+                  rows_lanes<b(), g(), m()>(row, int(zero), xq, xp, xd, xdl, xc, xs, m0, in, res);
+                });
               });
-            });
 #else
-            (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, float(zero), xq, xp, xd, xs, m0, in, res);
+              (bits == 4 ? table4 : table8)[mr - 1](row, 0, group, int(zero), xq, xp, xd, xs, m0, in, res);
 #endif
-            store(o, m0, mr, res);
+              store(o, m0, mr, res);
+            }
+          };
+#if defined(__AVX2__)
+          if (r1 - r0 <= MR) {
+            run(w.at_row(o));
+            continue;
           }
+#endif
+          run(row_floats(w, o, group, in, 0));
         }
       }
     }

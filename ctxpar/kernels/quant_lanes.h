@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX2__)
@@ -79,17 +80,16 @@ inline float dot(const S* a, int64_t stride, const float* c, int64_t n) {
 }
 #endif
 
-// Row o's offsets term: sum_b offset_b * xs_b, the offsets stored or -zero * the
-// block's scale (zero 8: Q4_0, groups of 32, one scale a block).
+// Row o's offsets term: sum_b offset_b * xs_b (0 without offsets; Q4_0's zero is taken in
+// the integers instead: its blocks' sums are of q - 8).
 template <typename S>
-inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const float* xs, int64_t nb) {
+inline float offsets_term(const PartView<S>& w, int64_t o, const float* xs, int64_t nb) {
+  if (!w.o) return 0.0f;
 #if defined(__AVX2__)
-  if (w.o) return dot(w.o + o * w.o_row, w.o_col, xs, nb);
-  return zero != 0.0f ? -zero * dot(w.s + o * w.s_row, w.s_col, xs, nb) : 0.0f;
+  return dot(w.o + o * w.o_row, w.o_col, xs, nb);
 #else
-  if (!w.o && zero == 0.0f) return 0.0f;
   float off = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) off += (w.o ? w.offset(o, b) : -zero * w.scale(o, b)) * xs[b];
+  for (int64_t b = 0; b < nb; ++b) off += w.offset(o, b) * xs[b];
   return off;
 #endif
 }
@@ -113,6 +113,9 @@ inline float offsets_term(const PartView<S>& w, int64_t o, float zero, const flo
 //     times each block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of
 //     biased bytes could saturate, so they are packed as they are and multiplied as |q| by x
 //     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once.
+// Q4_0's zero is taken in the integers on both ways: a block's sums start at -8 times the
+// block's sum of activation codes (xc, as the biased 8-bit weights' correction), so that they
+// are sums of (q - 8) x, and its tail blocks' weights are made q - 8 before their product.
 
 // hadd_epi32(a, b): in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3], as two shuffles
 // and an add (a few percent faster than hadd where decode rows wait on it).
@@ -156,12 +159,12 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
 
 // The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
 // xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
-// last 8 as they are), and where xc is not null -128 times each group's sum of codes (the
-// biased 8-bit weights' correction with VNNI: packed_rows' sums start from it), G groups a
+// last 8 as they are), and where xc is not null -shift times each group's sum of codes (added
+// to the sums: shift 128 for VNNI's biased 8-bit weights, 8 for Q4_0's zero), G groups a
 // block: per 8 blocks, G runs of 8 in LANE's order (G = 2: the blocks' first halves, then
 // their second), nb * G a row.
 inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int G, int8_t* xt, float* xdl,
-                           int32_t* xc) {
+                           int32_t* xc, int32_t shift) {
   const int64_t nb = in / QB;
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < n; ++m) {
@@ -169,7 +172,7 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
       for (int i = 0; i < 8; ++i) xdl[m * nb + b + i] = xd[m * nb + b + LANE[i]];
-      if (!xt) continue;
+      if (!xt && !xc) continue;
       __m256i r[8];
       for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
       for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
@@ -178,10 +181,11 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
         const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
         int32_t* c = xc + (m * nb + b) * G + i;
         if (G == 1)
-          c[0] = -128 * (first + second);
+          c[0] = -shift * (first + second);
         else
-          c[0] = -128 * first, c[8] = -128 * second;
+          c[0] = -shift * first, c[8] = -shift * second;
       }
+      if (!xt) continue;
       transpose8(r);
       for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
     }
@@ -189,17 +193,28 @@ inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t
   }
 }
 
-// Blocks [b, b + 8)'s weight scales (s: a row's, G a block in block order) in LANE's order:
-// ws[g] their groups g (G = 2: first halves, second halves).
-template <int G>
-inline void lane_scales(const float* s, int64_t b, __m256* ws) {
-  if constexpr (G == 1) {
-    ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-  } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
-    const __m256 v0 = _mm256_loadu_ps(s + 2 * b), v1 = _mm256_loadu_ps(s + 2 * b + 8);
-    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
-    ws[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0x88), order);
-    ws[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0xDD), order);
+// Blocks [b, b + 8)'s weight scales (s: a row's, G a block in block order, s_col apart) in
+// LANE's order: ws[g] their groups g (G = 2: first halves, second halves). Contiguous floats
+// (row_floats') by permutes; as stored (a GGUF file's halves a block apart) value by value,
+// the same floats.
+template <int G, typename S>
+inline void lane_scales(const S* s, int64_t s_col, int64_t b, __m256* ws) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (s_col == 1) {
+      if constexpr (G == 1) {
+        ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+      } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
+        const __m256 v0 = _mm256_loadu_ps(s + 2 * b), v1 = _mm256_loadu_ps(s + 2 * b + 8);
+        const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
+        ws[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0x88), order);
+        ws[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0xDD), order);
+      }
+      return;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const S* p = s + (G * b + g) * s_col;
+    ws[g] = load8_ps(p, G * s_col, LANE);
   }
 }
 
@@ -209,9 +224,9 @@ inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
 }
 
 // The rows' results from their accumulators: the blocks past the last 8 one at a time (their
-// codes as stored in xq), the lanes' sum, the offsets term.
-template <int bits, int G, int mr>
-inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq, const float* xd, const float* xs,
+// codes as stored in xq; Q4_0's weights made q - 8), the lanes' sum, the offsets term.
+template <int bits, int G, int mr, typename S>
+inline void finish_rows(const PartView<S>& wt, int zero, const int8_t* xq, const float* xd, const float* xs,
                         int64_t m0, int64_t in, const __m256* acc, float* res) {
   const int64_t nb = in / QB;
   for (int m = 0; m < mr; ++m) {
@@ -220,7 +235,9 @@ inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq,
     for (int64_t b = nb / 8 * 8; b < nb; ++b) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
       alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 weights
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), block_dot<bits>(load_block<bits>(wt.block(0, b)), x));
+      const __m256i w = load_block<bits>(wt.block(0, b));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), zero ? block_dot<8>(_mm256_sub_epi8(w, _mm256_set1_epi8(char(zero))), x)
+                                                                : block_dot<bits>(w, x));
       const float first = float(sums[0] + sums[1] + sums[2] + sums[3]), second = float(sums[4] + sums[5] + sums[6] + sums[7]);
       if constexpr (G == 1) {
         tail = std::fma(first + second, wt.scale(0, b) * xd[r * nb + b], tail);  // exact integers
@@ -229,15 +246,16 @@ inline void finish_rows(const PartView<float>& wt, float zero, const int8_t* xq,
         tail = std::fma(second, wt.scale(0, 2 * b + 1) * xd[r * nb + b], tail);
       }
     }
-    res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, zero, xs + r * nb, nb);
+    res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, xs + r * nb, nb);
   }
 }
 
-// Rows [m0, m0 + mr) against output row wt (row_floats'), the weights as stored; xp the
-// paired codes (quantize_rows; 4 bits), xdl transpose_rows'.
-template <int bits, int G, int mr>
-void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const int8_t* xp, const float* xd,
-                const float* xdl, const float* xs, int64_t m0, int64_t in, float* res) {
+// Rows [m0, m0 + mr) against output row wt (row 0 of the view: as stored, or row_floats'), the
+// weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl and xc transpose_rows'
+// (xc where Q4_0's zero is taken off, else null).
+template <int bits, int G, int mr, typename S>
+void rows_lanes(const PartView<S>& wt, int zero, const int8_t* xq, const int8_t* xp, const float* xd,
+                const float* xdl, const int32_t* xc, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
@@ -249,7 +267,7 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
   // group g's, G = 2: the blocks' halves apart).
   auto pair = [&](int64_t p, __m256i (*v)[mr]) __attribute__((always_inline)) {
     const uint8_t *first = wt.block(0, 2 * p), *second = wt.block(0, 2 * p + 1);
-    _mm_prefetch(reinterpret_cast<const char*>(first) + 1024, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(first) + 2048, _MM_HINT_T0);
     if constexpr (bits == 8) {  // a block's halves of 4 sums: [2p's | 2p + 1's], added (G = 1) or apart
       const __m256i w0 = load_block<8>(first), w1 = load_block<8>(second);
       for (int m = 0; m < mr; ++m) {
@@ -286,10 +304,11 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
     pair(b / 2 + 2, v0);
     pair(b / 2 + 3, v1);
     __m256 ws[G];
-    lane_scales<G>(wt.s, b, ws);
+    lane_scales<G>(wt.s, wt.s_col, b, ws);
     for (int m = 0; m < mr; ++m)
       for (int g = 0; g < G; ++g) {
-        const __m256i sums = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
+        __m256i sums = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
+        if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8)));
         acc[m] = fold8(sums, ws[g], xdl + (m0 + m) * nb + b, acc[m]);
       }
   }
@@ -297,10 +316,10 @@ void rows_lanes(const PartView<float>& wt, float zero, const int8_t* xq, const i
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
-// res[j][m]) from the codes as packed (transpose_rows' xt; 8 bits with VNNI: xc its code sums):
+// res[j][m]) from the codes as packed (transpose_rows' xt; xc the sums' start, or null):
 // every load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
 template <int bits, int G, int mr, int nr>
-void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float zero, const int8_t* xq,
+void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, int zero, const int8_t* xq,
                  const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
                  int64_t in, float (*res)[MR]) {
   const int64_t nb = in / QB;
@@ -312,20 +331,16 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
     for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
     __m256 ws[nr][G];
-    for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, b, ws[j]);
+    for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, 1, b, ws[j]);
     // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
     for (int g = 0; g < G; ++g) {
       // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones:
       // 4 bits' 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once; 8 bits' pairs
       // of |q| <= 128 by |x| <= 127 (32512) one at a time. With VNNI, 8 bits: (q + 128) x summed,
-      // so each sum starts at -128 x the group's codes (xc): no subtraction after.
-      constexpr bool biased = bits == 8 && VNNI;
+      // and -128 x the group's codes (xc) added after; Q4_0: q x, and -8 x its codes.
       __m256i s[nr][mr];
-      for (int m = 0; m < mr; ++m) {
-        const __m256i start = biased ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8))
-                                     : _mm256_setzero_si256();
-        for (int j = 0; j < nr; ++j) s[j][m] = start;
-      }
+      for (int j = 0; j < nr; ++j)
+        for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
       for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) {
         __m256i w[nr];
         for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
@@ -351,10 +366,11 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
       for (int j = 0; j < nr; ++j)
         for (int m = 0; m < mr; ++m) {
 #if defined(CTXPAR_DPBUSD)
-          const __m256i sums = s[j][m];
+          __m256i sums = s[j][m];
 #else
-          const __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
+          __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
 #endif
+          if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8)));
           acc[j][m] = fold8(sums, ws[j][g], xdl + (m0 + m) * nb + b, acc[j][m]);
         }
     }
@@ -368,7 +384,7 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, float 
 // template argument so that every loop over the rows unrolls and the accumulators stay in
 // registers.
 template <typename S, int bits, int mr>
-void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const int8_t* xq, const int8_t* xp,
+void row_dot(const PartView<S>& wt, int64_t o, int64_t group, int zero, const int8_t* xq, const int8_t* xp,
              const float* xd, const float* xs, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB;
   (void)xp;  // the paired activations serve the AVX2 paths only
@@ -378,7 +394,7 @@ void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const 
     for (int i = 0; i < QB; ++i) {
       if constexpr (bits == 4) {
         const uint8_t byte = wt.block(o, b)[i & 15];
-        q[i] = i < 16 ? (byte & 15) : (byte >> 4);
+        q[i] = (i < 16 ? (byte & 15) : (byte >> 4)) - zero;
       } else {
         q[i] = int8_t(wt.block(o, b)[i]);
       }
@@ -393,11 +409,11 @@ void row_dot(const PartView<S>& wt, int64_t o, int64_t group, float zero, const 
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
     }
   }
-  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, zero, xs + (m0 + m) * nb, nb);
+  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, xs + (m0 + m) * nb, nb);
 }
 
 template <typename S>
-using RowFn = void (*)(const PartView<S>&, int64_t, int64_t, float, const int8_t*, const int8_t*, const float*,
+using RowFn = void (*)(const PartView<S>&, int64_t, int64_t, int, const int8_t*, const int8_t*, const float*,
                        const float*, int64_t, int64_t, float*);
 
 template <typename S, int bits, int... R>

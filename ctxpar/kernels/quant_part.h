@@ -58,6 +58,14 @@ struct PartView {
     if (o) v.o += b * o_col;
     return v;
   }
+  // Output row `row` alone, as row 0 of the view.
+  PartView at_row(int64_t row) const {
+    PartView v = *this;
+    v.q += row * q_row;
+    v.s += row * s_row;
+    if (o) v.o += row * o_row;
+    return v;
+  }
   float scale(int64_t row, int64_t j) const { return to_float(s[row * s_row + j * s_col]); }
   float offset(int64_t row, int64_t b) const { return to_float(o[row * o_row + b * o_col]); }
 };
