@@ -38,25 +38,13 @@ inline float to_float(Half h) {
 #endif
 }
 
-// Eight scales as a vector, for quant_lanes.h's AVX2 path (which every AVX2 build takes:
-// F16C converts eight halves at once, and a build without it converts them one by one).
+// Eight values p[order[i] * stride] as a vector, lanes whose order[i] >= count zero, for
+// quant_lanes.h's AVX2 path (a row's scales in its lanes' order; a GGUF file's lie a block
+// apart): the same floats; F16C converts eight halves at once, and a build without it one by one.
 #if defined(__AVX2__)
-inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_ps(const Half* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  return _mm256_setr_ps(to_float(p[0]), to_float(p[1]), to_float(p[2]), to_float(p[3]), to_float(p[4]),
-                        to_float(p[5]), to_float(p[6]), to_float(p[7]));
-#endif
-}
-// Eight values p[order[i] * stride] (a GGUF file's scales lie a block apart; quant_lanes.h
-// reads them in its lanes' order): the same floats, halves converted at once.
-constexpr int IN_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 template <typename S>
-inline __m256 load8_ps(const S* p, int64_t stride, const int* order = IN_ORDER) {
-  if (stride == 1 && order == IN_ORDER) return load8_ps(p);
-  const auto at = [&](int i) { return p[order[i] * stride]; };
+inline __m256 gather8_ps(const S* p, int64_t stride, const int* order, int count) {
+  const auto at = [&](int i) { return order[i] < count ? p[order[i] * stride] : S{0}; };
 #if defined(__F16C__)
   if constexpr (std::is_same_v<S, Half>) {
     __m128i h = _mm_cvtsi32_si128(at(0).bits);

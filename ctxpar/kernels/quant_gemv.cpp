@@ -61,16 +61,11 @@ using activations::quantize_rows;
 // (and, packed, its weights) made once a pass.
 using namespace lanes;
 constexpr int NR = 2;       // output rows a pass of the packed loop takes together (packed_rows)
-constexpr int64_t PACKED_ROWS = 16;  // AVX2: rows from which packing the weights pays (packed_rows)
-// and 4 bits' fewest columns (measured on Zen 5): any with VNNI's dot products; with maddubs
-// 4096, below which the direct loop is ~10% faster. 8 bits are packed at any width: their
-// direct loop's sign trick on every row's codes and its reduction cost more than packing
-// (measured on Zen 3, AVX2 only, at 1B widths).
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-constexpr int64_t PACKED_COLS = 0;
-#else
-constexpr int64_t PACKED_COLS = 4096;
-#endif
+// AVX2: rows from which packing the weights pays (packed_rows), at any width: measured on an
+// AVX2-only CPU (Zen 3), the packed loop is faster for 4 and 8 bits from SmolLM2's 576 columns
+// to the 1B's 8192, most at the narrow rows, whose last group the direct loop's per-row
+// reductions weigh on.
+constexpr int64_t PACKED_ROWS = 16;
 constexpr int64_t PACKED_PASS = 64;  // and the fewest rows a pass then takes: each output row is packed once a pass
 
 // f(std::integral_constant<int, mr>) for a run-time mr in 1..top: the row loops unroll.
@@ -141,18 +136,22 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   // The 8-lane paths ("8 blocks at a time" above), G groups a block, packed where the rows repay
   // packing each output row's weights once a pass; either way a row's bits.
   const int G = group == QB ? 1 : 2;
-  const bool packed = n >= PACKED_ROWS && (bits == 8 || in >= PACKED_COLS);
+  const bool packed = n >= PACKED_ROWS;
   static thread_local std::vector<int8_t> xt_buf;
-  static thread_local std::vector<float> xdl_buf;
+  static thread_local std::vector<float> xdl_buf, xsl_buf;
   static thread_local std::vector<int32_t> xc_buf;
-  if (int64_t(xdl_buf.size()) < n * nb) xdl_buf.resize(n * nb);
+  const int64_t nbp = (nb + 7) / 8 * 8;  // blocks a row in transpose_rows' lanes
+  bool offsets = false;
+  for (int64_t k = 0; k < num_parts; ++k) offsets |= parts[k].offsets != nullptr;
+  if (int64_t(xdl_buf.size()) < n * nbp) xdl_buf.resize(n * nbp);
+  if (offsets && int64_t(xsl_buf.size()) < n * nbp) xsl_buf.resize(n * nbp);
   if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
   // The codes' share of the sums (xc): -shift x each group's codes, shift 128 for VNNI's biased
   // packed 8-bit weights, Q4_0's zero 8.
   const int32_t shift = packed && bits == 8 && VNNI ? 128 : int32_t(zero);
-  if (shift && int64_t(xc_buf.size()) < n * nb * G) xc_buf.resize(n * nb * G);
+  if (shift && int64_t(xc_buf.size()) < n * nbp * G) xc_buf.resize(n * nbp * G);
   int8_t* xt = xt_buf.data();
-  float* xdl = xdl_buf.data();
+  float *xdl = xdl_buf.data(), *xsl = offsets ? xsl_buf.data() : nullptr;
   int32_t* xc = shift ? xc_buf.data() : nullptr;
   // f(bits, G) as constants: (4, 1), (8, 1) or (8, 2).
   auto with_kind = [&](auto f) __attribute__((always_inline)) {
@@ -169,7 +168,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   int8_t* xp = xp_buf.data();
   quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
 #if defined(__AVX2__)
-  transpose_rows(xq, xd, n, in, G, packed ? xt : nullptr, xdl, xc, shift);
+  transpose_rows(xq, xd, xs, n, in, G, packed ? xt : nullptr, xdl, xsl, xc, shift);
 #endif
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
   // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
@@ -206,9 +205,9 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             with_rows(mr, [&](auto m) {
               with_kind([&](auto b, auto g) {
                 if (nr == NR)
-                  packed_rows<b(), g(), m(), NR>(rows, packs, int(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                  packed_rows<b(), g(), m(), NR>(rows, packs, xq, xt, xdl, xsl, xc, m0, in, res);
                 else
-                  packed_rows<b(), g(), m(), 1>(rows, packs, int(zero), xq, xt, xc, xd, xdl, xs, m0, in, res);
+                  packed_rows<b(), g(), m(), 1>(rows, packs, xq, xt, xdl, xsl, xc, m0, in, res);
               });
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);
@@ -227,7 +226,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
 #if defined(__AVX2__)
               with_rows(mr, [&](auto m) {
                 with_kind([&](auto b, auto g) {
-                  rows_lanes<b(), g(), m()>(row, int(zero), xq, xp, xd, xdl, xc, xs, m0, in, res);
+                  rows_lanes<b(), g(), m()>(row, xq, xp, xdl, xsl, xc, m0, in, res);
                 });
               });
 #else

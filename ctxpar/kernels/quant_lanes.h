@@ -68,39 +68,14 @@ inline float hsum8(__m256 v) {
 #endif
 
 #if defined(__AVX2__)
-// sum_b a[b * stride] * c[b] over n values, in 8 lanes (the offsets' term: a float dot product).
-template <typename S>
-inline float dot(const S* a, int64_t stride, const float* c, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= n; b += 8) acc = _mm256_fmadd_ps(load8_ps(a + b * stride, stride), _mm256_loadu_ps(c + b), acc);
-  float s = hsum8(acc);
-  for (; b < n; ++b) s += to_float(a[b * stride]) * c[b];
-  return s;
-}
-#endif
-
-// Row o's offsets term: sum_b offset_b * xs_b (0 without offsets; Q4_0's zero is taken in
-// the integers instead: its blocks' sums are of q - 8).
-template <typename S>
-inline float offsets_term(const PartView<S>& w, int64_t o, const float* xs, int64_t nb) {
-  if (!w.o) return 0.0f;
-#if defined(__AVX2__)
-  return dot(w.o + o * w.o_row, w.o_col, xs, nb);
-#else
-  float off = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) off += w.offset(o, b) * xs[b];
-  return off;
-#endif
-}
-
-#if defined(__AVX2__)
 // Weights with one scale a block (4 bits; 8 bits in groups of 32), 8 blocks at a time. A row's
-// arithmetic is one code whatever computes its integers: per 8 blocks, a vector of their 8 integer sums
-// (exact), converted once and fused-multiply-added with the 8 blocks' weight x activation
-// scales into the row's one accumulator, lane i holding block LANE[i] of the 8; the blocks
-// past the last 8 in a float after; then the accumulator's lanes summed (hsum8), the tail and
-// the offsets term. Two ways to the same integers:
+// arithmetic is one code whatever computes its integers: per group of 8 blocks, a vector of
+// their 8 integer sums (exact), converted once and fused-multiply-added with the 8 blocks'
+// weight x activation scales into the row's one accumulator, lane i holding block LANE[i] of
+// the 8, then (with offsets) the blocks' offsets times their activations' sums (xs)
+// fused-multiply-added into it; the row's last group may hold fewer than 8 blocks, its
+// other lanes zero; then the accumulator's lanes summed (hsum8). Two ways to the same
+// integers:
 //   direct (few rows, rows_lanes): the weights as stored (4 bits: two blocks a 32-byte load;
 //     8 bits: a block's halves added), whose sums three pairwise sums (pair_sums) gather
 //     into the 8, in LANE's order;
@@ -112,10 +87,11 @@ inline float offsets_term(const PartView<S>& w, int64_t o, const float* xs, int6
 //     weights are packed biased to unsigned with VNNI (q + 128, dpbusd's u8 operand), and 128
 //     times each block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of
 //     biased bytes could saturate, so they are packed as they are and multiplied as |q| by x
-//     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once.
-// Q4_0's zero is taken in the integers on both ways: a block's sums start at -8 times the
-// block's sum of activation codes (xc, as the biased 8-bit weights' correction), so that they
-// are sums of (q - 8) x, and its tail blocks' weights are made q - 8 before their product.
+//     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once. A last group
+//     of fewer than 8 blocks is summed block by block (group_sums), the direct way's.
+// Q4_0's zero is taken in the integers on both ways: -8 times each block's sum of activation
+// codes (xc, as the biased 8-bit weights' correction) is added to its sums, so that they are
+// sums of (q - 8) x.
 
 // hadd_epi32(a, b): in each 128-bit half, [a0 + a1, a2 + a3, b0 + b1, b2 + b3], as two shuffles
 // and an add (a few percent faster than hadd where decode rows wait on it).
@@ -157,50 +133,64 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
   }
 }
 
-// The activations' scales (n, nb) with each full 8 blocks in LANE's order, into xdl, and where
-// xt is not null their codes (n, in) as pack_row packs the weights (the blocks past the
-// last 8 as they are), and where xc is not null -shift times each group's sum of codes (added
-// to the sums: shift 128 for VNNI's biased 8-bit weights, 8 for Q4_0's zero), G groups a
-// block: per 8 blocks, G runs of 8 in LANE's order (G = 2: the blocks' first halves, then
-// their second), nb * G a row.
-inline void transpose_rows(const int8_t* xq, const float* xd, int64_t n, int64_t in, int G, int8_t* xt, float* xdl,
-                           int32_t* xc, int32_t shift) {
-  const int64_t nb = in / QB;
+// The per-block values of the activation rows in LANE's order, nbp = nb rounded up to 8 a row,
+// the last group's missing blocks zero: the scales (n, in / QB) into xdl (n, nbp); where xsl
+// is not null their sums of codes times the scales (xs, the offsets' factors) into it; where
+// xc is not null -shift times each group's sum of codes (added to the sums: shift 128 for
+// VNNI's biased 8-bit weights, 8 for Q4_0's zero), G groups a block: per 8 blocks, G runs of
+// 8 in LANE's order (G = 2: the blocks' first halves, then their second), nbp * G a row; and
+// where xt is not null the codes (n, in) as pack_row packs the weights (the blocks past the
+// last full 8 as they are).
+inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t in, int G, int8_t* xt,
+                           float* xdl, float* xsl, int32_t* xc, int32_t shift) {
+  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < n; ++m) {
     const int8_t* q = xq + m * in;
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8) {
-      for (int i = 0; i < 8; ++i) xdl[m * nb + b + i] = xd[m * nb + b + LANE[i]];
-      if (!xt && !xc) continue;
+    for (int64_t b = 0; b < nb; b += 8) {
+      const int64_t count = std::min<int64_t>(8, nb - b);
+      for (int i = 0; i < 8; ++i) {
+        xdl[m * nbp + b + i] = LANE[i] < count ? xd[m * nb + b + LANE[i]] : 0.0f;
+        if (xsl) xsl[m * nbp + b + i] = LANE[i] < count ? xs[m * nb + b + LANE[i]] : 0.0f;
+      }
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB));
+      for (int i = 0; (xt || xc) && i < 8; ++i)
+        r[i] = LANE[i] < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB))
+                               : _mm256_setzero_si256();
       for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
         alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 codes
         _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16));
         const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
-        int32_t* c = xc + (m * nb + b) * G + i;
+        int32_t* c = xc + (m * nbp + b) * G + i;
         if (G == 1)
           c[0] = -shift * (first + second);
         else
           c[0] = -shift * first, c[8] = -shift * second;
       }
       if (!xt) continue;
+      if (count < 8) {
+        std::copy(q + b * QB, q + in, xt + m * in + b * QB);
+        continue;
+      }
       transpose8(r);
       for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
     }
-    if (xt) std::copy(q + b * QB, q + in, xt + m * in + b * QB);
   }
 }
 
-// Blocks [b, b + 8)'s weight scales (s: a row's, G a block in block order, s_col apart) in
-// LANE's order: ws[g] their groups g (G = 2: first halves, second halves). Contiguous floats
-// (row_floats') by permutes; as stored (a GGUF file's halves a block apart) value by value,
-// the same floats.
+// Blocks [b, b + count)'s values (s: a row's, G a block in block order, s_col apart) in LANE's
+// order, the missing blocks' zero: ws[g] their groups g (G = 2: first halves, second halves).
+// A full group of contiguous floats (row_floats') by permutes; else (a GGUF file's halves a
+// block apart, a last group) value by value: the same floats.
 template <int G, typename S>
-inline void lane_scales(const S* s, int64_t s_col, int64_t b, __m256* ws) {
+__attribute__((noinline)) void gather_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
+  for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
+}
+
+template <int G, typename S>
+inline void lane_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
   if constexpr (std::is_same_v<S, float>) {
-    if (s_col == 1) {
+    if (s_col == 1 && count == 8) {
       if constexpr (G == 1) {
         ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
       } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
@@ -211,52 +201,84 @@ inline void lane_scales(const S* s, int64_t s_col, int64_t b, __m256* ws) {
       }
       return;
     }
+    return gather_values<G>(s, s_col, b, count, ws);  // not a row_floats row: out of the loops' way
   }
-  for (int g = 0; g < G; ++g) {
-    const S* p = s + (G * b + g) * s_col;
-    ws[g] = load8_ps(p, G * s_col, LANE);
-  }
+  for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
 }
 
-// One 8 blocks' step of a row: acc += float(sums) * (weight scales * activation scales), all lane-ordered.
-inline __m256 fold8(__m256i sums, __m256 ws, const float* xd, __m256 acc) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xd)), acc);
-}
-
-// The rows' results from their accumulators: the blocks past the last 8 one at a time (their
-// codes as stored in xq; Q4_0's weights made q - 8), the lanes' sum, the offsets term.
-template <int bits, int G, int mr, typename S>
-inline void finish_rows(const PartView<S>& wt, int zero, const int8_t* xq, const float* xd, const float* xs,
-                        int64_t m0, int64_t in, const __m256* acc, float* res) {
-  const int64_t nb = in / QB;
-  for (int m = 0; m < mr; ++m) {
-    const int64_t r = m0 + m;
-    float tail = 0.0f;
-    for (int64_t b = nb / 8 * 8; b < nb; ++b) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + b * QB));
-      alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 weights
-      const __m256i w = load_block<bits>(wt.block(0, b));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), zero ? block_dot<8>(_mm256_sub_epi8(w, _mm256_set1_epi8(char(zero))), x)
-                                                                : block_dot<bits>(w, x));
-      const float first = float(sums[0] + sums[1] + sums[2] + sums[3]), second = float(sums[4] + sums[5] + sums[6] + sums[7]);
-      if constexpr (G == 1) {
-        tail = std::fma(first + second, wt.scale(0, b) * xd[r * nb + b], tail);  // exact integers
-      } else {
-        tail = std::fma(first, wt.scale(0, 2 * b) * xd[r * nb + b], tail);
-        tail = std::fma(second, wt.scale(0, 2 * b + 1) * xd[r * nb + b], tail);
-      }
+// The 8 sums (G vectors, LANE's order) of blocks [b, b + count) of output row wt (as stored)
+// against one activation row's codes q (block order), block by block; the missing blocks' zero.
+template <int bits, int G, typename S>
+inline void group_sums(const PartView<S>& wt, const int8_t* q, int64_t b, int64_t count, __m256i* sums) {
+  __m256i v[4][G];  // pair p: lanes 0-3 block 2p's quarters, 4-7 block 2p + 1's (G = 2: the halves apart)
+  for (int p = 0; p < 4; ++p) {
+    __m256i d[2];
+    for (int k = 0; k < 2; ++k) {
+      const int64_t at = b + 2 * p + k;
+      d[k] = 2 * p + k < count ? block_dot<bits>(load_block<bits>(wt.block(0, at)),
+                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at * QB)))
+                               : _mm256_setzero_si256();
     }
-    res[m] = hsum8(acc[m]) + tail + offsets_term(wt, 0, xs + r * nb, nb);
+    const __m256i h0 = _mm256_permute2x128_si256(d[0], d[1], 0x20), h1 = _mm256_permute2x128_si256(d[0], d[1], 0x31);
+    if constexpr (G == 1)
+      v[p][0] = _mm256_add_epi32(h0, h1);
+    else
+      v[p][0] = h0, v[p][1] = h1;
+  }
+  for (int g = 0; g < G; ++g) sums[g] = pair_sums(pair_sums(v[0][g], v[1][g]), pair_sums(v[2][g], v[3][g]));
+}
+
+// A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows'):
+// fold8, one group g's, acc += float(sums + xc) * (weight scales x activation scales), xc
+// where Q4_0's zero or VNNI's bias is taken off; then fold_offsets, acc += offsets x the
+// activations' xs where the weight has offsets. fold_group: the two in their order.
+inline __m256 fold8(__m256i sums, __m256 ws, const float* xdl, const int32_t* xc, __m256 acc) {
+  if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xdl)), acc);
+}
+
+inline __m256 fold_offsets(const __m256* wo, const float* xsl, __m256 acc) {
+  return wo ? _mm256_fmadd_ps(*wo, _mm256_loadu_ps(xsl), acc) : acc;
+}
+
+template <int G>
+inline __m256 fold_group(const __m256i* sums, const __m256* ws, const __m256* wo, const float* xdl, const float* xsl,
+                         const int32_t* xc, int64_t at, __m256 acc) {
+  for (int g = 0; g < G; ++g) acc = fold8(sums[g], ws[g], xdl + at, xc ? xc + at * G + g * 8 : nullptr, acc);
+  return fold_offsets(wo, xsl + at, acc);
+}
+
+// Output row wt's scales (and offsets, where it has them) of blocks [b, b + count), as fold_group takes them.
+template <int G, typename S>
+inline const __m256* group_values(const PartView<S>& wt, int64_t b, int64_t count, __m256* ws, __m256* wo) {
+  lane_values<G>(wt.s, wt.s_col, b, count, ws);
+  if (!wt.o) return nullptr;
+  lane_values<1>(wt.o, wt.o_col, b, count, wo);
+  return wo;
+}
+
+// Rows [m0, m0 + mr)'s accumulators' step for output row wt's last group, of fewer than 8
+// blocks (at block b): kept out of line, so that the loops over full groups keep their registers.
+template <int bits, int G, int mr, typename S>
+__attribute__((noinline)) void last_group(const PartView<S>& wt, const int8_t* xq, const float* xdl, const float* xsl,
+                                          const int32_t* xc, int64_t m0, int64_t in, int64_t b, __m256* acc) {
+  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
+  __m256 ws[G], wo;
+  const __m256* offsets = group_values<G>(wt, b, nb - b, ws, &wo);
+  for (int m = 0; m < mr; ++m) {
+    __m256i sums[G];
+    group_sums<bits, G>(wt, xq + (m0 + m) * in, b, nb - b, sums);
+    acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
   }
 }
 
 // Rows [m0, m0 + mr) against output row wt (row 0 of the view: as stored, or row_floats'), the
-// weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl and xc transpose_rows'
-// (xc where Q4_0's zero is taken off, else null).
+// weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl, xsl and xc
+// transpose_rows' (xsl where the weight has offsets, xc where Q4_0's zero is taken off).
 template <int bits, int G, int mr, typename S>
-void rows_lanes(const PartView<S>& wt, int zero, const int8_t* xq, const int8_t* xp, const float* xd,
-                const float* xdl, const int32_t* xc, const float* xs, int64_t m0, int64_t in, float* res) {
-  const int64_t nb = in / QB;
+void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const float* xdl, const float* xsl,
+                const int32_t* xc, int64_t m0, int64_t in, float* res) {
+  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
   const __m256i ones = _mm256_set1_epi16(1);
@@ -295,6 +317,7 @@ void rows_lanes(const PartView<S>& wt, int zero, const int8_t* xq, const int8_t*
 #endif
     }
   };
+  __m256 ws[G], wo;
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
     __m256i v0[G][mr], v1[G][mr], h01[G][mr];
     pair(b / 2, v0);
@@ -303,26 +326,24 @@ void rows_lanes(const PartView<S>& wt, int zero, const int8_t* xq, const int8_t*
       for (int m = 0; m < mr; ++m) h01[g][m] = pair_sums(v0[g][m], v1[g][m]);
     pair(b / 2 + 2, v0);
     pair(b / 2 + 3, v1);
-    __m256 ws[G];
-    lane_scales<G>(wt.s, wt.s_col, b, ws);
-    for (int m = 0; m < mr; ++m)
-      for (int g = 0; g < G; ++g) {
-        __m256i sums = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
-        if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8)));
-        acc[m] = fold8(sums, ws[g], xdl + (m0 + m) * nb + b, acc[m]);
-      }
+    const __m256* offsets = group_values<G>(wt, b, 8, ws, &wo);
+    for (int m = 0; m < mr; ++m) {
+      __m256i sums[G];
+      for (int g = 0; g < G; ++g) sums[g] = pair_sums(h01[g][m], pair_sums(v0[g][m], v1[g][m]));  // lane i: block LANE[i]
+      acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
+    }
   }
-  finish_rows<bits, G, mr>(wt, zero, xq, xd, xs, m0, in, acc, res);
+  if (nb % 8) last_group<bits, G, mr>(wt, xq, xdl, xsl, xc, m0, in, nb / 8 * 8, acc);
+  for (int m = 0; m < mr; ++m) res[m] = hsum8(acc[m]);
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
-// res[j][m]) from the codes as packed (transpose_rows' xt; xc the sums' start, or null):
-// every load of the codes serves nr rows' dot products, and every load of the weights mr rows'.
+// res[j][m]) from the codes as packed (transpose_rows' xt): every load of the codes serves nr
+// rows' dot products, and every load of the weights mr rows'.
 template <int bits, int G, int mr, int nr>
-void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, int zero, const int8_t* xq,
-                 const int8_t* xt, const int32_t* xc, const float* xd, const float* xdl, const float* xs, int64_t m0,
-                 int64_t in, float (*res)[MR]) {
-  const int64_t nb = in / QB;
+void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const int8_t* xq, const int8_t* xt,
+                 const float* xdl, const float* xsl, const int32_t* xc, int64_t m0, int64_t in, float (*res)[MR]) {
+  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
 #if !defined(CTXPAR_DPBUSD)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
@@ -330,14 +351,15 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, int ze
   for (int j = 0; j < nr; ++j)
     for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b + 8 <= nb; b += 8) {
-    __m256 ws[nr][G];
-    for (int j = 0; j < nr; ++j) lane_scales<G>(wt[j].s, 1, b, ws[j]);
+    __m256 ws[nr][G], wo[nr];
+    const __m256* offsets[nr];
+    for (int j = 0; j < nr; ++j) offsets[j] = group_values<G>(wt[j], b, 8, ws[j], &wo[j]);
     // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
     for (int g = 0; g < G; ++g) {
       // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones:
       // 4 bits' 16 products of |q| <= 15 by |x| <= 127 fit (30480), widened once; 8 bits' pairs
-      // of |q| <= 128 by |x| <= 127 (32512) one at a time. With VNNI, 8 bits: (q + 128) x summed,
-      // and -128 x the group's codes (xc) added after; Q4_0: q x, and -8 x its codes.
+      // of |q| <= 128 by |x| <= 127 (32512) one at a time. With VNNI, 8 bits: (q + 128) x summed
+      // (xc takes -128 x the codes off after).
       __m256i s[nr][mr];
       for (int j = 0; j < nr; ++j)
         for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
@@ -366,16 +388,21 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, int ze
       for (int j = 0; j < nr; ++j)
         for (int m = 0; m < mr; ++m) {
 #if defined(CTXPAR_DPBUSD)
-          __m256i sums = s[j][m];
+          const __m256i sums = s[j][m];
 #else
-          __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
+          const __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
 #endif
-          if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + ((m0 + m) * nb + b) * G + g * 8)));
-          acc[j][m] = fold8(sums, ws[j][g], xdl + (m0 + m) * nb + b, acc[j][m]);
+          const int64_t at = (m0 + m) * nbp + b;  // fold_group's steps, group by group
+          acc[j][m] = fold8(sums, ws[j][g], xdl + at, xc ? xc + at * G + g * 8 : nullptr, acc[j][m]);
         }
     }
+    for (int j = 0; j < nr; ++j)
+      for (int m = 0; m < mr; ++m) acc[j][m] = fold_offsets(offsets[j], xsl + (m0 + m) * nbp + b, acc[j][m]);
   }
-  for (int j = 0; j < nr; ++j) finish_rows<bits, G, mr>(wt[j], zero, xq, xd, xs, m0, in, acc[j], res[j]);
+  for (int j = 0; j < nr; ++j) {
+    if (nb % 8) last_group<bits, G, mr>(wt[j], xq, xdl, xsl, xc, m0, in, nb / 8 * 8, acc[j]);
+    for (int m = 0; m < mr; ++m) res[j][m] = hsum8(acc[j][m]);
+  }
 }
 #endif
 
@@ -409,7 +436,11 @@ void row_dot(const PartView<S>& wt, int64_t o, int64_t group, int zero, const in
       acc[m] += (s0 * float(lo) + s1 * float(hi)) * xd[r * nb + b];
     }
   }
-  for (int m = 0; m < mr; ++m) res[m] = acc[m] + offsets_term(wt, o, xs + (m0 + m) * nb, nb);
+  for (int m = 0; m < mr; ++m) {  // the offsets' term: sum_b offset_b * xs_b
+    float off = 0.0f;
+    for (int64_t b = 0; wt.o && b < nb; ++b) off += wt.offset(o, b) * xs[(m0 + m) * nb + b];
+    res[m] = acc[m] + off;
+  }
 }
 
 template <typename S>
