@@ -363,7 +363,9 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
       __m256i s[nr][mr];
       for (int j = 0; j < nr; ++j)
         for (int m = 0; m < mr; ++m) s[j][m] = _mm256_setzero_si256();
-      for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) {
+      // Vector k's products, added into s. 4 bits with maddubs: one k at a time (GCC's unrolling
+      // of the 8 computes all 64 products first and adds them back from the stack).
+      auto step = [&](int k) __attribute__((always_inline)) {
         __m256i w[nr];
         for (int j = 0; j < nr; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed[j] + (b + k) * QB));
 #if !defined(CTXPAR_DPBUSD)
@@ -384,6 +386,12 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
 #endif
           }
         }
+      };
+      if constexpr (bits == 4 && !VNNI) {
+#pragma GCC unroll 1
+        for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) step(k);
+      } else {
+        for (int k = g * 8 / G; k < (g + 1) * 8 / G; ++k) step(k);
       }
       for (int j = 0; j < nr; ++j)
         for (int m = 0; m < mr; ++m) {
