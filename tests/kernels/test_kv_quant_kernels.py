@@ -139,6 +139,24 @@ def int8_case(L: int, S: int, kv_heads: int, group: int, D: int, seed: int):
     return q, quant.quantize(x), quant
 
 
+def test_int8_prefill_over_32_wide_heads(monkeypatch) -> None:
+    """32-wide heads (Qwen3's small models') are whole tiles of the AVX2 build's 4 vectors of
+    8, which takes them (AVX-512's tiles are 64 wide and leave them to PyTorch): its int8
+    prefill over them, a causal chunk after cached keys, within int8_bounds of float64."""
+    lib = kernels._library("haswell")
+    assert lib is not None and lib.prefill_attention_supports(32, 32)
+    monkeypatch.setattr(kernels, "_library", lambda march="native": lib)
+    L, S, D = 70, 134, 32
+    q, rows, quant = int8_case(L, S, 2, 3, D, seed=7)
+    assert attn_kernels.prefill_quant_usable(q, quant)
+    out, lse = attn_kernels.prefill_attention_quant(q, rows, quant, D**-0.5)
+    kv = dequantize64(rows, quant.codes, quant.runs).view(S, *quant.entry_shape)
+    bound, lse_bound = int8_bounds(q, kv[:, 0], kv[:, 1], D**-0.5, None)
+    want, want_lse = reference(q, kv[:, 0], kv[:, 1], D**-0.5)
+    assert_within(out, want, bound)
+    assert_within(lse, want_lse, lse_bound)
+
+
 def test_int8_prefill_gives_the_same_bits_on_every_build_thread_count_and_chunking(monkeypatch) -> None:
     """int8 keys' scores are integer sums, which AVX-512 VNNI (native), AVX-VNNI (alderlake)
     and AVX2's madd (haswell) find alike, and the softmax sums keys in the same order on
