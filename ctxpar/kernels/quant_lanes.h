@@ -178,15 +178,17 @@ inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, i
   }
 }
 
-// Blocks [b, b + count)'s values (s: a row's, G a block in block order, s_col apart) in LANE's
-// order, the missing blocks' zero: ws[g] their groups g (G = 2: first halves, second halves).
-// A full group of contiguous floats (row_floats') by permutes; else (a GGUF file's halves a
-// block apart, a last group) value by value: the same floats.
+// lane_values' value-by-value way, out of line where float values take it (not row_floats'
+// rows, or a last group), so that the loops over full groups keep their registers.
 template <int G, typename S>
 __attribute__((noinline)) void gather_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
   for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
 }
 
+// Blocks [b, b + count)'s values (s: a row's, G a block in block order, s_col apart) in LANE's
+// order, the missing blocks' zero: ws[g] their groups g (G = 2: first halves, second halves).
+// A full group of contiguous floats (row_floats') by permutes; else (a GGUF file's halves a
+// block apart, a last group) value by value: the same floats.
 template <int G, typename S>
 inline void lane_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
   if constexpr (std::is_same_v<S, float>) {
@@ -201,7 +203,7 @@ inline void lane_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m
       }
       return;
     }
-    return gather_values<G>(s, s_col, b, count, ws);  // not a row_floats row: out of the loops' way
+    return gather_values<G>(s, s_col, b, count, ws);
   }
   for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
 }
