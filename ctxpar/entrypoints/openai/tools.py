@@ -241,6 +241,8 @@ def plan_tools(
                 param="tool_choice",
             )
         return ToolPlan(None, parser=TOOL_PARSERS[auto_parser])
+    # A call's grammar is compact JSON (json.dumps' layout): with any whitespace allowed between
+    # tokens a small model can write newlines until max_tokens and lose the call it was making.
     if tool_choice == "required":
         calls = [
             {
@@ -253,7 +255,7 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(StructuredOutputsParams(json=schema), parser=RequiredCalls)
+        return ToolPlan(StructuredOutputsParams(json=schema, disable_any_whitespace=True), parser=RequiredCalls)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
@@ -264,4 +266,4 @@ def plan_tools(
         )
     if name not in functions:
         raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return ToolPlan(StructuredOutputsParams(json=functions[name]), name=name)
+    return ToolPlan(StructuredOutputsParams(json=functions[name], disable_any_whitespace=True), name=name)

@@ -85,6 +85,8 @@ def test_plans():
     required = plan_tools(TOOLS, "required", False, None)
     schema = json.loads(required.constraint.json)
     assert schema["minItems"] == 1 and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    # A call's JSON is compact: no runs of whitespace for a small model to fill max_tokens with.
+    assert named.constraint.disable_any_whitespace and required.constraint.disable_any_whitespace
     assert isinstance(plan_tools(TOOLS, None, True, "hermes").new_parser(), HermesParser)  # tools: "auto"
 
 
