@@ -208,6 +208,18 @@ inline void lane_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m
   for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
 }
 
+// Two blocks' block_dot sums (lanes 0-3 a block's first 16 weights, 4-7 its last 16) as a
+// pair's G vectors: lanes 0-3 the first block's quarters, 4-7 the second's (G = 1: each
+// block's halves added; G = 2: apart).
+template <int G>
+inline void pair_of_blocks(__m256i d0, __m256i d1, __m256i* v) {
+  const __m256i h0 = _mm256_permute2x128_si256(d0, d1, 0x20), h1 = _mm256_permute2x128_si256(d0, d1, 0x31);
+  if constexpr (G == 1)
+    v[0] = _mm256_add_epi32(h0, h1);
+  else
+    v[0] = h0, v[1] = h1;
+}
+
 // The 8 sums (G vectors, LANE's order) of blocks [b, b + count) of output row wt (as stored)
 // against one activation row's codes q (block order), block by block; the missing blocks' zero.
 template <int bits, int G, typename S>
@@ -221,22 +233,20 @@ inline void group_sums(const PartView<S>& wt, const int8_t* q, int64_t b, int64_
                                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at * QB)))
                                : _mm256_setzero_si256();
     }
-    const __m256i h0 = _mm256_permute2x128_si256(d[0], d[1], 0x20), h1 = _mm256_permute2x128_si256(d[0], d[1], 0x31);
-    if constexpr (G == 1)
-      v[p][0] = _mm256_add_epi32(h0, h1);
-    else
-      v[p][0] = h0, v[p][1] = h1;
+    pair_of_blocks<G>(d[0], d[1], v[p]);
   }
   for (int g = 0; g < G; ++g) sums[g] = pair_sums(pair_sums(v[0][g], v[1][g]), pair_sums(v[2][g], v[3][g]));
 }
 
-// A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows'):
-// fold8, one group g's, acc += float(sums + xc) * (weight scales x activation scales), xc
-// where Q4_0's zero or VNNI's bias is taken off; then fold_offsets, acc += offsets x the
-// activations' xs where the weight has offsets. fold_group: the two in their order.
-inline __m256 fold8(__m256i sums, __m256 ws, const float* xdl, const int32_t* xc, __m256 acc) {
-  if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xdl)), acc);
+// A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows', the
+// group at `at` of them): fold8, group g's, acc += float(sums + xc) * (weight scales x
+// activation scales), xc where Q4_0's zero or VNNI's bias is taken off; then fold_offsets,
+// acc += offsets x the activations' xs where the weight has offsets. fold_group: the two in
+// their order.
+template <int G>
+inline __m256 fold8(__m256i sums, __m256 ws, const float* xdl, const int32_t* xc, int64_t at, int g, __m256 acc) {
+  if (xc) sums = _mm256_add_epi32(sums, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + at * G + g * 8)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, _mm256_loadu_ps(xdl + at)), acc);
 }
 
 inline __m256 fold_offsets(const __m256* wo, const float* xsl, __m256 acc) {
@@ -246,7 +256,7 @@ inline __m256 fold_offsets(const __m256* wo, const float* xsl, __m256 acc) {
 template <int G>
 inline __m256 fold_group(const __m256i* sums, const __m256* ws, const __m256* wo, const float* xdl, const float* xsl,
                          const int32_t* xc, int64_t at, __m256 acc) {
-  for (int g = 0; g < G; ++g) acc = fold8(sums[g], ws[g], xdl + at, xc ? xc + at * G + g * 8 : nullptr, acc);
+  for (int g = 0; g < G; ++g) acc = fold8<G>(sums[g], ws[g], xdl, xc, at, g, acc);
   return fold_offsets(wo, xsl + at, acc);
 }
 
@@ -298,11 +308,9 @@ void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const
         const int8_t* x = xq + (m0 + m) * in + 2 * p * QB;
         const __m256i d0 = block_dot<8>(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
         const __m256i d1 = block_dot<8>(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QB)));
-        const __m256i h0 = _mm256_permute2x128_si256(d0, d1, 0x20), h1 = _mm256_permute2x128_si256(d0, d1, 0x31);
-        if constexpr (G == 1)
-          v[0][m] = _mm256_add_epi32(h0, h1);
-        else
-          v[0][m] = h0, v[1][m] = h1;
+        __m256i h[G];
+        pair_of_blocks<G>(d0, d1, h);
+        for (int g = 0; g < G; ++g) v[g][m] = h[g];
       }
       return;
     }
@@ -402,8 +410,8 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
 #else
           const __m256i sums = bits == 4 ? _mm256_madd_epi16(s[j][m], ones) : s[j][m];
 #endif
-          const int64_t at = (m0 + m) * nbp + b;  // fold_group's steps, group by group
-          acc[j][m] = fold8(sums, ws[j][g], xdl + at, xc ? xc + at * G + g * 8 : nullptr, acc[j][m]);
+          // fold_group's steps, group by group
+          acc[j][m] = fold8<G>(sums, ws[j][g], xdl, xc, (m0 + m) * nbp + b, g, acc[j][m]);
         }
     }
     for (int j = 0; j < nr; ++j)
