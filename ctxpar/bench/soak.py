@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ctxpar.bench.soak_clients import Outcome, plan, send
 from ctxpar.checks import fraction, int_arg, max_threads, nonnegative_int, positive_int
+from ctxpar.costmodel.netns import process_tree
 
 EXPECTED = {"ok", "left", "refused"}  # every other outcome kind is an error
 
@@ -71,22 +72,6 @@ def rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (its PCP ranks), from /proc."""
-    kids: dict[int, list[int]] = collections.defaultdict(list)
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                kids[int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(p := todo.pop())
-        todo += kids.get(p, [])
-    return tree
 
 
 def rank_pids(server_pid: int) -> list[int]:

@@ -15,6 +15,7 @@ deletes its ends of the veth pairs, and with them the pairs).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -28,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from ctxpar.errors import CtxparError, RankFailure
@@ -155,13 +157,20 @@ def torchrun_command(
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (torchrun starts its workers in sessions of their own)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(k) for k in f.read().split()]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-    return [pid] + [d for k in kids for d in process_tree(k)]
+    """pid and all its descendants, pid first (torchrun starts its workers in sessions
+    of their own), from every process's parent in /proc."""
+    kids: dict[int, list[int]] = collections.defaultdict(list)
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                kids[int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(p := todo.pop())
+        todo += kids.get(p, [])
+    return tree
 
 
 def kill_tree(pid: int) -> None:

@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -39,6 +40,7 @@ from ctxpar.errors import RankFailure, RanksStopped
 from ctxpar.executor import launch_nonce, rank_worker, regroup, startup
 from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
 from ctxpar.executor.regroup import Members, Regrouped
+from ctxpar.executor.step_watch import StepWatch
 from ctxpar.parallel.auth import new_nonce, new_secret, store_prefix
 from ctxpar.parallel.cluster_secret import cluster_secret
 from ctxpar.parallel.comm import STARTUP_TIMEOUT_S, Launch, PCPGroup, TorchrunEnv, data_timeout_s, torchrun_env
@@ -78,6 +80,7 @@ class MultiRankExecutor:
         self._port = 0  # of rank 0's store, which respawned ranks join (spawned ranks only)
         self._generation = 0  # recoveries so far: ranks meet under regroup.generation_store
         self._signed_stores: list[SignedStore] = []  # kept alive while stores built on them are used
+        self._watch: StepWatch | None = None  # over the heartbeats during steps (torchrun's rank 0)
         env = torchrun_env()
         rank = env.rank if env is not None else 0
         if env is not None:  # agreed before the model load: ranks given different secrets fail fast
@@ -94,6 +97,7 @@ class MultiRankExecutor:
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
             self.processes.heartbeats = regroup.Heartbeats(self.store)
+            self._watch = StepWatch(lambda: self._signed(_torchrun_store(env)))
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = host_store(config.master_addr, config.master_port or 0)
@@ -186,10 +190,14 @@ class MultiRankExecutor:
             raise RankFailure(f"the PCP ranks were stopped: {why}")
         self._check_alive()
         try:
-            self.group.broadcast_message(plan_wire.encode(msg))
-            return run(msg)
+            with self._watching(self.group):
+                self.group.broadcast_message(plan_wire.encode(msg))
+                return run(msg)
         except Exception as e:
             why = self.processes.why_failed(e, self.store)
+            if self._watch is not None and self._watch.lost is not None:
+                rank = self.processes.torchrun_ranks.index(self._watch.lost)
+                why = f"PCP rank {rank}'s heartbeat stopped: its host or its link was lost ({why})"
             self._leave(f"a rank failed during a step ({why})")
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e
         except BaseException as e:
@@ -199,6 +207,13 @@ class MultiRankExecutor:
             self._stopped_because = f"a step was interrupted ({type(e).__name__})"
             self.close(graceful=False)
             raise
+
+    def _watching(self, group: PCPGroup) -> AbstractContextManager[object]:
+        """The step watch (step_watch.py) where a lost host could leave a collective
+        waiting: a gloo group of torchrun ranks not all on this host."""
+        if self._watch is None or group.one_host or group.device.type != "cpu":
+            return nullcontext()
+        return self._watch.watching(self.processes.torchrun_ranks[1 : self.size], group.cut_links)
 
     def check_health(self) -> None:
         """Raise RankFailure if a rank is lost: a spawned rank's process has exited, or a
@@ -295,6 +310,8 @@ class MultiRankExecutor:
         self.processes.stop(graceful)
         if group is not None:
             group.close()
+        if self._watch is not None:
+            self._watch.close()
         self.store = None  # rank 0's store server (spawned ranks) goes with it
         self._server = None
         self._signed_stores = []

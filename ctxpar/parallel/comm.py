@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ctxpar.parallel import group_links
 from ctxpar.parallel.auth import PlanSeal, context
 from ctxpar.parallel.host_shm import on_one_host
 from ctxpar.parallel.sealed_collectives import SealedCollectives
@@ -90,6 +91,7 @@ class PCPGroup:
         self.seal = PlanSeal(launch.secret, ctx)
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=self.timeout_s)
+        before = group_links.socket_inodes()
         with _gloo_interface(_loopback_interface() if launch.spawned else None):
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
             self.data = dist.new_group(backend=backend, timeout=timeout)
@@ -97,6 +99,8 @@ class PCPGroup:
             # the timeout, while workers wait for rank 0's next plan indefinitely.
             control_timeout = timeout if rank == 0 else timedelta(days=365)
             self.control = dist.new_group(backend="gloo", timeout=control_timeout)
+        # gloo's connections to the other ranks (cut_links): the sockets the groups opened.
+        self._links = group_links.socket_inodes() - before
         self.store = store
         # Ranks of one CPU host exchange data through shared pages (and share their weights).
         one_host = device.type == "cpu" and on_one_host(store, rank, size)
@@ -199,6 +203,12 @@ class PCPGroup:
             self.shm.broadcast_(data, timeout_s=timeout_s)
         else:
             dist.broadcast(data, src=0, group=self.control)
+
+    def cut_links(self) -> int:
+        """Shut down this rank's ends of the gloo groups' connections (group_links.py): every
+        collective waiting on them, in any thread, fails at once. For a peer lost without
+        closing its sockets; the group is broken afterwards. Returns the links cut."""
+        return group_links.cut(self._links)
 
     def close(self) -> None:
         """Destroy the groups, and drop this object's references to them now: a gloo group is

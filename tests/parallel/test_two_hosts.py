@@ -150,24 +150,31 @@ def test_two_hosts_generate_what_one_rank_does(hosts, tiny_model_dirs, tmp_path)
     assert json.loads(lines[0][len("TOKENS ") :]) == want
 
 
-def kill_host_and_wait(hosts, model: str, tmp_path, victim: int) -> tuple[float, str]:
-    """Start both nodes, kill node `victim` (its rank and torchrun agent) once
-    long prefills are under way, and return how long the other node took to
-    report the failure and the message it printed."""
+def lose_host_and_wait(hosts, model: str, tmp_path, victim: int, cut_link: bool = False) -> tuple[float, str]:
+    """Start both nodes, lose node `victim` once long prefills are under way, and
+    return how long the other node took to report the failure and the message it
+    printed. Lost: its rank and torchrun agent killed (their sockets close), or,
+    with cut_link, its end of the link set down (nothing closes; the processes
+    live on, cut off)."""
     survivor = 1 - victim
     procs = start_nodes(hosts, model, tmp_path, keep_going=True)
+    ns, dev = hosts[victim]
     try:
         assert procs[0].stdout.readline().startswith("TOKENS "), procs[0].stderr.read()[-3000:]
         time.sleep(0.5)  # inside the long prefills
-        killed = time.monotonic()
-        kill_tree(procs[victim].pid)
+        lost = time.monotonic()
+        if cut_link:
+            ip("-n", ns, "link", "set", dev, "down")
+        else:
+            kill_tree(procs[victim].pid)
         out, err = procs[survivor].communicate(timeout=120)
     finally:
         stop(procs)
+        ip("-n", ns, "link", "set", dev, "up")
     failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
     assert failed and procs[survivor].returncode == 1, err[-3000:]
     _, when, message = failed[0].split(" ", 2)
-    return float(when) - killed, message
+    return float(when) - lost, message
 
 
 def test_a_lost_host_leaves_rank_0_going_on_alone(hosts, tiny_model_dirs, tmp_path):
@@ -198,15 +205,25 @@ def test_killing_one_host_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path)
     """With recovery off: node 1 (rank 1 and its torchrun agent) is killed while
     rank 0 runs long prefills: rank 0's collective fails as the link's sockets
     close and it raises RankFailure within seconds, not after a timeout."""
-    took, message = kill_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=1)
-    assert took < 10
+    took, message = lose_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=1)
+    assert took < 10, message
     assert "a PCP rank failed during a step" in message and ADDRS[1] in message  # names the peer host
+
+
+def test_cutting_one_hosts_link_fails_the_other_fast(hosts, tiny_model_dirs, tmp_path):
+    """Node 1's link goes down while rank 0 runs long prefills: no socket closes, so
+    rank 0's collective would wait out the collective timeout (30 s); rank 0's step
+    watch sees rank 1's heartbeat stop and cuts the group's links, and RankFailure
+    names the silent rank within seconds."""
+    took, message = lose_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=1, cut_link=True)
+    assert took < 10, message
+    assert "a PCP rank failed during a step: PCP rank 1's heartbeat stopped" in message
 
 
 def test_killing_rank_0s_host_ends_the_other_host(hosts, tiny_model_dirs, tmp_path):
     """The other way round: rank 1 waits for rank 0's next plan or is inside
     a step with it; when node 0 goes away that fails at once and LLM() on
     rank 1 raises RankFailure saying so."""
-    took, message = kill_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=0)
-    assert took < 10
+    took, message = lose_host_and_wait(hosts, str(tiny_model_dirs["llama"]), tmp_path, victim=0)
+    assert took < 10, message
     assert message.startswith("PCP rank 1 lost rank 0") and ADDRS[0] in message
