@@ -19,6 +19,7 @@ from ctxpar.device import SPELLINGS, canonical_dtype, resolve_device
 from ctxpar.errors import CtxparError
 from ctxpar.hf_overrides import parse_hf_overrides
 from ctxpar.knobs import Range, check_knobs, knob
+from ctxpar.models.gguf_header import float_matrices_only
 from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here
@@ -254,8 +255,11 @@ class EngineConfig:
     @property
     def weight_quantization(self) -> str | None:
         """What loading does with the weights: "gguf" (a .gguf file's blocks kept), "int8"
-        (quantized at load) or None (the checkpoint's floats in ``dtype``)."""
+        (quantized at load) or None (the checkpoint's floats in ``dtype``; also a .gguf file
+        whose matrices are all F32, F16 or F64, which loading widens to float32)."""
         q = self.quantization if self.quantization is not None else "gguf" if self._gguf_on_cpu() else "none"
+        if q == "gguf" and self.model is not None and float_matrices_only(self.model):
+            return None
         return None if q == "none" else q
 
     def _check_quantization(self) -> None:

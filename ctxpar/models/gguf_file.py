@@ -1,23 +1,10 @@
-"""A GGUF file's header, and its tensors as views of a read-only memory map.
+"""A GGUF file's tensors as views of a read-only memory map (its header: gguf_header.py).
 
-The ``gguf`` package's reader turns every element of every metadata array
-(a vocabulary's 50-150K strings, its merges) into numpy objects, seconds
-for a large vocabulary; loading needs the scalars, the tensors' places and
-an array's length only. So this reads the header once, with the array
-elements skipped, and maps the file read-only: a tensor's bytes are the
-page cache's pages, shared by every process that maps the same file.
-``read_ahead`` has the OS read them ahead of the loader's copies: faults on a
-map read a file not in the page cache one readahead window at a time, each
-waiting on the disk while nothing is copied, a few times slower than the disk
-reads it whole.
-
-Layout (ggml's gguf.md, versions 2 and 3, little-endian):
-
-    "GGUF" u32 version  u64 n_tensors  u64 n_kv
-    n_kv x    (string key, u32 type, value)          string = u64 length + bytes
-    n_tensors x (string name, u32 n_dims, u64 dims[n_dims] innermost first, u32 type, u64 offset)
-    padding to general.alignment (32)
-    tensor data: each at data start + its offset
+The map's pages are the page cache's, shared by every process that maps the
+same file. ``read_ahead`` has the OS read them ahead of the loader's copies:
+faults on a map read a file not in the page cache one readahead window at a
+time, each waiting on the disk while nothing is copied, a few times slower
+than the disk reads it whole.
 """
 
 from __future__ import annotations
@@ -26,7 +13,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +21,8 @@ from typing import Any
 
 import numpy as np
 
-# value type -> struct format of a scalar (8 string, 9 array: read apart)
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-_U64 = struct.Struct("<Q")
+from ctxpar.models.gguf_header import GGUFHeader
+
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value, where Python does not name it
 READ_AHEAD = 256 << 20  # bytes read_ahead keeps the OS reading past the tensor being copied
 DEFAULT_READAHEAD = 128 << 10  # Linux's readahead window where a device states none
@@ -86,32 +70,14 @@ class GGUFFile:
             # read in place cost the TLB what huge pages do (with 4 KB pages an 8B model's
             # decode step is much slower: a miss and a page walk every 4 KB it streams).
             self._map.madvise(mmap.MADV_HUGEPAGE)
-        self._pos = 0
-        if self._take(4) != b"GGUF":
-            raise ValueError("not a GGUF file (bad magic)")
-        version = self._read("I")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version}; ctxpar reads versions 2 and 3")
-        n_tensors, n_kv = self._read("Q"), self._read("Q")
-        self.metadata: dict[str, Any] = {}
-        self.array_lengths: dict[str, int] = {}
-        for _ in range(n_kv):
-            key, kind = self._string(), self._read("I")
-            if kind == _ARRAY:
-                self.array_lengths[key] = self._skip_array()
-            else:
-                self.metadata[key] = self._value(kind)
-        infos = []
-        for _ in range(n_tensors):
-            name, n_dims = self._string(), self._read("I")
-            dims = tuple(self._read("Q") for _ in range(n_dims))
-            infos.append((name, dims, GGMLQuantizationType(self._read("I")), self._read("Q")))
-        align = int(self.metadata.get("general.alignment", 32))
-        start = -(-self._pos // align) * align
+        header = GGUFHeader(self._map)
+        self.metadata, self.array_lengths = header.metadata, header.array_lengths
+        start = header.data_start
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self._address: int = whole.ctypes.data  # the map's first byte, for libc's madvise
         self.tensors: list[GGUFTensor] = []
-        for name, dims, kind, offset in infos:
+        for name, dims, type_id, offset in header.tensors:
+            kind = GGMLQuantizationType(type_id)
             block, nbytes = GGML_QUANT_SIZES[kind]
             rows = int(np.prod(dims[1:], dtype=np.int64))
             row_bytes = dims[0] // block * nbytes
@@ -155,48 +121,6 @@ class GGUFFile:
         first = tensor.offset // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(len(self._map), tensor.offset + tensor.data.nbytes)
         self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
-
-    def _take(self, n: int) -> bytes:
-        if self._pos + n > len(self._map):
-            raise ValueError("the header runs past the end of the file (truncated)")
-        b = self._map[self._pos : self._pos + n]
-        self._pos += n
-        return b
-
-    def _read(self, fmt: str) -> Any:
-        return struct.unpack("<" + fmt, self._take(struct.calcsize(fmt)))[0]
-
-    def _string(self) -> str:
-        return self._take(self._read("Q")).decode("utf-8", errors="replace")
-
-    def _value(self, kind: int) -> Any:
-        if kind == _STRING:
-            return self._string()
-        if kind not in _SCALARS:
-            raise ValueError(f"unknown metadata value type {kind}")
-        return self._read(_SCALARS[kind])
-
-    def _skip_array(self) -> int:
-        kind, count = self._read("I"), self._read("Q")
-        if kind == _STRING:
-            # A vocabulary's 50-150K strings, each a u64 length then its bytes: walked with one
-            # unpack each, not _read's three calls (a tenth of a second per 100K on a start).
-            pos, size, length_at = self._pos, len(self._map), _U64.unpack_from
-            for _ in range(count):
-                if pos + 8 > size:
-                    raise ValueError("the header runs past the end of the file (truncated)")
-                pos += 8 + length_at(self._map, pos)[0]
-            if pos > size:
-                raise ValueError("the header runs past the end of the file (truncated)")
-            self._pos = pos
-        elif kind == _ARRAY:
-            for _ in range(count):
-                self._skip_array()
-        elif kind in _SCALARS:
-            self._take(count * struct.calcsize(_SCALARS[kind]))
-        else:
-            raise ValueError(f"unknown metadata array type {kind}")
-        return count
 
 
 def prefetch(path: Path) -> threading.Thread | None:

@@ -75,3 +75,26 @@ def test_the_models_own_context_over_the_cache_is_bounded_by_it(tiny_model_dirs,
             llm.generate([{"prompt_token_ids": [5] * holds}], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(CtxparError, match="fewer than one request of max_model_len=512"):
         LLM(path, max_model_len=512, **budget)
+
+
+def test_a_gguf_of_float_matrices_keeps_the_exact_path(tiny_model_dirs, tmp_path) -> None:
+    """A GGUF file whose matrices are all F32 or F16 (llama.cpp's converter's f32 and f16) has
+    nothing to keep as blocks: loading widens it to float32, so "auto" keeps the model's dtype,
+    as for the checkpoint it came from, and its tokens are the checkpoint's, bit for bit; a
+    quantized file of the same checkpoint gets the int8 cache."""
+    from helpers.llama_cpp import gguf_of
+
+    hf = tiny_model_dirs["llama"]
+    files = gguf_of(hf, tmp_path, ("f32", "f16", "q8_0"))
+    for outtype, weights, kv in [("f32", None, "model"), ("f16", None, "model"), ("q8_0", "gguf", "int8")]:
+        config = EngineConfig(model=str(files[outtype]), device="cpu")
+        assert (config.weight_quantization, config.kv_cache_dtype) == (weights, kv), outtype
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(model: str, **kwargs) -> list:
+        with LLM(model, max_model_len=64, **kwargs) as llm:
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        return [out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]]
+
+    assert run(str(files["f32"])) == run(str(hf), quantization="none")
