@@ -17,9 +17,9 @@ from typing import Any
 from ctxpar.checks import THREADS_PER_CORE, check_int, machine_memory_bytes, max_threads
 from ctxpar.device import SPELLINGS, canonical_dtype, resolve_device
 from ctxpar.errors import CtxparError
+from ctxpar.gguf_header import float_matrices_only
 from ctxpar.hf_overrides import parse_hf_overrides
 from ctxpar.knobs import Range, check_knobs, knob
-from ctxpar.models.gguf_header import float_matrices_only
 from ctxpar.speculative_config import SpeculativeConfig
 
 SEED_MAX = (1 << 64) - 1  # the engine seed feeds numpy's SeedSequence: a non-negative integer, 64 bits here

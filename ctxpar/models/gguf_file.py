@@ -1,4 +1,4 @@
-"""A GGUF file's tensors as views of a read-only memory map (its header: gguf_header.py).
+"""A GGUF file's tensors as views of a read-only memory map (its header: ctxpar/gguf_header.py).
 
 The map's pages are the page cache's, shared by every process that maps the
 same file. ``read_ahead`` has the OS read them ahead of the loader's copies:
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ctxpar.models.gguf_header import GGUFHeader
+from ctxpar.gguf_header import GGUFHeader
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value, where Python does not name it
 READ_AHEAD = 256 << 20  # bytes read_ahead keeps the OS reading past the tensor being copied
