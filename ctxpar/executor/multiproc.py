@@ -97,7 +97,8 @@ class MultiRankExecutor:
             if rank != 0:
                 self._serve_torchrun_worker(env, rank)  # never returns
             self.processes.heartbeats = regroup.Heartbeats(self.store)
-            self._watch = StepWatch(lambda: self._signed(_torchrun_store(env)))
+            # A client of the store even where rank 0 hosts it (a launcher without an agent store).
+            self._watch = StepWatch(lambda: self._signed(open_store(env.master_addr, env.master_port, False)))
         else:
             # port 0: the store binds a free port itself (no race with other jobs).
             self._server = host_store(config.master_addr, config.master_port or 0)
