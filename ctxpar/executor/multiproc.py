@@ -196,8 +196,9 @@ class MultiRankExecutor:
                 return run(msg)
         except Exception as e:
             why = self.processes.why_failed(e, self.store)
-            if self._watch is not None and self._watch.lost is not None:
-                rank = self.processes.torchrun_ranks.index(self._watch.lost)
+            lost = self._watch.take_lost() if self._watch is not None else None
+            if lost is not None:
+                rank = self.processes.torchrun_ranks.index(lost)
                 why = f"PCP rank {rank}'s heartbeat stopped: its host or its link was lost ({why})"
             self._leave(f"a rank failed during a step ({why})")
             raise RankFailure(f"a PCP rank failed during a step: {why}") from e

@@ -38,7 +38,7 @@ class StepWatch:
         self._closed = threading.Event()
         self._ranks: list[int] = []  # torchrun rank numbers of the step's other ranks
         self._cut: Callable[[], object] = lambda: None
-        self.lost: int | None = None  # the torchrun rank found silent in the last watched step
+        self._lost: int | None = None  # the torchrun rank found silent, until take_lost
         self._thread = threading.Thread(target=self._run, name="ctxpar-step-watch", daemon=True)
         self._thread.start()
 
@@ -46,12 +46,18 @@ class StepWatch:
     def watching(self, ranks: list[int], cut: Callable[[], object]) -> Iterator[None]:
         """Watch the heartbeats of ``ranks`` (torchrun's numbers) for the block's length;
         ``cut`` (called on the watch's thread) makes the block's collectives fail."""
-        self._ranks, self._cut, self.lost = ranks, cut, None
+        self._ranks, self._cut, self._lost = ranks, cut, None
         self._active.set()
         try:
             yield
         finally:
             self._active.clear()
+
+    def take_lost(self) -> int | None:
+        """The torchrun rank whose silence cut the last watched block's links (None if none),
+        once: a later failure, watched or not, is not blamed on it."""
+        lost, self._lost = self._lost, None
+        return lost
 
     def close(self) -> None:
         self._closed.set()
@@ -65,7 +71,7 @@ class StepWatch:
                 while self._active.is_set() and not self._closed.is_set():
                     silent = [r for r in self._ranks if beats.stopped(r)]
                     if silent:
-                        self.lost = silent[0]
+                        self._lost = silent[0]
                         self._active.clear()
                         self._cut()
                         break
