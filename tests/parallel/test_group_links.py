@@ -37,7 +37,7 @@ def test_cut_wakes_a_blocked_receive_and_spares_other_sockets():
         s.close()
 
 
-def test_cut_skips_closed_sockets():
+def test_cut_skips_what_is_not_an_open_tcp_connection():
     before = group_links.socket_inodes()
     a, b = socket.socketpair()  # AF_UNIX: not a TCP link
     c = socket.create_server(("127.0.0.1", 0))  # a listener: nothing to cut
