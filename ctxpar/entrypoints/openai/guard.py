@@ -18,8 +18,9 @@ hostile or broken client cost the server a bounded amount and nobody else anythi
   /tokenize, /detokenize) go through the Admission gate (limits.py): at most
   ``limit_concurrency`` at once, a bounded queue, then 503 + Retry-After.
 - A response that its client stops reading (a slow reader) is dropped after
-  ``timeout_client`` s without progress; dropping the stream closes its output
-  generator, which aborts the request and frees its KV blocks.
+  ``timeout_client`` s without progress (one warning in the log names the client);
+  dropping the stream closes its output generator, which aborts the request and
+  frees its KV blocks.
 - A route's unexpected exception (a bug) is answered here with a 500 that says
   where it failed and a request id, the traceback logged under that id
   (failures.py); the exception's text stays in the log.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -46,6 +48,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger("ctxpar")
 
 GATED = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 
@@ -73,8 +77,18 @@ class ClientGuard:
         sender = _Sender(send, self.limits.timeout_client)
         try:
             await self._handle(scope, receive, sender)
-        except (_ClientLeft, _SlowReader):
-            pass  # the client went away, or was dropped: nobody to answer
+        except _ClientLeft:
+            pass  # the client went away: nobody to answer
+        except _SlowReader:
+            # Nobody to answer either; the operator learns who held a response that long.
+            client = "{}:{}".format(*scope["client"]) if scope.get("client") else "a client"
+            logger.warning(
+                "%s %s: dropped %s that read none of its response for %s s (--timeout-client)",
+                scope["method"],
+                scope["path"],
+                client,
+                self.limits.timeout_client,
+            )
         except asyncio.CancelledError:
             # uvicorn cancels requests only when its graceful shutdown ran out of
             # time: the server is stopping on purpose; answer one still unanswered.

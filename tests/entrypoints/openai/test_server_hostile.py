@@ -133,7 +133,8 @@ def test_half_sent_bodies_then_disconnect_leave_no_trace(server):
 def test_slow_reader_is_dropped(server):
     """A streaming client that reads nothing: once the socket buffers are full the
     server's send blocks, and after --timeout-client s the server drops the
-    connection (the stream never reaches [DONE]) and forgets the request."""
+    connection (the stream never reaches [DONE]), logs whom it dropped, and forgets
+    the request."""
     # About 9 MB of events (16 choices x 480 tokens x 20 top logprobs with their bytes):
     # more than loopback's socket buffers (4 MB at most) hold.
     body = {"messages": [{"role": "user", "content": "read me"}], "max_tokens": 480, "n": 16, "stream": True}
@@ -145,7 +146,11 @@ def test_slow_reader_is_dropped(server):
     while server.metrics()["ctxpar:num_requests_running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(CLIENT_S + 2)  # the request has run, its sends have blocked, and the timeout has passed
+    # Read nothing until the server says it dropped the client: a fixed wait races a
+    # loaded machine, where the buffers fill later and the reads would let the stream end.
+    while f"that read none of its response for {CLIENT_S} s" not in server.log():
+        assert time.monotonic() < deadline + 60, server.log()
+        time.sleep(0.1)
     s.settimeout(30)
     received = b""
     while chunk := s.recv(1 << 20):  # what the buffers held, then the server's close
