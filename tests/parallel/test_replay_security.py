@@ -152,6 +152,7 @@ def test_ranks_given_different_secrets_fail_at_once():
         secrets.token_hex(12),  # random, but 96 bits
         "passwordpasswordpasswordpassword1",
     ],
+    ids=["run", "one-letter", "words", "random-96-bits", "password"],  # stable: test workers must collect the same ids
 )
 def test_a_weak_secret_is_refused(monkeypatch, secret):
     """The attack it stops: guessing the secret offline from the tags a store client
