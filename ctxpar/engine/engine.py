@@ -63,14 +63,6 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         tokenizer = self.loaded.tokenizer
-        self.processor = InputProcessor(
-            tokenizer,
-            self.vocab_size,
-            config.max_logprobs,
-            config.seed,
-            lambda: self.max_model_len,
-            lambda spec: self.structured.compile(spec),
-        )
         # Detokenizing, logprobs' text, stop conditions and outputs (it holds the EOS ids).
         self.output_processor = OutputProcessor(tokenizer, set(self.loaded.eos_token_ids))
         window = freeing_window(self.loaded.hf_config, rank_model.draft is not None)
@@ -78,6 +70,17 @@ class Engine:
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.rank_loss = RankLossHandler(config, self.executor, self.scheduler, self.groups)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        # The processor's callables hold the engine's parts, never the engine: a reference
+        # back to it would be a cycle, and a closed engine's weights and KV cache would
+        # then wait for the cycle collector instead of going at once.
+        self.processor = InputProcessor(
+            tokenizer,
+            self.vocab_size,
+            config.max_logprobs,
+            config.seed,
+            partial(_context_limit, self.loaded.max_model_len, self.scheduler),
+            self.structured.compile,
+        )
         self.spec: SpecDecoder | None = None
         if config.speculative_config is not None:
             draft = rank_model.draft  # a draft model or the mtp layer; None for n-gram drafts
@@ -114,8 +117,7 @@ class Engine:
     def max_model_len(self) -> int:
         """The longest context (prompt and output) a request may have: the model's, or what
         the KV cache holds where a lost DCP rank left it smaller."""
-        bm = self.scheduler.block_manager
-        return min(self.loaded.max_model_len, bm.num_blocks * bm.block_size)
+        return _context_limit(self.loaded.max_model_len, self.scheduler)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -282,3 +284,9 @@ class Engine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None  # type: ignore[assignment]
+
+
+def _context_limit(model_len: int, scheduler: Scheduler) -> int:
+    """The model's context, or what the scheduler's KV blocks hold where fewer."""
+    bm = scheduler.block_manager
+    return min(model_len, bm.num_blocks * bm.block_size)

@@ -11,6 +11,7 @@ import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 
@@ -214,6 +215,26 @@ def test_llm_engine_outlives_its_llm_and_closes(text_dir):
     engine.close()
     with pytest.raises(CtxparError, match="closed"):
         engine.add_request("y", "Hello")
+
+
+SPEC = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+
+
+@pytest.mark.parametrize("config", [{}, SPEC, pytest.param({"pcp_size": 2}, marks=pytest.mark.multiprocess)])
+def test_a_closed_llm_gives_its_model_back_without_the_cycle_collector(text_dir, config):
+    """LLMs made one after another in a process (a notebook, a sweep) must not pile up
+    models: closing one frees its weights by reference counting alone, so nothing of
+    the engine may refer back to it in a cycle."""
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(text_dir, **SMALL, **config)
+        llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+        model = weakref.ref(llm.engine.loaded.model)
+        llm.close()
+        assert model() is None, "a closed engine's model is still alive: a reference cycle holds it"
+    finally:
+        gc.enable()
 
 
 def test_set_tokenizer_and_get_model_config(engine, text_dir):
