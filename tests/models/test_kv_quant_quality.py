@@ -4,8 +4,8 @@ Python's own documentation and argparse.py) with an int8 KV cache within 0.1% of
 model-dtype cache's, and with fp8 (e4m3) within 0.5%: the default (int8) is held to
 0.3%, and the bounds are tighter so that a cache that skips turning its heads fails
 (measured on Zen 3: int8 +0.02% / -0.03%, fp8 -0.09% / +0.23%; unturned, English,
-int8 +0.21%, fp8 +0.61%). The text is fed in chunks, so later chunks attend earlier ones through the
-quantized cache (the prefill kernel over quantized rows, with context).
+int8 +0.21%, fp8 +0.61%). The text is fed in chunks, so later chunks attend earlier
+ones through the quantized cache (the prefill kernel over quantized rows, with context).
 
 The weights are the GGUF's dequantized to float32, so the gap is the cache's own.
 Through kept quantized blocks the activations are rounded to int8 codes, and a
