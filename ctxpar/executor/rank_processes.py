@@ -20,6 +20,10 @@ from ctxpar.executor import rank_worker, regroup, startup
 from ctxpar.parallel.comm import data_timeout_s
 
 EXIT_GRACE_S = 1.0  # after a failed collective, how long to wait for a dying worker's exit code
+# How long to wait for the exit code of a worker seen ending (its main thread a zombie):
+# the process is reaped only once its last thread has left and its memory is given back,
+# which on a loaded host can take seconds; it never hangs, so waiting costs only that.
+ENDING_GRACE_S = 15.0
 
 
 class RankProcesses:
@@ -72,11 +76,15 @@ class RankProcesses:
         return ""
 
     def await_exits(self) -> None:
-        """Give the workers a moment to be seen dead: a peer's closed socket can fail a
-        collective before its process is reaped."""
+        """Give the workers a moment to be seen dead: a peer's closed socket (or the
+        shared-memory barrier's look at /proc) can fail a collective before its process
+        is reaped. A worker already ending gets the time it takes to end, so that it is
+        named with its signal, never taken for a live or hung one."""
         deadline = time.monotonic() + EXIT_GRACE_S
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive() and p.pid is not None and _ending(p.pid):
+                p.join(timeout=ENDING_GRACE_S)
 
     def why_failed(self, e: BaseException, store: dist.Store | None) -> str:
         """Why a collective failed: the ranks that died (read before stop()
@@ -107,6 +115,18 @@ class RankProcesses:
                 p.kill()
                 p.join(timeout=5)
         self.procs = []
+
+
+def _ending(pid: int) -> bool:
+    """Whether process ``pid``'s main thread has exited (state Z in /proc, as the
+    shared-memory barrier reads it: kernels/shm_barrier.cpp) while its other threads
+    still leave; False where /proc is not there to say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def _refused(store: dist.Store | None, proc: BaseProcess) -> str:
