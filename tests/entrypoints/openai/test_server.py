@@ -8,6 +8,7 @@ process on the same checkpoint.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -237,10 +238,13 @@ def test_disconnect_frees_kv(server, stream):
         if stream:
             with http.stream("POST", server.url + "/v1/completions", json=body) as r:
                 lines = r.iter_lines()  # kept: a generator over the body, dropped, closes the stream
-                for line in lines:
-                    if line.startswith("data:"):
-                        break
-                assert metrics(server)["ctxpar:kv_cache_usage_perc"] > 0
+                first = next(line for line in lines if line.startswith("data:"))
+                assert '"text"' in first, first  # a token, not an error
+                # The request holds blocks while it runs (the gauge is set after each step).
+                deadline = time.monotonic() + 30
+                while metrics(server)["ctxpar:kv_cache_usage_perc"] == 0:
+                    assert time.monotonic() < deadline, "no KV block in use while a request streams"
+                    time.sleep(0.01)
             # The connection closes mid-stream.
         else:
             # The client gives up waiting and closes the connection: well before the 450 tokens,
