@@ -130,12 +130,13 @@ def test_worker_killed_inside_a_step_fails_the_step_fast(model, dcp, monkeypatch
     assert multiprocessing.active_children() == []
 
 
-def _main_thread_leaves_first(seconds: float, code: int) -> None:
-    """End this process's main thread while another runs on for ``seconds``: how a
-    killed worker looks (a zombie main thread) until its last thread has left."""
+def _main_thread_leaves_first(release: int, code: int) -> None:
+    """End this process's main thread while another waits for a byte on fd ``release``, then
+    exits with ``code``: how a killed worker looks (a zombie main thread) until its last
+    thread has left."""
 
     def later() -> None:
-        time.sleep(seconds)
+        os.read(release, 1)
         os._exit(code)
 
     threading.Thread(target=later).start()
@@ -147,17 +148,26 @@ def test_a_worker_seen_ending_is_named_by_its_exit_not_taken_for_alive():
     """A collective fails the moment a peer's main thread has gone, but the process's
     exit code comes only after its other threads (on a loaded host: seconds later):
     rank 0 waits for it, so the error names how the rank ended."""
-    proc = multiprocessing.get_context("fork").Process(target=_main_thread_leaves_first, args=(EXIT_GRACE_S + 2, 7))
+    release, write_end = os.pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_main_thread_leaves_first, args=(release, 7))
     proc.start()
     ranks = RankProcesses(2)
     ranks.procs = [proc]
-    deadline = time.monotonic() + 30
-    while b") Z " not in open(f"/proc/{proc.pid}/stat", "rb").read():  # the main thread has left
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert proc.is_alive()
-    ranks.await_exits()
-    assert ranks.lost(2, heartbeats=False) == "PCP rank 1 exited with code 7"
+    try:
+        deadline = time.monotonic() + 30
+        while b") Z " not in open(f"/proc/{proc.pid}/stat", "rb").read():  # the main thread has left
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert proc.is_alive()
+        # The last thread leaves after rank 0's first grace for an exit code has run out.
+        threading.Timer(EXIT_GRACE_S + 1, os.write, (write_end, b"x")).start()
+        ranks.await_exits()
+        assert ranks.lost(2, heartbeats=False) == "PCP rank 1 exited with code 7"
+    finally:
+        os.write(write_end, b"x")  # never leave it waiting
+        proc.join(timeout=30)
+        os.close(release)
+        os.close(write_end)
 
 
 @pytest.mark.parametrize(
