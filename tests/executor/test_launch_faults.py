@@ -6,7 +6,6 @@ the CLI's exit status and single error line for a dead rank and for Ctrl-C."""
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -25,6 +24,7 @@ from ctxpar.errors import CtxparError, RankFailure
 from ctxpar.executor.multiproc import free_port
 from ctxpar.executor.preflight import max_local_ranks
 from ctxpar.executor.rank_processes import EXIT_GRACE_S, RankProcesses
+from helpers.procs import main_thread_leaves_first
 from helpers.tiny_tokenizer import with_byte_tokenizer
 from helpers.workloads import long_prompts
 
@@ -130,44 +130,30 @@ def test_worker_killed_inside_a_step_fails_the_step_fast(model, dcp, monkeypatch
     assert multiprocessing.active_children() == []
 
 
-def _main_thread_leaves_first(release: int, code: int) -> None:
-    """End this process's main thread while another waits for a byte on fd ``release``, then
-    exits with ``code``: how a killed worker looks (a zombie main thread) until its last
-    thread has left."""
-
-    def later() -> None:
-        os.read(release, 1)
-        os._exit(code)
-
-    threading.Thread(target=later).start()
-    ctypes.CDLL(None).pthread_exit(None)
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_worker_seen_ending_is_named_by_its_exit_not_taken_for_alive():
     """A collective fails the moment a peer's main thread has gone, but the process's
     exit code comes only after its other threads (on a loaded host: seconds later):
     rank 0 waits for it, so the error names how the rank ended."""
-    release, write_end = os.pipe()
-    proc = multiprocessing.get_context("fork").Process(target=_main_thread_leaves_first, args=(release, 7))
+    ctx = multiprocessing.get_context("spawn")  # not fork: a forked copy of a threaded process can hang
+    release = ctx.Event()
+    proc = ctx.Process(target=main_thread_leaves_first, args=(release, 7))
     proc.start()
     ranks = RankProcesses(2)
     ranks.procs = [proc]
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while b") Z " not in open(f"/proc/{proc.pid}/stat", "rb").read():  # the main thread has left
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert proc.is_alive()
         # The last thread leaves after rank 0's first grace for an exit code has run out.
-        threading.Timer(EXIT_GRACE_S + 1, os.write, (write_end, b"x")).start()
+        threading.Timer(EXIT_GRACE_S + 1, release.set).start()
         ranks.await_exits()
         assert ranks.lost(2, heartbeats=False) == "PCP rank 1 exited with code 7"
     finally:
-        os.write(write_end, b"x")  # never leave it waiting
+        release.set()  # never leave it waiting
         proc.join(timeout=30)
-        os.close(release)
-        os.close(write_end)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,13 @@
-"""What a process maps of ctxpar's shared files, and the addresses it listens on, read from /proc."""
+"""What a process maps of ctxpar's shared files, and the addresses it listens on, read from /proc;
+and a process that ends as a killed worker does."""
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
+import threading
+from typing import Any
 
 
 def shm_mappings(pid: int) -> dict[str, int]:
@@ -43,3 +47,16 @@ def _address(raw: bytes, width: int) -> str:
     # /proc/net/tcp* print each 32-bit word of the address in host (little-endian) order.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
     return str(ipaddress.ip_address(words))
+
+
+def main_thread_leaves_first(release: Any, code: int) -> None:
+    """A spawned process's target: end its main thread while another waits for ``release``
+    (a multiprocessing Event), then exits with ``code``: how a killed worker looks (its main
+    thread a zombie) until its last thread has left."""
+
+    def later() -> None:
+        release.wait()
+        os._exit(code)
+
+    threading.Thread(target=later).start()
+    ctypes.CDLL(None).pthread_exit(None)
