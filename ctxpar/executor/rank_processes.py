@@ -126,7 +126,7 @@ def _ending(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+    return stat.rsplit(b")", 1)[-1][1:2] in (b"Z", b"X")  # the state follows the name, in parentheses
 
 
 def _refused(store: dist.Store | None, proc: BaseProcess) -> str:
