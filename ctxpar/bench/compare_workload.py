@@ -59,17 +59,25 @@ def _engine(name: str, spec: dict):
             prompt,
             sampling_params(max_tokens=1 + k, temperature=0.0, ignore_eos=True),
         )
-        first: float | None = None
-        tokens: list[int] = []
-        while len(tokens) < 1 + k:
-            for out in step():
-                tokens = list(out.outputs[0].token_ids)
-            if first is None and tokens:
-                first = time.perf_counter()
-        assert first is not None  # the loop ran until tokens came
+        first, tokens = step_until(step, 1 + k)
         return first - sent, time.perf_counter() - first, tokens
 
     return generate, decode, loaded
+
+
+def step_until(step: Callable[[], Any], n: int) -> tuple[float, list[int]]:
+    """Step an engine that holds one request until it has ``n`` tokens: when its first
+    token appeared (time.perf_counter) and its token ids. Decode timed from that first
+    token to the last holds no prefill's noise."""
+    first: float | None = None
+    tokens: list[int] = []
+    while len(tokens) < n:
+        for out in step():
+            tokens = list(out.outputs[0].token_ids)
+        if first is None and tokens:
+            first = time.perf_counter()
+    assert first is not None  # the loop ran until tokens came
+    return first, tokens
 
 
 # One decode run: (seconds to the first token, seconds for tokens 2..1+K, the token ids).

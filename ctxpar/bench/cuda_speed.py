@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxpar.bench.compare_workload import step_until
 from ctxpar.bench.cuda_models import guarded, weights_from
 from ctxpar.entrypoints.cli.calibrate_host import launches
 
@@ -93,12 +94,7 @@ def ctxpar_speed(llm, ids: list[int], steps: int) -> tuple[float, float, int, fl
             lp = (out.logprobs or [{}])[0][first].logprob
     engine = llm.engine
     engine.add_request(ids, SamplingParams(max_tokens=1 + steps, temperature=0, ignore_eos=True), request_id="speed")
-    made, first_at = 0, math.nan
-    while made < 1 + steps:
-        for out in engine.step():
-            made = len(out.outputs[0].token_ids)
-        if made and math.isnan(first_at):
-            first_at = time.perf_counter()
+    first_at, _ = step_until(engine.step, 1 + steps)
     return best, (time.perf_counter() - first_at) / steps, first, lp
 
 
