@@ -60,6 +60,7 @@ using activations::quantize_rows;
 // The driving loop of quant_lanes.h's paths: the rows in passes, each output row's floats
 // (and, packed, its weights) made once a pass.
 using namespace lanes;
+constexpr int64_t SPAN = 32;  // output rows a decode step's call takes (span_lanes)
 constexpr int NR = 2;       // output rows a pass of the packed loop takes together (packed_rows)
 // AVX2: rows from which packing the weights pays (packed_rows), at any width: measured on an
 // AVX2-only CPU (Zen 3), the packed loop is faster for 4 and 8 bits from SmolLM2's 576 columns
@@ -182,6 +183,24 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
       auto store = [&](int64_t o, int64_t m0, int mr, const float* res) __attribute__((always_inline)) {
         for (int m = 0; m < mr; ++m) out[(m0 + m) * out_features + col + o] = res[m] + (bias ? bias[col + o] : 0.0f);
       };
+#if defined(__AVX2__)
+      // A decode step's rows (one pass of MR at most), their weights as stored: a call per span
+      // of output rows, whose set-up a narrow row (SmolLM2's 18 blocks) would otherwise pay
+      // as often as its products; each row's prefetches bring the next one's first blocks.
+      if (!packed && r1 - r0 <= MR) {
+        const int mr = int(r1 - r0);
+#pragma omp parallel for schedule(static)
+        for (int64_t o0 = 0; o0 < w.rows; o0 += SPAN) {
+          const int64_t o1 = std::min(w.rows, o0 + SPAN);
+          float res[SPAN * MR];
+          with_rows(mr, [&](auto m) {
+            with_kind([&](auto b, auto g) { span_lanes<b(), g(), m()>(w, o0, o1, xq, xp, xdl, xsl, xc, r0, in, res); });
+          });
+          for (int64_t o = o0; o < o1; ++o) store(o, r0, mr, res + (o - o0) * MR);
+        }
+        continue;
+      }
+#endif
 #pragma omp parallel for schedule(static)
       for (int64_t o0 = 0; o0 < w.rows; o0 += NR) {
         const int nr = int(std::min<int64_t>(NR, w.rows - o0));
@@ -215,9 +234,8 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
           continue;
         }
 #endif
-        // One output row at a time: its products, whose prefetches bring the next row's
-        // first blocks. Its scales are read as stored where one pass of MR rows meets them
-        // (a decode step's), else made floats first (row_floats): the same values.
+        // One output row at a time, its scales made floats first (row_floats: every pass of MR
+        // rows reads them; the same values as stored).
         for (int64_t o = o0; o < o0 + nr; ++o) {
           auto run = [&](const auto& row) __attribute__((always_inline)) {
             for (int64_t m0 = r0; m0 < r1; m0 += MR) {
@@ -235,12 +253,6 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
               store(o, m0, mr, res);
             }
           };
-#if defined(__AVX2__)
-          if (r1 - r0 <= MR) {
-            run(w.at_row(o));
-            continue;
-          }
-#endif
           run(row_floats(w, o, group, in, 0));
         }
       }

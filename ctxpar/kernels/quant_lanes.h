@@ -88,7 +88,8 @@ inline float hsum8(__m256 v) {
 //     times each block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of
 //     biased bytes could saturate, so they are packed as they are and multiplied as |q| by x
 //     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once. A last group
-//     of fewer than 8 blocks is summed block by block (group_sums), the direct way's.
+//     of fewer than 8 blocks is summed block by block (group_sums); the direct way sums it
+//     as its full groups, pair by pair, the blocks past the row's end zero.
 // Q4_0's zero is taken in the integers on both ways: -8 times each block's sum of activation
 // codes (xc, as the biased 8-bit weights' correction) is added to its sums, so that they are
 // sums of (q - 8) x.
@@ -288,7 +289,7 @@ __attribute__((noinline)) void last_group(const PartView<S>& wt, const int8_t* x
 // weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl, xsl and xc
 // transpose_rows' (xsl where the weight has offsets, xc where Q4_0's zero is taken off).
 template <int bits, int G, int mr, typename S>
-void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const float* xdl, const float* xsl,
+inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const float* xdl, const float* xsl,
                 const int32_t* xc, int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -343,8 +344,42 @@ void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const
       acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
     }
   }
-  if (nb % 8) last_group<bits, G, mr>(wt, xq, xdl, xsl, xc, m0, in, nb / 8 * 8, acc);
+  if (nb % 8) {  // the last group's pairs as a full group's, the blocks past the row's zero
+    const int64_t b = nb / 8 * 8;
+    __m256i v[4][G][mr];
+    for (int p = 0; p < 4; ++p) {
+      const int64_t first = b + 2 * p;
+      if (first + 1 < nb) {
+        pair(first / 2, v[p]);
+        continue;
+      }
+      for (int m = 0; m < mr; ++m) {  // an odd last block (codes as xq holds them), or none
+        const __m256i d = first < nb ? block_dot<bits>(load_block<bits>(wt.block(0, first)),
+                                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                           xq + (m0 + m) * in + first * QB)))
+                                     : _mm256_setzero_si256();
+        __m256i h[G];
+        pair_of_blocks<G>(d, _mm256_setzero_si256(), h);
+        for (int g = 0; g < G; ++g) v[p][g][m] = h[g];
+      }
+    }
+    const __m256* offsets = group_values<G>(wt, b, nb - b, ws, &wo);
+    for (int m = 0; m < mr; ++m) {
+      __m256i sums[G];
+      for (int g = 0; g < G; ++g)
+        sums[g] = pair_sums(pair_sums(v[0][g][m], v[1][g][m]), pair_sums(v[2][g][m], v[3][g][m]));
+      acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
+    }
+  }
   for (int m = 0; m < mr; ++m) res[m] = hsum8(acc[m]);
+}
+
+// rows_lanes for output rows [o0, o1) of w, one after another: res[(o - o0) * MR + m].
+template <int bits, int G, int mr, typename S>
+__attribute__((noinline)) void span_lanes(const PartView<S>& w, int64_t o0, int64_t o1, const int8_t* xq,
+                                          const int8_t* xp, const float* xdl, const float* xsl, const int32_t* xc,
+                                          int64_t m0, int64_t in, float* res) {
+  for (int64_t o = o0; o < o1; ++o) rows_lanes<bits, G, mr>(w.at_row(o), xq, xp, xdl, xsl, xc, m0, in, res + (o - o0) * MR);
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
