@@ -83,11 +83,13 @@ inline int64_t run_keys(int64_t keys) {
   return std::clamp((even + 7) / 8 * 8, MIN_RUN, CHUNK);
 }
 // Query heads blocked per pass over the keys: a GQA group of up to 4 (Llama's) converts
-// each key once; with 16 vector registers (AVX2) blocks of 2 keep the accumulators in them.
+// each key once; with 16 vector registers (AVX2) blocks of 3 (SmolLM2's group) still keep
+// the accumulators in them. A group over G_MAX takes the fewest passes, in blocks as even
+// as they go (Llama's 4 on AVX2: 2 + 2, which measured faster than 3 + 1).
 #if defined(__AVX512F__)
 constexpr int G_MAX = 4;
 #else
-constexpr int G_MAX = 2;
+constexpr int G_MAX = 3;
 #endif
 
 // L codes (or floats, or bf16) from p as floats; int8 on AVX-512 in one widening.
@@ -197,6 +199,7 @@ constexpr int IW = 32;  // int16 lanes a vector
 constexpr int IW = 16;
 #endif
 typedef int16_t vs __attribute__((vector_size(2 * IW)));  // IW codes
+typedef int16_t vs_loose __attribute__((vector_size(2 * IW), aligned(2)));  // the same, loaded unaligned
 typedef int32_t vi __attribute__((vector_size(2 * IW)));  // IW / 2 sums of pairs
 typedef float vf __attribute__((vector_size(2 * IW)));    // the sums as floats
 
@@ -268,7 +271,7 @@ inline void dots_int(const int16_t* q, int64_t stride, const int8_t* const* rows
   for (int k = 0; k < lanes; ++k) acc[k] = vi{};
   for (int64_t c = 0; c < dim; c += IW) {
     vs qc[G];
-    for (int j = 0; j < G; ++j) std::memcpy(&qc[j], q + j * stride + c, sizeof(vs));
+    for (int j = 0; j < G; ++j) qc[j] = *reinterpret_cast<const vs_loose*>(q + j * stride + c);
     for (int i = 0; i < KB; ++i) {
       const vs kc = widen(rows[i] + offset + c, dim - c);
       for (int j = 0; j < G; ++j) acc[j * KB + i] = madd(acc[j * KB + i], qc[j], kc);
@@ -398,6 +401,7 @@ template <typename T>
 void heads_over(const Queries& q, int64_t g, int64_t kv, int64_t dim, int64_t value_dim, const Keys<T>& K,
                 float cap, const Buffers& w, float* out, float* lse) {
   const int64_t n = K.n, nL = K.nL, split = K.split, heads = kv * g;
+  const int64_t passes = (g + G_MAX - 1) / G_MAX, block = (g + passes - 1) / passes;  // query heads a pass (G_MAX)
   const Scales* sc = K.sc;
   // Local copies of the pointers: the compiler keeps them in registers through the stores.
   float *const scores = w.scores, *const scores2 = w.scores2, *const weights = w.weights, *const tops = w.tops;
@@ -420,8 +424,8 @@ void heads_over(const Queries& q, int64_t g, int64_t kv, int64_t dim, int64_t va
           sv[h * CHUNK + a] = scale_at(K.rows[a], *sc, sc->value + h * sc->head);
         }
     for (int64_t h = 0; h < kv; ++h) {
-      for (int64_t j0 = 0; j0 < g; j0 += G_MAX)
-        with_group(std::min<int64_t>(G_MAX, g - j0), [&](auto group) {
+      for (int64_t j0 = 0; j0 < g; j0 += block)
+        with_group(std::min(block, g - j0), [&](auto group) {
           const int64_t hq = h * g + j0;
           if constexpr (std::is_same_v<T, int8_t>)
             if (q.codes) {
@@ -479,8 +483,8 @@ void heads_over(const Queries& q, int64_t g, int64_t kv, int64_t dim, int64_t va
     lse[hq] = hsum(total_v);  // the softmax's sum for now, its log below
   }
   for (int64_t h = 0; h < kv; ++h)
-    for (int64_t j0 = 0; j0 < g; j0 += G_MAX)
-      with_group(std::min<int64_t>(G_MAX, g - j0), [&](auto group) {
+    for (int64_t j0 = 0; j0 < g; j0 += block)
+      with_group(std::min(block, g - j0), [&](auto group) {
         const int64_t hq = h * g + j0;
         weighted_values_any<group.value>(weights + hq * CHUNK, K.rows, h * K.head_stride + K.v_offset, n,
                                          value_dim, out + hq * value_dim, value_dim);
