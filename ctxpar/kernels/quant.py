@@ -101,15 +101,33 @@ def quant_linear(
 
 
 def quant_dequantize(
-    weight: QuantPart, in_features: int, bits: int, group: int, half: bool, first: int, rows: int, zero: int = 0
+    weight: QuantPart, in_features: int, bits: int, group: int, half: bool, rows: range | torch.Tensor, zero: int = 0
 ) -> torch.Tensor:
-    """Rows [first, first + rows) of the weight (as ``quant_linear`` takes a part) as
-    float32 (rows, in): ``scale * (q - zero)``, then ``+ offset``."""
-    if first < 0 or rows < 0 or first + rows > weight.rows:
-        raise ValueError(f"quant_dequantize: rows [{first}, {first + rows}) outside the weight's {weight.rows} rows")
-    out = torch.empty(rows, in_features, dtype=torch.float32)
+    """The weight's rows ``rows`` (as ``quant_linear`` takes a part): a range of them, or
+    an int64 tensor (n,) of row ids (an embedding's lookup), as float32 (n, in):
+    ``scale * (q - zero)``, then ``+ offset``."""
+    ids = None
+    if isinstance(rows, range):
+        if rows.step != 1 or rows.start < 0 or rows.stop > weight.rows:
+            raise ValueError(f"quant_dequantize: rows {rows} are not a run inside the weight's {weight.rows} rows")
+        first, count = rows.start, max(len(rows), 0)
+    else:
+        ids = rows.to(torch.int64).contiguous()
+        if ids.dim() != 1 or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= weight.rows)):
+            raise ValueError(f"quant_dequantize: row ids must be (n,) within the weight's {weight.rows} rows")
+        first, count = 0, len(ids)
+    out = torch.empty(count, in_features, dtype=torch.float32)
     kernels.loaded().quant_dequantize_f32(
-        ctypes.addressof(weight), half, bits, group, zero, first, rows, in_features, out.data_ptr()
+        ctypes.addressof(weight),
+        half,
+        bits,
+        group,
+        zero,
+        0 if ids is None else ids.data_ptr(),
+        first,
+        count,
+        in_features,
+        out.data_ptr(),
     )
     return out
 

@@ -33,27 +33,29 @@ inline void dequantize_block(const PartView<S>& w, int64_t bits, int64_t group, 
 }
 
 template <typename S>
-void dequantize_rows(const QuantPart& part, int64_t bits, int64_t group, int64_t zero, int64_t first, int64_t rows,
-                     int64_t in, float* out) {
+void dequantize_rows(const QuantPart& part, int64_t bits, int64_t group, int64_t zero, const int64_t* ids,
+                     int64_t first, int64_t rows, int64_t in, float* out) {
   const PartView<S> w(part);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)  // one row (a decode step's embedding): no team
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < in / QB; ++b) dequantize_block(w, bits, group, zero, first + r, b, out + r * in + b * QB);
+    for (int64_t b = 0; b < in / QB; ++b)
+      dequantize_block(w, bits, group, zero, ids ? ids[r] : first + r, b, out + r * in + b * QB);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Rows [first, first + rows) of the weight (one part, quant_part.h; scales and offsets half if
-// `half`, else float32) as float32 (rows, in): scale * (q - zero), then + offset (two
+// Rows [first, first + rows) of the weight, or where ids is not null rows ids[0..rows) (an
+// embedding's lookup), each in the weight (one part, quant_part.h; scales and offsets half if
+// `half`, else float32), as float32 (rows, in): scale * (q - zero), then + offset (two
 // roundings, as ctxpar's and gguf's dequantizers). Prefill multiplies tiles of these.
 void quant_dequantize_f32(const QuantPart* part, int64_t half, int64_t bits, int64_t group, int64_t zero,
-                          int64_t first, int64_t rows, int64_t in, float* out) {
+                          const int64_t* ids, int64_t first, int64_t rows, int64_t in, float* out) {
   if (half)
-    dequantize_rows<Half>(*part, bits, group, zero, first, rows, in, out);
+    dequantize_rows<Half>(*part, bits, group, zero, ids, first, rows, in, out);
   else
-    dequantize_rows<float>(*part, bits, group, zero, first, rows, in, out);
+    dequantize_rows<float>(*part, bits, group, zero, ids, first, rows, in, out);
 }
 
 }  // extern "C"

@@ -40,7 +40,7 @@ SIGNATURES: dict[str, tuple[Sequence[type], type | None]] = {
     "linear_panel_width": ([], _i64),
     "linear_bf16_tiles": ([], _i64),
     "quant_linear_f32": ([_ptr, _i64, _i64, _i64, _ptr] + [_i64] * 5 + [_ptr, _ptr], None),
-    "quant_dequantize_f32": ([_ptr] + [_i64] * 7 + [_ptr], None),
+    "quant_dequantize_f32": ([_ptr] + [_i64] * 4 + [_ptr] + [_i64] * 3 + [_ptr], None),
     "quant_peak_ops": ([_i64], _i64),
     "llama_decode_layers": ([_ptr, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32] + [_ptr] * 7 + [_f32, _f32, _i64], None),
     "moe_route_f32": ([_ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _ptr], None),

@@ -32,7 +32,7 @@ from torch import nn
 from ctxpar import kernels
 from ctxpar.device import cpu_has_native_bf16
 from ctxpar.kernels import panels
-from ctxpar.layers.quant_linear import TILE_ROWS, QuantParts, QuantWeight, quant_embedding, quant_linear
+from ctxpar.layers.quant_linear import TILE_ROWS, QuantParts, QuantWeight, quant_linear
 
 
 @dataclass
@@ -77,7 +77,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 def embedding(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """The rows ``ids`` (n,) of an embedding table (plain or quantized) -> (n, dim) in dtype."""
     if isinstance(table, QuantWeight):
-        return quant_embedding(ids, table).to(dtype)
+        return table.take(ids).to(dtype)
     return F.embedding(ids, table).to(dtype)  # a GGUF's BF16 table in a float32 model: its rows as floats
 
 

@@ -265,10 +265,20 @@ class QuantWeight:
         end = self.out_features if end is None else end
         if not kernels.available():
             return torch.from_numpy(dequantize(self.rows(first, end).decoded()))
+        return self._floats(range(first, end))
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (n,) as float32 (n, in): a quantized embedding table's lookup."""
+        if not kernels.available():
+            off = None if self.offsets is None else self.offsets[ids]
+            return replace(self, qs=self.qs[ids], scales=self.scales[ids], offsets=off, mapped=False).dequantize()
+        return self._floats(ids)
+
+    def _floats(self, rows: range | torch.Tensor) -> torch.Tensor:
         w = quant.quant_dequantize(
-            self.kernel_parts[0], self.kernel_in, self.bits, self.group, self.half, first, end - first, self.zero
+            self.kernel_parts[0], self.kernel_in, self.bits, self.group, self.half, rows, self.zero
         )
-        return w.view(end - first, -1, 2, 16)[:, :, 0].reshape(end - first, -1) if self.spread else w
+        return w.view(len(w), -1, 2, 16)[:, :, 0].reshape(len(w), -1) if self.spread else w  # (n, in)
 
 
 def copy_on_threads(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -483,9 +493,3 @@ def quant_linear(x: torch.Tensor, w: Quantized, bias: torch.Tensor | None = None
             tile_bias = None if bias is None else bias[first:end].float()
             out[:, first:end] = F.linear(x, w.dequantize(first, end).to(x.device), tile_bias)
     return out if dtype == torch.float32 else out.to(dtype)
-
-
-def quant_embedding(ids: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """The rows ``ids`` (n,) of w, dequantized: (n, in) float32 (a quantized embedding table)."""
-    off = None if w.offsets is None else w.offsets[ids]
-    return replace(w, qs=w.qs[ids], scales=w.scales[ids], offsets=off, mapped=False).dequantize()

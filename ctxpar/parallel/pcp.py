@@ -95,10 +95,13 @@ def plan_pcp_layout(
     )
     P = pcp_size
     kinds = _classify_rows(q, prefilling, P, replicate_below, spread_min_rows)
-    qs = q[kinds.split_rows]  # (S,)
-    first, width = _split_groups(qs, kinds.split_rows, P, split_ranks)
-    off, length = _chunk_spans(qs, first, width, P)
-    own = _own_rows(q, c, kinds.own_rows, _chunk_rows(c, kinds.split_rows, off, length), P)
+    chunks = _NO_CHUNKS  # a step without split rows (decodes, short rows): stages 2-4 would find none
+    if len(kinds.split_rows):
+        qs = q[kinds.split_rows]  # (S,)
+        first, width = _split_groups(qs, kinds.split_rows, P, split_ranks)
+        off, length = _chunk_spans(qs, first, width, P)
+        chunks = _chunk_rows(c, kinds.split_rows, off, length)
+    own = _own_rows(q, c, kinds.own_rows, chunks, P)
     table = _row_table(q, kinds.rep_rows, own, P)
     qsl = exclusive_cumsum(q)  # (R+1,) row r owns flat tokens [qsl[r], qsl[r+1])
     padded_gather_idx, kv_write_mask, hidden_restore_idx = _token_maps(qsl, table, P)
@@ -189,6 +192,9 @@ def _chunk_rows(
     rank_of, col = np.divmod(keep.ravel().nonzero()[0], max(keep.shape[1], 1))  # (rows_c,)
     col %= max(off.shape[1], 1)  # table column -> chunk column
     return rank_of, chunk_req[col], off[rank_of, col], length[rank_of, col]
+
+
+_NO_CHUNKS = tuple(np.zeros(0, dtype=np.int64) for _ in range(4))  # _chunk_rows' answer without split rows
 
 
 class _OwnRows(NamedTuple):

@@ -247,6 +247,28 @@ def test_parts_in_place_compute_the_joined_weights_bits(name: str, build: str) -
     assert torch.equal(parts.dequantize(40, 70), joined.dequantize(40, 70))
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_embedding_rows_are_ggufs(name: str, build: str) -> None:
+    """An embedding's lookup (QuantWeight.take: the kernel reads the rows the ids name, in
+    their order, repeats included) gives gguf's floats of those rows, for every format
+    (Q2_K's spread slots too) and a file's blocks in place; ids outside the table are
+    refused before any row is read."""
+    rng = np.random.default_rng(360 + ALL.index(name))
+    cols = FORMATS[name].block * 3
+    raw = random_blocks(name, 40, cols, rng)
+    want = torch.from_numpy(reference(raw, name).reshape(40, cols).astype(np.float32))
+    tables = [QuantWeight.from_decoded(decode(raw, name, cols))]
+    if name in IN_PLACE:
+        tables.append(QuantWeight.in_place(mapped(raw), name))
+    for table in tables:
+        for ids in ([7], [39, 0, 7, 7, 12], list(range(40))):
+            got = table.take(torch.tensor(ids))
+            assert torch.equal(got, want[ids]), ids
+        for bad in ([40], [-1], [3, 41]):
+            with pytest.raises(ValueError, match="row ids"):
+                table.take(torch.tensor(bad))
+
+
 def test_a_moved_part_is_read_where_it_went() -> None:
     """Weights move after loading (onto huge pages, into the ranks' shared segment): the
     kernels then read the new place, also through a QuantParts, and never the old one."""
