@@ -194,7 +194,7 @@ def _chunk_rows(
     return rank_of, chunk_req[col], off[rank_of, col], length[rank_of, col]
 
 
-_NONE = np.zeros(0, dtype=np.int64)
+_NONE = frozen(np.zeros(0, dtype=np.int64))
 _NO_CHUNKS = (_NONE, _NONE, _NONE, _NONE)  # _chunk_rows' answer without split rows
 
 
