@@ -194,7 +194,9 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
           const int64_t o1 = std::min(w.rows, o0 + SPAN);
           float res[SPAN * MR];
           with_rows(mr, [&](auto m) {
-            with_kind([&](auto b, auto g) { span_lanes<b(), g(), m()>(w, o0, o1, xq, xp, xdl, xsl, xc, r0, in, res); });
+            with_kind([&](auto b, auto g) {
+              span_lanes<b(), g(), m()>(w, o0, o1, xq, xp, xdl, xsl, xc, r0, in, res);
+            });
           });
           for (int64_t o = o0; o < o1; ++o) store(o, r0, mr, res + (o - o0) * MR);
         }

@@ -288,9 +288,11 @@ __attribute__((noinline)) void last_group(const PartView<S>& wt, const int8_t* x
 // Rows [m0, m0 + mr) against output row wt (row 0 of the view: as stored, or row_floats'), the
 // weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl, xsl and xc
 // transpose_rows' (xsl where the weight has offsets, xc where Q4_0's zero is taken off).
+// Inlined into its callers' loops over output rows (span_lanes): no call a row.
 template <int bits, int G, int mr, typename S>
-inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp, const float* xdl, const float* xsl,
-                const int32_t* xc, int64_t m0, int64_t in, float* res) {
+inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp,
+                                                      const float* xdl, const float* xsl, const int32_t* xc,
+                                                      int64_t m0, int64_t in, float* res) {
   const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #if !defined(CTXPAR_DPBUSD)
@@ -379,7 +381,8 @@ template <int bits, int G, int mr, typename S>
 __attribute__((noinline)) void span_lanes(const PartView<S>& w, int64_t o0, int64_t o1, const int8_t* xq,
                                           const int8_t* xp, const float* xdl, const float* xsl, const int32_t* xc,
                                           int64_t m0, int64_t in, float* res) {
-  for (int64_t o = o0; o < o1; ++o) rows_lanes<bits, G, mr>(w.at_row(o), xq, xp, xdl, xsl, xc, m0, in, res + (o - o0) * MR);
+  for (int64_t o = o0; o < o1; ++o)
+    rows_lanes<bits, G, mr>(w.at_row(o), xq, xp, xdl, xsl, xc, m0, in, res + (o - o0) * MR);
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
