@@ -230,23 +230,41 @@ def _kv_freed_without_finishing(server, finished_before: float) -> None:
     assert m.get("ctxpar:request_success_total", 0) == finished_before
 
 
+def _in_flight(server, finished_before: float) -> bool:
+    """Whether the request streaming now holds KV blocks (the gauge is set after each step),
+    False if it finished first: 450 tokens take this tiny model a few tenths of a second,
+    which a loaded host's client can spend before it reads the gauge."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(server)
+        if m["ctxpar:kv_cache_usage_perc"] > 0:
+            return True
+        if m.get("ctxpar:request_success_total", 0) > finished_before:
+            return False
+        assert time.monotonic() < deadline, "no KV block in use while a request streams"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_kv(server, stream):
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 450, "temperature": 0, "stream": stream}
-    finished = metrics(server).get("ctxpar:request_success_total", 0)
     with httpx.Client(timeout=300, headers=server.headers()) as http:
         if stream:
-            with http.stream("POST", server.url + "/v1/completions", json=body) as r:
-                lines = r.iter_lines()  # kept: a generator over the body, dropped, closes the stream
-                first = next(line for line in lines if line.startswith("data:"))
-                assert '"text"' in first, first  # a token, not an error
-                # The request holds blocks while it runs (the gauge is set after each step).
-                deadline = time.monotonic() + 30
-                while metrics(server)["ctxpar:kv_cache_usage_perc"] == 0:
-                    assert time.monotonic() < deadline, "no KV block in use while a request streams"
-                    time.sleep(0.01)
-            # The connection closes mid-stream.
+            for _ in range(5):  # until the request is caught in flight (see _in_flight)
+                finished = metrics(server).get("ctxpar:request_success_total", 0)
+                with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()  # kept: a generator over the body, dropped, closes the stream
+                    first = next(line for line in lines if line.startswith("data:"))
+                    assert '"text"' in first, first  # a token, not an error
+                    caught = _in_flight(server, finished)
+                # The connection closes mid-stream (when caught).
+                if caught:
+                    break
+                server.wait_idle()
+            else:
+                pytest.fail("the streaming request finished before its KV blocks were seen, 5 times")
         else:
+            finished = metrics(server).get("ctxpar:request_success_total", 0)
             # The client gives up waiting and closes the connection: well before the 450 tokens,
             # which this tiny model decodes in a few tenths of a second.
             with pytest.raises(httpx.ReadTimeout):
