@@ -108,12 +108,12 @@ def quant_dequantize(
     ``scale * (q - zero)``, then ``+ offset``."""
     ids = None
     if isinstance(rows, range):
-        if rows.step != 1 or rows.start < 0 or rows.stop > weight.rows:
+        if rows.step != 1 or not 0 <= rows.start <= rows.stop <= weight.rows:
             raise ValueError(f"quant_dequantize: rows {rows} are not a run inside the weight's {weight.rows} rows")
-        first, count = rows.start, max(len(rows), 0)
+        first, count = rows.start, len(rows)
     else:
         ids = rows.to(torch.int64).contiguous()
-        if ids.dim() != 1 or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= weight.rows)):
+        if ids.dim() != 1 or (len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < weight.rows):
             raise ValueError(f"quant_dequantize: row ids must be (n,) within the weight's {weight.rows} rows")
         first, count = 0, len(ids)
     out = torch.empty(count, in_features, dtype=torch.float32)

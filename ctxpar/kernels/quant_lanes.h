@@ -221,6 +221,20 @@ inline void pair_of_blocks(__m256i d0, __m256i d1, __m256i* v) {
     v[0] = h0, v[1] = h1;
 }
 
+// Block `at` of output row wt (as stored) against one activation row's codes q (block order):
+// its block_dot sums.
+template <int bits, typename S>
+inline __m256i one_block(const PartView<S>& wt, const int8_t* q, int64_t at) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at * QB));
+  return block_dot<bits>(load_block<bits>(wt.block(0, at)), x);
+}
+
+// A group's 8 sums in LANE's order from its four pairs' (pair_of_blocks': pair p holds
+// blocks 2p and 2p + 1).
+inline __m256i group_of_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  return pair_sums(pair_sums(p0, p1), pair_sums(p2, p3));
+}
+
 // The 8 sums (G vectors, LANE's order) of blocks [b, b + count) of output row wt (as stored)
 // against one activation row's codes q (block order), block by block; the missing blocks' zero.
 template <int bits, int G, typename S>
@@ -228,15 +242,11 @@ inline void group_sums(const PartView<S>& wt, const int8_t* q, int64_t b, int64_
   __m256i v[4][G];  // pair p: lanes 0-3 block 2p's quarters, 4-7 block 2p + 1's (G = 2: the halves apart)
   for (int p = 0; p < 4; ++p) {
     __m256i d[2];
-    for (int k = 0; k < 2; ++k) {
-      const int64_t at = b + 2 * p + k;
-      d[k] = 2 * p + k < count ? block_dot<bits>(load_block<bits>(wt.block(0, at)),
-                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at * QB)))
-                               : _mm256_setzero_si256();
-    }
+    for (int k = 0; k < 2; ++k)
+      d[k] = 2 * p + k < count ? one_block<bits>(wt, q, b + 2 * p + k) : _mm256_setzero_si256();
     pair_of_blocks<G>(d[0], d[1], v[p]);
   }
-  for (int g = 0; g < G; ++g) sums[g] = pair_sums(pair_sums(v[0][g], v[1][g]), pair_sums(v[2][g], v[3][g]));
+  for (int g = 0; g < G; ++g) sums[g] = group_of_pairs(v[0][g], v[1][g], v[2][g], v[3][g]);
 }
 
 // A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows', the
@@ -356,10 +366,7 @@ inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, con
         continue;
       }
       for (int m = 0; m < mr; ++m) {  // an odd last block (codes as xq holds them), or none
-        const __m256i d = first < nb ? block_dot<bits>(load_block<bits>(wt.block(0, first)),
-                                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                                           xq + (m0 + m) * in + first * QB)))
-                                     : _mm256_setzero_si256();
+        const __m256i d = first < nb ? one_block<bits>(wt, xq + (m0 + m) * in, first) : _mm256_setzero_si256();
         __m256i h[G];
         pair_of_blocks<G>(d, _mm256_setzero_si256(), h);
         for (int g = 0; g < G; ++g) v[p][g][m] = h[g];
@@ -368,8 +375,7 @@ inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, con
     const __m256* offsets = group_values<G>(wt, b, nb - b, ws, &wo);
     for (int m = 0; m < mr; ++m) {
       __m256i sums[G];
-      for (int g = 0; g < G; ++g)
-        sums[g] = pair_sums(pair_sums(v[0][g][m], v[1][g][m]), pair_sums(v[2][g][m], v[3][g][m]));
+      for (int g = 0; g < G; ++g) sums[g] = group_of_pairs(v[0][g][m], v[1][g][m], v[2][g][m], v[3][g][m]);
       acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
     }
   }

@@ -251,8 +251,8 @@ def test_parts_in_place_compute_the_joined_weights_bits(name: str, build: str) -
 def test_embedding_rows_are_ggufs(name: str, build: str) -> None:
     """An embedding's lookup (QuantWeight.take: the kernel reads the rows the ids name, in
     their order, repeats included) gives gguf's floats of those rows, for every format
-    (Q2_K's spread slots too) and a file's blocks in place; ids outside the table are
-    refused before any row is read."""
+    (Q2_K's spread slots too) and a file's blocks in place; ids outside the table, and a
+    run of rows past it or backwards, are refused before any row is read."""
     rng = np.random.default_rng(360 + ALL.index(name))
     cols = FORMATS[name].block * 3
     raw = random_blocks(name, 40, cols, rng)
@@ -267,6 +267,9 @@ def test_embedding_rows_are_ggufs(name: str, build: str) -> None:
         for bad in ([40], [-1], [3, 41]):
             with pytest.raises(ValueError, match="row ids"):
                 table.take(torch.tensor(bad))
+        for first, end in ((38, 41), (5, 3)):  # a run of rows, as the lm_head's tiles take them
+            with pytest.raises(ValueError, match="not a run inside"):
+                table.dequantize(first, end)
 
 
 def test_a_moved_part_is_read_where_it_went() -> None:
