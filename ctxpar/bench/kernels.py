@@ -120,7 +120,7 @@ def _compare(label: str, fn: Callable[[], torch.Tensor], repeat: int, flops: flo
     t_kernel, out = _best(fn, True, repeat)
     t_torch, want = _best(fn, False, repeat)
     diff = (out.float() - want.float()).abs().max().item()
-    rate = f" | {flops / t_kernel / 1e9:7.0f}" if flops else ""
+    rate = f" | {flops / t_kernel / 1e9:7.3g}" if flops else ""
     print(f"{label:>32} | {t_kernel * 1e3:9.3f} | {t_torch * 1e3:9.3f} | {t_kernel / t_torch:6.2f}x | {diff:.1e}{rate}")
 
 
