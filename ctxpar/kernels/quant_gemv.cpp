@@ -142,11 +142,11 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   static thread_local std::vector<float> xdl_buf, xsl_buf;
   static thread_local std::vector<int32_t> xc_buf;
   const int64_t nbp = (nb + 7) / 8 * 8;  // blocks a row in transpose_rows' lanes
+  if (packed && int64_t(xt_buf.size()) < n * nbp * QB) xt_buf.resize(n * nbp * QB);
   bool offsets = false;
   for (int64_t k = 0; k < num_parts; ++k) offsets |= parts[k].offsets != nullptr;
   if (int64_t(xdl_buf.size()) < n * nbp) xdl_buf.resize(n * nbp);
   if (offsets && int64_t(xsl_buf.size()) < n * nbp) xsl_buf.resize(n * nbp);
-  if (packed && int64_t(xt_buf.size()) < n * in) xt_buf.resize(n * in);
   // The codes' share of the sums (xc): -shift x each group's codes, shift 128 for VNNI's biased
   // packed 8-bit weights, Q4_0's zero 8.
   const int32_t shift = packed && bits == 8 && VNNI ? 128 : int32_t(zero);
@@ -213,7 +213,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
           const PartView<float> rows[NR] = {first, nr > 1 ? row_floats(w, o0 + 1, group, in, 1) : first};
           const uint8_t* packs[NR];
           for (int j = 0; j < nr; ++j) {
-            packed_buf[j].resize(in);
+            packed_buf[j].resize(nbp * QB);
             if (bits == 4)
               pack_row<4>(rows[j], 0, nb, packed_buf[j].data());
             else
@@ -226,9 +226,9 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
             with_rows(mr, [&](auto m) {
               with_kind([&](auto b, auto g) {
                 if (nr == NR)
-                  packed_rows<b(), g(), m(), NR>(rows, packs, xq, xt, xdl, xsl, xc, m0, in, res);
+                  packed_rows<b(), g(), m(), NR>(rows, packs, xt, xdl, xsl, xc, m0, in, res);
                 else
-                  packed_rows<b(), g(), m(), 1>(rows, packs, xq, xt, xdl, xsl, xc, m0, in, res);
+                  packed_rows<b(), g(), m(), 1>(rows, packs, xt, xdl, xsl, xc, m0, in, res);
               });
             });
             for (int j = 0; j < nr; ++j) store(o0 + j, m0, mr, res[j]);

@@ -87,9 +87,10 @@ inline float hsum8(__m256 v) {
 //     weights are packed biased to unsigned with VNNI (q + 128, dpbusd's u8 operand), and 128
 //     times each block's sum of codes is taken off the sums; without VNNI, maddubs' pairs of
 //     biased bytes could saturate, so they are packed as they are and multiplied as |q| by x
-//     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once. A last group
-//     of fewer than 8 blocks is summed block by block (group_sums); the direct way sums it
-//     as its full groups, pair by pair, the blocks past the row's end zero.
+//     with q's sign (pairs of 128 x 127 fit int16), each pair widened at once. A row's last
+//     group of fewer than 8 blocks is packed as a full one, the blocks past the row's end
+//     zero weights against zero codes (its sums theirs: zero); the direct way sums it as its
+//     full groups too, pair by pair, the blocks past the row's end zero.
 // Q4_0's zero is taken in the integers on both ways: -8 times each block's sum of activation
 // codes (xc, as the biased 8-bit weights' correction) is added to its sums, so that they are
 // sums of (q - 8) x.
@@ -122,13 +123,15 @@ inline void transpose8(__m256i r[8]) {
 }
 
 // Output row o's weights as packed_rows reads them: per 8 blocks, 8 vectors of 32 bytes
-// (8 bits: biased to unsigned with VNNI).
+// (8 bits: biased to unsigned with VNNI); the last group's blocks past the row's end zero
+// (biased: any weight meets zero codes there), nbp * QB bytes in all.
 template <int bits, typename S>
 inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packed) {
   const __m256i bias = _mm256_set1_epi8(bits == 8 && VNNI ? char(0x80) : 0);
-  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+  for (int64_t b = 0; b < nb; b += 8) {
     __m256i r[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_xor_si256(load_block<bits>(w.block(o, b + LANE[i])), bias);
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm256_xor_si256(b + LANE[i] < nb ? load_block<bits>(w.block(o, b + LANE[i])) : _mm256_setzero_si256(), bias);
     transpose8(r);
     for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + (b + k) * 4 * 8), r[k]);
   }
@@ -140,8 +143,8 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
 // xc is not null -shift times each group's sum of codes (added to the sums: shift 128 for
 // VNNI's biased 8-bit weights, 8 for Q4_0's zero), G groups a block: per 8 blocks, G runs of
 // 8 in LANE's order (G = 2: the blocks' first halves, then their second), nbp * G a row; and
-// where xt is not null the codes (n, in) as pack_row packs the weights (the blocks past the
-// last full 8 as they are).
+// where xt is not null the codes (n, nbp * QB) as pack_row packs the weights (the last
+// group's missing blocks zero codes).
 inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t in, int G, int8_t* xt,
                            float* xdl, float* xsl, int32_t* xc, int32_t shift) {
   const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
@@ -169,12 +172,8 @@ inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, i
           c[0] = -shift * first, c[8] = -shift * second;
       }
       if (!xt) continue;
-      if (count < 8) {
-        std::copy(q + b * QB, q + in, xt + m * in + b * QB);
-        continue;
-      }
       transpose8(r);
-      for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + m * in + (b + k) * QB), r[k]);
+      for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + (m * nbp + b + k) * QB), r[k]);
     }
   }
 }
@@ -235,20 +234,6 @@ inline __m256i group_of_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   return pair_sums(pair_sums(p0, p1), pair_sums(p2, p3));
 }
 
-// The 8 sums (G vectors, LANE's order) of blocks [b, b + count) of output row wt (as stored)
-// against one activation row's codes q (block order), block by block; the missing blocks' zero.
-template <int bits, int G, typename S>
-inline void group_sums(const PartView<S>& wt, const int8_t* q, int64_t b, int64_t count, __m256i* sums) {
-  __m256i v[4][G];  // pair p: lanes 0-3 block 2p's quarters, 4-7 block 2p + 1's (G = 2: the halves apart)
-  for (int p = 0; p < 4; ++p) {
-    __m256i d[2];
-    for (int k = 0; k < 2; ++k)
-      d[k] = 2 * p + k < count ? one_block<bits>(wt, q, b + 2 * p + k) : _mm256_setzero_si256();
-    pair_of_blocks<G>(d[0], d[1], v[p]);
-  }
-  for (int g = 0; g < G; ++g) sums[g] = group_of_pairs(v[0][g], v[1][g], v[2][g], v[3][g]);
-}
-
 // A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows', the
 // group at `at` of them): fold8, group g's, acc += float(sums + xc) * (weight scales x
 // activation scales), xc where Q4_0's zero or VNNI's bias is taken off; then fold_offsets,
@@ -278,21 +263,6 @@ inline const __m256* group_values(const PartView<S>& wt, int64_t b, int64_t coun
   if (!wt.o) return nullptr;
   lane_values<1>(wt.o, wt.o_col, b, count, wo);
   return wo;
-}
-
-// Rows [m0, m0 + mr)'s accumulators' step for output row wt's last group, of fewer than 8
-// blocks (at block b): kept out of line, so that the loops over full groups keep their registers.
-template <int bits, int G, int mr, typename S>
-__attribute__((noinline)) void last_group(const PartView<S>& wt, const int8_t* xq, const float* xdl, const float* xsl,
-                                          const int32_t* xc, int64_t m0, int64_t in, int64_t b, __m256* acc) {
-  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
-  __m256 ws[G], wo;
-  const __m256* offsets = group_values<G>(wt, b, nb - b, ws, &wo);
-  for (int m = 0; m < mr; ++m) {
-    __m256i sums[G];
-    group_sums<bits, G>(wt, xq + (m0 + m) * in, b, nb - b, sums);
-    acc[m] = fold_group<G>(sums, ws, offsets, xdl, xsl, xc, (m0 + m) * nbp + b, acc[m]);
-  }
 }
 
 // Rows [m0, m0 + mr) against output row wt (row 0 of the view: as stored, or row_floats'), the
@@ -395,7 +365,7 @@ __attribute__((noinline)) void span_lanes(const PartView<S>& w, int64_t o0, int6
 // res[j][m]) from the codes as packed (transpose_rows' xt): every load of the codes serves nr
 // rows' dot products, and every load of the weights mr rows'.
 template <int bits, int G, int mr, int nr>
-void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const int8_t* xq, const int8_t* xt,
+void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const int8_t* xt,
                  const float* xdl, const float* xsl, const int32_t* xc, int64_t m0, int64_t in, float (*res)[MR]) {
   const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
 #if !defined(CTXPAR_DPBUSD)
@@ -404,10 +374,10 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
   __m256 acc[nr][mr];
   for (int j = 0; j < nr; ++j)
     for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b + 8 <= nb; b += 8) {
+  for (int64_t b = 0; b < nb; b += 8) {  // the last group padded (pack_row, transpose_rows)
     __m256 ws[nr][G], wo[nr];
     const __m256* offsets[nr];
-    for (int j = 0; j < nr; ++j) offsets[j] = group_values<G>(wt[j], b, 8, ws[j], &wo[j]);
+    for (int j = 0; j < nr; ++j) offsets[j] = group_values<G>(wt[j], b, std::min<int64_t>(8, nb - b), ws[j], &wo[j]);
     // Group g's vectors k: weights 4k..4k+3 of each block, its first halves' or second's (G = 2).
     for (int g = 0; g < G; ++g) {
       // Dot products of 4 bytes (VNNI) into 32-bit sums, or of 2 (maddubs) into 16-bit ones:
@@ -427,7 +397,7 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
         for (int j = 0; j < nr; ++j) magnitude[j] = bits == 8 ? _mm256_abs_epi8(w[j]) : w[j];
 #endif
         for (int m = 0; m < mr; ++m) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + (m0 + m) * in + (b + k) * QB));
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + ((m0 + m) * nbp + b + k) * QB));
           for (int j = 0; j < nr; ++j) {
 #if defined(CTXPAR_DPBUSD)
             s[j][m] = CTXPAR_DPBUSD(s[j][m], w[j], x);
@@ -461,10 +431,8 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
     for (int j = 0; j < nr; ++j)
       for (int m = 0; m < mr; ++m) acc[j][m] = fold_offsets(offsets[j], xsl + (m0 + m) * nbp + b, acc[j][m]);
   }
-  for (int j = 0; j < nr; ++j) {
-    if (nb % 8) last_group<bits, G, mr>(wt[j], xq, xdl, xsl, xc, m0, in, nb / 8 * 8, acc[j]);
+  for (int j = 0; j < nr; ++j)
     for (int m = 0; m < mr; ++m) res[j][m] = hsum8(acc[j][m]);
-  }
 }
 #endif
 
