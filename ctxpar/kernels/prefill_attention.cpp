@@ -199,6 +199,10 @@ inline vec rounded_apart(vec v) {
 typedef int16_t pairs __attribute__((vector_size(sizeof(vec))));           // 2W int16: W pairs
 typedef int16_t halves __attribute__((vector_size(sizeof(vec) / 2)));      // W int16
 typedef int8_t codes __attribute__((vector_size(sizeof(vec) / 2)));        // 2W int8
+// veci read where it lies (a word's alignment): one vector load. Copied into a veci with memcpy,
+// GCC moved it 16 bytes at a time through the stack, and the products' 32-byte loads of the
+// copy then waited on the two stores (no forwarding across them).
+typedef int32_t veci_loose __attribute__((vector_size(sizeof(veci)), aligned(4)));
 // A score's sum: dim / 2 pairs of at most 2 · 32767 · 128 each, under 2^31 - 1 up to 512 dims.
 constexpr int64_t MAX_INT_DIM = 512;
 
@@ -310,7 +314,7 @@ inline void tile_pairs(const int32_t* a, int64_t lda, Rows b, int64_t depth, Out
   for (int64_t p = 0; p < depth; ++p) {
     const int32_t* bp_row = b(p);
     veci bp[4];
-    for (int i = 0; i < 4; ++i) std::memcpy(&bp[i], bp_row + i * W, sizeof(veci));
+    for (int i = 0; i < 4; ++i) bp[i] = (veci)*reinterpret_cast<const veci_loose*>(bp_row + i * W);
     for (int64_t r = 0; r < ROWS; ++r) {
       const veci ar = veci{} + a[r * lda + p];  // a row's pair, broadcast
       for (int i = 0; i < 4; ++i) acc[r][i] = dot_pairs(acc[r][i], ar, bp[i]);
