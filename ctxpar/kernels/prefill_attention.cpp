@@ -98,13 +98,16 @@ inline void tile_product(const float* a, int64_t lda, Rows b, int64_t depth, con
   if (keep)
     for (int64_t r = 0; r < ROWS; ++r)
       for (int i = 0; i < 4; ++i) acc[r][i] = loadv<vec>(c + r * ldc + i * W) * keep[r];
+  // The rows' broadcasts held and the right operand's vectors taken one at a time: ROWS x 4
+  // accumulators, ROWS broadcasts and one vector fill AVX2's 16 registers (all 4 vectors
+  // held as well, GCC kept an accumulator on the stack, each step waiting on its store).
   for (int64_t d = 0; d < depth; ++d) {
     const float* bd_row = b(d);
-    vec bd[4];
-    for (int i = 0; i < 4; ++i) bd[i] = loadv<vec>(bd_row + i * W);
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const float ar = a[r * lda + d];  // broadcast by the vector product
-      for (int i = 0; i < 4; ++i) acc[r][i] += ar * bd[i];
+    float ar[ROWS];  // broadcast by the vector products
+    for (int64_t r = 0; r < ROWS; ++r) ar[r] = a[r * lda + d];
+    for (int i = 0; i < 4; ++i) {
+      const vec bd = loadv<vec>(bd_row + i * W);
+      for (int64_t r = 0; r < ROWS; ++r) acc[r][i] += ar[r] * bd;
     }
   }
   for (int64_t r = 0; r < ROWS; ++r)
