@@ -167,10 +167,17 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
 #endif
   if (int64_t(xp_buf.size()) < n * in) xp_buf.resize(n * in);
   int8_t* xp = xp_buf.data();
-  quantize_rows(x, x_stride, n, in, xq, xd, xs, 0, nullptr, packed ? nullptr : xp);
+  // Each row's codes and lanes, a row apart from the others: a prefill's rows shared among
+  // the threads (on one, the others waited through it), a decode step's on the caller's.
+#pragma omp parallel for schedule(static) if (n >= PACKED_ROWS)
+  for (int64_t m = 0; m < n; ++m) {
+    quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, 0, nullptr,
+                  packed ? nullptr : xp + m * in);
 #if defined(__AVX2__)
-  transpose_rows(xq, xd, xs, n, in, G, packed ? xt : nullptr, xdl, xsl, xc, shift);
+    transpose_rows(xq + m * in, xd + m * nb, xs + m * nb, 1, in, G, packed ? xt + m * nbp * QB : nullptr,
+                   xdl + m * nbp, xsl ? xsl + m * nbp : nullptr, xc ? xc + m * nbp * G : nullptr, shift);
 #endif
+  }
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),
   // stay in L2 while every output's weight row meets them; all of a prefill's rows at once
   // would stream from L3 again for each output.
