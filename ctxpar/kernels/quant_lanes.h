@@ -178,8 +178,8 @@ inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, i
   }
 }
 
-// lane_values' value-by-value way, out of line where float values take it (not row_floats'
-// rows, or a last group), so that the loops over full groups keep their registers.
+// lane_values' value-by-value way, out of line where float values take it, so that the loops
+// over full groups keep their registers.
 template <int G, typename S>
 __attribute__((noinline)) void gather_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
   for (int g = 0; g < G; ++g) ws[g] = gather8_ps(s + (G * b + g) * s_col, G * s_col, LANE, int(count));
@@ -187,16 +187,22 @@ __attribute__((noinline)) void gather_values(const S* s, int64_t s_col, int64_t 
 
 // Blocks [b, b + count)'s values (s: a row's, G a block in block order, s_col apart) in LANE's
 // order, the missing blocks' zero: ws[g] their groups g (G = 2: first halves, second halves).
-// A full group of contiguous floats (row_floats') by permutes; else (a GGUF file's halves a
-// block apart, a last group) value by value: the same floats.
+// Contiguous floats (row_floats') by permutes, a last group's loaded under a mask (the lanes
+// past it zero); else (a GGUF file's halves a block apart) value by value: the same floats.
 template <int G, typename S>
 inline void lane_values(const S* s, int64_t s_col, int64_t b, int64_t count, __m256* ws) {
   if constexpr (std::is_same_v<S, float>) {
-    if (s_col == 1 && count == 8) {
+    if (s_col == 1) {
+      // Floats [first, first + n) of s (all 8 from n = 8; none from n <= 0), the lanes past them zero.
+      const auto load = [&](int64_t first, int64_t n) __attribute__((always_inline)) {
+        if (n >= 8) return _mm256_loadu_ps(s + first);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_maskload_ps(s + first, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
+      };
       if constexpr (G == 1) {
-        ws[0] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + b), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        ws[0] = _mm256_permutevar8x32_ps(load(b, count), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
       } else {  // even and odd scales: blocks [b, b+1, b+4, b+5 | b+2, b+3, b+6, b+7] each, to LANE's order
-        const __m256 v0 = _mm256_loadu_ps(s + 2 * b), v1 = _mm256_loadu_ps(s + 2 * b + 8);
+        const __m256 v0 = load(2 * b, 2 * count), v1 = load(2 * b + 8, 2 * count - 8);
         const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
         ws[0] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0x88), order);
         ws[1] = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(v0, v1, 0xDD), order);
