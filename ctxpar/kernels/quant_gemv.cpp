@@ -141,7 +141,7 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
   static thread_local std::vector<int8_t> xt_buf;
   static thread_local std::vector<float> xdl_buf, xsl_buf;
   static thread_local std::vector<int32_t> xc_buf;
-  const int64_t nbp = (nb + 7) / 8 * 8;  // blocks a row in transpose_rows' lanes
+  const int64_t nbp = (nb + 7) / 8 * 8;  // blocks a row in transpose_row's lanes
   if (packed && int64_t(xt_buf.size()) < n * nbp * QB) xt_buf.resize(n * nbp * QB);
   bool offsets = false;
   for (int64_t k = 0; k < num_parts; ++k) offsets |= parts[k].offsets != nullptr;
@@ -174,8 +174,8 @@ void quant_linear(const float* x, int64_t x_stride, int64_t n, int64_t in, const
     quantize_rows(x + m * x_stride, x_stride, 1, in, xq + m * in, xd + m * nb, xs + m * nb, 0, nullptr,
                   packed ? nullptr : xp + m * in);
 #if defined(__AVX2__)
-    transpose_rows(xq + m * in, xd + m * nb, xs + m * nb, 1, in, G, packed ? xt + m * nbp * QB : nullptr,
-                   xdl + m * nbp, xsl ? xsl + m * nbp : nullptr, xc ? xc + m * nbp * G : nullptr, shift);
+    transpose_row(xq + m * in, xd + m * nb, xs + m * nb, in, G, packed ? xt + m * nbp * QB : nullptr, xdl + m * nbp,
+                  xsl ? xsl + m * nbp : nullptr, xc ? xc + m * nbp * G : nullptr, shift);
 #endif
   }
   // Rows a pass takes (MRs): their codes, ~256 KB (up to ~1 MB packed, at the widest rows),

@@ -80,7 +80,7 @@ inline float hsum8(__m256 v) {
 //     8 bits: a block's halves added), whose sums three pairwise sums (pair_sums) gather
 //     into the 8, in LANE's order;
 //   packed (many rows, packed_rows): each output row's weights unpacked to bytes and transposed
-//     once a pass (pack_row), and the activations once a call (transpose_rows), so that
+//     once a pass (pack_row), and the activations once a call (transpose_row), so that
 //     vector k of 8 blocks holds weights 4k..4k+3 of each in lane i's block: 8 dot products
 //     of full vectors make the 8 sums with no reduction, and the float steps, one convert,
 //     one multiply and one fused multiply-add per 8 blocks, no longer outweigh them. 8-bit
@@ -137,44 +137,41 @@ inline void pack_row(const PartView<S>& w, int64_t o, int64_t nb, uint8_t* packe
   }
 }
 
-// The per-block values of the activation rows in LANE's order, nbp = nb rounded up to 8 a row,
-// the last group's missing blocks zero: the scales (n, in / QB) into xdl (n, nbp); where xsl
-// is not null their sums of codes times the scales (xs, the offsets' factors) into it; where
-// xc is not null -shift times each group's sum of codes (added to the sums: shift 128 for
-// VNNI's biased 8-bit weights, 8 for Q4_0's zero), G groups a block: per 8 blocks, G runs of
-// 8 in LANE's order (G = 2: the blocks' first halves, then their second), nbp * G a row; and
-// where xt is not null the codes (n, nbp * QB) as pack_row packs the weights (the last
-// group's missing blocks zero codes).
-inline void transpose_rows(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t in, int G, int8_t* xt,
-                           float* xdl, float* xsl, int32_t* xc, int32_t shift) {
-  const int64_t nb = in / QB, nbp = (nb + 7) / 8 * 8;
+// One activation row's per-block values in LANE's order, nbp = nb rounded up to 8, the last
+// group's missing blocks zero: its scales (in / QB) into xdl (nbp); where xsl is not null
+// their sums of codes times the scales (xs, the offsets' factors) into it; where xc is not
+// null -shift times each group's sum of codes (added to the sums: shift 128 for VNNI's biased
+// 8-bit weights, 8 for Q4_0's zero), G groups a block: per 8 blocks, G runs of 8 in LANE's
+// order (G = 2: the blocks' first halves, then their second), nbp * G; and where xt is not
+// null its codes (nbp * QB) as pack_row packs the weights (the last group's missing blocks
+// zero codes). A row's values are its own: the rows go to any thread.
+inline void transpose_row(const int8_t* q, const float* xd, const float* xs, int64_t in, int G, int8_t* xt, float* xdl,
+                          float* xsl, int32_t* xc, int32_t shift) {
+  const int64_t nb = in / QB;
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-  for (int64_t m = 0; m < n; ++m) {
-    const int8_t* q = xq + m * in;
-    for (int64_t b = 0; b < nb; b += 8) {
-      const int64_t count = std::min<int64_t>(8, nb - b);
-      for (int i = 0; i < 8; ++i) {
-        xdl[m * nbp + b + i] = LANE[i] < count ? xd[m * nb + b + LANE[i]] : 0.0f;
-        if (xsl) xsl[m * nbp + b + i] = LANE[i] < count ? xs[m * nb + b + LANE[i]] : 0.0f;
-      }
-      __m256i r[8];
-      for (int i = 0; (xt || xc) && i < 8; ++i)
-        r[i] = LANE[i] < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB))
-                               : _mm256_setzero_si256();
-      for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
-        alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 codes
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16));
-        const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
-        int32_t* c = xc + (m * nbp + b) * G + i;
-        if (G == 1)
-          c[0] = -shift * (first + second);
-        else
-          c[0] = -shift * first, c[8] = -shift * second;
-      }
-      if (!xt) continue;
-      transpose8(r);
-      for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + (m * nbp + b + k) * QB), r[k]);
+  for (int64_t b = 0; b < nb; b += 8) {
+    const int64_t count = std::min<int64_t>(8, nb - b);
+    for (int i = 0; i < 8; ++i) {
+      xdl[b + i] = LANE[i] < count ? xd[b + LANE[i]] : 0.0f;
+      if (xsl) xsl[b + i] = LANE[i] < count ? xs[b + LANE[i]] : 0.0f;
     }
+    __m256i r[8];
+    for (int i = 0; (xt || xc) && i < 8; ++i)
+      r[i] = LANE[i] < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (b + LANE[i]) * QB))
+                             : _mm256_setzero_si256();
+    for (int i = 0; xc && i < 8; ++i) {  // |code| <= 127: pairs of 1 x code fit int16
+      alignas(32) int32_t sums[8];  // lanes 0-3: the block's first 16 codes
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, r[i]), ones16));
+      const int32_t first = sums[0] + sums[1] + sums[2] + sums[3], second = sums[4] + sums[5] + sums[6] + sums[7];
+      int32_t* c = xc + b * G + i;
+      if (G == 1)
+        c[0] = -shift * (first + second);
+      else
+        c[0] = -shift * first, c[8] = -shift * second;
+    }
+    if (!xt) continue;
+    transpose8(r);
+    for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xt + (b + k) * QB), r[k]);
   }
 }
 
@@ -240,7 +237,7 @@ inline __m256i group_of_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   return pair_sums(pair_sums(p0, p1), pair_sums(p2, p3));
 }
 
-// A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_rows', the
+// A group's steps of a row's accumulator, all lane-ordered (xdl, xsl, xc: transpose_row's, the
 // group at `at` of them): fold8, group g's, acc += float(sums + xc) * (weight scales x
 // activation scales), xc where Q4_0's zero or VNNI's bias is taken off; then fold_offsets,
 // acc += offsets x the activations' xs where the weight has offsets. fold_group: the two in
@@ -273,7 +270,7 @@ inline const __m256* group_values(const PartView<S>& wt, int64_t b, int64_t coun
 
 // Rows [m0, m0 + mr) against output row wt (row 0 of the view: as stored, or row_floats'), the
 // weights as stored; xp the paired codes (quantize_rows; 4 bits), xdl, xsl and xc
-// transpose_rows' (xsl where the weight has offsets, xc where Q4_0's zero is taken off).
+// transpose_row's (xsl where the weight has offsets, xc where Q4_0's zero is taken off).
 // Inlined into its callers' loops over output rows (span_lanes): no call a row.
 template <int bits, int G, int mr, typename S>
 inline __attribute__((always_inline)) void rows_lanes(const PartView<S>& wt, const int8_t* xq, const int8_t* xp,
@@ -368,7 +365,7 @@ __attribute__((noinline)) void span_lanes(const PartView<S>& w, int64_t o0, int6
 }
 
 // The same rows' results for nr output rows at once (wt[j] and its packed weights packed[j];
-// res[j][m]) from the codes as packed (transpose_rows' xt): every load of the codes serves nr
+// res[j][m]) from the codes as packed (transpose_row's xt): every load of the codes serves nr
 // rows' dot products, and every load of the weights mr rows'.
 template <int bits, int G, int mr, int nr>
 void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const int8_t* xt,
@@ -380,7 +377,7 @@ void packed_rows(const PartView<float>* wt, const uint8_t* const* packed, const 
   __m256 acc[nr][mr];
   for (int j = 0; j < nr; ++j)
     for (int m = 0; m < mr; ++m) acc[j][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 8) {  // the last group padded (pack_row, transpose_rows)
+  for (int64_t b = 0; b < nb; b += 8) {  // the last group padded (pack_row, transpose_row)
     __m256 ws[nr][G], wo[nr];
     const __m256* offsets[nr];
     for (int j = 0; j < nr; ++j) offsets[j] = group_values<G>(wt[j], b, std::min<int64_t>(8, nb - b), ws[j], &wo[j]);
